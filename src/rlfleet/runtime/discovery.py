@@ -667,8 +667,10 @@ class EtcdDiscovery(Discovery):
 
     @staticmethod
     async def _close_client(client: aetcd.Client) -> None:
-        with contextlib.suppress(Exception):
+        try:
             await asyncio.wait_for(client.close(), 2.0)
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            log.warning("discovery: closing etcd client failed: %r", exc)
 
     async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         """Run one etcd operation under the deadline; failures become DiscoveryError."""
@@ -718,6 +720,9 @@ class EtcdDiscovery(Discovery):
             await self._close_client(client)
         if self._retired:
             await asyncio.gather(*self._retired, return_exceptions=True)
+        # gRPC completes the calls it just cancelled from its poller thread; let those land on
+        # this loop now, not on a closed one ("Event loop is closed" noise in per-test loops).
+        await asyncio.sleep(0.02)
 
 
 # ---------------------------------------------------------------- selection

@@ -1,0 +1,55 @@
+"""The RL listener: GET /v1/rl/workers (protocol version 1), read-only, on its own port."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from rlfleet.protocol.rl import PROTOCOL_VERSION, RlWorker
+from rlfleet.runtime.discovery import Discovery, DiscoveryError
+
+
+async def probe_routes(http: httpx.AsyncClient, system_url: str, timeout: float) -> list[str]:
+    """Ask a worker's system server which /engine routes it serves."""
+    r = await http.get(f"{system_url}/engine", timeout=timeout)
+    r.raise_for_status()
+    routes = r.json().get("routes")
+    if not isinstance(routes, list) or not all(isinstance(x, str) for x in routes):
+        raise ValueError("the worker's route listing is malformed")
+    return sorted(set(routes))
+
+
+def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
+    timeout = float(os.environ.get("DYN_RL_REQUEST_TIMEOUT_SECS", 30))
+    limit = asyncio.Semaphore(max(1, int(os.environ.get("DYN_RL_MAX_CONCURRENT_PROBES", 32))))
+    app = FastAPI(title="rlfleet RL listener", docs_url=None, redoc_url=None)
+    http = httpx.AsyncClient()
+
+    async def describe(entry: dict[str, Any]) -> dict[str, Any]:
+        w = RlWorker.from_entry(entry)
+        if w.system_url is None:
+            w.error = "the worker has no system server (start it with --system-port)"
+            return w.dump()
+        async with limit:
+            try:
+                w.routes = await asyncio.wait_for(probe_routes(http, w.system_url, timeout), timeout)
+            except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as e:
+                w.error = f"route probe of {w.system_url} failed: {e!r}"
+        return w.dump()
+
+    @app.get("/v1/rl/workers")
+    async def workers():
+        try:
+            entries = await discovery.list(namespace=namespace, endpoint="rl")
+        except DiscoveryError as e:
+            return JSONResponse({"error": "discovery_failed", "message": str(e)}, status_code=500)
+        listed = await asyncio.gather(*(describe(e) for e in entries))
+        return {"protocol_version": PROTOCOL_VERSION, "namespace": namespace,
+                "workers": sorted(listed, key=lambda w: w["instance_id"])}
+
+    return app
