@@ -345,6 +345,20 @@ async def test_etcd_unreachable_raises_quickly(ns: str) -> None:
     await d.close()
 
 
+async def test_etcd_several_endpoints_first_reachable(etcd_url: str, ns: str) -> None:
+    live = etcd_url.removeprefix("etcd://")
+    d = open_discovery(f"etcd://127.0.0.1:{free_port()},{live}")
+    assert isinstance(d, EtcdDiscovery)
+    try:
+        entry = make_entry(ns)
+        reg = await d.register(entry, ttl=5)
+        assert d.endpoint == live
+        assert await d.list(ns) == [entry]
+        await reg.close()
+    finally:
+        await d.close()
+
+
 async def test_etcd_outage_recovery(tmp_path: Path, ns: str) -> None:
     """etcd dies and comes back empty: the owner re-registers, the watch yields again."""
     port = free_port()

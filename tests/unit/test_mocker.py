@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest
@@ -112,9 +113,15 @@ async def test_n_choices_are_independent() -> None:
     assert all(c["finish_reason"] == "length" for c in choices)
 
 
+def generated_tokens() -> float:
+    return REGISTRY.get_sample_value("rlfleet_worker_generated_tokens_total") or 0.0
+
+
 async def test_max_tokens_and_context_room() -> None:
     engine = MockEngine(max_model_len=64)
+    counted = generated_tokens()
     c = await one(engine, max_tokens=25, ignore_eos=True)
+    assert generated_tokens() - counted == 25
     assert len(c["token_ids"]) == 25 and c["finish_reason"] == "length"
     assert c["stop_reason"] is None and engine.eos not in c["token_ids"]
     c = await one(engine, ignore_eos=True)  # no max_tokens: up to the context length

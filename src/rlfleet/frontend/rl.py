@@ -38,7 +38,7 @@ def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
         async with limit:
             try:
                 w.routes = await asyncio.wait_for(probe_routes(http, w.system_url, timeout), timeout)
-            except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as e:
+            except (TimeoutError, httpx.HTTPError, ValueError) as e:
                 w.error = f"route probe of {w.system_url} failed: {e!r}"
         return w.dump()
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
-import contextlib
 import hashlib
 import itertools
 import math
@@ -87,7 +86,11 @@ class _Run:
     aborted: bool = False
     admitted: bool = False  # past the pause gate (new requests wait there while paused)
     has_slot: bool = False  # counted against --max-batch
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    waiter: asyncio.Future | None = None  # set while the request sleeps or waits
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 @dataclass(eq=False)
@@ -149,9 +152,9 @@ class MockEngine(Engine):
         while math.gcd(self._stride, m) != 1:
             self._stride += 2
         self._stride_inv = pow(self._stride, -1, m)
-        weights = [(r + 1) ** -ZIPF_S for r in range(m)]
-        z = math.fsum(weights)
-        self._cum = array("d", itertools.accumulate(w / z for w in weights))
+        zipf = [(r + 1) ** -ZIPF_S for r in range(m)]
+        z = math.fsum(zipf)
+        self._cum = array("d", itertools.accumulate(w / z for w in zipf))
         self._eos_prob = o["eos_prob"]
         self._lp0 = math.log1p(-self._eos_prob) - math.log(z)
         self._lp_eos = math.log(self._eos_prob)
@@ -312,10 +315,10 @@ class MockEngine(Engine):
                       if s.prompt_logprobs is not None else None)
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
-        for step in itertools.count():
-            if not live:
-                break
-            await self._nap(run, self.ttft if step == 0 else self._token_delay())
+        first = True
+        while live:
+            await self._nap(run, self.ttft if first else self._token_delay())
+            first = False
             await self._wait(run, lambda: self._mode != "keep")  # frozen while paused (keep)
             if run.aborted:
                 break
@@ -386,12 +389,24 @@ class MockEngine(Engine):
 
     # ------------------------------------------------------------ waiting, slots, abort
 
+    @staticmethod
+    async def _doze(run: _Run, timeout: float | None = None) -> None:
+        """Sleep until run.wake() is called (or `timeout` seconds pass)."""
+        loop = asyncio.get_running_loop()
+        run.waiter = loop.create_future()
+        timer = loop.call_later(timeout, run.wake) if timeout is not None else None
+        try:
+            await run.waiter
+        finally:
+            run.waiter = None
+            if timer is not None:
+                timer.cancel()
+
     async def _wait(self, run: _Run, ready: Callable[[], bool]) -> None:
-        """Until ready() holds or the request is aborted; whoever changes the
-        condition sets the run's `wake`."""
+        """Until ready() holds or the request is aborted; whoever changes what
+        ready() reads wakes the run."""
         while not (run.aborted or ready()):
-            run.wake.clear()
-            await run.wake.wait()
+            await self._doze(run)
 
     async def _nap(self, run: _Run, delay: float) -> None:
         """Sleep `delay` seconds, less if the request is aborted meanwhile."""
@@ -401,10 +416,7 @@ class MockEngine(Engine):
         loop = asyncio.get_running_loop()
         end = loop.time() + delay
         while not run.aborted and (left := end - loop.time()) > 0:
-            run.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left):
-                    await run.wake.wait()
+            await self._doze(run, left)
 
     async def _take_slot(self, run: _Run) -> None:
         if self.max_batch is None or (self._in_batch < self.max_batch and not self._queue):
@@ -418,19 +430,19 @@ class MockEngine(Engine):
         if self._queue:  # hand the slot on, first come first served
             nxt = self._queue.popleft()
             nxt.has_slot = True
-            nxt.wake.set()
+            nxt.wake()
         else:
             self._in_batch -= 1
 
     def _wake_all(self) -> None:
         for run in self._runs.values():
-            run.wake.set()
+            run.wake()
 
     async def abort(self, request_id: str) -> None:
         run = self._runs.get(request_id)
         if run is not None:
             run.aborted = True
-            run.wake.set()
+            run.wake()
 
     async def shutdown(self) -> None:
         for rid in list(self._runs):

@@ -206,7 +206,7 @@ class Registration:
             self.entry = entry
             try:
                 await self._put()
-                self._dirty = False
+                self._dirty = self._lost = False
             except DiscoveryError:
                 self._dirty = True  # the keep-alive publishes it once the store is back
                 raise
@@ -288,6 +288,8 @@ class Discovery(abc.ABC):
         Use with ``contextlib.aclosing`` so the generator is closed when you stop iterating.
         It ends when the discovery object is closed.
         """
+        if not interval > 0:
+            raise ValueError(f"interval must be positive, got {interval!r}")
         self._check_open()
         last: Entries | None = None
         failing = False
@@ -319,11 +321,11 @@ class Discovery(abc.ABC):
         """Deregister this object's registrations (best effort) and release the backend."""
         if self._closed:
             return
-        for reg in list(self._registrations):
-            try:
-                await reg.close()
-            except DiscoveryError as exc:
-                log.warning("discovery: could not deregister %s: %s", reg.key, exc)
+        regs = list(self._registrations)
+        results = await asyncio.gather(*(reg.close() for reg in regs), return_exceptions=True)
+        for reg, result in zip(regs, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("discovery: could not deregister %s: %s", reg.key, result)
         self._closed = True
         await self._close_backend()
 
@@ -673,24 +675,28 @@ class EtcdDiscovery(Discovery):
             log.warning("discovery: closing etcd client failed: %r", exc)
 
     async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
-        """Run one etcd operation under the deadline; failures become DiscoveryError."""
+        """Run one etcd operation under the deadline; failures become DiscoveryError.
+
+        With several endpoints, a connection failure or timeout moves on to the next one
+        (each endpoint is tried at most once per call).
+        """
         self._check_open()
-        endpoint = self.endpoint
-        client = self._get_client()
-        try:
-            return await asyncio.wait_for(fn(client), self.deadline)
-        except TimeoutError as exc:
+        failures: list[str] = []
+        for _ in self.endpoints:
+            endpoint = self.endpoint
+            client = self._get_client()
+            try:
+                return await asyncio.wait_for(fn(client), self.deadline)
+            except TimeoutError:
+                failures.append(f"{endpoint}: timed out after {self.deadline:g}s")
+            except (aetcd.exceptions.ConnectionFailedError,
+                    aetcd.exceptions.ConnectionTimeoutError) as exc:
+                failures.append(f"{endpoint} unreachable: {_grpc_detail(exc)}")
+            except aetcd.exceptions.ClientError as exc:
+                cls = _LeaseNotFound if "lease not found" in str(exc) else DiscoveryError
+                raise cls(f"etcd {endpoint}: {what} failed: {_grpc_detail(exc)}") from exc
             self._failover(client)
-            raise DiscoveryError(f"etcd {endpoint}: {what} timed out after "
-                                 f"{self.deadline:g}s") from exc
-        except (aetcd.exceptions.ConnectionFailedError,
-                aetcd.exceptions.ConnectionTimeoutError) as exc:
-            self._failover(client)
-            raise DiscoveryError(f"etcd {endpoint} unreachable: {what} failed: "
-                                 f"{_grpc_detail(exc)}") from exc
-        except aetcd.exceptions.ClientError as exc:
-            cls = _LeaseNotFound if "lease not found" in str(exc) else DiscoveryError
-            raise cls(f"etcd {endpoint}: {what} failed: {_grpc_detail(exc)}") from exc
+        raise DiscoveryError(f"etcd {what} failed: " + "; ".join(failures))
 
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
         return _EtcdRegistration(self, key, entry, ttl)

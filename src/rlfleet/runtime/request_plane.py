@@ -19,6 +19,7 @@ from rlfleet.protocol.engine import EngineError, GenerateRequest, TokenizeReques
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import BadRequest, Engine
 from rlfleet.runtime.http import error_body, error_response, stop_on_disconnect, validation_message
+from rlfleet.runtime.system_server import FaultInjector, InjectedFault
 
 
 def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
@@ -56,13 +57,22 @@ def _line(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
-def request_plane_app(engine: Engine) -> FastAPI:
-    """The worker's request-plane app: POST /generate, POST /tokenize, GET /health."""
+def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> FastAPI:
+    """The worker's request-plane app: POST /generate, POST /tokenize, GET /health, /metrics.
+    With fault injection on, the route name `generate` can be made to fail too."""
     app = FastAPI(title="rlfleet worker request plane", docs_url=None, redoc_url=None)
+    metrics.mount_metrics(app)
 
     @app.post("/generate")
     async def generate(request: Request):
         body = await request.body()
+        if faults is not None:
+            try:
+                injected = await faults.check("generate")
+            except InjectedFault as e:
+                return error_response(500, str(e))
+            if injected is not None:
+                return error_response(500, injected["message"])
         try:
             req = GenerateRequest.model_validate_json(body)
             ids = check_prompt(engine, req)

@@ -16,6 +16,7 @@ from rlfleet.runtime.discovery import Registration, new_instance_id, open_discov
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import request_plane_app
+from rlfleet.runtime.system_server import FaultInjector, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -57,8 +58,7 @@ def _advertised_host(bind_host: str) -> str:
 
 
 async def serve_worker(engine: Engine, args: argparse.Namespace,
-                       system_app_factory: Callable[[Engine, argparse.Namespace, Any], Any] | None = None
-                       ) -> None:
+                       admin_routes: Callable[[], list[Route]] | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -69,16 +69,19 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
 
     await engine.start()
     instance_id = new_instance_id()
-    rp = AppServer(request_plane_app(engine), bind_socket(args.host, args.port))
+    faults = FaultInjector() if args.enable_fault_injection else None
+    rp = AppServer(request_plane_app(engine, faults), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]
     host = _advertised_host(args.host)
     request_url = f"http://{host}:{rp.port}"
     system_url = None
-    ctx = {"instance_id": instance_id, "stop": stop}
-    if args.system_port is not None and system_app_factory is not None:
-        ss = AppServer(system_app_factory(engine, args, ctx),
-                       bind_socket(args.system_host, args.system_port))
+    if args.system_port is not None:
+        app = system_app(admin_routes() if admin_routes else [], admin_token=args.admin_token,
+                         faults=faults, health=lambda: {"instance_id": instance_id,
+                                                        "model": engine.info.served_model_name,
+                                                        **engine.weight_identity()})
+        ss = AppServer(app, bind_socket(args.system_host, args.system_port))
         await ss.start()
         servers.append(ss)
         system_url = f"http://{_advertised_host(args.system_host)}:{ss.port}"

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from rlfleet.runtime.worker import add_worker_args, serve_worker
+from rlfleet.vllm.admin import VllmAdmin
 from rlfleet.vllm.engine import VllmEngine, add_engine_args
 
 
@@ -15,7 +16,9 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(p)
     add_worker_args(p)
     args = p.parse_args(argv)
-    asyncio.run(serve_worker(VllmEngine(args), args))
+    engine = VllmEngine(args)
+    admin = VllmAdmin(engine, args.allowed_weights_root)
+    asyncio.run(serve_worker(engine, args, admin.routes))
 
 
 if __name__ == "__main__":

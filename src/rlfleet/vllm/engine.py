@@ -11,6 +11,7 @@ from pathlib import Path
 from rlfleet.protocol.engine import MAX_LOGPROBS, GenerateRequest, SamplingOptions
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import BadRequest, Engine, EngineInfo
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
 
 log = logging.getLogger("rlfleet.vllm")
 
@@ -69,6 +70,12 @@ class VllmEngine(Engine):
         self._running = 0
         path = Path(args.model)
         name = args.served_model_name or path.name
+        self.version: str | None = None  # caller-declared weight version
+        self.version_declared = False
+        self.digest: str | None = None  # content digest of the weights applied
+        self.weights_path: str | None = None  # where the live weights were read from
+        self.signature: dict = {}  # tensor name -> (dtype, shape) the model accepts
+        self.on_gpu = False
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
                                else args.model, vocab_size=0, max_model_len=0)
 
@@ -95,8 +102,25 @@ class VllmEngine(Engine):
         self.info.vocab_size = mc.get_vocab_size()
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
+        self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
+        if Path(self.args.model).is_dir():
+            self.weights_path = str(Path(self.args.model).resolve())
+            self.signature = checkpoint_signature(Path(self.weights_path))
+            self.digest = checkpoint_digest(Path(self.weights_path))
         if self.args.warmup:
             await self._warmup()
+
+    async def set_version(self, version: str | None, declared: bool,
+                          digest: str | None = None) -> None:
+        """Record the weight identity; the engine stamps the version on tokens it samples."""
+        self.version, self.version_declared = version, declared
+        if digest is not None:
+            self.digest = digest
+        await self.llm.update_weight_version(version if version is not None else
+                                             (self.digest or "unknown"))
+
+    def weight_identity(self) -> dict:
+        return {"weight_version": self.version, "weight_digest": self.digest}
 
     async def _warmup(self) -> None:
         """The first request that asks for logprobs compiles a kernel: pay for it now."""
@@ -192,6 +216,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
                    help="processed_logprobs: log-softmax after temperature/top-k/top-p, what an RL "
                         "trainer's importance ratio needs")
-    p.add_argument("--worker-extension-cls", default="")
+    p.add_argument("--worker-extension-cls", default="rlfleet.vllm.extension.WorkerExtension")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
 

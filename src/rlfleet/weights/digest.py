@@ -128,3 +128,28 @@ def iter_checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def checkpoint_digest(path: Path) -> str:
     """Root digest (`"blake3:<hex>"`) over all tensors of all safetensors files in `path`."""
     return digest_tensors(iter_checkpoint_tensors(path))
+
+
+def checkpoint_signature(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} of a checkpoint, from the file headers alone."""
+    sig: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                s = f.get_slice(name)
+                sig[name] = (str(s.get_dtype()), tuple(s.get_shape()))
+    return sig
+
+
+def signature_mismatch(expected: dict[str, tuple[str, tuple[int, ...]]],
+                       got: dict[str, tuple[str, tuple[int, ...]]]) -> str | None:
+    """Why a checkpoint cannot replace another in place (None when it can)."""
+    missing = sorted(expected.keys() - got.keys())
+    extra = sorted(got.keys() - expected.keys())
+    if missing or extra:
+        return (f"tensor names differ (missing: {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                f"unexpected: {extra[:3]}{'...' if len(extra) > 3 else ''})")
+    for name in sorted(expected):
+        if expected[name][1] != got[name][1]:
+            return f"tensor {name} has shape {list(got[name][1])}, expected {list(expected[name][1])}"
+    return None

@@ -1,0 +1,157 @@
+"""A worker's system server: /health, /metrics and POST /engine/<route>, with the contract's
+shared HTTP behaviour, bearer-token auth on mutating routes, per-worker serialisation of
+control calls, and (tests only) fault injection. The route table is data: each engine
+flavour hands in its `Route`s."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlfleet.runtime import metrics
+
+log = logging.getLogger("rlfleet.system")
+
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Route:
+    name: str
+    handler: Handler
+    mutating: bool = True  # needs the admin token when one is set
+    serialized: bool = True  # runs under the worker's control lock
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"status": "ok", **fields}
+
+
+def failed(message: str, **fields: Any) -> dict[str, Any]:
+    """A failure the handler expected: HTTP 200 with status "error"."""
+    return {"status": "error", "message": message, **fields}
+
+
+class InjectedFault(Exception):
+    pass
+
+
+FAULT_MODES = ("error", "http500", "hang", "exit")
+
+
+@dataclass
+class FaultInjector:
+    """Makes named routes fail a given number of times (tests only)."""
+
+    faults: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def arm(self, body: dict[str, Any]) -> dict[str, Any]:
+        route, mode = body.get("route"), body.get("mode", "error")
+        if not isinstance(route, str) or not route:
+            return failed("route is required (the name of the route to fail)")
+        if mode not in FAULT_MODES:
+            return failed(f"Invalid mode {mode!r}; expected {'|'.join(FAULT_MODES)}")
+        times = body.get("times", 1)
+        if not isinstance(times, int) or times < 0:
+            return failed("times must be a non-negative integer (0 disarms)")
+        if times == 0:
+            self.faults.pop(route, None)
+        else:
+            self.faults[route] = {"mode": mode, "times": times,
+                                  "hang_seconds": float(body.get("hang_seconds", 3600))}
+        return ok(route=route, mode=mode, times=times)
+
+    async def check(self, route: str) -> dict[str, Any] | None:
+        """Apply an armed fault for `route`: returns an error body, raises, hangs or exits."""
+        f = self.faults.get(route)
+        if f is None:
+            return None
+        f["times"] -= 1
+        if f["times"] <= 0:
+            self.faults.pop(route)
+        log.warning("injecting fault %s into %s", f["mode"], route)
+        if f["mode"] == "exit":
+            os._exit(17)
+        if f["mode"] == "hang":
+            await asyncio.sleep(f["hang_seconds"])
+        if f["mode"] == "http500":
+            raise InjectedFault(f"injected failure of {route}")
+        return failed(f"injected failure of {route}")
+
+
+def system_app(routes: list[Route], *, admin_token: str | None = None,
+               faults: FaultInjector | None = None,
+               health: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+    table = {r.name: r for r in routes}
+    lock = asyncio.Lock()
+    app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
+    metrics.mount_metrics(app)
+
+    def authorized(request: Request) -> bool:
+        if not admin_token:
+            return True
+        got = request.headers.get("authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {admin_token}".encode())
+
+    @app.get("/health")
+    async def _health():
+        return {"status": "healthy", **(health() if health else {})}
+
+    @app.get("/engine")
+    async def _routes():
+        """The advertised route table (what the RL listener probes)."""
+        return {"routes": sorted(table)}
+
+    @app.api_route("/engine/{name:path}", methods=["GET", "POST"])
+    async def engine_route(name: str, request: Request):
+        if name == "fault_injection" and faults is not None:
+            route: Route | None = Route("fault_injection", _arm(faults))
+        else:
+            route = table.get(name)
+        if route is None:
+            return JSONResponse({"error": "Route not found",
+                                 "message": f"Route /engine/{name} not found"}, status_code=404)
+        if route.mutating and not authorized(request):
+            return JSONResponse({"error": "Unauthorized",
+                                 "message": "this route needs 'Authorization: Bearer <admin token>'"},
+                                status_code=401)
+        raw = await request.body()
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                return JSONResponse({"error": "Invalid JSON", "message": str(e)}, status_code=400)
+        else:
+            body = {}
+        if not isinstance(body, dict):
+            return failed("request body must be a JSON object")
+        try:
+            if faults is not None and route.name != "fault_injection":
+                injected = await faults.check(route.name)
+                if injected is not None:
+                    return injected
+            if route.serialized:
+                async with lock:
+                    return await route.handler(body)
+            return await route.handler(body)
+        except Exception as e:  # the contract's 500: the handler raised
+            log.exception("route %s failed", name)
+            return JSONResponse({"error": "Handler error", "message": f"{type(e).__name__}: {e}"},
+                                status_code=500)
+
+    return app
+
+
+def _arm(faults: FaultInjector) -> Handler:
+    async def handler(body: dict[str, Any]) -> dict[str, Any]:
+        return faults.arm(body)
+    return handler

@@ -1,0 +1,104 @@
+"""Methods mixed into vLLM's worker (`--worker-extension-cls`), reached through
+`AsyncLLM.collective_rpc`. They run inside the engine's worker process, next to the model.
+
+Two engine facts shape this code (see shared/notes/vllm-cpu.md):
+- the CPU build repacks linear layers, so the content digest is computed from the tensors
+  handed to the loader, never from model.parameters();
+- a tied output layer keeps a stale repacked copy after reload unless its
+  process_weights_after_loading runs again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+
+from rlfleet.weights.digest import DigestBuilder, iter_checkpoint_tensors
+
+log = logging.getLogger("rlfleet.vllm.extension")
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
+            torch.int32, torch.int8, torch.uint8, torch.bool)}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
+
+
+class WorkerExtension:
+    """Weight loading, identity and trainer → worker transfer for rlfleet."""
+
+    def _rlfleet_apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> str:
+        """Load (name, tensor) pairs in checkpoint format; return the digest of what was loaded."""
+        digest = DigestBuilder()
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in tensors:
+                digest.add(name, t)
+                yield name, t
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        model = self.model_runner.get_model()
+        lm_head = getattr(model, "lm_head", None)
+        qm = getattr(lm_head, "quant_method", None)
+        if qm is not None and hasattr(qm, "process_weights_after_loading"):
+            qm.process_weights_after_loading(lm_head)  # refresh the tied output layer's repack
+        return digest.root()
+
+    def rlfleet_load_from_disk(self, path: str) -> str:
+        return self._rlfleet_apply(iter_checkpoint_tensors(path))
+
+    # ------------------------------------------------------------ trainer → worker group
+
+    def rlfleet_init_group(self, master_address: str, master_port: int, rank: int,
+                           world_size: int, backend: str, timeout_s: float) -> bool:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        self.rlfleet_destroy_group()
+        self._rlfleet_device = "cuda" if backend == "nccl" else "cpu"
+        self._rlfleet_group = stateless_init_torch_distributed_process_group(
+            master_address, int(master_port), rank=int(rank), world_size=int(world_size),
+            backend=backend, timeout=timedelta(seconds=timeout_s))
+        self._rlfleet_staged: list[tuple[str, torch.Tensor]] = []
+        return True
+
+    def rlfleet_receive(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                        timeout_s: float) -> int:
+        """Receive tensors broadcast by the trainer (rank 0) into staging buffers; live
+        weights are untouched until rlfleet_apply_staged. Returns the bytes received."""
+        group = getattr(self, "_rlfleet_group", None)
+        if group is None:
+            raise RuntimeError("no weight update group: call init_weights_update_group first")
+        staged = []
+        total = 0
+        for name, dt, shape in zip(names, dtypes, shapes, strict=True):
+            t = torch.empty(shape, dtype=dtype_from_name(dt), device=self._rlfleet_device)
+            group.broadcast(t, 0, timedelta(seconds=timeout_s)).wait(timedelta(seconds=timeout_s))
+            staged.append((name, t))
+            total += t.numel() * t.element_size()
+        self._rlfleet_staged = staged
+        return total
+
+    def rlfleet_apply_staged(self) -> str:
+        staged, self._rlfleet_staged = getattr(self, "_rlfleet_staged", []), []
+        if not staged:
+            raise RuntimeError("nothing staged to apply")
+        return self._rlfleet_apply(iter(staged))
+
+    def rlfleet_destroy_group(self) -> bool:
+        group = getattr(self, "_rlfleet_group", None)
+        self._rlfleet_group = None
+        self._rlfleet_staged = []
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception as e:  # a broken group may not shut down cleanly
+                log.warning("weight update group shutdown: %r", e)
+        return group is not None
