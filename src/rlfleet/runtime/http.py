@@ -79,7 +79,8 @@ class AppServer:
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
         self._server = _Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                              access_log=False, timeout_keep_alive=30))
+                                              access_log=False, timeout_keep_alive=30,
+                                              timeout_graceful_shutdown=5))
         self._task: asyncio.Task | None = None
 
     @property

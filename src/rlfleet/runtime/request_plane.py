@@ -5,6 +5,8 @@ Wire format: see rlfleet.protocol.engine. HTTP/1.1, newline-delimited JSON.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +20,13 @@ from pydantic import ValidationError
 from rlfleet.protocol.engine import EngineError, GenerateRequest, TokenizeRequest
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import BadRequest, Engine
-from rlfleet.runtime.http import error_body, error_response, stop_on_disconnect, validation_message
+from rlfleet.runtime.http import (
+    error_body,
+    error_response,
+    stop_on_disconnect,
+    until_disconnected,
+    validation_message,
+)
 from rlfleet.runtime.system_server import FaultInjector, InjectedFault
 
 
@@ -79,22 +87,35 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Fa
         except (ValidationError, BadRequest) as e:
             metrics.WORKER_REQUESTS.labels("rejected").inc()
             return error_response(400, validation_message(e))
-        head = {"prompt_token_ids": ids, **engine.weight_identity()}
-        if req.echo:
-            head["prompt_text"] = (req.prompt if req.prompt is not None
-                                   else engine.detokenize(ids))
-            head["prompt_token_strs"] = engine.token_strs(ids)
         events = engine.generate(req, ids)
         start = time.monotonic()
         # Pull the first event before answering, so that a request the engine refuses
-        # gets a 400 instead of a stream that breaks.
+        # gets a 400 instead of a stream that breaks; a caller that leaves meanwhile
+        # (say, while generation is paused) aborts it.
+        first_task = asyncio.ensure_future(anext(events))
+        gone = asyncio.ensure_future(until_disconnected(request))
+        await asyncio.wait((first_task, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not first_task.done():
+            first_task.cancel()
+            with contextlib.suppress(BaseException):
+                await first_task
+            await events.aclose()
+            metrics.WORKER_REQUESTS.labels("abandoned").inc()
+            return error_response(499, "the caller went away before the first token")
         try:
-            first = await anext(events)
+            first = first_task.result()
         except BadRequest as e:
             metrics.WORKER_REQUESTS.labels("rejected").inc()
             return error_response(400, str(e))
         except StopAsyncIteration:
             first = None
+        # the weights that produced the first token (a pause may have swapped them)
+        head = {"prompt_token_ids": ids, **engine.weight_identity()}
+        if req.echo:
+            head["prompt_text"] = (req.prompt if req.prompt is not None
+                                   else engine.detokenize(ids))
+            head["prompt_token_strs"] = engine.token_strs(ids)
 
         async def lines() -> AsyncIterator[bytes]:
             outcome = "error"

@@ -1,0 +1,362 @@
+"""Worker admin routes against real vLLM on the tiny model: pause modes with requests in
+flight, weight updates from disk and from a trainer group, version and digest identity."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rlfleet.weights.broadcast import push_weights
+from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
+from tests.conftest import VLLM_FLAGS, wait_for_workers
+
+MODEL = "ctl"
+PROMPT = [151644, 8948, 198, 40, 1079]
+
+REFERENCE_SCRIPT = r'''
+set -euo pipefail
+
+WORKER_URL=http://10.0.0.12:8081
+TARGET_VERSION=step-42
+TARGET_PATH=/models/checkpoint-42
+
+curl --fail-with-body "$WORKER_URL/engine/pause_generation" \
+  -H 'Content-Type: application/json' \
+  -d '{"mode":"wait","clear_cache":false}' | jq -e '.status == "ok"'
+
+curl --fail-with-body "$WORKER_URL/engine/update_weights_from_disk" \
+  -H 'Content-Type: application/json' \
+  -d "{\"model_path\":\"$TARGET_PATH\",\"weight_version\":\"$TARGET_VERSION\"}" \
+  | jq -e --arg version "$TARGET_VERSION" '.status == "ok" and .version == $version'
+
+curl --fail-with-body "$WORKER_URL/engine/get_weight_version" \
+  -H 'Content-Type: application/json' \
+  -d '{}' | jq -e --arg version "$TARGET_VERSION" '.status == "ok" and .version == $version'
+
+curl --fail-with-body "$WORKER_URL/engine/resume_generation" \
+  -H 'Content-Type: application/json' \
+  -d '{}' | jq -e '.status == "ok"'
+'''
+
+
+@pytest.fixture(scope="module")
+def weights_root(tmp_path_factory, tiny_model, tiny_model_b) -> Path:
+    """Checkpoints the worker may read: A, B, and one of another architecture."""
+    root = tmp_path_factory.mktemp("weights")
+    for name, src in (("A", tiny_model), ("B", tiny_model_b)):
+        shutil.copytree(src, root / name)  # a symlink out of the root would be refused
+    wrong = root / "wrong-arch"
+    wrong.mkdir()
+    tensors = dict(iter_checkpoint_tensors(tiny_model))
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(256, 64)
+    save_file(tensors, str(wrong / "model.safetensors"))
+    (wrong / "config.json").write_text((tiny_model / "config.json").read_text())
+    return root
+
+
+@pytest.fixture(scope="module")
+def ctl(tmp_path_factory, tiny_model, weights_root):
+    """One RL worker serving checkpoint A, with a frontend in front of it."""
+    from rlfleet.runtime.launch import Fleet
+
+    with Fleet(tmp_path_factory.mktemp("ctl-fleet"), lease_ttl=3) as fleet:
+        fleet.start_frontend()
+        w = fleet.start_worker("--model", str(weights_root / "A"), "--served-model-name", MODEL,
+                               "--enable-rl", "--system-port", "0", "--enable-fault-injection",
+                               "--allowed-weights-root", str(weights_root), *VLLM_FLAGS,
+                               timeout=600)
+        wait_for_workers(fleet.url, MODEL, 1)
+        fleet.system_url = w.ready["system_url"]
+        yield fleet
+
+
+def admin(fleet, route: str, body: dict | None = None, timeout: float = 60) -> dict:
+    r = httpx.post(f"{fleet.system_url}/engine/{route}", json=body or {}, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def greedy(fleet, max_tokens: int = 16) -> tuple[list[int], list[float]]:
+    r = httpx.post(f"{fleet.url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": 0, "ignore_eos": True, "nvext": {"extra_fields": ["completion_token_ids"]}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    return out["nvext"]["completion_token_ids"], out["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def transformers_greedy(model_dir: Path, n: int) -> tuple[list[int], list[float]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    seq = list(PROMPT)
+    lps = []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            lsm = torch.log_softmax(logits, -1)
+            t = int(torch.argmax(lsm))
+            seq.append(t)
+            lps.append(lsm[t].item())
+    return seq[len(PROMPT):], lps
+
+
+def set_weights(fleet, path: Path, version: str) -> dict:
+    admin(fleet, "pause_generation", {"mode": "wait"})
+    try:
+        return admin(fleet, "update_weights_from_disk",
+                     {"model_path": str(path), "weight_version": version})
+    finally:
+        admin(fleet, "resume_generation")
+
+
+def test_reference_script_updates_the_worker(ctl, weights_root, tiny_model_b):
+    before = greedy(ctl)
+    script = REFERENCE_SCRIPT.replace("http://10.0.0.12:8081", ctl.system_url) \
+        .replace("/models/checkpoint-42", str(weights_root / "B"))
+    run = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    try:
+        after = greedy(ctl)
+        assert after[0] != before[0]
+        ref_ids, ref_lps = transformers_greedy(tiny_model_b, 16)
+        assert after[0] == ref_ids
+        assert max(abs(a - b) for a, b in zip(after[1], ref_lps, strict=True)) < 1e-4
+        v = admin(ctl, "get_weight_version")
+        cli = subprocess.run([sys.executable, "-m", "rlfleet.cli", "digest", str(tiny_model_b)],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert v["version"] == "step-42" and v["version_declared"] is True
+        assert v["weight_digest"] == cli == checkpoint_digest(tiny_model_b)
+    finally:
+        set_weights(ctl, weights_root / "A", "A")
+    assert greedy(ctl) == before  # and back: the prefix cache did not keep B's KV
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"model_path": "A"}, "not paused"),
+])
+def test_update_requires_pause(ctl, weights_root, body, words):
+    r = admin(ctl, "update_weights_from_disk", {"model_path": str(weights_root / "B")})
+    assert r["status"] == "error" and "pause" in r["message"]
+
+
+def test_bad_updates_keep_the_old_weights(ctl, weights_root, tmp_path):
+    before = greedy(ctl)
+    digest = admin(ctl, "get_weight_version")["weight_digest"]
+    admin(ctl, "pause_generation", {"mode": "wait"})
+    try:
+        cases = [
+            ({"model_path": str(weights_root / "missing")}, "does not exist"),
+            ({"model_path": str(tmp_path)}, "outside the allowed"),
+            ({"model_path": str(weights_root / "B" / ".." / ".." / "x")}, "outside the allowed"),
+            ({"model_path": str(weights_root / "wrong-arch")}, "architecture"),
+            ({}, "model_path is required"),
+            ({"model_path": str(weights_root / "B"), "weight_version": 3}, "weight_version"),
+        ]
+        for body, words in cases:
+            r = admin(ctl, "update_weights_from_disk", body)
+            assert r["status"] == "error" and words in r["message"], (body, r)
+    finally:
+        admin(ctl, "resume_generation")
+    assert admin(ctl, "get_weight_version")["weight_digest"] == digest
+    assert greedy(ctl) == before
+
+
+def test_version_routes(ctl):
+    assert admin(ctl, "set_weight_version", {"weight_version": "tagged"}) == \
+        {"status": "ok", "version": "tagged"}
+    v = admin(ctl, "get_weight_version")
+    assert v["version"] == "tagged" and v["version_declared"] is True
+    assert admin(ctl, "set_weight_version", {"weight_version": None})["version"] is None
+    v = admin(ctl, "get_weight_version")
+    assert v["version"] is None and v["version_declared"] is True
+    assert admin(ctl, "set_weight_version", {})["status"] == "error"
+    assert admin(ctl, "liveness_probe") == {"status": "ok", "alive": True}
+    assert admin(ctl, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
+
+
+# ------------------------------------------------------------------ pause modes in flight
+
+class Stream:
+    """A streamed completion read in a thread: tokens as they arrive, and the end."""
+
+    def __init__(self, fleet, max_tokens: int) -> None:
+        self.ids: list[int] = []
+        self.finish: str | None = None
+        self.detailed: str | None = None
+        self.error: str | None = None
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True,
+                "nvext": {"extra_fields": ["completion_token_ids", "detailed_finish_reason"]}}
+        self.thread = threading.Thread(target=self._run, args=(fleet.url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if "error" in ev:
+                    self.error = ev["error"]["message"]
+                    return
+                nv = ev.get("nvext", {})
+                self.ids += nv.get("completion_token_ids", [])
+                self.detailed = nv.get("detailed_finish_reason", self.detailed)
+                for c in ev["choices"]:
+                    self.finish = c.get("finish_reason") or self.finish
+
+    def wait_tokens(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ids) < n:
+            assert time.monotonic() < deadline, f"only {len(self.ids)} tokens arrived"
+            time.sleep(0.01)
+
+    def join(self, timeout: float = 120) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the request did not finish"
+
+
+LONG = 600
+
+
+def test_pause_keep_freezes_and_resume_continues(ctl):
+    uninterrupted = greedy(ctl, LONG)[0]
+    s = Stream(ctl, LONG)
+    s.wait_tokens(20)
+    admin(ctl, "pause_generation", {"mode": "keep"})
+    try:
+        frozen = len(s.ids)
+        time.sleep(1.0)
+        assert len(s.ids) - frozen <= 1  # at most one step already on the wire
+        assert len(s.ids) < LONG
+    finally:
+        admin(ctl, "resume_generation")
+    s.join()
+    assert s.error is None and s.finish == "length"
+    assert s.ids == uninterrupted
+
+
+def test_pause_wait_drains_and_holds_new_requests(ctl):
+    s = Stream(ctl, 300)
+    s.wait_tokens(10)
+    admin(ctl, "pause_generation", {"mode": "wait"}, timeout=120)
+    try:
+        assert not s.thread.is_alive() or s.finish == "length"
+        s.join()
+        assert len(s.ids) == 300 and s.finish == "length"
+        held = Stream(ctl, 5)
+        time.sleep(1.0)
+        assert held.ids == [] and held.thread.is_alive()  # waiting, not lost
+    finally:
+        admin(ctl, "resume_generation")
+    held.join()
+    assert len(held.ids) == 5 and held.finish == "length"
+
+
+def test_pause_abort_ends_requests_with_partial_output(ctl):
+    s = Stream(ctl, LONG)
+    s.wait_tokens(10)
+    admin(ctl, "pause_generation", {"mode": "abort"})
+    try:
+        s.join(30)
+    finally:
+        admin(ctl, "resume_generation")
+    assert s.error is None
+    assert s.finish == "abort" and s.detailed == "cancelled"
+    assert 10 <= len(s.ids) < LONG
+    assert greedy(ctl, 4)[0]  # the worker serves new requests after resume
+
+
+# ------------------------------------------------------------------ trainer → worker
+
+def test_trainer_pushes_weights_over_gloo(ctl, tiny_model_b, weights_root):
+    tensors = list(iter_checkpoint_tensors(tiny_model_b))
+    admin(ctl, "pause_generation", {"mode": "keep"})
+    try:
+        results = asyncio.run(push_weights([ctl.system_url], tensors, "B-dist", timeout=30))
+    finally:
+        admin(ctl, "resume_generation")
+    try:
+        assert results[0]["status"] == "ok", results
+        assert results[0]["weight_digest"] == checkpoint_digest(tiny_model_b)
+        assert greedy(ctl)[0] == transformers_greedy(tiny_model_b, 16)[0]
+    finally:
+        set_weights(ctl, weights_root / "A", "A")
+
+
+TRAINER = textwrap.dedent("""
+    import asyncio, sys, time, httpx
+    from rlfleet.weights.broadcast import TrainerGroup, dtype_name, free_port
+    from rlfleet.weights.digest import iter_checkpoint_tensors
+
+    url, ckpt = sys.argv[1], sys.argv[2]
+    tensors = list(iter_checkpoint_tensors(ckpt))
+    port = free_port()
+    group = TrainerGroup("127.0.0.1", port, 2, "gloo", timeout=5)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http:
+            init = http.post(url + "/engine/init_weights_update_group", json={
+                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                "world_size": 2, "backend": "gloo", "timeout": 5})
+            await asyncio.gather(asyncio.to_thread(group.connect), init)
+            meta = {"names": [n for n, _ in tensors], "dtypes": [dtype_name(t) for _, t in tensors],
+                    "shapes": [list(t.shape) for _, t in tensors], "weight_version": "never"}
+            asyncio.create_task(http.post(url + "/engine/update_weights_from_distributed", json=meta))
+            await asyncio.sleep(0.5)
+            await asyncio.to_thread(group.send, tensors[: len(tensors) // 2])
+            print("HALF_SENT", flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+def test_trainer_killed_mid_transfer_leaves_old_weights(ctl, tiny_model_b, tmp_path):
+    before = greedy(ctl)
+    digest = admin(ctl, "get_weight_version")["weight_digest"]
+    admin(ctl, "pause_generation", {"mode": "keep"})
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    trainer = subprocess.Popen([sys.executable, str(script), ctl.system_url, str(tiny_model_b)],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "HALF_SENT"
+        trainer.kill()
+        trainer.wait(10)
+        t0 = time.monotonic()
+        # control calls are serialised: this returns once the update gave up (deadline 5 s)
+        r = httpx.post(f"{ctl.system_url}/engine/destroy_weights_update_group", json={},
+                       timeout=60)
+        assert r.status_code == 200 and time.monotonic() - t0 < 30
+    finally:
+        trainer.kill()
+        admin(ctl, "resume_generation")
+    assert admin(ctl, "liveness_probe")["alive"] is True
+    assert admin(ctl, "get_weight_version")["weight_digest"] == digest
+    assert greedy(ctl) == before
+
+
+def test_group_init_times_out_instead_of_hanging(ctl):
+    from rlfleet.weights.broadcast import free_port
+
+    t0 = time.monotonic()
+    r = admin(ctl, "init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+        "world_size": 2, "timeout": 3}, timeout=60)
+    assert r["status"] == "error" and "initialisation failed" in r["message"]
+    assert time.monotonic() - t0 < 30
+    assert greedy(ctl, 4)[0]
