@@ -15,12 +15,20 @@ from pydantic import BaseModel, ValidationError
 from rlfleet.frontend import openai as render
 from rlfleet.frontend.dispatch import Result, dispatch
 from rlfleet.frontend.router import NoWorker, WorkerPool
+from rlfleet.frontend.runs import RequestIdConflict, RunRegistry
 from rlfleet.frontend.sglang import generate_body
 from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, InputTokensRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.runtime import metrics
-from rlfleet.runtime.http import error_body, error_response, stop_on_disconnect, validation_message
+from rlfleet.runtime.http import (
+    ClientGone,
+    error_body,
+    error_response,
+    first_or_gone,
+    stop_on_disconnect,
+    validation_message,
+)
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -59,7 +67,8 @@ def request_id(request: Request, prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def build_app(pool: WorkerPool, client: WorkerClient) -> FastAPI:
+def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None = None) -> FastAPI:
+    runs = runs or RunRegistry()
     app = FastAPI(title="rlfleet frontend", docs_url=None, redoc_url=None)
     metrics.mount_metrics(app)
 
@@ -92,10 +101,34 @@ def build_app(pool: WorkerPool, client: WorkerClient) -> FastAPI:
 
     async def run(request: Request, model: str, greq: GenerateRequest, res: Result,
                   ) -> AsyncIterator[dict]:
-        """Start the request and fail before any byte is sent if no worker takes it."""
-        events = dispatch(pool, client, model, greq)
-        res.apply(await anext(events))  # the worker's first event: prompt ids, weights
-        return events
+        """Start (or, for a reused X-Request-Id, rejoin) the request; fail before any byte
+        is sent if no worker takes it."""
+        keep = REQUEST_ID_HEADER in request.headers
+        try:
+            r, _ = runs.start(greq.request_id, await request.body(), keep,
+                              lambda run: dispatch(pool, client, model, greq,
+                                                   lambda w: setattr(run, "worker_url", w.url)))
+        except RequestIdConflict as e:
+            raise ApiError(409, str(e)) from e
+        runs.attach(r)
+        events = r.follow()
+        try:
+            first = await first_or_gone(request, events)
+        except ClientGone:
+            runs.detach(r)
+            raise ApiError(499, "client closed the request") from None
+        except BaseException:
+            runs.detach(r)
+            raise
+        res.apply(first)  # the worker's first event: prompt ids, weights
+
+        async def rest() -> AsyncIterator[dict]:
+            try:
+                async for ev in events:
+                    yield ev
+            finally:
+                runs.detach(r)
+        return rest()
 
     async def unary(request: Request, events: AsyncIterator[dict], res: Result) -> None:
         async for ev in stop_on_disconnect(request, events):
@@ -217,6 +250,15 @@ def build_app(pool: WorkerPool, client: WorkerClient) -> FastAPI:
         if req.tools:
             n += (await client.tokenize(w.url, {"prompt": json.dumps(req.tools)}))["count"]
         return {"object": "response.input_tokens", "input_tokens": n}
+
+    @app.post("/v1/requests/{rid}/cancel")
+    async def cancel(rid: str):
+        """Abort a request started with this X-Request-Id: the worker ends it now, and its
+        result (kept for retries) is the partial output with finish reason `abort`."""
+        r = runs.running(rid)
+        url = r.worker_url if r is not None else None
+        cancelled = url is not None and await client.abort(url, rid)
+        return {"request_id": rid, "cancelled": cancelled}
 
     @app.get("/v1/models")
     async def models():

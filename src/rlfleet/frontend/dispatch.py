@@ -4,11 +4,11 @@ and collect its events into per-choice results that the route renderers read."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlfleet.frontend.router import WorkerPool
+from rlfleet.frontend.router import Worker, WorkerPool
 from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.runtime import metrics
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError
@@ -94,17 +94,20 @@ class Result:
 
 
 async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: GenerateRequest,
-                   headers: dict[str, str] | None = None) -> AsyncIterator[dict]:
+                   on_pick: Callable[[Worker], None] | None = None) -> AsyncIterator[dict]:
     """Yield the events of `req` served by one worker of `model`. The first event carries
-    `_worker` (the instance ID). Raises NoWorker or WorkerError."""
+    `_worker` (the instance ID); `on_pick` hears of each worker tried. Raises NoWorker or
+    WorkerError."""
     tried: set[int] = set()
     for attempt in range(MAX_ATTEMPTS):
         w = pool.pick(model, tried)
         tried.add(w.instance_id)
+        if on_pick is not None:
+            on_pick(w)
         w.inflight += 1
         started = False
         try:
-            async for ev in client.generate(w.url, req, headers):
+            async for ev in client.generate(w.url, req):
                 if not started:
                     ev["_worker"] = w.instance_id
                     started = True

@@ -444,9 +444,16 @@ class MockEngine(Engine):
             run.aborted = True
             run.wake()
 
-    async def shutdown(self) -> None:
-        for rid in list(self._runs):
+    async def abort_all(self) -> int:
+        """Abort every request in the engine (running, frozen by a pause, or held at the
+        pause gate); returns how many."""
+        rids = list(self._runs)
+        for rid in rids:
             await self.abort(rid)
+        return len(rids)
+
+    async def shutdown(self) -> None:
+        await self.abort_all()
 
     # ------------------------------------------------------------ admin: pause, weights
 

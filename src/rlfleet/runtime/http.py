@@ -110,6 +110,27 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
+class ClientGone(Exception):
+    """The caller closed its connection."""
+
+
+async def first_or_gone(request: Request, items: AsyncIterator[Any]) -> Any:
+    """The first item of `items`, unless the caller leaves first (then ClientGone, and the
+    pending step is cancelled). StopAsyncIteration passes through."""
+    first = asyncio.ensure_future(anext(items))
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not first.done():
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        raise ClientGone()
+    return first.result()
+
+
 async def stop_on_disconnect(request: Request, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
     """Relay `items` until the client goes away; then close `items` (which aborts the
     work behind it) and stop."""

@@ -121,23 +121,26 @@ class Fleet:
     def _common(self) -> list[str]:
         return ["--discovery", self.discovery, "--namespace", self.namespace]
 
-    def start_frontend(self, *extra: str, enable_rl: bool = False, timeout: float = 60) -> Proc:
+    def start_frontend(self, *extra: str, enable_rl: bool = False, timeout: float = 60,
+                       env: dict[str, str] | None = None) -> Proc:
         argv = [sys.executable, "-m", "rlfleet.frontend", "--http-port", "0", *self._common()]
         if enable_rl:
             argv += ["--enable-rl", "--rl-port", "0"]
-        p = spawn("frontend", [*argv, *extra], self.workdir / "logs")
+        p = spawn("frontend", [*argv, *extra], self.workdir / "logs",
+                  env={**os.environ, **(env or {})})
         self.procs.append(p)
         self.frontend = p
         p.wait_ready(timeout)
         return p
 
     def start_worker(self, *extra: str, kind: str = "vllm", wait: bool = True,
-                     timeout: float = 300, name: str | None = None) -> Proc:
+                     timeout: float = 300, name: str | None = None,
+                     env: dict[str, str] | None = None) -> Proc:
         """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker)."""
         name = name or f"{kind}-worker-{len(self.workers)}"
         argv = [sys.executable, "-m", f"rlfleet.{kind}", "--lease-ttl", str(self.lease_ttl),
                 *self._common(), *extra]
-        p = spawn(name, argv, self.workdir / "logs")
+        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})})
         self.procs.append(p)
         self.workers.append(p)
         if wait:

@@ -5,8 +5,6 @@ Wire format: see rlfleet.protocol.engine. HTTP/1.1, newline-delimited JSON.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -21,10 +19,11 @@ from rlfleet.protocol.engine import EngineError, GenerateRequest, TokenizeReques
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import BadRequest, Engine
 from rlfleet.runtime.http import (
+    ClientGone,
     error_body,
     error_response,
+    first_or_gone,
     stop_on_disconnect,
-    until_disconnected,
     validation_message,
 )
 from rlfleet.runtime.system_server import FaultInjector, InjectedFault
@@ -92,19 +91,12 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Fa
         # Pull the first event before answering, so that a request the engine refuses
         # gets a 400 instead of a stream that breaks; a caller that leaves meanwhile
         # (say, while generation is paused) aborts it.
-        first_task = asyncio.ensure_future(anext(events))
-        gone = asyncio.ensure_future(until_disconnected(request))
-        await asyncio.wait((first_task, gone), return_when=asyncio.FIRST_COMPLETED)
-        gone.cancel()
-        if not first_task.done():
-            first_task.cancel()
-            with contextlib.suppress(BaseException):
-                await first_task
+        try:
+            first = await first_or_gone(request, events)
+        except ClientGone:
             await events.aclose()
             metrics.WORKER_REQUESTS.labels("abandoned").inc()
             return error_response(499, "the caller went away before the first token")
-        try:
-            first = first_task.result()
         except BadRequest as e:
             metrics.WORKER_REQUESTS.labels("rejected").inc()
             return error_response(400, str(e))
@@ -139,6 +131,19 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Fa
 
         return StreamingResponse(stop_on_disconnect(request, lines()),
                                  media_type="application/x-ndjson")
+
+    @app.post("/abort")
+    async def abort(request: Request):
+        """End a running request now; its stream finishes with its partial output and
+        finish reason `abort`."""
+        try:
+            rid = json.loads(await request.body()).get("request_id")
+        except (ValueError, AttributeError):
+            rid = None
+        if not isinstance(rid, str) or not rid:
+            return error_response(400, "request_id is required")
+        await engine.abort(rid)
+        return {"status": "ok", "request_id": rid}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -222,6 +227,14 @@ class WorkerClient:
                               broken=True) from e
         raise WorkerError(f"worker at {base_url} closed the stream before the request finished",
                           502, broken=True)
+
+    async def abort(self, base_url: str, request_id: str) -> bool:
+        try:
+            r = await self._http.post(f"{base_url}/abort", json={"request_id": request_id},
+                                      timeout=10.0)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
 
     async def tokenize(self, base_url: str, body: dict[str, Any]) -> dict[str, Any]:
         try:

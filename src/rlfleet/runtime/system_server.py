@@ -108,7 +108,15 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
 
     @app.get("/engine")
     async def _routes():
-        """The advertised route table (what the RL listener probes)."""
+        """The advertised route table (what the RL listener probes; fault name `engine`)."""
+        if faults is not None:
+            try:
+                injected = await faults.check("engine")
+            except InjectedFault as e:
+                return JSONResponse({"error": "Handler error", "message": str(e)},
+                                    status_code=500)
+            if injected is not None:
+                return injected
         return {"routes": sorted(table)}
 
     @app.api_route("/engine/{name:path}", methods=["GET", "POST"])

@@ -1,0 +1,139 @@
+"""Generation runs owned by the frontend, so that a retry reusing an `X-Request-Id` gets the
+first attempt's result (in flight or completed) instead of generating again.
+
+A run without a request ID belongs to its connection: when the caller leaves, it is
+aborted. A run with a request ID outlives its caller for `orphan_grace` seconds, so a
+retry can attach to it; its events are kept for `window` seconds after it ends (at most
+`max_runs` runs are remembered)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter
+
+from rlfleet.runtime.request_plane import WorkerError
+
+REPLAYS = Counter("rlfleet_frontend_request_id_replays_total",
+                  "Requests answered from an earlier attempt with the same X-Request-Id")
+
+
+class RequestIdConflict(Exception):
+    """The request ID is already used by a different request body."""
+
+
+@dataclass
+class Run:
+    request_id: str
+    fingerprint: str
+    keep: bool  # outlives its callers (it has a caller-chosen request ID)
+    events: list[dict] = field(default_factory=list)
+    error: BaseException | None = None
+    done: bool = False
+    ended_at: float | None = None
+    followers: int = 0
+    worker_url: str | None = None  # set once a worker took it
+    task: asyncio.Task | None = None
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _orphan_timer: asyncio.TimerHandle | None = None
+
+    def _publish(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self) -> AsyncIterator[dict]:
+        """Every event of the run from the start, then new ones as they come."""
+        i = 0
+        while True:
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                if self.error is not None:
+                    raise self.error
+                return
+            await self._changed.wait()
+
+
+@dataclass
+class RunRegistry:
+    orphan_grace: float = 30.0
+    window: float = 600.0
+    max_runs: int = 10_000
+    runs: OrderedDict[str, Run] = field(default_factory=OrderedDict)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self.runs:
+            rid, run = next(iter(self.runs.items()))
+            old = run.done and run.ended_at is not None and now - run.ended_at > self.window
+            if not old and len(self.runs) <= self.max_runs:
+                break
+            if not run.done and len(self.runs) <= self.max_runs:
+                break
+            self.runs.popitem(last=False)
+            if not run.done and run.task is not None:
+                run.task.cancel()
+
+    def start(self, request_id: str, body: bytes, keep: bool,
+              source: Callable[[Run], AsyncIterator[dict]]) -> tuple[Run, bool]:
+        """The run for `request_id`: an existing one (replayed) or a new one fed by `source`.
+        Returns (run, replayed)."""
+        fp = hashlib.blake2b(body, digest_size=16).hexdigest()
+        self._expire()
+        run = self.runs.get(request_id)
+        if run is not None:
+            if run.fingerprint != fp:
+                raise RequestIdConflict(
+                    f"X-Request-Id {request_id!r} was already used for a different request; "
+                    "use a new request ID for a new request")
+            REPLAYS.inc()
+            return run, True
+        run = Run(request_id, fp, keep)
+        run.task = asyncio.create_task(self._pump(run, source(run)))
+        if keep:
+            self.runs[request_id] = run
+        return run, False
+
+    async def _pump(self, run: Run, events: AsyncIterator[dict]) -> None:
+        try:
+            async for ev in events:
+                run.events.append(ev)
+                run._publish()
+        except asyncio.CancelledError:
+            run.error = WorkerError("the request was cancelled before it finished", 499)
+        except BaseException as e:  # noqa: BLE001 - handed to every follower
+            run.error = e
+        finally:
+            with contextlib.suppress(Exception):
+                await events.aclose()  # type: ignore[attr-defined]
+            run.done = True
+            run.ended_at = time.monotonic()
+            run._publish()
+
+    def attach(self, run: Run) -> None:
+        run.followers += 1
+        if run._orphan_timer is not None:
+            run._orphan_timer.cancel()
+            run._orphan_timer = None
+
+    def detach(self, run: Run) -> None:
+        """A caller stopped listening: abort the run if nobody can come back for it."""
+        run.followers -= 1
+        if run.followers > 0 or run.done or run.task is None:
+            return
+        if not run.keep:
+            run.task.cancel()
+            return
+        run._orphan_timer = asyncio.get_running_loop().call_later(
+            self.orphan_grace, lambda: run.followers == 0 and run.task.cancel())
+
+    def running(self, request_id: str) -> Run | None:
+        run = self.runs.get(request_id)
+        return None if run is None or run.done else run

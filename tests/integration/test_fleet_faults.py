@@ -1,0 +1,183 @@
+"""A two-worker vLLM fleet on file discovery: the RL listener, request-ID retries, client
+disconnects, and a worker killed mid-stream. The kill comes last (tests run in order)."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from rlfleet.runtime.launch import Fleet
+from tests.conftest import VLLM_FLAGS, wait_for_workers
+
+MODEL = "tiny-f"
+LEASE = 2.0
+ROUTES = ["abort_request", "destroy_weights_update_group", "flush_cache", "get_weight_version",
+          "init_weights_update_group", "liveness_probe", "pause_generation",
+          "resume_generation", "set_weight_version", "update_weights_from_disk",
+          "update_weights_from_distributed"]
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model):
+    with Fleet(tmp_path_factory.mktemp("faults"), lease_ttl=LEASE) as f:
+        f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
+        procs = [f.start_worker("--model", str(tiny_model), "--served-model-name", MODEL,
+                                "--enable-rl", "--system-port", "0", "--enable-fault-injection",
+                                *VLLM_FLAGS, wait=False) for _ in range(2)]
+        for p in procs:
+            p.wait_ready(600)
+        wait_for_workers(f.url, MODEL, 2)
+        yield f
+
+
+def rl_workers(fleet) -> list[dict]:
+    r = httpx.get(f"{fleet.rl_url}/v1/rl/workers", timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["protocol_version"] == 1 and body["namespace"] == "dynamo"
+    return body["workers"]
+
+
+def worker_metric(proc, name: str) -> float:
+    text = httpx.get(f"{proc.ready['url']}/metrics", timeout=10).text
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
+        total += float(m.group(1))
+    return total
+
+
+def fleet_metric(fleet, name: str) -> float:
+    return sum(worker_metric(p, name) for p in fleet.workers if p.popen.poll() is None)
+
+
+def test_rl_listener_lists_both_workers(fleet):
+    workers = rl_workers(fleet)
+    by_id = {w["instance_id"]: w for w in workers}
+    assert set(by_id) == {int(p.ready["instance_id"]) for p in fleet.workers}
+    for p in fleet.workers:
+        w = by_id[int(p.ready["instance_id"])]
+        assert w["system_url"] == p.ready["system_url"]
+        assert w["model"] == MODEL and w["routes"] == ROUTES
+        assert (w["namespace"], w["component"], w["endpoint"]) == ("dynamo", "backend", "rl")
+        assert w["request_plane_url"] == "dyn://dynamo.backend.rl"
+        assert len(w["transport"]) == 1 and "error" not in w
+        assert not {"admin_base_url", "world_size"} & w.keys()  # omitted, never null
+    assert httpx.get(f"{fleet.url}/v1/rl/workers", timeout=5).status_code == 404
+    for path in ("/v1/rl/engine", "/v1/rl/engines"):
+        assert httpx.get(f"{fleet.rl_url}{path}", timeout=5).status_code == 404
+
+
+def test_hung_worker_stays_listed_with_an_error(fleet):
+    hung = fleet.workers[0]
+    r = httpx.post(f"{hung.ready['system_url']}/engine/fault_injection",
+                   json={"route": "engine", "mode": "hang", "hang_seconds": 10, "times": 1},
+                   timeout=5)
+    assert r.json()["status"] == "ok"
+    t0 = time.monotonic()
+    workers = {w["instance_id"]: w for w in rl_workers(fleet)}
+    assert time.monotonic() - t0 < 8  # the probe timeout (2 s), not the hang
+    w = workers[int(hung.ready["instance_id"])]
+    assert w["routes"] == [] and "failed" in w["error"]
+    other = workers[int(fleet.workers[1].ready["instance_id"])]
+    assert other["routes"] == ROUTES and "error" not in other
+
+
+def test_retry_with_the_same_request_id_generates_nothing_new(fleet):
+    body = {"model": MODEL, "prompt": [151644, 8948, 198], "max_tokens": 1200,
+            "temperature": 1.0, "seed": 3, "ignore_eos": True,
+            "nvext": {"extra_fields": ["completion_token_ids"]}}
+    headers = {"X-Request-Id": "retry-me-1"}
+    reqs0 = fleet_metric(fleet, "rlfleet_worker_requests_total")
+    toks0 = fleet_metric(fleet, "rlfleet_worker_generated_tokens_total")
+    with pytest.raises(httpx.TimeoutException):  # the client gives up early
+        httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=0.5)
+    r = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "retry-me-1"
+    first = r.json()
+    assert first["id"] == "retry-me-1" and len(first["nvext"]["completion_token_ids"]) == 1200
+    again = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
+    assert again.json()["nvext"]["completion_token_ids"] == first["nvext"]["completion_token_ids"]
+    assert fleet_metric(fleet, "rlfleet_worker_requests_total") - reqs0 == 1
+    assert fleet_metric(fleet, "rlfleet_worker_generated_tokens_total") - toks0 == 1200
+    reused = httpx.post(f"{fleet.url}/v1/completions", json={**body, "seed": 4},
+                        headers=headers, timeout=10)
+    assert reused.status_code == 409 and "different request" in reused.json()["error"]["message"]
+
+
+def test_cancel_by_request_id_returns_partial_output(fleet):
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True,
+            "nvext": {"extra_fields": ["completion_token_ids", "detailed_finish_reason"]}}
+    headers = {"X-Request-Id": "cancel-me-1"}
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(httpx.post(
+        f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=120).json()))
+    t.start()
+    time.sleep(0.8)
+    r = httpx.post(f"{fleet.url}/v1/requests/cancel-me-1/cancel", timeout=10).json()
+    assert r["cancelled"] is True
+    t.join(30)
+    assert out["choices"][0]["finish_reason"] == "abort"
+    assert out["nvext"]["detailed_finish_reason"] == "cancelled"
+    assert 0 < len(out["nvext"]["completion_token_ids"]) < 1500
+
+
+def test_client_disconnect_aborts_in_the_engine(fleet):
+    toks0 = fleet_metric(fleet, "rlfleet_worker_generated_tokens_total")
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1900, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{fleet.url}/v1/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 5:
+                break
+    deadline = time.monotonic() + 10
+    while fleet_metric(fleet, "rlfleet_worker_running_requests") > 0:
+        assert time.monotonic() < deadline, "the engine kept generating after the client left"
+        time.sleep(0.1)
+    assert fleet_metric(fleet, "rlfleet_worker_generated_tokens_total") - toks0 < 1900
+
+
+def test_sigkill_mid_stream_ends_the_stream_and_survivor_serves(fleet):
+    body = {"model": MODEL, "prompt": [151644, 8948, 198], "max_tokens": 1900,
+            "ignore_eos": True, "stream": True,
+            "nvext": {"extra_fields": ["completion_token_ids"]}}
+    events: list[dict] = []
+    with httpx.stream("POST", f"{fleet.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+            if len(events) >= 3:
+                break
+        victim = next(p for p in fleet.workers
+                      if worker_metric(p, "rlfleet_worker_running_requests") > 0)
+        t0 = time.monotonic()
+        victim.signal(signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert time.monotonic() - t0 < 15  # ended, not hung
+    assert rest and rest[-1] != "data: [DONE]"
+    err = json.loads(rest[-1][6:])
+    assert "error" in err and err["error"]["message"]
+    survivor = next(p for p in fleet.workers if p is not victim)
+    # the frontend saw the broken connection: new requests go to the survivor at once
+    for _ in range(4):
+        r = httpx.post(f"{fleet.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": [1, 2], "max_tokens": 2,
+            "nvext": {"extra_fields": ["worker_id"]}})
+        assert r.status_code == 200, r.text
+        assert r.json()["nvext"]["worker_id"]["decode_worker_id"] == \
+            int(survivor.ready["instance_id"])
+    # and once the lease expires, discovery drops the dead worker everywhere
+    deadline = time.monotonic() + LEASE + 10
+    while True:
+        listed = [w["instance_id"] for w in rl_workers(fleet)]
+        if listed == [int(survivor.ready["instance_id"])]:
+            break
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.3)
+    assert len(wait_for_workers(fleet.url, MODEL, 1)) == 1
