@@ -1,15 +1,22 @@
-"""python -m rlfleet.mocker [--model-name NAME] [--token-delay S] [--max-batch N] [worker flags]
+"""python -m rlfleet.mocker [--model-name NAME] [--token-delay S] [--max-batch N]
+                           [--admin-schema vllm|sglang] [worker flags]
 
 A simulated worker for load and fault tests: it registers and serves like a vLLM worker
-but generates pseudo-random tokens. Never use it as a stand-in for the real engine."""
+(or, with --admin-schema sglang, offers the SGLang-flavoured /engine routes) but generates
+pseudo-random tokens. Never use it as a stand-in for the real engine."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
 
+from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
 from rlfleet.runtime.worker import add_worker_args, serve_worker
+
+log = logging.getLogger("rlfleet.mocker")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -17,13 +24,22 @@ def main(argv: list[str] | None = None) -> None:
                                 description="A simulated rlfleet worker for load and fault tests "
                                             "(pseudo-random tokens, no model)")
     add_mock_args(p)
+    p.add_argument("--admin-schema", choices=SCHEMAS, default="vllm",
+                   help="the /engine route table: vllm (default) or sglang (fixed control/* "
+                        "routes plus the methods allow-listed in $DYN_SGLANG_ENGINE_ROUTES)")
     add_worker_args(p)
     args = p.parse_args(argv)
     try:
         engine = MockEngine(args)
+        admin = MockAdmin(engine, args.allowed_weights_root, schema=args.admin_schema,
+                          engine_routes=os.environ.get("DYN_SGLANG_ENGINE_ROUTES"))
     except ValueError as e:
         p.error(str(e))
-    asyncio.run(serve_worker(engine, args))
+    if args.admin_schema == "sglang" and args.enable_rl:
+        # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
+        log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
+        args.enable_rl = False
+    asyncio.run(serve_worker(engine, args, admin.routes))
 
 
 if __name__ == "__main__":

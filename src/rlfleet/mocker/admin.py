@@ -161,10 +161,12 @@ class MockAdmin:
 
     def routes(self) -> list[Route]:
         if self.schema == "sglang":
-            return [*self._sglang_fixed(),
-                    *(Route(er.path, self._native_handler(fn),
-                            mutating=er.method != "get_weight_version")
-                      for er, fn in self.native)]
+            routes = self._sglang_fixed()
+            for er, fn in self.native:
+                reads = er.method == "get_weight_version"  # like the vLLM table's reader
+                routes.append(Route(er.path, self._native_handler(fn), mutating=not reads,
+                                    serialized=not reads))
+            return routes
         return [
             Route("liveness_probe", self.liveness_probe, mutating=False, serialized=False),
             Route("pause_generation", self.pause_generation),

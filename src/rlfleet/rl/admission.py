@@ -1,0 +1,230 @@
+"""The admission checks: what a response must prove before its sample goes to training.
+
+Each check is a function of the parsed response (`Generation`) and what was asked
+(`Expectation`); it returns None or raises its own `AdmissionError` subclass, which
+carries the check's name. `verify` runs the five checks of the integration reference in
+order; `single_policy` judges the weight-version spans of the (possibly resumed) sample.
+Only a sample that passes all of them is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rlfleet.rl.response import Generation
+from rlfleet.rl.sample import WeightSpan
+
+LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
+
+
+@dataclass(frozen=True)
+class AdmissionRules:
+    """What the trainer accepts. `model`: the served model name responses must carry;
+    `expected_version` / `expected_digest`: the policy the worker must report (None: no
+    expectation); `finish_reasons`: terminal states the framework recognises ("abort" is
+    left to the partial-rollout policy); `allow_mixed_versions`: admit samples whose
+    tokens come from more than one policy version (their spans come with the sample)."""
+
+    model: str
+    expected_version: Any = None
+    expected_digest: Any = None
+    finish_reasons: frozenset[str] = frozenset({"length", "stop"})
+    allow_mixed_versions: bool = False
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What one attempt asked for."""
+
+    request_id: str
+    prompt_ids: list[int]
+    n: int
+    rules: AdmissionRules
+    prompt_logprobs: bool = False
+
+
+class AdmissionError(Exception):
+    """A response failed the admission check `check`; `message` says how."""
+
+    check = "admission"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{self.check}: {message}")
+        self.message = message
+
+    @property
+    def reason(self) -> str:
+        return self.check
+
+
+class TokenIdsMissing(AdmissionError):
+    check = "token_ids_present"
+
+
+class LogprobsMisaligned(AdmissionError):
+    check = "logprobs_aligned"
+
+
+class PromptLogprobsShifted(AdmissionError):
+    check = "prompt_logprobs_unshifted"
+
+
+class NotTerminal(AdmissionError):
+    check = "terminal_state"
+
+    def __init__(self, message: str, finish_reason: Any = None) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
+class IdentityMismatch(AdmissionError):
+    check = "identity"
+
+
+class MixedPolicy(AdmissionError):
+    check = "single_policy"
+
+
+def _is_token_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def token_ids_present(gen: Generation, exp: Expectation) -> None:
+    """Generated token IDs are present for each of the n choices (and the prompt the
+    engine reports, when it reports one, is the prompt that was sent)."""
+    if len(gen.choices) != exp.n:
+        raise TokenIdsMissing(f"expected {exp.n} choice(s), got {len(gen.choices)}")
+    for i, c in enumerate(gen.choices):
+        if c.index != i:
+            raise TokenIdsMissing(f"choice indices are not 0..{exp.n - 1}: position {i} has {c.index!r}")
+        if c.token_ids is None:
+            raise TokenIdsMissing(f"choice {i} carries no completion_token_ids")
+        if not all(map(_is_token_id, c.token_ids)):
+            raise TokenIdsMissing(f"choice {i} has a completion token ID that is not a "
+                                  f"non-negative integer")
+    if gen.prompt_token_ids is not None and gen.prompt_token_ids != exp.prompt_ids:
+        raise TokenIdsMissing(f"the engine reports a prompt of {len(gen.prompt_token_ids)} tokens "
+                              f"that differs from the {len(exp.prompt_ids)} sent")
+
+
+def _good_logprob(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x) \
+        and x <= LOGPROB_TOLERANCE
+
+
+def logprobs_aligned(gen: Generation, exp: Expectation) -> None:
+    """The sampled tokens' logprobs match the generated IDs in length and order: one real
+    logprob <= 0 per token, and the token each logprob names is the generated one."""
+    for c in gen.choices:
+        ids = c.token_ids or []
+        if c.logprobs is None or c.logprob_token_ids is None:
+            raise LogprobsMisaligned(f"choice {c.index} carries no per-token logprobs")
+        if len(c.logprobs) != len(ids) or len(c.logprob_token_ids) != len(ids):
+            raise LogprobsMisaligned(f"choice {c.index}: {len(ids)} token IDs but "
+                                     f"{len(c.logprobs)} logprobs for {len(c.logprob_token_ids)} "
+                                     f"tokens")
+        if c.logprob_token_ids != ids:
+            at = next(i for i, (a, b) in enumerate(zip(c.logprob_token_ids, ids, strict=True))
+                      if a != b)
+            raise LogprobsMisaligned(f"choice {c.index}: logprob {at} is for token "
+                                     f"{c.logprob_token_ids[at]!r}, the engine generated {ids[at]}")
+        bad = next((i for i, x in enumerate(c.logprobs) if not _good_logprob(x)), None)
+        if bad is not None:
+            raise LogprobsMisaligned(f"choice {c.index}: logprob {bad} is {c.logprobs[bad]!r}, "
+                                     f"not a log-probability")
+
+
+def prompt_logprobs_unshifted(gen: Generation, exp: Expectation) -> None:
+    """When prompt logprobs were asked for: one entry per prompt token, the first null
+    (nothing predicts it), entry i holding prompt token i (no shift by one)."""
+    if not exp.prompt_logprobs:
+        return
+    lps, ids = gen.prompt_logprobs, exp.prompt_ids
+    if lps is None:
+        raise PromptLogprobsShifted("prompt logprobs were requested but not returned")
+    if len(lps) != len(ids):
+        raise PromptLogprobsShifted(f"{len(lps)} prompt logprob entries for {len(ids)} prompt tokens")
+    if lps[0] is not None:
+        raise PromptLogprobsShifted("entry 0 is not null: the first prompt token has no logprob")
+    for i in range(1, len(ids)):
+        entry = lps[i]
+        hit = entry.get(str(ids[i])) if isinstance(entry, dict) else None
+        if not isinstance(hit, dict) or not _good_logprob(hit.get("logprob")):
+            raise PromptLogprobsShifted(f"entry {i} has no logprob for prompt token {ids[i]}")
+
+
+def terminal_state(gen: Generation, exp: Expectation) -> None:
+    """Every choice ended with a finish reason the framework recognises."""
+    for c in gen.choices:
+        if c.finish_reason not in exp.rules.finish_reasons:
+            raise NotTerminal(f"choice {c.index} ended with finish_reason {c.finish_reason!r}; "
+                              f"admitted: {', '.join(sorted(exp.rules.finish_reasons))}",
+                              c.finish_reason)
+
+
+def identity(gen: Generation, exp: Expectation) -> None:
+    """The response answers this attempt (X-Request-Id echoed; SGLang's meta_info.id), comes
+    from the expected served model, and from the expected policy when one is set."""
+    if gen.echoed_request_id != exp.request_id:
+        raise IdentityMismatch(f"X-Request-Id {exp.request_id!r} came back as "
+                               f"{gen.echoed_request_id!r}")
+    if gen.route == "sglang" and gen.response_id is not None and gen.response_id != exp.request_id:
+        raise IdentityMismatch(f"meta_info.id is {gen.response_id!r}, the request's rid is "
+                               f"{exp.request_id!r}")
+    rules = exp.rules
+    if gen.route == "openai" or gen.model is not None:
+        if gen.model != rules.model:
+            raise IdentityMismatch(f"served by model {gen.model!r}, expected {rules.model!r}")
+    for key, want in (("weight_version", rules.expected_version),
+                      ("weight_digest", rules.expected_digest)):
+        if want is None:
+            continue
+        if gen.engine_data is None or key not in gen.engine_data:
+            raise IdentityMismatch(f"the worker did not report its {key} (expected {want!r})")
+        if gen.engine_data[key] != want:
+            raise IdentityMismatch(f"the worker reports {key} {gen.engine_data[key]!r}, "
+                                   f"expected {want!r}")
+
+
+CHECKS: tuple[Callable[[Generation, Expectation], None], ...] = (
+    token_ids_present, logprobs_aligned, prompt_logprobs_unshifted, terminal_state, identity)
+
+
+def verify(gen: Generation, exp: Expectation) -> None:
+    """Run the five checks in order; the first failure raises."""
+    for check in CHECKS:
+        check(gen, exp)
+
+
+def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
+    """nvext.weight_versions ([{"version","digest","start","end"}, ...]) as WeightSpans,
+    checked to cover the generated positions [0, length) in order without gaps."""
+    if not isinstance(raw, list):
+        raise MixedPolicy(f"weight_versions is {type(raw).__name__}, not a list")
+    spans, pos = [], 0
+    for i, s in enumerate(raw):
+        if not isinstance(s, dict) or not {"start", "end"} <= s.keys():
+            raise MixedPolicy(f"weight_versions[{i}] is not a span with start and end")
+        start, end = s["start"], s["end"]
+        if not (isinstance(start, int) and isinstance(end, int)) or start != pos or end < start:
+            raise MixedPolicy(f"weight_versions[{i}] covers [{start!r}, {end!r}); expected a span "
+                              f"starting at {pos}")
+        spans.append(WeightSpan(s.get("version"), s.get("digest"), start, end))
+        pos = end
+    if pos != length:
+        raise MixedPolicy(f"weight_versions cover {pos} of {length} generated tokens")
+    return spans
+
+
+def single_policy(spans: list[WeightSpan] | None, rules: AdmissionRules) -> None:
+    """Unless mixed versions are allowed, all tokens of a choice come from one policy."""
+    if rules.allow_mixed_versions or not spans:
+        return
+    policies = {(s.version, s.digest) for s in spans}
+    if len(policies) > 1:
+        names = ", ".join(f"{v!r}/{d!r}" for v, d in sorted(policies, key=repr))
+        raise MixedPolicy(f"tokens come from {len(policies)} policies ({names}); "
+                          f"set allow_mixed_versions=True to admit such samples")

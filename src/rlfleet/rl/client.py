@@ -1,0 +1,425 @@
+"""RolloutClient: rollouts through the frontend, admitted exactly once.
+
+    async with RolloutClient(url, "tiny", ledger=SampleLedger("ledger.db")) as client:
+        sample = await client.generate("s-1", prompt_ids, SamplingSpec(max_tokens=64))
+        outcomes = await client.rollout(requests, concurrency=64)
+
+`generate` returns an `AdmittedSample` or raises: `SampleFailed` when no attempt was
+admitted (its `reason` says why: an admission check's name, "timeout", "http: 503 ...",
+...), `AlreadyAdmitted` when the ledger already holds an admitted attempt of the sample
+(nothing is sent then), `ValueError` for a request the client cannot send, and
+`asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed, which
+makes the frontend abort the generation; the attempt is recorded as canceled).
+`rollout` runs many samples with bounded concurrency and returns one `RolloutOutcome`
+per sample, in input order, never raising for a sample that merely failed.
+
+Each attempt: recorded in the ledger (accepted) before it is sent; sent with X-Request-Id
+(its request ID) and a W3C `traceparent` (trace per sample, span per attempt); its response
+parsed (`response.py`), verified (`admission.py`) and admitted in one ledger transaction.
+Transport errors, 5xx/429, stream errors, timeouts, server aborts and failed checks are
+retried under `RetryPolicy` with the same sample ID and the next attempt number; a timed-
+out attempt is retried under the same request ID when the policy says so. What a partial
+attempt's tokens are worth is the `PartialRolloutPolicy`'s call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+
+from rlfleet.rl import telemetry
+from rlfleet.rl.admission import (
+    AdmissionError,
+    AdmissionRules,
+    Expectation,
+    NotTerminal,
+    identity,
+    logprobs_aligned,
+    single_policy,
+    token_ids_present,
+    verify,
+    weight_spans,
+)
+from rlfleet.rl.attempt import Attempt, AttemptState, new_request_id
+from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
+from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy, ResumedPrefix
+from rlfleet.rl.response import (
+    Generation,
+    OpenAIStream,
+    SglangStream,
+    StreamError,
+    parse_openai,
+    parse_sglang,
+)
+from rlfleet.rl.retry import RetryPolicy
+from rlfleet.rl.sample import (
+    AdmittedSample,
+    Completion,
+    RolloutOutcome,
+    SampleFailed,
+    SampleRequest,
+    SamplingSpec,
+    WeightSpan,
+)
+
+ROUTES = ("openai", "sglang")
+EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detailed_finish_reason",
+                "engine_data", "weight_versions")
+# statuses worth another attempt: the frontend or a worker may do better next time
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 499, 500, 502, 503, 504})
+
+log = telemetry.log
+
+
+@dataclass
+class _End:
+    """How an attempt ended, for the retry loop."""
+
+    reason: str
+    retry: bool = True
+    reuse_request_id: bool = False
+    partial: Generation | None = None  # output to offer the partial-rollout policy
+
+
+class RolloutClient:
+    """One pooled HTTP client to the frontend at `base_url`, verifying responses against
+    `model` (and `expected_version` / `expected_digest` when set) and recording attempts
+    in `ledger` (default: in memory). `route` ("openai" or "sglang") and `stream` are
+    defaults that each `generate` call may override. `transport` is for tests."""
+
+    def __init__(self, base_url: str, model: str, *, ledger: SampleLedger | None = None,
+                 retry: RetryPolicy | None = None, partial: PartialRolloutPolicy | None = None,
+                 expected_version: Any = None, expected_digest: Any = None,
+                 allow_mixed_versions: bool = False,
+                 finish_reasons: Iterable[str] = ("length", "stop"),
+                 route: str = "openai", stream: bool = False, max_connections: int = 1024,
+                 connect_timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None
+                 ) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
+        self.base_url = base_url.rstrip("/")
+        self.rules = AdmissionRules(model, expected_version, expected_digest,
+                                    frozenset(finish_reasons), allow_mixed_versions)
+        self.ledger = ledger if ledger is not None else SampleLedger()
+        self.retry = retry or RetryPolicy()
+        self.partial = partial or PartialRolloutPolicy()
+        self.route, self.stream = route, stream
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections),
+            transport=transport)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def expect(self, version: Any = None, digest: Any = None) -> None:
+        """Admit only samples from this policy from now on (after a policy refresh)."""
+        self.rules = replace(self.rules, expected_version=version, expected_digest=digest)
+
+    # ------------------------------------------------------------ one sample
+
+    async def generate(self, sample_id: str, prompt_ids: list[int],
+                       sampling: SamplingSpec | None = None, n: int = 1, *,
+                       route: str | None = None, stream: bool | None = None,
+                       deadline: float | None = None, attempt_timeout: float | None = None,
+                       rules: AdmissionRules | None = None) -> AdmittedSample:
+        """Generate, verify and admit one sample. `deadline` is a `time.monotonic()` value
+        after which no attempt is started or continued; `attempt_timeout` overrides the
+        retry policy's for this call. See the module doc for what it raises."""
+        sampling = sampling or SamplingSpec()
+        route = route or self.route
+        stream = self.stream if stream is None else stream
+        rules = rules or self.rules
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
+        if route == "sglang" and n != 1:
+            raise ValueError("the SGLang route generates one sequence per request: use n=1")
+        if n < 1 or not prompt_ids:
+            raise ValueError("need n >= 1 and a non-empty prompt")
+        trace = telemetry.trace_id(sample_id)
+        t0 = time.monotonic()
+        prefix = ResumedPrefix()
+        reasons: list[str] = []
+        reuse: str | None = None
+        timeout = attempt_timeout if attempt_timeout is not None else self.retry.attempt_timeout
+        for k in range(self.retry.max_attempts):
+            if k:
+                pause = self.retry.backoff(k)
+                if deadline is not None and time.monotonic() + pause >= deadline:
+                    reasons.append("deadline")
+                    break
+                await asyncio.sleep(pause)
+            rid = reuse or new_request_id()
+            try:
+                number = self.ledger.start(sample_id, rid)
+            except AlreadyAdmitted:
+                telemetry.SAMPLES.labels("already_admitted").inc()
+                raise
+            a = Attempt(sample_id, number, rid)
+            budget = timeout
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                budget = left if budget is None else min(budget, left)
+            try:
+                result = await self._attempt(a, trace, prompt_ids, sampling, n, route, stream,
+                                             rules, prefix, budget, reused=reuse is not None)
+            except asyncio.CancelledError:
+                telemetry.SAMPLES.labels("cancelled").inc()
+                raise
+            if isinstance(result, AdmittedSample):
+                telemetry.SAMPLES.labels("admitted").inc()
+                telemetry.SAMPLE_SECONDS.observe(time.monotonic() - t0)
+                return result
+            reasons.append(result.reason)
+            if not result.retry:
+                break
+            reuse = rid if result.reuse_request_id else None
+            self._offer_partial(a, result, sampling, n, rules, prefix)
+        telemetry.SAMPLES.labels("failed").inc()
+        err = SampleFailed(sample_id, reasons[-1] if reasons else "no attempt", reasons)
+        log.warning("sample failed: %s", err, extra={"sample_id": sample_id, "trace_id": trace})
+        raise err
+
+    def _offer_partial(self, a: Attempt, end: _End, sampling: SamplingSpec, n: int,
+                       rules: AdmissionRules, prefix: ResumedPrefix) -> None:
+        """Keep a partial attempt's verified tokens if the policy resumes; else start over."""
+        gen = end.partial
+        action = PartialAction.DISCARD
+        if gen is not None and n == 1 and not end.reuse_request_id:
+            exp = Expectation(a.request_id, [], 1, rules)
+            try:
+                token_ids_present(replace(gen, prompt_token_ids=None), exp)
+                logprobs_aligned(gen, exp)
+                identity(gen, exp)
+            except AdmissionError:
+                gen = None
+            if gen is not None and gen.engine_data is not None:
+                c = gen.choices[0]
+                out = PartialOutput(a.sample_id, a.number, end.reason, list(c.token_ids or ()),
+                                    list(c.logprobs or ()), gen.weight_version, gen.weight_digest,
+                                    sampling.max_tokens - len(prefix) - len(c.token_ids or ()))
+                action = self.partial.decide(out)
+                if action is PartialAction.RESUME:
+                    spans = None
+                    if c.weight_spans is not None:
+                        try:
+                            spans = weight_spans(c.weight_spans, len(out.token_ids))
+                        except AdmissionError:
+                            action = PartialAction.DISCARD
+                    if action is PartialAction.RESUME:
+                        prefix.keep(out, spans)
+        if action is PartialAction.DISCARD and not end.reuse_request_id:
+            prefix.clear()  # retry from the original prompt
+
+    # ------------------------------------------------------------ one attempt
+
+    async def _attempt(self, a: Attempt, trace: str, prompt_ids: list[int],
+                       sampling: SamplingSpec, n: int, route: str, stream: bool,
+                       rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
+                       reused: bool = False) -> AdmittedSample | _End:
+        sent_prompt = prompt_ids + prefix.token_ids if prefix.token_ids else prompt_ids
+        spec = sampling
+        if prefix.token_ids:
+            spec = replace(sampling, max_tokens=sampling.max_tokens - len(prefix),
+                           min_tokens=max(0, sampling.min_tokens - len(prefix)))
+        path, body = self._body(route, sent_prompt, spec, n, stream, rules.model, a.request_id)
+        headers = {"content-type": "application/json", "x-request-id": a.request_id,
+                   "traceparent": telemetry.traceparent(trace, a.span_id)}
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("attempt sent", extra=telemetry.fields(a, trace))
+        acc: OpenAIStream | SglangStream | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                if stream:
+                    acc = OpenAIStream(n) if route == "openai" else SglangStream()
+                    gen_or_end = await self._streamed(a, path, body, headers, acc)
+                else:
+                    gen_or_end = await self._unary(path, body, headers, route)
+        except TimeoutError:
+            end = _End("timeout", reuse_request_id=self.retry.reuse_request_id_on_timeout,
+                       partial=acc.result() if acc is not None else None)
+            return self._close(a, trace, AttemptState.CANCELED, end)
+        except asyncio.CancelledError:
+            self._close(a, trace, AttemptState.CANCELED, _End("cancelled", retry=False))
+            raise
+        except StreamError as e:
+            end = _End(f"stream_error: {e}", partial=acc.result() if acc is not None else None)
+            return self._close(a, trace, AttemptState.FAILED, end)
+        except httpx.HTTPError as e:
+            end = _End(f"transport: {type(e).__name__}: {e}",
+                       partial=acc.result() if acc is not None else None)
+            return self._close(a, trace, AttemptState.FAILED, end)
+        if isinstance(gen_or_end, _End):
+            if reused and gen_or_end.reason.startswith("http: 400"):
+                gen_or_end.retry = True  # the first request may still be running: use a new ID
+            return self._close(a, trace, AttemptState.FAILED, gen_or_end)
+        return self._judge(a, trace, gen_or_end, prompt_ids, sent_prompt, sampling, n, rules,
+                           prefix)
+
+    def _judge(self, a: Attempt, trace: str, gen: Generation, prompt_ids: list[int],
+               sent_prompt: list[int], sampling: SamplingSpec, n: int, rules: AdmissionRules,
+               prefix: ResumedPrefix) -> AdmittedSample | _End:
+        """Verify a complete response and admit it in the ledger."""
+        exp = Expectation(a.request_id, sent_prompt, n, rules, sampling.prompt_logprobs)
+        try:
+            verify(gen, exp)
+            spans = [self._spans(c.weight_spans, len(c.token_ids), gen, a, prefix)
+                     for c in gen.choices]
+            for s in spans:
+                single_policy(s, rules)
+        except NotTerminal as e:
+            telemetry.REJECTIONS.labels(e.check).inc()
+            if e.finish_reason == "abort":  # the server canceled it: a partial attempt
+                return self._close(a, trace, AttemptState.CANCELED, _End("aborted", partial=gen))
+            prefix.clear()
+            return self._close(a, trace, AttemptState.FAILED, _End(e.check))
+        except AdmissionError as e:
+            telemetry.REJECTIONS.labels(e.check).inc()
+            log.info("response rejected: %s", e, extra=telemetry.fields(a, trace))
+            prefix.clear()  # a resumed sample that fails starts over
+            return self._close(a, trace, AttemptState.FAILED, _End(e.check))
+        try:
+            self.ledger.admit(a.sample_id, a.number)
+        except AlreadyAdmitted:
+            a.move(AttemptState.FAILED, AlreadyAdmitted.reason)
+            telemetry.attempt_ended(a)
+            telemetry.SAMPLES.labels("already_admitted").inc()
+            raise
+        except AttemptClosed as e:  # someone else (a newer call) took the sample over
+            a.move(AttemptState.FAILED, e.reason)
+            telemetry.attempt_ended(a)
+            return _End(e.reason, retry=False)
+        a.move(AttemptState.SUCCEEDED, "admitted")
+        telemetry.attempt_ended(a)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("attempt admitted", extra=telemetry.fields(a, trace))
+        completions = []
+        for c, s in zip(gen.choices, spans, strict=True):
+            ids = c.token_ids or []
+            completions.append(Completion(
+                prefix.token_ids + ids, prefix.logprobs + list(c.logprobs or ()), c.finish_reason,
+                prefix.token_attempts + [a.number] * len(ids), s))
+        plps = None
+        if sampling.prompt_logprobs and gen.prompt_logprobs is not None:
+            plps = [None] + [gen.prompt_logprobs[i][str(prompt_ids[i])]["logprob"]
+                             for i in range(1, len(prompt_ids))]
+        return AdmittedSample(a.sample_id, a.number, a.request_id, list(prompt_ids), completions,
+                              rules.model, gen.weight_version, gen.weight_digest, plps,
+                              gen.worker_id)
+
+    @staticmethod
+    def _spans(raw: Any, length: int, gen: Generation, a: Attempt, prefix: ResumedPrefix
+               ) -> list[WeightSpan]:
+        """The choice's weight spans, prefix included: the server's nvext.weight_versions
+        when it sends them, else one span per attempt from its engine_data."""
+        own = weight_spans(raw, length) if raw is not None else \
+            [WeightSpan(gen.weight_version, gen.weight_digest, 0, length)]
+        base = len(prefix)
+        return prefix.spans + [WeightSpan(s.version, s.digest, s.start + base, s.end + base)
+                               for s in own]
+
+    def _close(self, a: Attempt, trace: str, state: AttemptState, end: _End) -> _End:
+        a.move(state, end.reason)
+        self.ledger.close_attempt(a.sample_id, a.number, state, end.reason)
+        telemetry.attempt_ended(a)
+        log.info("attempt %s: %s", state, end.reason, extra=telemetry.fields(a, trace))
+        return end
+
+    # ------------------------------------------------------------ the wire
+
+    def _body(self, route: str, prompt: list[int], spec: SamplingSpec, n: int, stream: bool,
+              model: str, request_id: str) -> tuple[str, bytes]:
+        if route == "openai":
+            fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
+            body = {"model": model, "prompt": prompt, "n": n, "stream": stream, "logprobs": 0,
+                    "return_tokens_as_token_ids": True, **spec.openai_fields(),
+                    "nvext": {"extra_fields": fields}}
+            path = "/v1/completions"
+        else:
+            body = {"input_ids": prompt, "model": model, "sampling_params": spec.sglang_params(),
+                    "stream": stream, "return_logprob": True, "rid": request_id,
+                    "logprob_start_len": 0 if spec.prompt_logprobs else -1}
+            path = "/generate"
+        return self.base_url + path, json.dumps(body, separators=(",", ":")).encode()
+
+    @staticmethod
+    def _http_end(status: int, raw: bytes) -> _End:
+        try:
+            msg = json.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = raw[:300].decode(errors="replace")
+        return _End(f"http: {status} {msg}", retry=status in RETRYABLE_STATUS)
+
+    async def _unary(self, url: str, body: bytes, headers: dict[str, str], route: str
+                     ) -> Generation | _End:
+        resp = await self._http.post(url, content=body, headers=headers)
+        if resp.status_code != 200:
+            return self._http_end(resp.status_code, resp.content)
+        echoed = resp.headers.get("x-request-id")
+        try:
+            data = resp.json()
+        except ValueError as e:
+            return _End(f"stream_error: the response is not JSON: {e}")
+        return parse_openai(data, echoed) if route == "openai" else parse_sglang(data, echoed)
+
+    async def _streamed(self, a: Attempt, url: str, body: bytes, headers: dict[str, str],
+                        acc: OpenAIStream | SglangStream) -> Generation | _End:
+        async with self._http.stream("POST", url, content=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                return self._http_end(resp.status_code, await resp.aread())
+            echoed = resp.headers.get("x-request-id")
+            if isinstance(acc, OpenAIStream):
+                acc.gen.echoed_request_id = echoed
+            else:
+                acc.echoed = echoed
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return acc.result()
+                try:
+                    event = json.loads(data)
+                except ValueError as e:
+                    raise StreamError(f"an event is not JSON: {e}") from e
+                if acc.feed(event) and a.state is AttemptState.ACCEPTED:
+                    a.move(AttemptState.STREAMING)
+                    self.ledger.streaming(a.sample_id, a.number)
+        raise StreamError("the stream ended before [DONE]")
+
+    # ------------------------------------------------------------ many samples
+
+    async def rollout(self, samples: Iterable[SampleRequest], concurrency: int = 64,
+                      **options: Any) -> list[RolloutOutcome]:
+        """Generate every sample, at most `concurrency` at a time; one outcome per sample in
+        input order. `options` go to `generate` (route, stream, deadline, ...)."""
+        items = list(samples)
+        out: list[RolloutOutcome | None] = [None] * len(items)
+        queue = iter(enumerate(items))
+
+        async def work() -> None:
+            for i, s in queue:
+                try:
+                    got = await self.generate(s.sample_id, s.prompt_ids, s.sampling, s.n, **options)
+                    out[i] = RolloutOutcome(s.sample_id, sample=got)
+                except (SampleFailed, AlreadyAdmitted) as e:
+                    out[i] = RolloutOutcome(s.sample_id, error=e)
+
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(max(1, min(concurrency, len(items)))):
+                tg.create_task(work())
+        return [o for o in out if o is not None]
