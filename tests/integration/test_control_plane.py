@@ -197,9 +197,11 @@ class Stream:
         self.finish: str | None = None
         self.detailed: str | None = None
         self.error: str | None = None
+        self.spans: list[dict] = []
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "stream": True,
-                "nvext": {"extra_fields": ["completion_token_ids", "detailed_finish_reason"]}}
+                "nvext": {"extra_fields": ["completion_token_ids", "detailed_finish_reason",
+                                           "weight_versions"]}}
         self.thread = threading.Thread(target=self._run, args=(fleet.url, body), daemon=True)
         self.thread.start()
 
@@ -215,6 +217,7 @@ class Stream:
                 nv = ev.get("nvext", {})
                 self.ids += nv.get("completion_token_ids", [])
                 self.detailed = nv.get("detailed_finish_reason", self.detailed)
+                self.spans = nv.get("weight_versions", self.spans)
                 for c in ev["choices"]:
                     self.finish = c.get("finish_reason") or self.finish
 
@@ -360,3 +363,33 @@ def test_group_init_times_out_instead_of_hanging(ctl):
     assert r["status"] == "error" and "initialisation failed" in r["message"]
     assert time.monotonic() - t0 < 30
     assert greedy(ctl, 4)[0]
+
+
+def test_weight_versions_span_an_update_under_keep_pause(ctl, weights_root, tiny_model_b):
+    """A request frozen by a keep-pause across an update reports two spans; afterwards a
+    request reports one span on the new version and digest."""
+    s = Stream(ctl, LONG)
+    s.wait_tokens(20)
+    admin(ctl, "pause_generation", {"mode": "keep"})
+    try:
+        r = admin(ctl, "update_weights_from_disk",
+                  {"model_path": str(weights_root / "B"), "weight_version": "B"})
+        assert r["status"] == "ok"
+    finally:
+        admin(ctl, "resume_generation")
+    s.join()
+    try:
+        spans = s.spans
+        assert [sp["version"] for sp in spans] == [spans[0]["version"], "B"]
+        assert spans[1]["digest"] == checkpoint_digest(tiny_model_b)
+        assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
+        out = httpx.post(f"{ctl.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
+            "nvext": {"extra_fields": ["weight_versions"]}}).json()
+        assert out["nvext"]["weight_versions"] == [
+            {"version": "B", "digest": checkpoint_digest(tiny_model_b), "start": 0, "end": 5}]
+        gen = httpx.post(f"{ctl.url}/generate", timeout=60, json={
+            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}).json()
+        assert gen["meta_info"]["weight_versions"][0]["version"] == "B"
+    finally:
+        set_weights(ctl, weights_root / "A", "A")

@@ -24,6 +24,7 @@ class Choice:
     logprobs: list[dict] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    weight_versions: list[dict] | None = None
 
     def add(self, delta: dict) -> None:
         self.token_ids.extend(delta.get("token_ids", ()))
@@ -33,6 +34,8 @@ class Choice:
         if delta.get("finish_reason") is not None:
             self.finish_reason = delta["finish_reason"]
             self.stop_reason = delta.get("stop_reason")
+        if delta.get("weight_versions") is not None:
+            self.weight_versions = delta["weight_versions"]
 
 
 @dataclass
@@ -74,6 +77,13 @@ class Result:
             self.prompt_logprobs = ev.get("prompt_logprobs")
             self.finished = time.time()
         return deltas
+
+    def spans(self, choice: Choice) -> list[dict]:
+        """The weight-version spans of a finished choice; from an engine that does not
+        track versions per token, one span from the weights the worker reported."""
+        return choice.weight_versions or [
+            {"version": self.weight.get("weight_version"),
+             "digest": self.weight.get("weight_digest"), "start": 0, "end": len(choice.token_ids)}]
 
     @property
     def completion_tokens(self) -> int:

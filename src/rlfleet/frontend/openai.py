@@ -27,6 +27,8 @@ def nvext_body(req: Req, res: Result, choice: Choice | None, final: bool) -> dic
                                                                choice.stop_reason)
     if choice is not None and nv.wants("stop_reason") and choice.finish_reason:
         out["stop_reason"] = choice.stop_reason
+    if choice is not None and nv.wants("weight_versions") and choice.finish_reason:
+        out["weight_versions"] = res.spans(res.choices[choice.index])  # whole, also streamed
     if final:
         if nv.wants("prompt_token_ids"):
             out["prompt_token_ids"] = res.prompt_token_ids

@@ -27,6 +27,8 @@ def generate_body(req: SglangGenerateRequest, res: Result) -> dict:
     }
     for k, v in res.weight.items():
         meta[k] = v
+    if c.finish_reason is not None:
+        meta["weight_versions"] = res.spans(c)
     if req.return_logprob:
         lps = c.logprobs or []
         meta["output_token_logprobs"] = [[lp["logprob"], lp["token_id"], None] for lp in lps]

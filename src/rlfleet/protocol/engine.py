@@ -120,6 +120,9 @@ class ChoiceDelta(BaseModel):
     finish_reason: FinishReason | None = None
     # the stop string or stop token ID that ended the choice; None for EOS or length
     stop_reason: int | str | None = None
+    # with the final delta: half-open spans of output tokens generated under each weight
+    # version, [{"version", "digest", "start", "end"}]
+    weight_versions: list[dict] | None = None
 
 
 class EngineError(BaseModel):

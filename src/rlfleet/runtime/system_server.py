@@ -63,11 +63,13 @@ class FaultInjector:
         times = body.get("times", 1)
         if not isinstance(times, int) or times < 0:
             return failed("times must be a non-negative integer (0 disarms)")
+        hang = body.get("hang_seconds", 3600)
+        if not isinstance(hang, (int, float)) or hang < 0:
+            return failed("hang_seconds must be a non-negative number")
         if times == 0:
             self.faults.pop(route, None)
         else:
-            self.faults[route] = {"mode": mode, "times": times,
-                                  "hang_seconds": float(body.get("hang_seconds", 3600))}
+            self.faults[route] = {"mode": mode, "times": times, "hang_seconds": float(hang)}
         return ok(route=route, mode=mode, times=times)
 
     async def check(self, route: str) -> dict[str, Any] | None:

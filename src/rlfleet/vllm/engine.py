@@ -62,6 +62,13 @@ def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs) -> list[dict | None
     return out
 
 
+def _span(w) -> dict:
+    """vLLM's WeightVersionSpan (labelled "<version>|<digest>" by set_version) → the
+    response shape {"version", "digest", "start", "end"}."""
+    version, _, digest = w.version.rpartition("|")
+    return {"version": version or None, "digest": digest or None, "start": w.start, "end": w.end}
+
+
 class VllmEngine(Engine):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -107,6 +114,7 @@ class VllmEngine(Engine):
             self.weights_path = str(Path(self.args.model).resolve())
             self.signature = checkpoint_signature(Path(self.weights_path))
             self.digest = checkpoint_digest(Path(self.weights_path))
+        await self.set_version(None, declared=False)
         if self.args.warmup:
             await self._warmup()
 
@@ -116,8 +124,7 @@ class VllmEngine(Engine):
         self.version, self.version_declared = version, declared
         if digest is not None:
             self.digest = digest
-        await self.llm.update_weight_version(version if version is not None else
-                                             (self.digest or "unknown"))
+        await self.llm.update_weight_version(f"{version or ''}|{self.digest or ''}")
 
     def weight_identity(self) -> dict:
         return {"weight_version": self.version, "weight_digest": self.digest}
@@ -181,12 +188,15 @@ class VllmEngine(Engine):
                     if not ids and c.finish_reason is None:
                         continue
                     metrics.WORKER_GENERATED_TOKENS.inc(len(ids))
-                    choices.append({
+                    choice = {
                         "index": c.index, "token_ids": ids, "text": c.text,
                         "logprobs": _token_logprobs(ids, c.logprobs, k)
                         if s.logprobs is not None and c.logprobs is not None else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    })
+                    }
+                    if c.weight_versions:
+                        choice["weight_versions"] = [_span(w) for w in c.weight_versions]
+                    choices.append(choice)
                 if choices:
                     yield {"choices": choices}
             yield {"done": True, "prompt_logprobs": prompt_lps}
