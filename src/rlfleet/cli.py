@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +30,54 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def default_journal() -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    return Path(os.environ.get("RLFLEET_JOURNAL", base / "rlfleet" / "journal.sqlite"))
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from rlfleet.rl.refresh import PolicyRefresh, SglangWorker
+
+    sglang = [SglangWorker(*pair.split(",", 1)) for pair in args.sglang_worker]
+    coordinator = PolicyRefresh(
+        args.rl_url, model=args.model, path=args.path, sglang_workers=sglang,
+        journal=args.journal, on_failure=args.on_failure, retries=args.retries,
+        pause_mode=args.pause_mode, probe_tolerance=args.probe_tolerance,
+        admin_token=args.admin_token, on_event=lambda msg: print(msg, flush=True))
+    result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
+                                             step=args.step))
+    print(f"decision: {result.decision} ({result.reason})")
+    for s in result.steps:
+        print(f"  {s['name']:<12} {s['seconds']:8.3f} s")
+    for w in result.workers:
+        print(f"  worker {w['instance_id']}: {w['status']}" + (f" ({w['reason']})" if w["reason"] else ""))
+    print(f"journal: {args.journal} (refresh {result.refresh_id})")
+    return 0 if result.ok else 1
+
+
+def _journal(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from rlfleet.rl.journal import Journal
+
+    if not Path(args.journal).exists():
+        print(f"no journal at {args.journal}")
+        return 0
+    for r in Journal(args.journal).recent(args.limit):
+        if args.json:
+            print(json.dumps(r))
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
+        total = sum(s["seconds"] for s in r["steps"] or [])
+        print(f"#{r['id']} {when} step={r['framework_step']} {r['update_path']} "
+              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}] "
+              f"{total:.2f}s: {r['reason']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -43,6 +92,30 @@ def build_parser() -> argparse.ArgumentParser:
     dg = sub.add_parser("digest", help="print the content digest of a checkpoint directory")
     dg.add_argument("path")
     dg.set_defaults(func=_digest)
+
+    rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
+    rf.add_argument("--checkpoint", required=True, help="checkpoint directory the workers can read")
+    rf.add_argument("--version", required=True, help="the version to declare")
+    rf.add_argument("--digest", default=None, help="target digest (default: computed from the checkpoint)")
+    rf.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL", "http://127.0.0.1:8001"),
+                    help="the frontend's RL listener")
+    rf.add_argument("--model", default=None, help="only workers serving this model")
+    rf.add_argument("--path", default="vllm-disk", choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
+    rf.add_argument("--sglang-worker", action="append", default=[], metavar="SYSTEM_URL,REQUEST_URL")
+    rf.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
+    rf.add_argument("--retries", type=int, default=1)
+    rf.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
+    rf.add_argument("--probe-tolerance", type=float, default=1e-3)
+    rf.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
+    rf.add_argument("--step", type=int, default=None, help="framework step, for the journal")
+    rf.add_argument("--journal", default=str(default_journal()))
+    rf.set_defaults(func=_refresh)
+
+    jn = sub.add_parser("journal", help="show past policy refreshes")
+    jn.add_argument("--journal", default=str(default_journal()))
+    jn.add_argument("--limit", type=int, default=20)
+    jn.add_argument("--json", action="store_true")
+    jn.set_defaults(func=_journal)
 
     de = sub.add_parser("demo", help="run the demo on a local fleet")
     de.add_argument("--out", default="rlfleet-demo", help="output directory")

@@ -19,7 +19,7 @@ MODEL = "tiny-f"
 LEASE = 2.0
 ROUTES = ["abort_request", "destroy_weights_update_group", "flush_cache", "get_weight_version",
           "init_weights_update_group", "liveness_probe", "pause_generation",
-          "resume_generation", "set_weight_version", "update_weights_from_disk",
+          "resume_generation", "set_admission", "set_weight_version", "update_weights_from_disk",
           "update_weights_from_distributed"]
 
 

@@ -79,7 +79,7 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Fa
             except InjectedFault as e:
                 return error_response(500, str(e))
             if injected is not None:
-                return error_response(500, injected["message"])
+                return error_response(500, injected.get("message", "injected failure"))
         try:
             req = GenerateRequest.model_validate_json(body)
             ids = check_prompt(engine, req)

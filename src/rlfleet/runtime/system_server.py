@@ -45,7 +45,9 @@ class InjectedFault(Exception):
     pass
 
 
-FAULT_MODES = ("error", "http500", "hang", "exit")
+# error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
+# exit: the process dies; respond: answer with the given `body` instead of running the route
+FAULT_MODES = ("error", "http500", "hang", "exit", "respond")
 
 
 @dataclass
@@ -66,10 +68,13 @@ class FaultInjector:
         hang = body.get("hang_seconds", 3600)
         if not isinstance(hang, (int, float)) or hang < 0:
             return failed("hang_seconds must be a non-negative number")
+        if mode == "respond" and not isinstance(body.get("body"), dict):
+            return failed("mode respond needs body (the JSON object to answer with)")
         if times == 0:
             self.faults.pop(route, None)
         else:
-            self.faults[route] = {"mode": mode, "times": times, "hang_seconds": float(hang)}
+            self.faults[route] = {"mode": mode, "times": times, "hang_seconds": float(hang),
+                                  "body": body.get("body")}
         return ok(route=route, mode=mode, times=times)
 
     async def check(self, route: str) -> dict[str, Any] | None:
@@ -87,6 +92,8 @@ class FaultInjector:
             await asyncio.sleep(f["hang_seconds"])
         if f["mode"] == "http500":
             raise InjectedFault(f"injected failure of {route}")
+        if f["mode"] == "respond":
+            return dict(f["body"])
         return failed(f"injected failure of {route}")
 
 

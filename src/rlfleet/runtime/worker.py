@@ -10,13 +10,14 @@ import os
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import request_plane_app
-from rlfleet.runtime.system_server import FaultInjector, Route, system_app
+from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -48,7 +49,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="update_weights_from_disk reads only under these directories")
     p.add_argument("--enable-fault-injection", action="store_true",
                    help="accept POST /engine/fault_injection (tests only)")
+    p.add_argument("--start-gated", action="store_true",
+                   help="register closed to rollouts until a coordinator verifies this worker "
+                        "and calls set_admission (replacement workers in an RL fleet)")
     p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+
+
+@dataclass
+class Admission:
+    gated: bool
+    reason: str | None = None
 
 
 def _advertised_host(bind_host: str) -> str:
@@ -76,11 +86,28 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     host = _advertised_host(args.host)
     request_url = f"http://{host}:{rp.port}"
     system_url = None
+    regs: list[Registration] = []
+    admission = Admission(gated=args.start_gated)
+
+    async def set_admission(body: dict) -> dict:
+        """Open or close this worker to rollout traffic: the flag lives in its own discovery
+        entry, so every frontend stops (or starts) routing to it."""
+        open_ = body.get("open")
+        if not isinstance(open_, bool):
+            return failed("open (boolean) is required")
+        reason = body.get("reason")
+        admission.gated, admission.reason = not open_, reason if not open_ else None
+        for reg in regs:
+            await reg.update({**reg.entry, "gated": admission.gated,
+                              "gate_reason": admission.reason})
+        return ok(open=open_, reason=admission.reason)
+
     if args.system_port is not None:
-        app = system_app(admin_routes() if admin_routes else [], admin_token=args.admin_token,
-                         faults=faults, health=lambda: {"instance_id": instance_id,
-                                                        "model": engine.info.served_model_name,
-                                                        **engine.weight_identity()})
+        routes = (admin_routes() if admin_routes else []) + [Route("set_admission", set_admission)]
+        app = system_app(routes, admin_token=args.admin_token, faults=faults,
+                         health=lambda: {"instance_id": instance_id,
+                                         "model": engine.info.served_model_name,
+                                         "gated": admission.gated, **engine.weight_identity()})
         ss = AppServer(app, bind_socket(args.system_host, args.system_port))
         await ss.start()
         servers.append(ss)
@@ -95,10 +122,12 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     }
     if system_url:
         base["system_url"] = system_url
+    if admission.gated:
+        base["gated"], base["gate_reason"] = True, "started gated: not yet verified"
     discovery = open_discovery(args.discovery)
-    regs: list[Registration] = [await discovery.register(
+    regs.append(await discovery.register(
         {**base, "endpoint": "generate",
-         "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.generate"}, ttl=args.lease_ttl)]
+         "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.generate"}, ttl=args.lease_ttl))
     if args.enable_rl:
         regs.append(await discovery.register(
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
