@@ -57,7 +57,7 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
     retry = RetryPolicy(max_attempts=6, backoff_initial=0.01, backoff_max=0.2,
                         attempt_timeout=10.0, reuse_request_id_on_timeout=True)
     received: list[AdmittedSample] = []  # every sample the trainer got, in order
-    failed: dict[str, str] = {}
+    failed: dict[str, list[str]] = {}
     dropped: list[str] = []
     prompts = {f"s{i}": [rng.randrange(1000, 1128) for _ in range(rng.randint(3, 12))]
                for i in range(SAMPLES)}
@@ -90,7 +90,7 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
                 except asyncio.CancelledError:
                     dropped.append(sid)
                 except SampleFailed as e:
-                    failed[sid] = e.reason
+                    failed[sid] = e.reasons
 
         async def kill_a_worker() -> None:
             """SIGKILL worker 0 a third of the way through, while it streams to several."""
@@ -125,10 +125,9 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
         assert max(got.values()) == 1
         assert not dropped and set(got) | set(failed) == set(prompts)
         assert not set(got) & set(failed)
-        assert all(failed.values())
+        assert all(why and all(why) for why in failed.values())  # each with its reasons
         # only samples with a client timeout shorter than some generations may fail
-        assert all(plan[s]["timeout"] is not None for s in failed), Counter(failed.values())
-        assert set(failed.values()) <= {"timeout", "deadline"}, Counter(failed.values())
+        assert all(plan[s]["timeout"] is not None and "timeout" in failed[s] for s in failed)
 
         # the ledger agrees with what the trainer received
         admitted = ledger.admitted()

@@ -57,12 +57,16 @@ class FakeFrontend:
         self.idempotent = idempotent
         self.requests: list[tuple[str, dict[str, str], dict]] = []
         self.closed_streams = 0
+        self.cancelled: list[str] = []
         self.remembered: dict[str, httpx.Response] = {}
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self.handle)
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
+        if m := re.fullmatch(r"/v1/requests/(.+)/cancel", request.url.path):
+            self.cancelled.append(m.group(1))
+            return httpx.Response(200, json={"request_id": m.group(1), "cancelled": True})
         body = json.loads(request.content)
         self.requests.append((request.url.path, dict(request.headers), body))
         rid = request.headers["x-request-id"]
@@ -269,6 +273,7 @@ async def test_a_timed_out_attempt_is_retried_under_the_same_request_id():
                                                    (AttemptState.SUCCEEDED, None)]
     assert recs[0].request_id == recs[1].request_id == s.request_id
     assert fe.requests[0][1]["x-request-id"] == fe.requests[1][1]["x-request-id"]
+    assert fe.cancelled == []  # the retry rejoins the first request: it must keep running
 
 
 async def test_request_id_reuse_can_be_turned_off():
@@ -276,7 +281,8 @@ async def test_request_id_reuse_can_be_turned_off():
     retry = RetryPolicy(3, 0.001, 0.002, attempt_timeout=0.1, reuse_request_id_on_timeout=False)
     async with client(fe, retry=retry) as c:
         await c.generate("s", PROMPT)
-    assert fe.requests[0][1]["x-request-id"] != fe.requests[1][1]["x-request-id"]
+    first, second = (h["x-request-id"] for _, h, _ in fe.requests)
+    assert first != second and fe.cancelled == [first]  # abandoned: aborted on the server
 
 
 async def test_a_reused_request_id_that_is_still_running_gets_a_new_one():
@@ -297,6 +303,7 @@ async def test_the_deadline_bounds_the_whole_sample():
             await c.generate("s", PROMPT, deadline=time.monotonic() + 0.2)
     assert time.monotonic() - t0 < 1.0
     assert info.value.reasons[0] == "timeout" and info.value.reason == "deadline"
+    assert fe.cancelled == [fe.requests[0][1]["x-request-id"]]  # nobody will rejoin it
 
 
 # ---------------------------------------------------------------- partial rollouts
@@ -381,6 +388,8 @@ async def test_cancelling_closes_the_stream_and_records_the_attempt():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert fe.closed_streams == 1
+        await asyncio.sleep(0)
+        assert fe.cancelled == [c.ledger.attempt("s", 1).request_id]
         rec = c.ledger.attempt("s", 1)
         assert (rec.state, rec.reason, rec.admitted) == (AttemptState.CANCELED, "cancelled", False)
         s = await c.generate("s", PROMPT)  # the trainer asks again: the next attempt

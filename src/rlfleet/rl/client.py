@@ -74,6 +74,8 @@ EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detail
                 "engine_data", "weight_versions")
 # statuses worth another attempt: the frontend or a worker may do better next time
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 499, 500, 502, 503, 504})
+CANCEL_PATH = "/v1/requests/{}/cancel"  # the frontend's abort for a kept X-Request-Id run
+CANCEL_TIMEOUT = 5.0
 
 log = telemetry.log
 
@@ -111,6 +113,7 @@ class RolloutClient:
         self.retry = retry or RetryPolicy()
         self.partial = partial or PartialRolloutPolicy()
         self.route, self.stream = route, stream
+        self._background: set[asyncio.Task] = set()  # remote cancels in flight
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
             limits=httpx.Limits(max_connections=max_connections,
@@ -118,6 +121,8 @@ class RolloutClient:
             transport=transport)
 
     async def aclose(self) -> None:
+        if self._background:
+            await asyncio.wait(self._background, timeout=CANCEL_TIMEOUT)
         await self._http.aclose()
 
     async def __aenter__(self) -> RolloutClient:
@@ -154,41 +159,42 @@ class RolloutClient:
         t0 = time.monotonic()
         prefix = ResumedPrefix()
         reasons: list[str] = []
-        reuse: str | None = None
+        reuse: str | None = None  # a timed-out request to rejoin (in the end: to cancel)
         timeout = attempt_timeout if attempt_timeout is not None else self.retry.attempt_timeout
-        for k in range(self.retry.max_attempts):
-            if k:
-                pause = self.retry.backoff(k)
-                if deadline is not None and time.monotonic() + pause >= deadline:
-                    reasons.append("deadline")
-                    break
-                await asyncio.sleep(pause)
-            rid = reuse or new_request_id()
-            try:
-                number = self.ledger.start(sample_id, rid)
-            except AlreadyAdmitted:
-                telemetry.SAMPLES.labels("already_admitted").inc()
-                raise
-            a = Attempt(sample_id, number, rid)
-            budget = timeout
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                budget = left if budget is None else min(budget, left)
-            try:
+        try:
+            for k in range(self.retry.max_attempts):
+                if k:
+                    pause = self.retry.backoff(k)
+                    if deadline is not None and time.monotonic() + pause >= deadline:
+                        reasons.append("deadline")
+                        break
+                    await asyncio.sleep(pause)
+                rid = reuse or new_request_id()
+                a = Attempt(sample_id, self.ledger.start(sample_id, rid), rid)
+                reused, reuse = reuse is not None, None  # the attempt owns the request now
+                budget = timeout
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    budget = left if budget is None else min(budget, left)
                 result = await self._attempt(a, trace, prompt_ids, sampling, n, route, stream,
-                                             rules, prefix, budget, reused=reuse is not None)
-            except asyncio.CancelledError:
-                telemetry.SAMPLES.labels("cancelled").inc()
-                raise
-            if isinstance(result, AdmittedSample):
-                telemetry.SAMPLES.labels("admitted").inc()
-                telemetry.SAMPLE_SECONDS.observe(time.monotonic() - t0)
-                return result
-            reasons.append(result.reason)
-            if not result.retry:
-                break
-            reuse = rid if result.reuse_request_id else None
-            self._offer_partial(a, result, sampling, n, rules, prefix)
+                                             rules, prefix, budget, reused)
+                if isinstance(result, AdmittedSample):
+                    telemetry.SAMPLES.labels("admitted").inc()
+                    telemetry.SAMPLE_SECONDS.observe(time.monotonic() - t0)
+                    return result
+                reasons.append(result.reason)
+                reuse = rid if result.reuse_request_id else None
+                if not result.retry:
+                    break
+                self._offer_partial(a, result, sampling, n, rules, prefix)
+        except (asyncio.CancelledError, AlreadyAdmitted) as e:
+            if reuse is not None:
+                self._cancel_remotely(reuse)
+            telemetry.SAMPLES.labels("cancelled" if isinstance(e, asyncio.CancelledError)
+                                     else "already_admitted").inc()
+            raise
+        if reuse is not None:  # nobody comes back for the timed-out request
+            self._cancel_remotely(reuse)
         telemetry.SAMPLES.labels("failed").inc()
         err = SampleFailed(sample_id, reasons[-1] if reasons else "no attempt", reasons)
         log.warning("sample failed: %s", err, extra={"sample_id": sample_id, "trace_id": trace})
@@ -230,7 +236,7 @@ class RolloutClient:
     async def _attempt(self, a: Attempt, trace: str, prompt_ids: list[int],
                        sampling: SamplingSpec, n: int, route: str, stream: bool,
                        rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
-                       reused: bool = False) -> AdmittedSample | _End:
+                       reused: bool) -> AdmittedSample | _End:
         sent_prompt = prompt_ids + prefix.token_ids if prefix.token_ids else prompt_ids
         spec = sampling
         if prefix.token_ids:
@@ -250,16 +256,21 @@ class RolloutClient:
                 else:
                     gen_or_end = await self._unary(path, body, headers, route)
         except TimeoutError:
-            end = _End("timeout", reuse_request_id=self.retry.reuse_request_id_on_timeout,
+            reuse = self.retry.reuse_request_id_on_timeout
+            if not reuse:
+                self._cancel_remotely(a.request_id)
+            end = _End("timeout", reuse_request_id=reuse,
                        partial=acc.result() if acc is not None else None)
             return self._close(a, trace, AttemptState.CANCELED, end)
         except asyncio.CancelledError:
+            self._cancel_remotely(a.request_id)
             self._close(a, trace, AttemptState.CANCELED, _End("cancelled", retry=False))
             raise
         except StreamError as e:
             end = _End(f"stream_error: {e}", partial=acc.result() if acc is not None else None)
             return self._close(a, trace, AttemptState.FAILED, end)
         except httpx.HTTPError as e:
+            self._cancel_remotely(a.request_id)  # the frontend may keep running it
             end = _End(f"transport: {type(e).__name__}: {e}",
                        partial=acc.result() if acc is not None else None)
             return self._close(a, trace, AttemptState.FAILED, end)
@@ -297,7 +308,6 @@ class RolloutClient:
         except AlreadyAdmitted:
             a.move(AttemptState.FAILED, AlreadyAdmitted.reason)
             telemetry.attempt_ended(a)
-            telemetry.SAMPLES.labels("already_admitted").inc()
             raise
         except AttemptClosed as e:  # someone else (a newer call) took the sample over
             a.move(AttemptState.FAILED, e.reason)
@@ -340,6 +350,22 @@ class RolloutClient:
         return end
 
     # ------------------------------------------------------------ the wire
+
+    def _cancel_remotely(self, request_id: str) -> None:
+        """Abort an abandoned request on the serving side, in the background. Closing the
+        connection is not enough: the frontend keeps a run that has an X-Request-Id for
+        a while, so that a retry can rejoin it."""
+        task = asyncio.get_running_loop().create_task(self._post_cancel(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _post_cancel(self, request_id: str) -> None:
+        try:
+            await self._http.post(self.base_url + CANCEL_PATH.format(request_id),
+                                  timeout=CANCEL_TIMEOUT)
+        except httpx.HTTPError as e:
+            log.info("could not cancel request %s: %r", request_id, e,
+                     extra={"request_id": request_id})
 
     def _body(self, route: str, prompt: list[int], spec: SamplingSpec, n: int, stream: bool,
               model: str, request_id: str) -> tuple[str, bytes]:

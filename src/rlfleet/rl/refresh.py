@@ -273,7 +273,7 @@ class PolicyRefresh:
             from rlfleet.weights.digest import checkpoint_digest
 
             digest = await asyncio.to_thread(checkpoint_digest, Path(path))
-        if probe is None and path is not None:
+        if probe is None and path is not None and (Path(path) / "config.json").exists():
             probe = await asyncio.to_thread(reference_probe, path, self.probe_prompt,
                                             self.probe_tokens)
         if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None:

@@ -1,0 +1,261 @@
+"""PolicyRefresh failure handling, driven with mocker workers and their fault injection.
+(The real-engine refresh is in test_refresh_vllm.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlfleet.mocker.admin import write_mock_checkpoint
+from rlfleet.rl.journal import Journal
+from rlfleet.rl.refresh import (
+    TRANSITIONS,
+    IllegalRefreshTransition,
+    PolicyRefresh,
+    RefreshState,
+    SglangWorker,
+    check_transition,
+)
+from rlfleet.runtime.launch import Fleet, spawn
+from tests.conftest import wait_for_workers
+
+MODEL = "mock-rl"
+
+
+def mock_args(root: Path, *extra: str) -> tuple[str, ...]:
+    return ("--served-model-name", MODEL, "--enable-rl", "--system-port", "0",
+            "--enable-fault-injection", "--allowed-weights-root", str(root),
+            "--token-delay", "0.002", "--seed", "1", *extra)
+
+
+@pytest.fixture
+def ckpts(tmp_path) -> dict[str, Path]:
+    root = tmp_path / "weights"
+    return {"root": root, "A": write_mock_checkpoint(root / "A", 1),
+            "B": write_mock_checkpoint(root / "B", 2)}
+
+
+@pytest.fixture
+def fleet(tmp_path, ckpts):
+    with Fleet(tmp_path / "fleet", lease_ttl=2) as f:
+        f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
+        for _ in range(2):
+            f.start_worker(*mock_args(ckpts["root"]), kind="mocker")
+        wait_for_workers(f.url, MODEL, 2)
+        yield f
+
+
+def coordinator(fleet, tmp_path, **kw) -> PolicyRefresh:
+    kw.setdefault("journal", tmp_path / "journal.sqlite")
+    return PolicyRefresh(fleet.rl_url, model=MODEL, timeout=10, **kw)
+
+
+def to(refresh: PolicyRefresh, ckpts, name: str, seed: int):
+    return asyncio.run(refresh.refresh(ckpts[name], name, digest=f"mock:{seed}"))
+
+
+def versions(fleet) -> dict[int, tuple]:
+    out = {}
+    for p in fleet.workers:
+        if p.popen.poll() is None:
+            v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={}).json()
+            out[int(p.ready["instance_id"])] = (v["version"], v["weight_digest"])
+    return out
+
+
+def fault(proc, route: str, mode: str = "error", **kw) -> None:
+    r = httpx.post(f"{proc.ready['system_url']}/engine/fault_injection",
+                   json={"route": route, "mode": mode, **kw}, timeout=5)
+    assert r.json()["status"] == "ok", r.text
+
+
+def routed(fleet, expected: int | None = None, timeout: float = 5.0) -> set[int]:
+    """Workers the frontend routes to; with `expected`, wait until that many are (discovery
+    reaches the frontend within its poll interval)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
+               if w["usable"]}
+        if expected is None or len(got) == expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
+
+
+def test_transition_table():
+    for old, allowed in TRANSITIONS.items():
+        for new in RefreshState:
+            if new in allowed:
+                assert check_transition(old, new) is new
+            else:
+                with pytest.raises(IllegalRefreshTransition):
+                    check_transition(old, new)
+
+
+def test_clean_refresh_and_journal(fleet, ckpts, tmp_path):
+    r = coordinator(fleet, tmp_path)
+    res = to(r, ckpts, "B", 2)
+    assert res.decision == "reopened" and res.ok, res.reason
+    assert set(versions(fleet).values()) == {("B", "mock:2")}
+    names = [s["name"] for s in res.steps]
+    assert names == ["resolve", "gate", "pause", "apply", "reset_cache", "verify", "resume",
+                     "probe", "reopen"]
+    entry = Journal(tmp_path / "journal.sqlite").get(res.refresh_id)
+    assert entry["target_version"] == "B" and entry["target_digest"] == "mock:2"
+    assert entry["decision"] == "reopened" and len(entry["intended_workers"]) == 2
+    assert all(w["status"] == "verified" for w in entry["workers"].values())
+    routes = {c["route"] for w in entry["workers"].values() for c in w["calls"]}
+    assert {"pause_generation", "update_weights_from_disk", "get_weight_version"} <= routes
+    assert len(routed(fleet, 2)) == 2
+
+
+def test_pause_failure_excludes_that_worker(fleet, ckpts, tmp_path):
+    bad = fleet.workers[0]
+    fault(bad, "pause_generation")
+    res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)
+    assert res.decision == "reopened"
+    by = {w["instance_id"]: w for w in res.workers}
+    assert by[int(bad.ready["instance_id"])]["status"] == "excluded"
+    assert "pause failed" in by[int(bad.ready["instance_id"])]["reason"]
+    v = versions(fleet)
+    assert v[int(bad.ready["instance_id"])] == (None, "mock:1")  # no transfer to it
+    assert routed(fleet, 1) == {int(fleet.workers[1].ready["instance_id"])}  # not admitted
+
+
+def test_transfer_failure_after_a_peer_succeeded_holds(fleet, ckpts, tmp_path):
+    fault(fleet.workers[1], "update_weights_from_disk", "http500")
+    r = coordinator(fleet, tmp_path, on_failure="hold")
+    res = to(r, ckpts, "B", 2)
+    assert res.decision == "held" and "transfer failed on 1 of 2" in res.reason
+    assert routed(fleet, 0) == set() and not r.gate.is_open
+    entry = r.journal.get(res.refresh_id)
+    calls = [c for w in entry["workers"].values() for c in w["calls"]
+             if c["route"] == "update_weights_from_disk"]
+    assert sorted(c["http_status"] for c in calls) == [200, 500]
+
+
+def test_transfer_failure_retry(fleet, ckpts, tmp_path):
+    fault(fleet.workers[1], "update_weights_from_disk", "error", times=1)
+    res = to(coordinator(fleet, tmp_path, on_failure="retry", retries=2), ckpts, "B", 2)
+    assert res.decision == "reopened", res.reason
+    assert set(versions(fleet).values()) == {("B", "mock:2")}
+
+
+def test_transfer_failure_rollback_returns_to_a_verified(fleet, ckpts, tmp_path):
+    r = coordinator(fleet, tmp_path, on_failure="rollback")
+    assert to(r, ckpts, "A", 1).ok
+    fault(fleet.workers[0], "update_weights_from_disk", "error", times=1)
+    res = to(r, ckpts, "B", 2)
+    assert res.decision == "rolled_back", res.reason
+    assert set(versions(fleet).values()) == {("A", "mock:1")}
+    assert res.policy.version == "A" and r.current.version == "A"
+    assert len(routed(fleet, 2)) == 2 and r.gate.is_open
+    assert any(s["name"] == "rollback" for s in res.steps)
+
+
+def test_cache_reset_failure_excludes(fleet, ckpts, tmp_path):
+    fault(fleet.workers[0], "flush_cache")
+    res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)
+    assert res.decision == "reopened"
+    out = [w for w in res.workers if w["status"] != "verified"]
+    assert len(out) == 1 and "cache reset failed" in out[0]["reason"]
+    assert routed(fleet, 1) == {int(fleet.workers[1].ready["instance_id"])}
+
+
+def test_version_mismatch_keeps_the_fleet_closed(fleet, ckpts, tmp_path):
+    fault(fleet.workers[0], "get_weight_version", "respond",
+          body={"status": "ok", "version": "B", "version_declared": True,
+                "weight_digest": "mock:999"})
+    r = coordinator(fleet, tmp_path)
+    res = to(r, ckpts, "B", 2)
+    assert res.decision == "held" and "version check differs" in res.reason
+    assert routed(fleet, 0) == set() and not r.gate.is_open
+
+
+def test_post_update_generation_failure_keeps_worker_out(fleet, ckpts, tmp_path):
+    bad = fleet.workers[1]
+    fault(bad, "generate", "http500")
+    res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)
+    assert res.decision == "reopened"
+    w = next(w for w in res.workers if w["instance_id"] == int(bad.ready["instance_id"]))
+    assert w["status"] == "excluded" and "post-update generation failed" in w["reason"]
+    assert any(c["route"] == "generate" for c in w["calls"])  # diagnostics kept
+    assert routed(fleet, 1) == {int(fleet.workers[0].ready["instance_id"])}
+
+
+def test_worker_missing_at_transfer_time(fleet, ckpts, tmp_path):
+    victim = fleet.workers[0]
+    fault(victim, "pause_generation", "respond",
+          body={"status": "ok", "message": "Engine paused", "mode": "wait", "clear_cache": False})
+    fault(victim, "update_weights_from_disk", "exit")
+    res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)
+    assert res.decision == "reopened", res.reason
+    w = next(w for w in res.workers if w["instance_id"] == int(victim.ready["instance_id"]))
+    assert w["status"] == "missing"
+    assert set(versions(fleet).values()) == {("B", "mock:2")}
+
+
+def test_worker_killed_mid_refresh(fleet, ckpts, tmp_path):
+    victim = fleet.workers[1]
+    fault(victim, "update_weights_from_disk", "hang", hang_seconds=3)
+    r = coordinator(fleet, tmp_path)
+
+    async def run():
+        task = asyncio.create_task(r.refresh(ckpts["B"], "B", digest="mock:2"))
+        await asyncio.sleep(1.0)
+        victim.signal(signal.SIGKILL)
+        return await task
+
+    res = asyncio.run(run())
+    assert res.decision == "reopened", res.reason
+    w = next(w for w in res.workers if w["instance_id"] == int(victim.ready["instance_id"]))
+    assert w["status"] == "missing"
+    assert routed(fleet, 1) == {int(fleet.workers[0].ready["instance_id"])}
+
+
+def test_replacement_worker_is_admitted_only_when_verified(fleet, ckpts, tmp_path):
+    r = coordinator(fleet, tmp_path)
+    assert to(r, ckpts, "B", 2).ok
+    new = fleet.start_worker(*mock_args(ckpts["root"], "--start-gated"), kind="mocker")
+    iid = int(new.ready["instance_id"])
+    wait_for_workers(fleet.url, MODEL, 2)  # it joined discovery but is not routed to
+    assert iid not in routed(fleet)
+    res = asyncio.run(r.admit_new_workers())
+    assert res.ok and [w["instance_id"] for w in res.workers] == [iid]
+    assert versions(fleet)[iid] == ("B", "mock:2")
+    assert iid in routed(fleet, 3) and len(routed(fleet)) == 3
+
+
+def test_sglang_path(tmp_path, ckpts):
+    env = {"DYN_SGLANG_ENGINE_ROUTES": "pause_generation:tm continue_generation:tm"}
+    import os
+    import sys
+    procs = []
+    try:
+        for i in range(2):
+            p = spawn(f"sglang-{i}", [sys.executable, "-m", "rlfleet.mocker",
+                                      *mock_args(ckpts["root"]), "--admin-schema", "sglang",
+                                      "--discovery", f"file://{tmp_path / 'disc'}"],
+                      tmp_path / "logs", env={**os.environ, **env})
+            procs.append(p)
+        for p in procs:
+            p.wait_ready(60)
+        workers = [SglangWorker(p.ready["system_url"], p.ready["url"], f"sglang-{i}")
+                   for i, p in enumerate(procs)]
+        r = PolicyRefresh(path="sglang-disk", sglang_workers=workers, timeout=10)
+        res = asyncio.run(r.refresh(ckpts["B"], "B", digest="mock:2"))
+        assert res.ok, res.reason
+        assert all(w["status"] == "verified" for w in res.workers)
+        routes = {c["route"] for w in res.workers for c in w["calls"]}
+        assert {"pause_generation", "control/update_weights_from_disk",
+                "continue_generation", "generate"} <= routes
+        # a post-update digest that is not the target's keeps the worker out
+        res = asyncio.run(r.refresh(ckpts["A"], "A", digest="mock:999"))
+        assert res.decision == "held"
+    finally:
+        for p in procs:
+            p.stop()
