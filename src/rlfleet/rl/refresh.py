@@ -216,7 +216,7 @@ class PolicyRefresh:
                  journal: Journal | str | Path = ":memory:", gate: RolloutGate | None = None,
                  on_failure: OnFailure | str = OnFailure.HOLD, retries: int = 1,
                  pause_mode: str = "wait", probe_prompt: Sequence[int] = (151644, 8948, 198),
-                 probe_tokens: int = 8, probe_tolerance: float = 1e-3, min_workers: int = 1,
+                 probe_tokens: int = 4, probe_tolerance: float = 1e-3, min_workers: int = 1,
                  timeout: float = 120.0, admin_token: str | None = None,
                  on_event: Callable[[str], None] | None = None,
                  current: Policy | None = None) -> None:
@@ -547,7 +547,9 @@ class PolicyRefresh:
         async def one(w: FleetWorker) -> None:
             if self.path is UpdatePath.SGLANG_DISK:
                 return  # no version route on SGLang: the probe checks the digest
-            ok, v = await self._call(http, w, "verify", "get_weight_version")
+            (ok, v), (alive, live) = await asyncio.gather(
+                self._call(http, w, "verify", "get_weight_version"),
+                self._call(http, w, "verify", "liveness_probe"))
             if not ok:
                 w.exclude(f"version check failed: {v.get('message', v)}")
                 return
@@ -556,8 +558,7 @@ class PolicyRefresh:
                                   f"{v.get('weight_digest')}")
                 w.exclude("version or digest differs from the target")
                 return
-            ok, live = await self._call(http, w, "verify", "liveness_probe")
-            if not ok:
+            if not alive:
                 w.exclude(f"liveness probe failed: {live.get('message', live)}")
         await self._each(ws, one)
         if mismatched:

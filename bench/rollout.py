@@ -1,0 +1,124 @@
+"""What the rollout client's bookkeeping costs: samples/s of `RolloutClient.rollout`
+(ledger on a temp file, every admission check on, unary OpenAI route) against raw
+concurrent httpx POSTs of the same requests (same body, an X-Request-Id each, the JSON
+parsed, nothing checked or recorded), through one frontend and two mocker workers with no
+token delay, at the same concurrency and sample count, in one run.
+
+    python bench/rollout.py [--samples 2000] [--concurrency 64] [--max-tokens 16] [--rounds 3]
+
+Rounds alternate raw and client after a warm-up; prints each round, the medians and the
+ratio (client / raw). The mocker is a simulator: this measures the client, not an engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+from rlfleet.rl import RolloutClient, SampleLedger, SampleRequest, SamplingSpec
+from rlfleet.rl.client import EXTRA_FIELDS
+from rlfleet.runtime.launch import Fleet
+
+MODEL = "mock-model"
+
+
+def requests(n: int, tag: str, spec: SamplingSpec) -> list[SampleRequest]:
+    return [SampleRequest(f"{tag}-{i}", [1000 + i % 97, 1001, 1002 + i % 13, 1003], spec)
+            for i in range(n)]
+
+
+def raw_body(r: SampleRequest) -> bytes:
+    """The body RolloutClient sends for this sample (unary OpenAI completions)."""
+    return json.dumps({"model": MODEL, "prompt": r.prompt_ids, "n": 1, "stream": False,
+                       "logprobs": 0, "return_tokens_as_token_ids": True,
+                       **r.sampling.openai_fields(),
+                       "nvext": {"extra_fields": list(EXTRA_FIELDS)}},
+                      separators=(",", ":")).encode()
+
+
+async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> float:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=httpx.Limits(
+            max_connections=1024, max_keepalive_connections=1024)) as http:
+        queue = iter(reqs)
+        ok = 0
+
+        async def work() -> None:
+            nonlocal ok
+            for r in queue:
+                resp = await http.post(f"{url}/v1/completions", content=raw_body(r), headers={
+                    "content-type": "application/json", "x-request-id": uuid.uuid4().hex})
+                ok += resp.status_code == 200 and bool(resp.json()["choices"])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(work() for _ in range(concurrency)))
+        dt = time.perf_counter() - t0
+    assert ok == len(reqs), f"raw: {len(reqs) - ok} requests failed"
+    return len(reqs) / dt
+
+
+async def client(url: str, reqs: list[SampleRequest], concurrency: int, ledger: Path) -> float:
+    async with RolloutClient(url, MODEL, ledger=SampleLedger(ledger)) as c:
+        t0 = time.perf_counter()
+        out = await c.rollout(reqs, concurrency)
+        dt = time.perf_counter() - t0
+    bad = [o for o in out if not o.admitted]
+    assert not bad, f"client: {len(bad)} samples not admitted, e.g. {bad[0].reason}"
+    return len(reqs) / dt
+
+
+async def measure(url: str, args: argparse.Namespace, work: Path) -> None:
+    spec = SamplingSpec(max_tokens=args.max_tokens)
+    ledger = work / "ledger.db"
+    await raw(url, requests(200, "warm-raw", spec), args.concurrency)
+    await client(url, requests(200, "warm", spec), args.concurrency, ledger)
+    rates: dict[str, list[float]] = {"raw": [], "client": []}
+    for k in range(args.rounds):
+        r = await raw(url, requests(args.samples, f"raw{k}", spec), args.concurrency)
+        c = await client(url, requests(args.samples, f"r{k}", spec), args.concurrency, ledger)
+        rates["raw"].append(r)
+        rates["client"].append(c)
+        print(f"round {k + 1}: raw {r:8.1f} samples/s   client {c:8.1f} samples/s   "
+              f"ratio {c / r:.3f}", flush=True)
+    raw_rate, client_rate = statistics.median(rates["raw"]), statistics.median(rates["client"])
+    print(f"\n{args.samples} samples x {args.rounds} rounds, concurrency {args.concurrency}, "
+          f"max_tokens {args.max_tokens}, frontend + 2 mocker workers")
+    print(f"raw httpx POST      {raw_rate:8.1f} samples/s (median)")
+    print(f"RolloutClient       {client_rate:8.1f} samples/s (median; ledger file, all checks)")
+    print(f"ratio client / raw  {client_rate / raw_rate:.3f}  "
+          f"(bookkeeping cost {100 * (1 - client_rate / raw_rate):.1f}%)")
+
+
+def wait_for_workers(url: str, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(f"{url}/health", timeout=5).json()["workers"]
+        if sum(w["usable"] for w in workers) >= count:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the frontend did not see {count} workers in {timeout:.0f}s")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, Fleet(Path(tmp) / "fleet") as fleet:
+        fleet.start_frontend()
+        for _ in range(2):
+            fleet.start_worker(kind="mocker")
+        wait_for_workers(fleet.url, 2)
+        asyncio.run(measure(fleet.url, args, Path(tmp)))
+
+
+if __name__ == "__main__":
+    main()
