@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from rlfleet.rl import RolloutClient, SampleLedger, SampleRequest, SamplingSpec
-from rlfleet.rl.client import EXTRA_FIELDS
+from rlfleet.rl.client import request_body
 from rlfleet.runtime.launch import Fleet
 
 MODEL = "mock-model"
@@ -36,11 +35,7 @@ def requests(n: int, tag: str, spec: SamplingSpec) -> list[SampleRequest]:
 
 def raw_body(r: SampleRequest) -> bytes:
     """The body RolloutClient sends for this sample (unary OpenAI completions)."""
-    return json.dumps({"model": MODEL, "prompt": r.prompt_ids, "n": 1, "stream": False,
-                       "logprobs": 0, "return_tokens_as_token_ids": True,
-                       **r.sampling.openai_fields(),
-                       "nvext": {"extra_fields": list(EXTRA_FIELDS)}},
-                      separators=(",", ":")).encode()
+    return request_body("openai", r.prompt_ids, r.sampling, r.n, False, MODEL, "")[1]
 
 
 async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> float:
@@ -64,10 +59,11 @@ async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> float:
 
 
 async def client(url: str, reqs: list[SampleRequest], concurrency: int, ledger: Path) -> float:
-    async with RolloutClient(url, MODEL, ledger=SampleLedger(ledger)) as c:
-        t0 = time.perf_counter()
-        out = await c.rollout(reqs, concurrency)
-        dt = time.perf_counter() - t0
+    with SampleLedger(ledger) as led:
+        async with RolloutClient(url, MODEL, ledger=led) as c:
+            t0 = time.perf_counter()
+            out = await c.rollout(reqs, concurrency)
+            dt = time.perf_counter() - t0
     bad = [o for o in out if not o.admitted]
     assert not bad, f"client: {len(bad)} samples not admitted, e.g. {bad[0].reason}"
     return len(reqs) / dt

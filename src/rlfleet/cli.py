@@ -24,9 +24,27 @@ def _digest(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rlfleet.demo import run_demo
+    from rlfleet.demo import DemoConfig, run_demo
 
-    run_demo(Path(args.out))
+    cfg = DemoConfig(out=Path(args.out), steps=args.steps, prompts=args.prompts,
+                     group_size=args.group_size, lr=args.lr, warmup_steps=args.warmup_steps,
+                     seed=args.seed, check_learning=not args.no_learning_check)
+    try:
+        report = run_demo(cfg)
+    except KeyboardInterrupt:
+        print("\nrlfleet demo: interrupted; every process it started is stopped", file=sys.stderr)
+        return 130
+    out = Path(args.out).resolve()
+    print(f"first step reward {report['first_step_reward']}, last-3 mean "
+          f"{report['last3_mean_reward']}, max logprob diff {report['max_abs_logprob_diff']}, "
+          f"total {report['total_seconds']:.0f} s")
+    print(f"report: {out / 'report.json'}" + (f", plot: {out / 'report.png'}"
+                                               if (out / "report.png").exists() else ""))
+    if not report["ok"]:
+        for f in report["failures"]:
+            print(f"rlfleet demo: FAILED: {f}", file=sys.stderr)
+        return 1
+    print("rlfleet demo: all checks passed")
     return 0
 
 
@@ -117,8 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     jn.add_argument("--json", action="store_true")
     jn.set_defaults(func=_journal)
 
-    de = sub.add_parser("demo", help="run the demo on a local fleet")
-    de.add_argument("--out", default="rlfleet-demo", help="output directory")
+    de = sub.add_parser("demo", help="GRPO training on a local fleet of two vLLM workers")
+    de.add_argument("--out", default="rlfleet-demo",
+                    help="output directory (the demo's earlier files there are replaced)")
+    de.add_argument("--steps", type=int, default=10, help="training steps")
+    de.add_argument("--prompts", type=int, default=4, help="prompts (groups) per step")
+    de.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    de.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate of the GRPO steps")
+    de.add_argument("--warmup-steps", type=int, default=30, help="supervised warm-up steps")
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--no-learning-check", action="store_true",
+                    help="do not require the reward to improve (for short runs)")
     de.set_defaults(func=_demo)
     return p
 

@@ -150,6 +150,7 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
         print(f"\n{SAMPLES} samples in {elapsed:.1f}s: {len(got)} admitted, {len(failed)} "
               f"failed; attempts {len(records)}; reasons {dict(reasons)}; resumed "
               f"{sum(len(set(s.completion.token_attempts)) > 1 for s in received)}")
+    ledger.close()  # the trainer stops
 
     # a restarted trainer reopens the ledger: still one admission per sample
     with SampleLedger(path) as reopened:
@@ -159,6 +160,7 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
             reopened.admit(sid, 1)  # a late completion of an earlier attempt
         with pytest.raises(AlreadyAdmitted):
             reopened.start(sid, "another-request")
-    async with RolloutClient(fleet.url, MODEL, ledger=SampleLedger(path)) as client:
-        with pytest.raises(AlreadyAdmitted):
-            await client.generate(received[0].sample_id, prompts[received[0].sample_id])
+    with SampleLedger(path) as reopened:
+        async with RolloutClient(fleet.url, MODEL, ledger=reopened) as client:
+            with pytest.raises(AlreadyAdmitted):  # refused before anything is sent
+                await client.generate(received[0].sample_id, prompts[received[0].sample_id])

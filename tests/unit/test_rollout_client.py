@@ -33,7 +33,8 @@ from rlfleet.rl import (
     SamplingSpec,
     WeightSpan,
 )
-from rlfleet.rl.telemetry import trace_id
+from rlfleet.rl.admission import CHECKS
+from rlfleet.rl.telemetry import KINDS, trace_id
 
 MODEL = "tiny"
 PROMPT = [1000, 1001, 1002]
@@ -399,13 +400,15 @@ async def test_cancelling_closes_the_stream_and_records_the_attempt():
 async def test_an_admitted_sample_is_not_generated_again(tmp_path):
     fe = FakeFrontend()
     path = tmp_path / "ledger.db"
-    async with client(fe, ledger=SampleLedger(path)) as c:
-        await c.generate("s", PROMPT)
-        with pytest.raises(AlreadyAdmitted):
+    with SampleLedger(path) as led:
+        async with client(fe, ledger=led) as c:
             await c.generate("s", PROMPT)
-    async with client(fe, ledger=SampleLedger(path)) as c:  # after a restart
-        with pytest.raises(AlreadyAdmitted):
-            await c.generate("s", PROMPT)
+            with pytest.raises(AlreadyAdmitted):
+                await c.generate("s", PROMPT)
+    with SampleLedger(path) as led:  # after a restart
+        async with client(fe, ledger=led) as c:
+            with pytest.raises(AlreadyAdmitted):
+                await c.generate("s", PROMPT)
     assert len(fe.requests) == 1
 
 
@@ -430,3 +433,29 @@ async def test_log_records_carry_the_attempt_identity(caplog):
     rec = next(r for r in caplog.records if "http: 503" in r.getMessage())
     assert (rec.sample_id, rec.attempt, rec.trace_id) == ("s", 1, trace_id("s"))
     assert rec.request_id == fe.requests[0][1]["x-request-id"]
+
+
+def test_metric_labels_are_bounded_sets():
+    labels: dict[str, set[str]] = {}
+    for family in REGISTRY.collect():
+        if family.name.startswith("rlfleet_rollout_"):
+            for sample in family.samples:
+                for k, v in sample.labels.items():
+                    if k != "le":
+                        labels.setdefault(k, set()).add(v)
+    assert set(labels) <= {"state", "kind", "outcome", "check"}
+    assert labels.get("state", set()) <= {"succeeded", "canceled", "failed"}
+    assert labels.get("outcome", set()) <= {"admitted", "failed", "cancelled", "already_admitted"}
+    assert labels.get("kind", set()) <= KINDS | {"other"}
+    assert labels.get("check", set()) <= {c.__name__ for c in CHECKS} | {"single_policy"}
+
+
+def test_retry_backoff_is_bounded():
+    p = RetryPolicy(max_attempts=5, backoff_initial=0.1, backoff_max=0.3, jitter=0.5)
+    for k in range(1, 10):
+        base = min(0.3, 0.1 * 2 ** (k - 1))
+        assert base <= p.backoff(k) <= base * 1.5
+    assert RetryPolicy(jitter=0).backoff(1) == RetryPolicy().backoff_initial
+    for bad in ({"max_attempts": 0}, {"backoff_max": -1}, {"attempt_timeout": 0}):
+        with pytest.raises(ValueError):
+            RetryPolicy(**bad)

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.mocker.engine import MockEngine, MockWeights
+from rlfleet.protocol import admin
 from rlfleet.runtime.system_server import Handler, Route, failed, ok
 
 log = logging.getLogger("rlfleet.mocker.admin")
 
 CHECKPOINT_FILE = "mock_weights.json"
 SCHEMAS = ("vllm", "sglang")
-PAUSE_MODES = ("keep", "wait", "abort")
 # SGLang's pause_generation modes, as the simulated engine can honour them: retracted and
 # in-place requests both continue on resume (keep), aborted ones end now.
 SGLANG_PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
@@ -67,10 +67,6 @@ def read_mock_checkpoint(directory: Path) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ValueError(f'{CHECKPOINT_FILE} must be an object {{"seed": <int>}}')
     return seed
-
-
-def _within(path: Path, roots: list[Path]) -> bool:
-    return any(path == r or path.is_relative_to(r) for r in roots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,20 +179,14 @@ class MockAdmin:
 
     # ---------------------------------------------------------------- shared
 
-    def _check_checkpoint(self, raw: Any) -> tuple[int | None, str | None]:
-        """(seed, None) for a loadable mock checkpoint, else (None, why not)."""
-        if not isinstance(raw, str) or not raw:
-            return None, "model_path is required (a checkpoint directory on this worker's disk)"
-        path = Path(raw).resolve()
-        if self.roots and not _within(path, self.roots):
-            return None, (f"model_path {raw} is outside the allowed weights roots "
-                          f"({', '.join(map(str, self.roots))})")
-        if not path.is_dir():
-            return None, f"model_path {raw} does not exist or is not a directory"
+    def _check_checkpoint(self, raw: Any) -> int:
+        """The seed of a loadable mock checkpoint (AdminRequestError says why not)."""
+        path = admin.weights_path(raw, self.roots)
         try:
-            return read_mock_checkpoint(path), None
+            return read_mock_checkpoint(path)
         except ValueError as e:
-            return None, f"checkpoint {raw} does not fit the served model's architecture: {e}"
+            raise admin.AdminRequestError(
+                f"checkpoint {raw} does not fit the served model's architecture: {e}") from e
 
     async def _install(self, seed: int, version: str | None) -> str:
         """Make `seed` the live weights; returns the new weight digest."""
@@ -216,14 +206,9 @@ class MockAdmin:
         return ok(alive=True)
 
     async def pause_generation(self, body: dict) -> dict:
-        mode = body.get("mode", "keep")
-        clear_cache = body.get("clear_cache", False)
-        if mode not in PAUSE_MODES:
-            return failed(f"Invalid mode {mode!r}; expected keep|wait|abort")
-        if not isinstance(clear_cache, bool):
-            return failed("clear_cache must be a boolean")
-        await self.engine.pause(mode, clear_cache=clear_cache)
-        return ok(message="Engine paused", mode=mode, clear_cache=clear_cache)
+        p = admin.pause_request(body)
+        await self.engine.pause(p.mode, clear_cache=p.clear_cache)
+        return ok(message="Engine paused", mode=p.mode, clear_cache=p.clear_cache)
 
     async def resume_generation(self, body: dict) -> dict:
         await self.engine.resume()
@@ -236,9 +221,7 @@ class MockAdmin:
         return ok(message="Cache flushed")
 
     async def abort_request(self, body: dict) -> dict:
-        rid = body.get("request_id")
-        if not isinstance(rid, str) or not rid:
-            return failed("request_id is required (the X-Request-Id or response id of the request)")
+        rid = admin.request_id(body)
         await self.engine.abort(rid)
         return ok(request_id=rid)
 
@@ -253,21 +236,10 @@ class MockAdmin:
         return ok(**self._version_fields())
 
     async def set_weight_version(self, body: dict) -> dict:
-        if "weight_version" not in body:
-            return failed("weight_version is required (a string, or null)")
-        v = body["weight_version"]
-        if v is not None and not isinstance(v, str):
-            return failed("weight_version must be a string or null")
+        v = admin.declared_version(body)
         self._set_version(v)
         self.version_declared = True
         return ok(version=v)
-
-    @staticmethod
-    def _version_arg(body: dict) -> tuple[Any, str | None]:
-        v = body.get("weight_version")
-        if v is not None and not isinstance(v, str):
-            return None, "weight_version must be a string"
-        return v, None
 
     async def _applied(self, seed: int, version: str | None, reset_cache: bool = True) -> dict:
         """Install new weights, drop stale cache, record the version; the success body."""
@@ -282,65 +254,31 @@ class MockAdmin:
     # ---------------------------------------------------------------- vllm: weights
 
     async def update_weights_from_disk(self, body: dict) -> dict:
-        version, err = self._version_arg(body)
-        if err:
-            return failed(err)
+        version = admin.weight_version(body)
         if not self.engine.is_paused():
             return failed("generation is not paused: call pause_generation first")
-        seed, err = self._check_checkpoint(body.get("model_path"))
-        if err:
-            return failed(err)
-        assert seed is not None
-        return await self._applied(seed, version)
+        return await self._applied(self._check_checkpoint(body.get("model_path")), version)
 
     async def init_weights_update_group(self, body: dict) -> dict:
         """Validates like the vLLM worker; the mocker needs no real group, so it records one."""
-        addr = body.get("master_address")
-        port = body.get("master_port")
-        world = body.get("world_size")
-        rank = body.get("rank_offset", 1)
-        backend = body.get("backend") or "gloo"  # the mocker has no GPU
-        timeout = body.get("timeout", 60)
-        if not isinstance(addr, str) or not isinstance(port, int) or not isinstance(world, int):
-            return failed("master_address (string), master_port (int) and world_size (int) "
-                          "are required")
-        if not isinstance(rank, int) or not 0 < rank < world:
-            return failed(f"rank_offset must be an integer in [1, world_size); got {rank!r}")
-        if backend not in ("gloo", "nccl"):
-            return failed(f"backend must be gloo or nccl, not {backend!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            return failed("timeout must be a positive number of seconds")
-        self.group = {"master_address": addr, "master_port": port, "world_size": world,
-                      "rank_offset": rank, "backend": backend, "timeout": float(timeout),
-                      "group_name": body.get("group_name")}
+        self.group = dataclasses.asdict(admin.group_request(body, "gloo", 60.0))
         log.info("recorded weight update group %s", self.group)
         return ok(message="Weight update group initialized")
 
     async def update_weights_from_distributed(self, body: dict) -> dict:
         """As the vLLM worker, except that the new weights are the body's `mock_seed`."""
-        version, err = self._version_arg(body)
-        if err:
-            return failed(err)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        reset = body.get("reset_prefix_cache", True)
-        unpaused = body.get("allow_unpaused", False)
+        d = admin.distributed_request(body)
         seed = body.get("mock_seed")
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes) and names):
-            return failed("names, dtypes and shapes are required: equal-length, non-empty lists")
         if not isinstance(seed, int) or isinstance(seed, bool):
             return failed("mock_seed is required by the mocker: an integer, the seed of the "
                           "simulated weights being sent")
-        if unpaused and reset:
-            return failed("allow_unpaused cannot be combined with reset_prefix_cache; "
-                          "send reset_prefix_cache: false, or pause first")
         if self.group is None:
             return failed("no weight update group: call init_weights_update_group first")
-        if not unpaused and not self.engine.is_paused():
+        if not d.allow_unpaused and not self.engine.is_paused():
             return failed("generation is not paused: call pause_generation first "
                           "(or allow_unpaused with reset_prefix_cache: false)")
-        log.info("received %d (simulated) tensors from the trainer", len(names))
-        return await self._applied(seed, version, reset_cache=bool(reset))
+        log.info("received %d (simulated) tensors from the trainer", len(d.names))
+        return await self._applied(seed, d.version, reset_cache=d.reset_prefix_cache)
 
     async def destroy_weights_update_group(self, body: dict) -> dict:
         self.group = None
@@ -371,18 +309,16 @@ class MockAdmin:
         def fail(message: str) -> dict:
             return {"success": False, "message": message, "num_paused_requests": 0}
 
-        version = body.get("weight_version")
-        if version is not None and not isinstance(version, str):
-            return fail("weight_version must be a string")
         flags = {k: body.get(k, k == "flush_cache")
                  for k in ("flush_cache", "keep_pause", "abort_all_requests")}
-        for k, v in flags.items():
-            if not isinstance(v, bool):
-                return fail(f"{k} must be a boolean")
-        seed, err = self._check_checkpoint(body.get("model_path"))
-        if err:
-            return fail(err)
-        assert seed is not None
+        try:
+            version = admin.weight_version(body)
+            bad = [k for k, v in flags.items() if not isinstance(v, bool)]
+            if bad:
+                raise admin.AdminRequestError(f"{bad[0]} must be a boolean")
+            seed = self._check_checkpoint(body.get("model_path"))
+        except admin.AdminRequestError as e:
+            return fail(str(e))
         was_paused = self.engine.is_paused()
         if flags["abort_all_requests"]:
             await self.engine.abort_all()

@@ -88,8 +88,9 @@ class MixedPolicy(AdmissionError):
     check = "single_policy"
 
 
-def _is_token_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+def _all_token_ids(ids: list[Any]) -> bool:
+    """Every entry a non-negative int (bool is not a token ID)."""
+    return all(type(t) is int for t in ids) and (not ids or min(ids) >= 0)
 
 
 def token_ids_present(gen: Generation, exp: Expectation) -> None:
@@ -102,7 +103,7 @@ def token_ids_present(gen: Generation, exp: Expectation) -> None:
             raise TokenIdsMissing(f"choice indices are not 0..{exp.n - 1}: position {i} has {c.index!r}")
         if c.token_ids is None:
             raise TokenIdsMissing(f"choice {i} carries no completion_token_ids")
-        if not all(map(_is_token_id, c.token_ids)):
+        if not _all_token_ids(c.token_ids):
             raise TokenIdsMissing(f"choice {i} has a completion token ID that is not a "
                                   f"non-negative integer")
     if gen.prompt_token_ids is not None and gen.prompt_token_ids != exp.prompt_ids:
@@ -167,7 +168,9 @@ def terminal_state(gen: Generation, exp: Expectation) -> None:
 
 def identity(gen: Generation, exp: Expectation) -> None:
     """The response answers this attempt (X-Request-Id echoed; SGLang's meta_info.id), comes
-    from the expected served model, and from the expected policy when one is set."""
+    from the expected served model (OpenAI `model`; a native /generate response names none)
+    and, when the trainer set an expectation, from the expected policy: the weight version
+    and digest the worker reports (nvext.engine_data / SGLang meta_info)."""
     if gen.echoed_request_id != exp.request_id:
         raise IdentityMismatch(f"X-Request-Id {exp.request_id!r} came back as "
                                f"{gen.echoed_request_id!r}")

@@ -8,8 +8,10 @@
 admitted (its `reason` says why: an admission check's name, "timeout", "http: 503 ...",
 ...), `AlreadyAdmitted` when the ledger already holds an admitted attempt of the sample
 (nothing is sent then), `ValueError` for a request the client cannot send, and
-`asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed, which
-makes the frontend abort the generation; the attempt is recorded as canceled).
+`asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed and the
+frontend is asked to abort the request, POST /v1/requests/{id}/cancel, since it keeps a
+request with an X-Request-Id running for a while for retries; the attempt is recorded as
+canceled).
 `rollout` runs many samples with bounded concurrency and returns one `RolloutOutcome`
 per sample, in input order, never raising for a sample that merely failed.
 
@@ -80,6 +82,23 @@ CANCEL_TIMEOUT = 5.0
 log = telemetry.log
 
 
+def request_body(route: str, prompt_ids: list[int], spec: SamplingSpec, n: int, stream: bool,
+                 model: str, request_id: str) -> tuple[str, bytes]:
+    """(path, JSON body) of one attempt: OpenAI completions with token IDs in and out,
+    sampled-token logprobs as `token_id:<id>` and the nvext fields the checks need; or
+    native SGLang /generate with logprobs and `rid`."""
+    if route == "openai":
+        fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
+        body = {"model": model, "prompt": prompt_ids, "n": n, "stream": stream, "logprobs": 0,
+                "return_tokens_as_token_ids": True, **spec.openai_fields(),
+                "nvext": {"extra_fields": fields}}
+        return "/v1/completions", json.dumps(body, separators=(",", ":")).encode()
+    body = {"input_ids": prompt_ids, "model": model, "sampling_params": spec.sglang_params(),
+            "stream": stream, "return_logprob": True, "rid": request_id,
+            "logprob_start_len": 0 if spec.prompt_logprobs else -1}
+    return "/generate", json.dumps(body, separators=(",", ":")).encode()
+
+
 @dataclass
 class _End:
     """How an attempt ended, for the retry loop."""
@@ -109,6 +128,7 @@ class RolloutClient:
         self.base_url = base_url.rstrip("/")
         self.rules = AdmissionRules(model, expected_version, expected_digest,
                                     frozenset(finish_reasons), allow_mixed_versions)
+        self._own_ledger = ledger is None  # the caller closes a ledger it passed in
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.retry = retry or RetryPolicy()
         self.partial = partial or PartialRolloutPolicy()
@@ -124,6 +144,8 @@ class RolloutClient:
         if self._background:
             await asyncio.wait(self._background, timeout=CANCEL_TIMEOUT)
         await self._http.aclose()
+        if self._own_ledger:
+            self.ledger.close()
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -242,7 +264,8 @@ class RolloutClient:
         if prefix.token_ids:
             spec = replace(sampling, max_tokens=sampling.max_tokens - len(prefix),
                            min_tokens=max(0, sampling.min_tokens - len(prefix)))
-        path, body = self._body(route, sent_prompt, spec, n, stream, rules.model, a.request_id)
+        path, body = request_body(route, sent_prompt, spec, n, stream, rules.model, a.request_id)
+        url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
                    "traceparent": telemetry.traceparent(trace, a.span_id)}
         if log.isEnabledFor(logging.DEBUG):
@@ -252,9 +275,9 @@ class RolloutClient:
             async with asyncio.timeout(timeout):
                 if stream:
                     acc = OpenAIStream(n) if route == "openai" else SglangStream()
-                    gen_or_end = await self._streamed(a, path, body, headers, acc)
+                    gen_or_end = await self._streamed(a, url, body, headers, acc)
                 else:
-                    gen_or_end = await self._unary(path, body, headers, route)
+                    gen_or_end = await self._unary(url, body, headers, route)
         except TimeoutError:
             reuse = self.retry.reuse_request_id_on_timeout
             if not reuse:
@@ -288,7 +311,7 @@ class RolloutClient:
         exp = Expectation(a.request_id, sent_prompt, n, rules, sampling.prompt_logprobs)
         try:
             verify(gen, exp)
-            spans = [self._spans(c.weight_spans, len(c.token_ids), gen, a, prefix)
+            spans = [self._spans(c.weight_spans, len(c.token_ids), gen, prefix)
                      for c in gen.choices]
             for s in spans:
                 single_policy(s, rules)
@@ -332,8 +355,7 @@ class RolloutClient:
                               gen.worker_id)
 
     @staticmethod
-    def _spans(raw: Any, length: int, gen: Generation, a: Attempt, prefix: ResumedPrefix
-               ) -> list[WeightSpan]:
+    def _spans(raw: Any, length: int, gen: Generation, prefix: ResumedPrefix) -> list[WeightSpan]:
         """The choice's weight spans, prefix included: the server's nvext.weight_versions
         when it sends them, else one span per attempt from its engine_data."""
         own = weight_spans(raw, length) if raw is not None else \
@@ -366,21 +388,6 @@ class RolloutClient:
         except httpx.HTTPError as e:
             log.info("could not cancel request %s: %r", request_id, e,
                      extra={"request_id": request_id})
-
-    def _body(self, route: str, prompt: list[int], spec: SamplingSpec, n: int, stream: bool,
-              model: str, request_id: str) -> tuple[str, bytes]:
-        if route == "openai":
-            fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
-            body = {"model": model, "prompt": prompt, "n": n, "stream": stream, "logprobs": 0,
-                    "return_tokens_as_token_ids": True, **spec.openai_fields(),
-                    "nvext": {"extra_fields": fields}}
-            path = "/v1/completions"
-        else:
-            body = {"input_ids": prompt, "model": model, "sampling_params": spec.sglang_params(),
-                    "stream": stream, "return_logprob": True, "rid": request_id,
-                    "logprob_start_len": 0 if spec.prompt_logprobs else -1}
-            path = "/generate"
-        return self.base_url + path, json.dumps(body, separators=(",", ":")).encode()
 
     @staticmethod
     def _http_end(status: int, raw: bytes) -> _End:

@@ -6,7 +6,9 @@ attempt of the sample is admitted; a UNIQUE partial index on `sample_id WHERE ad
 makes the second condition the database's job. So a late completion of an abandoned
 attempt is refused, also by another process or after the trainer restarts on the same
 file. Starting an attempt of a sample closes (as `canceled`, reason `abandoned`) any
-attempt of it still open from an earlier run.
+earlier attempt of it still open (say, from a trainer process that died). Each write is one
+statement in autocommit mode: one small transaction, no fsync (WAL, synchronous=NORMAL:
+durable across a crash of the process, not of the machine).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     finished_at    REAL,
     admitted       INTEGER NOT NULL DEFAULT 0 CHECK (admitted IN (0, 1)),
     PRIMARY KEY (sample_id, attempt)
-);
+) WITHOUT ROWID;
 CREATE UNIQUE INDEX IF NOT EXISTS one_admitted_attempt_per_sample
     ON attempts (sample_id) WHERE admitted = 1;
 """
@@ -47,8 +49,8 @@ _START = ("INSERT INTO attempts (sample_id, attempt, request_id, state, started_
           "WHERE sample_id = ?1 "
           "HAVING NOT EXISTS (SELECT 1 FROM attempts WHERE sample_id = ?1 AND admitted = 1) "
           "RETURNING attempt")
-_ABANDON = (f"UPDATE attempts SET state = 'canceled', reason = 'abandoned', finished_at = ?2 "
-            f"WHERE sample_id = ?1 AND state IN ({_OPEN})")
+_ABANDON = (f"UPDATE attempts SET state = 'canceled', reason = 'abandoned', finished_at = ?3 "
+            f"WHERE sample_id = ?1 AND attempt < ?2 AND state IN ({_OPEN})")
 _ADMIT = (f"UPDATE attempts SET state = 'succeeded', admitted = 1, finished_at = ?3 "
           f"WHERE sample_id = ?1 AND attempt = ?2 AND state IN "
           f"({_states_into(AttemptState.SUCCEEDED)})")
@@ -120,17 +122,11 @@ class SampleLedger:
         """Record a new attempt (state accepted) and return its number (1, 2, ...).
         Raises AlreadyAdmitted if the sample has an admitted attempt."""
         now = time.time()
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute(_ABANDON, (sample_id, now))
-            row = db.execute(_START, (sample_id, request_id, now)).fetchone()
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        row = self._db.execute(_START, (sample_id, request_id, now)).fetchone()
         if row is None:
             raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id))
+        if row[0] > 1:  # earlier attempts left open (by a process that died) are abandoned
+            self._db.execute(_ABANDON, (sample_id, row[0], now))
         return row[0]
 
     def streaming(self, sample_id: str, attempt: int) -> bool:

@@ -6,6 +6,9 @@ timeout, a broken stream) with the tokens it had produced; the framework decides
 `resume` keeps them: the next attempt's prompt is the original prompt plus the tokens so
 far, and the admitted sample records, per generated token, which attempt produced it.
 Override `PartialRolloutPolicy.decide` for other rules (say, resume only long prefixes).
+The client offers the policy only tokens it could verify (IDs and logprobs aligned, the
+right model) and whose policy the worker reported: an OpenAI stream that breaks before its
+last chunk carries no `engine_data`, so its tokens are discarded; SGLang events carry it.
 """
 
 from __future__ import annotations

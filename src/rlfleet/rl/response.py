@@ -107,7 +107,7 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
             index=index, token_ids=_list(cnv.get("completion_token_ids")), logprobs=values,
             logprob_token_ids=tokens, finish_reason=raw.get("finish_reason"),
             detailed_finish_reason=cnv.get("detailed_finish_reason"),
-            weight_spans=_list(cnv.get("weight_versions", nv.get("weight_versions")))))
+            weight_spans=_list(cnv.get("weight_versions"))))
     gen.choices.sort(key=lambda c: c.index if isinstance(c.index, int) else -1)
     return gen
 

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from rlfleet.protocol.admin import AdminRequestError
 from rlfleet.runtime import metrics
 
 log = logging.getLogger("rlfleet.system")
@@ -160,6 +161,8 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                 async with lock:
                     return await route.handler(body)
             return await route.handler(body)
+        except AdminRequestError as e:  # a bad body: the contract's expected failure
+            return failed(str(e))
         except Exception as e:  # the contract's 500: the handler raised
             log.exception("route %s failed", name)
             return JSONResponse({"error": "Handler error", "message": f"{type(e).__name__}: {e}"},

@@ -64,7 +64,9 @@ class GrpoTrainer:
     def __init__(self, base: Path, *, lr: float = 2e-3, clip: float = 0.2, seed: int = 0,
                  rl_params: str = "all", threads: int | None = None) -> None:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
 
+        hf_logging.disable_progress_bar()
         if threads:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
@@ -134,7 +136,7 @@ class GrpoTrainer:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if on_step:
                 on_step(i, losses[-1])
         self.model.zero_grad(set_to_none=True)
@@ -164,7 +166,7 @@ class GrpoTrainer:
         self.optimizer.step()
         d = torch.cat(diffs)
         groups = {r.group for r, a in zip(rollouts, adv, strict=True) if a != 0.0}
-        return StepStats(float(loss), float(d.max()), float(d.mean()), d.numel(), len(groups),
+        return StepStats(loss.item(), float(d.max()), float(d.mean()), d.numel(), len(groups),
                          grad_norm)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -9,19 +9,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlfleet.protocol import admin
 from rlfleet.runtime.system_server import Route, failed, ok
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_signature, signature_mismatch
 
 log = logging.getLogger("rlfleet.vllm.admin")
 
-PAUSE_MODES = ("keep", "wait", "abort")
 LOAD_TIMEOUT = float(os.environ.get("RLFLEET_LOAD_TIMEOUT", 600))
 GROUP_TIMEOUT = float(os.environ.get("RLFLEET_GROUP_TIMEOUT", 60))
-
-
-def _within(path: Path, roots: list[Path]) -> bool:
-    return any(path == r or path.is_relative_to(r) for r in roots)
 
 
 class VllmAdmin:
@@ -68,14 +64,9 @@ class VllmAdmin:
         return ok(alive=True)
 
     async def pause_generation(self, body: dict) -> dict:
-        mode = body.get("mode", "keep")
-        clear_cache = body.get("clear_cache", False)
-        if mode not in PAUSE_MODES:
-            return failed(f"Invalid mode {mode!r}; expected keep|wait|abort")
-        if not isinstance(clear_cache, bool):
-            return failed("clear_cache must be a boolean")
-        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
-        return ok(message="Engine paused", mode=mode, clear_cache=clear_cache)
+        p = admin.pause_request(body)
+        await self.llm.pause_generation(mode=p.mode, clear_cache=p.clear_cache)
+        return ok(message="Engine paused", mode=p.mode, clear_cache=p.clear_cache)
 
     async def resume_generation(self, body: dict) -> dict:
         await self.llm.resume_generation()
@@ -88,9 +79,7 @@ class VllmAdmin:
         return ok(message="Cache flushed")
 
     async def abort_request(self, body: dict) -> dict:
-        rid = body.get("request_id")
-        if not isinstance(rid, str) or not rid:
-            return failed("request_id is required (the X-Request-Id or response id of the request)")
+        rid = admin.request_id(body)
         await self.engine.abort(rid)
         return ok(request_id=rid)
 
@@ -105,11 +94,7 @@ class VllmAdmin:
         return ok(**self._version_fields())
 
     async def set_weight_version(self, body: dict) -> dict:
-        if "weight_version" not in body:
-            return failed("weight_version is required (a string, or null)")
-        v = body["weight_version"]
-        if v is not None and not isinstance(v, str):
-            return failed("weight_version must be a string or null")
+        v = admin.declared_version(body)
         await self.engine.set_version(v, declared=True)
         return ok(version=v)
 
@@ -122,42 +107,24 @@ class VllmAdmin:
         return ok(version=version if version is not None else "unknown",
                   version_declared=version is not None, weight_digest=digest)
 
-    @staticmethod
-    def _version_arg(body: dict) -> tuple[Any, str | None]:
-        v = body.get("weight_version")
-        if v is not None and not isinstance(v, str):
-            return None, "weight_version must be a string"
-        return v, None
-
     # ---------------------------------------------------------------- from disk
 
-    def _check_checkpoint(self, raw: Any) -> tuple[Path | None, str | None]:
-        if not isinstance(raw, str) or not raw:
-            return None, "model_path is required (a checkpoint directory on this worker's disk)"
-        path = Path(raw).resolve()
-        if self.roots and not _within(path, self.roots):
-            return None, (f"model_path {raw} is outside the allowed weights roots "
-                          f"({', '.join(map(str, self.roots))})")
-        if not path.is_dir():
-            return None, f"model_path {raw} does not exist or is not a directory"
+    def _check_checkpoint(self, raw: Any) -> Path:
+        path = admin.weights_path(raw, self.roots)
         try:
-            sig = checkpoint_signature(path)
+            why = signature_mismatch(self.engine.signature, checkpoint_signature(path))
         except ValueError as e:
-            return None, str(e)
-        why = signature_mismatch(self.engine.signature, sig)
+            raise admin.AdminRequestError(str(e)) from e
         if why:
-            return None, f"checkpoint {raw} does not fit the served model's architecture: {why}"
-        return path, None
+            raise admin.AdminRequestError(
+                f"checkpoint {raw} does not fit the served model's architecture: {why}")
+        return path
 
     async def update_weights_from_disk(self, body: dict) -> dict:
-        version, err = self._version_arg(body)
-        if err:
-            return failed(err)
+        version = admin.weight_version(body)
         if not await self.llm.is_paused():
             return failed("generation is not paused: call pause_generation first")
-        path, err = self._check_checkpoint(body.get("model_path"))
-        if err:
-            return failed(err)
+        path = self._check_checkpoint(body.get("model_path"))
         try:
             digest = await self._rpc("rlfleet_load_from_disk", LOAD_TIMEOUT, str(path))
         except Exception as e:
@@ -184,46 +151,23 @@ class VllmAdmin:
     # ---------------------------------------------------------------- from a trainer
 
     async def init_weights_update_group(self, body: dict) -> dict:
-        addr = body.get("master_address")
-        port = body.get("master_port")
-        world = body.get("world_size")
-        rank = body.get("rank_offset", 1)
-        backend = body.get("backend") or ("nccl" if self.engine.on_gpu else "gloo")
-        timeout = body.get("timeout", GROUP_TIMEOUT)
-        if not isinstance(addr, str) or not isinstance(port, int) or not isinstance(world, int):
-            return failed("master_address (string), master_port (int) and world_size (int) "
-                          "are required")
-        if not isinstance(rank, int) or not 0 < rank < world:
-            return failed(f"rank_offset must be an integer in [1, world_size); got {rank!r}")
-        if backend not in ("gloo", "nccl"):
-            return failed(f"backend must be gloo or nccl, not {backend!r}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            return failed("timeout must be a positive number of seconds")
+        g = admin.group_request(body, "nccl" if self.engine.on_gpu else "gloo", GROUP_TIMEOUT)
         try:
-            await self._rpc("rlfleet_init_group", timeout + 5, addr, port, rank, world, backend,
-                            float(timeout))
+            await self._rpc("rlfleet_init_group", g.timeout + 5, g.master_address, g.master_port,
+                            g.rank_offset, g.world_size, g.backend, g.timeout)
         except Exception as e:
-            return failed(f"weight update group initialisation failed (within {timeout}s): {e!r}")
+            return failed(f"weight update group initialisation failed (within {g.timeout}s): "
+                          f"{e!r}")
         self.group_open = True
-        self.group_timeout = float(timeout)
+        self.group_timeout = g.timeout
         return ok(message="Weight update group initialized")
 
     async def update_weights_from_distributed(self, body: dict) -> dict:
-        version, err = self._version_arg(body)
-        if err:
-            return failed(err)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        reset = body.get("reset_prefix_cache", True)
-        unpaused = body.get("allow_unpaused", False)
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes) and names):
-            return failed("names, dtypes and shapes are required: equal-length, non-empty lists")
-        if unpaused and reset:
-            return failed("allow_unpaused cannot be combined with reset_prefix_cache; "
-                          "send reset_prefix_cache: false, or pause first")
+        d = admin.distributed_request(body)
+        version, names, dtypes, shapes = d.version, d.names, d.dtypes, d.shapes
         if not self.group_open:
             return failed("no weight update group: call init_weights_update_group first")
-        if not unpaused and not await self.llm.is_paused():
+        if not d.allow_unpaused and not await self.llm.is_paused():
             return failed("generation is not paused: call pause_generation first "
                           "(or allow_unpaused with reset_prefix_cache: false)")
         sig = {n: ("", tuple(s)) for n, s in zip(names, shapes, strict=True)}
@@ -242,7 +186,7 @@ class VllmAdmin:
             return failed(f"applying received weights failed: {e!r}; {await self._restore()}")
         log.info("received %d tensors (%d bytes) from the trainer", len(names), received)
         self.engine.weights_path = None
-        if not reset:
+        if not d.reset_prefix_cache:
             await self.engine.set_version(version, declared=version is not None, digest=digest)
             return ok(version=version if version is not None else "unknown",
                       version_declared=version is not None, weight_digest=digest)

@@ -1,0 +1,128 @@
+"""Request bodies of the vLLM-flavoured /engine routes, parsed and checked in one place for
+every engine (the vLLM worker and the mocker). A bad body raises `AdminRequestError`, which
+the system server answers with the contract's 200 `{"status": "error", "message"}`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PAUSE_MODES = ("keep", "wait", "abort")
+
+
+class AdminRequestError(ValueError):
+    """The request body is not acceptable; the message says what to send instead."""
+
+
+@dataclass(frozen=True)
+class PauseRequest:
+    mode: str
+    clear_cache: bool
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+    timeout: float
+    group_name: str | None
+
+
+@dataclass(frozen=True)
+class DistributedRequest:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    version: str | None
+    reset_prefix_cache: bool
+    allow_unpaused: bool
+
+
+def pause_request(body: dict[str, Any]) -> PauseRequest:
+    mode = body.get("mode", "keep")
+    clear_cache = body.get("clear_cache", False)
+    if mode not in PAUSE_MODES:
+        raise AdminRequestError(f"Invalid mode {mode!r}; expected keep|wait|abort")
+    if not isinstance(clear_cache, bool):
+        raise AdminRequestError("clear_cache must be a boolean")
+    return PauseRequest(mode, clear_cache)
+
+
+def request_id(body: dict[str, Any]) -> str:
+    rid = body.get("request_id")
+    if not isinstance(rid, str) or not rid:
+        raise AdminRequestError("request_id is required (the X-Request-Id or response id of "
+                                "the request)")
+    return rid
+
+
+def weight_version(body: dict[str, Any]) -> str | None:
+    """The optional `weight_version` of an update."""
+    v = body.get("weight_version")
+    if v is not None and not isinstance(v, str):
+        raise AdminRequestError("weight_version must be a string")
+    return v
+
+
+def declared_version(body: dict[str, Any]) -> str | None:
+    """`set_weight_version`'s required `weight_version` (an explicit null counts)."""
+    if "weight_version" not in body:
+        raise AdminRequestError("weight_version is required (a string, or null)")
+    v = body["weight_version"]
+    if v is not None and not isinstance(v, str):
+        raise AdminRequestError("weight_version must be a string or null")
+    return v
+
+
+def group_request(body: dict[str, Any], default_backend: str,
+                  default_timeout: float) -> GroupRequest:
+    addr, port = body.get("master_address"), body.get("master_port")
+    world, rank = body.get("world_size"), body.get("rank_offset", 1)
+    backend = body.get("backend") or default_backend
+    timeout = body.get("timeout", default_timeout)
+    if not isinstance(addr, str) or not isinstance(port, int) or not isinstance(world, int):
+        raise AdminRequestError("master_address (string), master_port (int) and world_size "
+                                "(int) are required")
+    if not isinstance(rank, int) or not 0 < rank < world:
+        raise AdminRequestError(f"rank_offset must be an integer in [1, world_size); got {rank!r}")
+    if backend not in ("gloo", "nccl"):
+        raise AdminRequestError(f"backend must be gloo or nccl, not {backend!r}")
+    if not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise AdminRequestError("timeout must be a positive number of seconds")
+    return GroupRequest(addr, port, world, rank, backend, float(timeout), body.get("group_name"))
+
+
+def distributed_request(body: dict[str, Any]) -> DistributedRequest:
+    version = weight_version(body)
+    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+    reset = body.get("reset_prefix_cache", True)
+    unpaused = body.get("allow_unpaused", False)
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes) and names):
+        raise AdminRequestError("names, dtypes and shapes are required: equal-length, "
+                                "non-empty lists")
+    if not isinstance(reset, bool) or not isinstance(unpaused, bool):
+        raise AdminRequestError("reset_prefix_cache and allow_unpaused must be booleans")
+    if unpaused and reset:
+        raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
+                                "send reset_prefix_cache: false, or pause first")
+    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused)
+
+
+def weights_path(raw: Any, roots: list[Path]) -> Path:
+    """`model_path` resolved (symlinks too), inside the allowed roots when any are set, and
+    an existing directory."""
+    if not isinstance(raw, str) or not raw:
+        raise AdminRequestError("model_path is required (a checkpoint directory on this "
+                                "worker's disk)")
+    path = Path(raw).resolve()
+    if roots and not any(path == r or path.is_relative_to(r) for r in roots):
+        raise AdminRequestError(f"model_path {raw} is outside the allowed weights roots "
+                                f"({', '.join(map(str, roots))})")
+    if not path.is_dir():
+        raise AdminRequestError(f"model_path {raw} does not exist or is not a directory")
+    return path

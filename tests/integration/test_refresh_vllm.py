@@ -1,0 +1,114 @@
+"""A policy refresh of a two-worker vLLM fleet from checkpoint A to B under continuous
+rollout load: both workers end on B (version and digest), post-update generation matches a
+transformers forward pass of B, no admitted sample mixes A and B tokens, and the journal
+holds the whole story."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import httpx
+import pytest
+
+from rlfleet.rl import RolloutClient, SamplingSpec
+from rlfleet.rl.gate import RolloutGate
+from rlfleet.rl.journal import Journal
+from rlfleet.rl.refresh import PolicyRefresh, reference_probe
+from rlfleet.runtime.launch import Fleet
+from rlfleet.weights.digest import checkpoint_digest
+from tests.conftest import VLLM_FLAGS, wait_for_workers
+
+MODEL = "tiny-r"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_model, tiny_model_b):
+    root = tmp_path_factory.mktemp("refresh-weights")
+    shutil.copytree(tiny_model, root / "A")
+    shutil.copytree(tiny_model_b, root / "B")
+    with Fleet(tmp_path_factory.mktemp("refresh-fleet"), lease_ttl=3) as fleet:
+        fleet.start_frontend(enable_rl=True)
+        procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
+                                    "--enable-rl", "--system-port", "0",
+                                    "--allowed-weights-root", str(root), *VLLM_FLAGS, wait=False)
+                 for _ in range(2)]
+        for p in procs:
+            p.wait_ready(600)
+        wait_for_workers(fleet.url, MODEL, 2)
+        yield fleet, root
+
+
+def test_refresh_a_to_b_under_load(setup, tmp_path):
+    fleet, root = setup
+    digest = {name: checkpoint_digest(root / name) for name in ("A", "B")}
+    gate = RolloutGate()
+    journal = Journal(tmp_path / "journal.sqlite")
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, journal=journal, gate=gate,
+                                probe_tolerance=1e-4)
+    admitted = []
+    spec = SamplingSpec(max_tokens=24, temperature=1.0, ignore_eos=True)
+
+    async def run():
+        first = await coordinator.refresh(root / "A", "A", step=0)
+        assert first.ok, first.reason
+        stop = asyncio.Event()
+        async with RolloutClient(fleet.url, MODEL, allow_mixed_versions=True,
+                                 gate=gate) as client:
+            async def load(worker: int) -> None:
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    admitted.append(await client.generate(f"w{worker}-{i}", [151644, 8948, 198],
+                                                          spec))
+
+            loaders = [asyncio.create_task(load(k)) for k in range(6)]
+            await asyncio.sleep(1.5)
+            before = len(admitted)
+            result = await coordinator.refresh(root / "B", "B", step=1)
+            await asyncio.sleep(1.5)
+            stop.set()
+            await asyncio.gather(*loaders)
+        return before, result
+
+    before, result = asyncio.run(run())
+    assert result.ok and result.decision == "reopened", result.reason
+    assert [w["status"] for w in result.workers] == ["verified", "verified"]
+    for p in fleet.workers:
+        v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={}).json()
+        assert (v["version"], v["weight_digest"]) == ("B", digest["B"])
+
+    # post-update generation through the frontend matches transformers on B
+    probe = reference_probe(root / "B", [151644, 8948, 198, 40], 8)
+    out = httpx.post(f"{fleet.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": probe.prompt, "max_tokens": 8, "temperature": 0,
+        "logprobs": 0, "ignore_eos": True,
+        "nvext": {"extra_fields": ["completion_token_ids"]}}).json()
+    assert out["nvext"]["completion_token_ids"] == probe.token_ids
+    got = out["choices"][0]["logprobs"]["token_logprobs"]
+    assert max(abs(a - b) for a, b in zip(got, probe.logprobs, strict=True)) < 1e-4
+
+    # load ran on both sides of the refresh, and no admitted sample mixes A and B
+    assert 0 < before < len(admitted)
+    versions = set()
+    for s in admitted:
+        spans = s.completion.weight_spans
+        assert spans and len({(sp.version, sp.digest) for sp in spans}) == 1, spans
+        versions.add((spans[0].version, spans[0].digest))
+    assert versions == {("A", digest["A"]), ("B", digest["B"])}
+
+    entry = journal.get(result.refresh_id)
+    assert (entry["target_version"], entry["target_digest"]) == ("B", digest["B"])
+    assert (entry["previous_version"], entry["previous_digest"]) == ("A", digest["A"])
+    assert entry["target_path"] == str((root / "B").resolve()) and entry["framework_step"] == 1
+    assert sorted(entry["intended_workers"]) == sorted(
+        int(p.ready["instance_id"]) for p in fleet.workers)
+    assert entry["decision"] == "reopened" and entry["reason"]
+    assert [s["name"] for s in entry["steps"]] == [
+        "resolve", "gate", "pause", "apply", "reset_cache", "verify", "resume", "probe", "reopen"]
+    assert all(s["seconds"] >= 0 for s in entry["steps"])
+    for w in entry["workers"].values():
+        assert w["status"] == "verified"
+        calls = {c["route"]: c for c in w["calls"]}
+        assert calls["update_weights_from_disk"]["http_status"] == 200
+        assert calls["update_weights_from_disk"]["body"]["weight_digest"] == digest["B"]
