@@ -63,11 +63,9 @@ def direct(args: argparse.Namespace) -> None:
         async def send() -> int:
             nonlocal n
             n += 1
-            out = None
-            async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), sp,
-                                                 f"bench-{n}"):
-                pass
-            return len(out.outputs[0].token_ids)
+            outs = [o async for o in engine.llm.generate(TokensPrompt(prompt_token_ids=PROMPT),
+                                                         sp, f"bench-{n}")]
+            return len(outs[-1].outputs[0].token_ids)
 
         await load(send, args.concurrency, args.concurrency)  # warm-up
         tokens, secs = await load(send, args.requests, args.concurrency)

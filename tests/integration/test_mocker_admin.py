@@ -203,7 +203,8 @@ def test_vllm_route_table(vw) -> None:
     assert resp.json() == {"routes": sorted([
         "abort_request", "destroy_weights_update_group", "flush_cache", "get_weight_version",
         "init_weights_update_group", "liveness_probe", "pause_generation", "resume_generation",
-        "set_admission", "set_weight_version", "update_weights_from_disk", "update_weights_from_distributed"])}
+        "set_admission", "set_weight_version", "update_weights_from_disk",
+        "update_weights_from_distributed"])}
     assert call(vw, "liveness_probe") == {"status": "ok", "alive": True}
     assert call(vw, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     assert call(vw, "liveness_probe", method="GET")["alive"] is True
