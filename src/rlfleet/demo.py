@@ -235,8 +235,9 @@ def refresh_record(result: RefreshResult, wall: float) -> dict[str, Any]:
 
 async def rollouts(client: RolloutClient, task: SevensTask, cfg: DemoConfig, tag: str
                    ) -> tuple[list[Rollout], int, Counter]:
-    """One batch: `prompts` groups of `group_size` samples; returns the admitted rollouts,
-    the number of rejected samples and why they were rejected."""
+    """One batch: `prompts` groups of `group_size` samples (one request with n = G each);
+    returns the admitted rollouts, the number of sequences not admitted, and why attempts
+    failed (a sample's failed attempts are retried; the ledger has them all)."""
     spec = SamplingSpec(max_tokens=cfg.completion_tokens, temperature=1.0,
                         ignore_eos=True)
     reqs = [SampleRequest(f"{tag}/g{g}", p, spec, n=cfg.group_size)
@@ -245,9 +246,10 @@ async def rollouts(client: RolloutClient, task: SevensTask, cfg: DemoConfig, tag
     out: list[Rollout] = []
     rejected, reasons = 0, Counter()
     for g, o in enumerate(outcomes):
+        reasons.update(a.reason or a.state.value for a in client.ledger.attempts(o.sample_id)
+                       if not a.admitted)
         if o.sample is None:
             rejected += cfg.group_size
-            reasons[str(o.reason)] += cfg.group_size
             continue
         for c in o.sample.completions:
             out.append(Rollout(g, o.sample.prompt_ids, list(c.token_ids), list(c.logprobs),
@@ -261,6 +263,8 @@ def rollout_client(url: str, ledger: Path, gate: RolloutGate) -> RolloutClient:
     kwargs: dict[str, Any] = {"ledger": SampleLedger(ledger),
                               "retry": RetryPolicy(max_attempts=4, backoff_initial=0.2,
                                                    attempt_timeout=120)}
+    # rl/gate.py says the client waits on the gate before each attempt, but RolloutClient
+    # takes no gate yet; until it does, the training loop waits on it before each batch
     if "gate" in inspect.signature(RolloutClient).parameters:
         kwargs["gate"] = gate
     return RolloutClient(url, MODEL_NAME, **kwargs)
@@ -330,7 +334,7 @@ async def train(run: Run, fleet: Fleet, trainer: GrpoTrainer, task: SevensTask,
             rec = {"step": step, "mean_reward": mean([r.reward for r in batch]),
                    "policy_version": policy["version"], "weight_digest": policy["digest"],
                    "admitted": len(batch), "rejected": rejected,
-                   "rejected_reasons": dict(reasons),
+                   "failed_attempts": dict(reasons),
                    "max_abs_logprob_diff": stats.max_abs_logprob_diff,
                    "mean_abs_logprob_diff": stats.mean_abs_logprob_diff,
                    "loss": stats.loss, "grad_norm": stats.grad_norm,
