@@ -306,6 +306,8 @@ async def train(run: Run, fleet: Fleet, trainer: GrpoTrainer, task: SevensTask,
         await wait_routable(http, fleet.url, ids)
         client.expect(version, digest)
         run.versions.append({"version": version, "digest": digest, "path": str(path)})
+        if step >= 2:  # keep the policy served and the one before it (for rollback)
+            await asyncio.to_thread(shutil.rmtree, ckpts / f"step-{step - 2}", True)
         rec = refresh_record(result, wall)
         rec["probe"] = {"prompt_index": which, "token_ids": probe.token_ids,
                         "min_top2_margin": margin}

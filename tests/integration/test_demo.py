@@ -67,7 +67,9 @@ def test_short_demo_trains_refreshes_and_cleans_up(tmp_path):
 
     base = checkpoint_signature(out / "model")
     assert "lm_head.weight" not in base
-    for v in fleet["versions"]:
+    kept = fleet["versions"][-2:]  # older checkpoints are pruned: served + previous stay
+    assert not any(Path(v["path"]).exists() for v in fleet["versions"][:-2])
+    for v in kept:
         assert checkpoint_signature(Path(v["path"])) == base
         assert checkpoint_digest(Path(v["path"])) == v["digest"]
 
