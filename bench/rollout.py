@@ -6,8 +6,10 @@ token delay, at the same concurrency and sample count, in one run.
 
     python bench/rollout.py [--samples 2000] [--concurrency 64] [--max-tokens 16] [--rounds 3]
 
-Rounds alternate raw and client after a warm-up; prints each round, the medians and the
-ratio (client / raw). The mocker is a simulator: this measures the client, not an engine."""
+Rounds alternate raw and client after a warm-up; prints each round, the medians, the ratio
+(client / raw) and this process's CPU time per sample (the trainer side only: the servers
+are other processes), which a busy machine disturbs less than the rates. The mocker is a
+simulator: this measures the client, not an engine."""
 
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ def raw_body(r: SampleRequest) -> bytes:
     return request_body("openai", r.prompt_ids, r.sampling, r.n, False, MODEL, "")[1]
 
 
-async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> float:
+async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> tuple[float, float]:
+    """(samples/s, CPU seconds of this process per sample)"""
     async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=httpx.Limits(
             max_connections=1024, max_keepalive_connections=1024)) as http:
         queue = iter(reqs)
@@ -51,22 +54,23 @@ async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> float:
                     "content-type": "application/json", "x-request-id": uuid.uuid4().hex})
                 ok += resp.status_code == 200 and bool(resp.json()["choices"])
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         await asyncio.gather(*(work() for _ in range(concurrency)))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert ok == len(reqs), f"raw: {len(reqs) - ok} requests failed"
-    return len(reqs) / dt
+    return len(reqs) / dt, cpu / len(reqs)
 
 
-async def client(url: str, reqs: list[SampleRequest], concurrency: int, ledger: Path) -> float:
+async def client(url: str, reqs: list[SampleRequest], concurrency: int, ledger: Path
+                 ) -> tuple[float, float]:
     with SampleLedger(ledger) as led:
         async with RolloutClient(url, MODEL, ledger=led) as c:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = await c.rollout(reqs, concurrency)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     bad = [o for o in out if not o.admitted]
     assert not bad, f"client: {len(bad)} samples not admitted, e.g. {bad[0].reason}"
-    return len(reqs) / dt
+    return len(reqs) / dt, cpu / len(reqs)
 
 
 async def measure(url: str, args: argparse.Namespace, work: Path) -> None:
@@ -75,20 +79,26 @@ async def measure(url: str, args: argparse.Namespace, work: Path) -> None:
     await raw(url, requests(200, "warm-raw", spec), args.concurrency)
     await client(url, requests(200, "warm", spec), args.concurrency, ledger)
     rates: dict[str, list[float]] = {"raw": [], "client": []}
+    cpus: dict[str, list[float]] = {"raw": [], "client": []}
     for k in range(args.rounds):
-        r = await raw(url, requests(args.samples, f"raw{k}", spec), args.concurrency)
-        c = await client(url, requests(args.samples, f"r{k}", spec), args.concurrency, ledger)
-        rates["raw"].append(r)
-        rates["client"].append(c)
-        print(f"round {k + 1}: raw {r:8.1f} samples/s   client {c:8.1f} samples/s   "
-              f"ratio {c / r:.3f}", flush=True)
-    raw_rate, client_rate = statistics.median(rates["raw"]), statistics.median(rates["client"])
+        r, r_cpu = await raw(url, requests(args.samples, f"raw{k}", spec), args.concurrency)
+        c, c_cpu = await client(url, requests(args.samples, f"r{k}", spec), args.concurrency,
+                                ledger)
+        for name, rate, cpu in (("raw", r, r_cpu), ("client", c, c_cpu)):
+            rates[name].append(rate)
+            cpus[name].append(cpu)
+        print(f"round {k + 1}: raw {r:7.1f} samples/s ({r_cpu * 1e3:.2f} ms CPU each)   "
+              f"client {c:7.1f} samples/s ({c_cpu * 1e3:.2f} ms CPU each)   ratio {c / r:.3f}",
+              flush=True)
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    cpu = {name: statistics.median(v) * 1e3 for name, v in cpus.items()}
     print(f"\n{args.samples} samples x {args.rounds} rounds, concurrency {args.concurrency}, "
           f"max_tokens {args.max_tokens}, frontend + 2 mocker workers")
-    print(f"raw httpx POST      {raw_rate:8.1f} samples/s (median)")
-    print(f"RolloutClient       {client_rate:8.1f} samples/s (median; ledger file, all checks)")
-    print(f"ratio client / raw  {client_rate / raw_rate:.3f}  "
-          f"(bookkeeping cost {100 * (1 - client_rate / raw_rate):.1f}%)")
+    print(f"raw httpx POST      {med['raw']:8.1f} samples/s  {cpu['raw']:.2f} ms client CPU/sample")
+    print(f"RolloutClient       {med['client']:8.1f} samples/s  {cpu['client']:.2f} ms client "
+          f"CPU/sample (ledger file, all checks)")
+    print(f"ratio client / raw  {med['client'] / med['raw']:.3f}  (median rates; bookkeeping "
+          f"{cpu['client'] - cpu['raw']:+.2f} ms CPU/sample in the trainer process)")
 
 
 def wait_for_workers(url: str, count: int, timeout: float = 60.0) -> None:

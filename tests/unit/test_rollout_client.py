@@ -459,3 +459,22 @@ def test_retry_backoff_is_bounded():
     for bad in ({"max_attempts": 0}, {"backoff_max": -1}, {"attempt_timeout": 0}):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)
+
+
+async def test_no_attempt_starts_while_the_gate_is_closed():
+    from rlfleet.rl.gate import RolloutGate
+
+    gate = RolloutGate()
+    gate.close("policy refresh")
+    fe = FakeFrontend(lambda i, b: Action(version="v2"))
+    async with client(fe, gate=gate, expected_version="v1") as c:
+        task = asyncio.create_task(c.generate("s", PROMPT))
+        await asyncio.sleep(0.1)
+        assert fe.requests == [] and c.ledger.attempts() == []
+        c.expect(version="v2")  # the refresh published v2, then reopens
+        gate.open()
+        assert (await task).weight_version == "v2"
+        gate.close("another refresh")
+        with pytest.raises(SampleFailed) as info:
+            await c.generate("t", PROMPT, deadline=time.monotonic() + 0.1)
+    assert info.value.reason == "deadline" and len(fe.requests) == 1

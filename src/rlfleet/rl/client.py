@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -70,6 +70,9 @@ from rlfleet.rl.sample import (
     SamplingSpec,
     WeightSpan,
 )
+
+if TYPE_CHECKING:
+    from rlfleet.rl.gate import RolloutGate
 
 ROUTES = ("openai", "sglang")
 EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detailed_finish_reason",
@@ -113,16 +116,17 @@ class RolloutClient:
     """One pooled HTTP client to the frontend at `base_url`, verifying responses against
     `model` (and `expected_version` / `expected_digest` when set) and recording attempts
     in `ledger` (default: in memory). `route` ("openai" or "sglang") and `stream` are
-    defaults that each `generate` call may override. `transport` is for tests."""
+    defaults that each `generate` call may override. With a `gate` (the policy refresh's
+    RolloutGate), no attempt starts while the gate is closed. `transport` is for tests."""
 
     def __init__(self, base_url: str, model: str, *, ledger: SampleLedger | None = None,
                  retry: RetryPolicy | None = None, partial: PartialRolloutPolicy | None = None,
                  expected_version: Any = None, expected_digest: Any = None,
                  allow_mixed_versions: bool = False,
                  finish_reasons: Iterable[str] = ("length", "stop"),
-                 route: str = "openai", stream: bool = False, max_connections: int = 1024,
-                 connect_timeout: float = 10.0, transport: httpx.AsyncBaseTransport | None = None
-                 ) -> None:
+                 route: str = "openai", stream: bool = False, gate: RolloutGate | None = None,
+                 max_connections: int = 1024, connect_timeout: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         self.base_url = base_url.rstrip("/")
@@ -132,7 +136,7 @@ class RolloutClient:
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.retry = retry or RetryPolicy()
         self.partial = partial or PartialRolloutPolicy()
-        self.route, self.stream = route, stream
+        self.route, self.stream, self.gate = route, stream, gate
         self._background: set[asyncio.Task] = set()  # remote cancels in flight
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
@@ -166,11 +170,12 @@ class RolloutClient:
                        rules: AdmissionRules | None = None) -> AdmittedSample:
         """Generate, verify and admit one sample. `deadline` is a `time.monotonic()` value
         after which no attempt is started or continued; `attempt_timeout` overrides the
-        retry policy's for this call. See the module doc for what it raises."""
+        retry policy's for this call; `rules` override the client's (which each attempt
+        reads afresh, so that an `expect` after a policy refresh applies to retries).
+        See the module doc for what it raises."""
         sampling = sampling or SamplingSpec()
         route = route or self.route
         stream = self.stream if stream is None else stream
-        rules = rules or self.rules
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         if route == "sglang" and n != 1:
@@ -191,6 +196,14 @@ class RolloutClient:
                         reasons.append("deadline")
                         break
                     await asyncio.sleep(pause)
+                if self.gate is not None and not self.gate.is_open:
+                    try:
+                        await self.gate.wait_open(None if deadline is None else
+                                                  max(0.0, deadline - time.monotonic()))
+                    except TimeoutError:
+                        reasons.append("deadline")  # the gate stayed closed
+                        break
+                current = rules or self.rules  # `expect` may have moved on meanwhile
                 rid = reuse or new_request_id()
                 a = Attempt(sample_id, self.ledger.start(sample_id, rid), rid)
                 reused, reuse = reuse is not None, None  # the attempt owns the request now
@@ -199,7 +212,7 @@ class RolloutClient:
                     left = deadline - time.monotonic()
                     budget = left if budget is None else min(budget, left)
                 result = await self._attempt(a, trace, prompt_ids, sampling, n, route, stream,
-                                             rules, prefix, budget, reused)
+                                             current, prefix, budget, reused)
                 if isinstance(result, AdmittedSample):
                     telemetry.SAMPLES.labels("admitted").inc()
                     telemetry.SAMPLE_SECONDS.observe(time.monotonic() - t0)
@@ -208,7 +221,7 @@ class RolloutClient:
                 reuse = rid if result.reuse_request_id else None
                 if not result.retry:
                     break
-                self._offer_partial(a, result, sampling, n, rules, prefix)
+                self._offer_partial(a, result, sampling, n, current, prefix)
         except (asyncio.CancelledError, AlreadyAdmitted) as e:
             if reuse is not None:
                 self._cancel_remotely(reuse)
