@@ -186,6 +186,13 @@ def test_sglang_generate(vllm_fleet):
     assert final["output_ids"] == unary["output_ids"]
     assert [x[1] for x in final["meta_info"]["output_token_logprobs"]] == final["output_ids"]
     assert final["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+    # streamed with input logprobs: the last event adds them, first position undefined
+    with httpx.stream("POST", f"{vllm_fleet.url}/generate", timeout=60, json={
+            **body, "stream": True, "logprob_start_len": 0}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    last = json.loads(events[-2])["meta_info"]
+    assert [x[1] for x in last["input_token_logprobs"]] == [151644, 8948, 198]
+    assert last["input_token_logprobs"][0][0] is None
     bad = post(vllm_fleet, "/generate", {"input_ids": []})
     assert bad.status_code == 400 and "input_ids" in bad.json()["error"]["message"]
     n2 = post(vllm_fleet, "/generate", {**body, "sampling_params": {"n": 2}})
@@ -213,6 +220,7 @@ BAD = [
     ({"model": MODEL_NAME, "prompt": [1], "logprobs": 99}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": [1], "nvext": {"extra_fields": ["bogus"]}}, 400, "bogus"),
     ({"prompt": [1]}, 400, "model"),
+    ({"model": MODEL_NAME, "prompt": [1], "n": 2, "temperature": 0}, 400, "greedy"),
 ]
 
 

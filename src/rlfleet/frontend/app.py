@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from rlfleet.frontend import openai as render
 from rlfleet.frontend.dispatch import Result, dispatch
@@ -45,7 +46,10 @@ def _sse(obj: Any) -> str:
 
 
 async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ApiError(499, "client closed the request") from None
     try:
         obj = json.loads(raw) if raw.strip() else None
     except ValueError as e:
@@ -236,8 +240,8 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
 
         async def chunks() -> AsyncIterator[str]:
             async for ev in events:
-                if res.apply(ev):
-                    yield _sse(generate_body(req, res))
+                if res.apply(ev) or (ev.get("done") and res.prompt_logprobs is not None):
+                    yield _sse(generate_body(req, res))  # the last one adds the input logprobs
         return streamed(request, chunks())
 
     @app.post("/v1/responses/input_tokens")

@@ -29,6 +29,9 @@ def nvext_body(req: Req, res: Result, choice: Choice | None, final: bool) -> dic
         out["stop_reason"] = choice.stop_reason
     if choice is not None and nv.wants("weight_versions") and choice.finish_reason:
         out["weight_versions"] = res.spans(res.choices[choice.index])  # whole, also streamed
+    if nv.wants("engine_data"):  # on every chunk: a broken stream still names its policy
+        out["engine_data"] = {"weight_version": res.weight.get("weight_version"),
+                              "weight_digest": res.weight.get("weight_digest")}
     if final:
         if nv.wants("prompt_token_ids"):
             out["prompt_token_ids"] = res.prompt_token_ids
@@ -39,9 +42,6 @@ def nvext_body(req: Req, res: Result, choice: Choice | None, final: bool) -> dic
                                 "decode_worker_id": res.worker_id}
         if nv.wants("timing"):
             out["timing"] = res.timing()
-        if nv.wants("engine_data"):
-            out["engine_data"] = {"weight_version": res.weight.get("weight_version"),
-                                  "weight_digest": res.weight.get("weight_digest")}
     return out
 
 

@@ -102,6 +102,9 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Fa
             return error_response(400, str(e))
         except StopAsyncIteration:
             first = None
+        except Exception as e:  # the engine failed on this request: say so, keep serving
+            metrics.WORKER_REQUESTS.labels("error").inc()
+            return error_response(500, f"engine failed: {type(e).__name__}: {e}")
         # the weights that produced the first token (a pause may have swapped them)
         head = {"prompt_token_ids": ids, **engine.weight_identity()}
         if req.echo:

@@ -15,6 +15,13 @@ from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
 
 log = logging.getLogger("rlfleet.vllm")
 
+try:  # vLLM's validation errors are not all ValueErrors
+    from vllm.exceptions import VLLMClientError
+
+    _CLIENT_ERRORS: tuple[type[Exception], ...] = (ValueError, VLLMClientError)
+except ImportError:  # older vLLM
+    _CLIENT_ERRORS = (ValueError,)
+
 
 def _sampling_params(s: SamplingOptions, room: int, stream: bool):
     from vllm import SamplingParams
@@ -168,7 +175,10 @@ class VllmEngine(Engine):
 
         s = req.sampling
         room = self.info.max_model_len - len(prompt_token_ids)
-        sp = _sampling_params(s, room, req.stream)
+        try:
+            sp = _sampling_params(s, room, req.stream)
+        except _CLIENT_ERRORS as e:  # vLLM's own checks of the sampling parameters
+            raise BadRequest(str(e)) from e
         k = s.logprobs or 0
         results = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), sp,
                                     req.request_id)
@@ -200,7 +210,7 @@ class VllmEngine(Engine):
                 if choices:
                     yield {"choices": choices}
             yield {"done": True, "prompt_logprobs": prompt_lps}
-        except ValueError as e:
+        except _CLIENT_ERRORS as e:
             if not started:  # vLLM's input checks
                 raise BadRequest(str(e)) from e
             raise
