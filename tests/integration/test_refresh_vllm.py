@@ -112,3 +112,21 @@ def test_refresh_a_to_b_under_load(setup, tmp_path):
         calls = {c["route"]: c for c in w["calls"]}
         assert calls["update_weights_from_disk"]["http_status"] == 200
         assert calls["update_weights_from_disk"]["body"]["weight_digest"] == digest["B"]
+
+
+def test_probe_that_does_not_match_the_target_keeps_workers_out(setup, tmp_path):
+    """The post-update generation must reproduce what the trainer expects: expecting A's
+    greedy tokens from checkpoint B holds the fleet (no worker verified)."""
+    fleet, root = setup
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, journal=tmp_path / "j.sqlite")
+    wrong = reference_probe(root / "A", [151644, 8948, 198], 8)
+
+    async def run():
+        return await coordinator.refresh(root / "B", "B-probe", probe=wrong)
+
+    result = asyncio.run(run())
+    assert result.decision == "held" and "verified" not in {w["status"] for w in result.workers}
+    assert all("does not reproduce" in w["reason"] or "does not match" in w["reason"]
+               for w in result.workers)
+    ok = asyncio.run(coordinator.refresh(root / "B", "B"))  # the right probe reopens it
+    assert ok.ok, ok.reason

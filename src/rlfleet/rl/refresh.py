@@ -216,7 +216,7 @@ class PolicyRefresh:
                  journal: Journal | str | Path = ":memory:", gate: RolloutGate | None = None,
                  on_failure: OnFailure | str = OnFailure.HOLD, retries: int = 1,
                  pause_mode: str = "wait", probe_prompt: Sequence[int] = (151644, 8948, 198),
-                 probe_tokens: int = 4, probe_tolerance: float = 1e-3, min_workers: int = 1,
+                 probe_tokens: int = 8, probe_tolerance: float = 1e-3, min_workers: int = 1,
                  timeout: float = 120.0, admin_token: str | None = None,
                  on_event: Callable[[str], None] | None = None,
                  current: Policy | None = None) -> None:
@@ -575,15 +575,20 @@ class PolicyRefresh:
             w.exclude(f"resume failed: {data.get('message', data)}")
 
     async def _probe(self, http, w: FleetWorker, target: Policy) -> None:
-        """Greedy post-update generation straight on the worker's request plane."""
-        prompt = target.probe.prompt if target.probe else self.probe_prompt
-        n = len(target.probe.token_ids) if target.probe else self.probe_tokens
-        body = {"request_id": f"refresh-probe-{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt,
-                "sampling": {"temperature": 0.0, "max_tokens": n, "logprobs": 0,
-                             "ignore_eos": True}, "stream": False}
+        """Post-update generation straight on the worker's request plane. With a reference
+        probe, the expected greedy continuation is teacher-forced: the worker prefills
+        prompt + continuation[:-1] (prompt logprobs, each expected token at rank 1) and
+        generates the last token greedily, so every expected token is checked with a single
+        decode step."""
         if not w.request_url:
             w.exclude("no request-plane URL for the post-update generation")
             return
+        p = target.probe
+        prompt = p.prompt + p.token_ids[:-1] if p else self.probe_prompt
+        body = {"request_id": f"refresh-probe-{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt,
+                "sampling": {"temperature": 0.0, "max_tokens": 1 if p else self.probe_tokens,
+                             "logprobs": 0, "prompt_logprobs": 0 if p else None,
+                             "ignore_eos": True}, "stream": False}
         try:
             r = await http.post(f"{w.request_url}/generate", json=body, timeout=self.timeout)
             events = [json.loads(line) for line in r.text.splitlines() if line]
@@ -596,23 +601,29 @@ class PolicyRefresh:
         if status != 200 or not events or "error" in events[-1] or not events[-1].get("done"):
             w.exclude(f"post-update generation failed: HTTP {status} {r.text[:300]}")
             return
-        head = events[0]
-        ids = [t for ev in events for c in ev.get("choices", []) for t in c["token_ids"]]
-        lps = [lp["logprob"] for ev in events for c in ev.get("choices", [])
-               for lp in (c.get("logprobs") or [])]
-        if head.get("weight_digest") != target.digest:
-            w.exclude(f"post-update generation ran on digest {head.get('weight_digest')}, "
+        if events[0].get("weight_digest") != target.digest:
+            w.exclude(f"post-update generation ran on digest {events[0].get('weight_digest')}, "
                       f"not the target {target.digest}")
             return
-        if target.probe is not None:
-            worst = max((abs(a - b) for a, b in zip(lps, target.probe.logprobs, strict=False)),
-                        default=0.0)
-            if ids != target.probe.token_ids or len(lps) != len(ids) or worst > self.tolerance:
-                w.exclude(f"post-update generation does not match the target policy "
-                          f"(tokens equal: {ids == target.probe.token_ids}, "
-                          f"max logprob diff {worst:.2e} > {self.tolerance:g})"
-                          if worst > self.tolerance else
-                          "post-update generation does not match the target policy's tokens")
+        if p is None:
+            return
+        # (token, rank, logprob) at every expected position: teacher-forced, then generated
+        forced = (events[-1].get("prompt_logprobs") or [])[len(p.prompt):]
+        got = [(t, e.get(str(t), {}).get("rank"), e.get(str(t), {}).get("logprob"))
+               for t, e in zip(p.token_ids[:-1], forced, strict=False) if e is not None]
+        got += [(lp["token_id"], lp.get("rank"), lp["logprob"]) for ev in events
+                for c in ev.get("choices", []) for lp in (c.get("logprobs") or [])]
+        tokens_ok = len(got) == len(p.token_ids) and all(
+            g[0] == t and g[1] == 1 and g[2] is not None for g, t in zip(got, p.token_ids,
+                                                                          strict=False))
+        worst = max((abs(g[2] - ref) for g, ref in zip(got, p.logprobs, strict=False)
+                     if g[2] is not None), default=0.0)
+        if not tokens_ok:
+            w.exclude("post-update generation does not reproduce the target policy's greedy "
+                      f"tokens (got {[g[0] for g in got]}, expected {p.token_ids})")
+        elif worst > self.tolerance:
+            w.exclude(f"post-update generation does not match the target policy: max logprob "
+                      f"diff {worst:.2e} > {self.tolerance:g}")
 
     async def _rollback(self, http, workers: dict[int, FleetWorker], previous: Policy,
                         why: str) -> None:
