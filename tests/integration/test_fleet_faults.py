@@ -69,6 +69,10 @@ def test_rl_listener_lists_both_workers(fleet):
         assert len(w["transport"]) == 1 and "error" not in w
         assert not {"admin_base_url", "world_size"} & w.keys()  # omitted, never null
     assert httpx.get(f"{fleet.url}/v1/rl/workers", timeout=5).status_code == 404
+    # the control plane is not reachable through the frontend
+    for port_url in (fleet.url, fleet.rl_url):
+        r = httpx.post(f"{port_url}/engine/pause_generation", json={}, timeout=5)
+        assert r.status_code == 404
     for path in ("/v1/rl/engine", "/v1/rl/engines"):
         assert httpx.get(f"{fleet.rl_url}{path}", timeout=5).status_code == 404
 

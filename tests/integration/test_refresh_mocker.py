@@ -259,3 +259,26 @@ def test_sglang_path(tmp_path, ckpts):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_cli_refresh_and_journal(fleet, ckpts, tmp_path):
+    import subprocess
+    import sys
+
+    journal = tmp_path / "cli-journal.sqlite"
+    run = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "refresh", "--checkpoint", str(ckpts["B"]),
+         "--version", "B", "--digest", "mock:2", "--rl-url", fleet.rl_url, "--model", MODEL,
+         "--journal", str(journal), "--step", "7"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "decision: reopened" in run.stdout and "probe" in run.stdout  # progress + steps
+    shown = subprocess.run([sys.executable, "-m", "rlfleet.cli", "journal", "--journal",
+                            str(journal)], capture_output=True, text=True, timeout=60).stdout
+    assert "step=7" in shown and "-> B [reopened]" in shown
+    fault(fleet.workers[0], "get_weight_version", "respond",
+          body={"status": "ok", "version": "C", "weight_digest": "mock:3"})
+    held = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "refresh", "--checkpoint", str(ckpts["A"]),
+         "--version", "A", "--digest", "mock:1", "--rl-url", fleet.rl_url, "--journal",
+         str(journal)], capture_output=True, text=True, timeout=120)
+    assert held.returncode == 1 and "decision: held" in held.stdout

@@ -130,3 +130,17 @@ def test_probe_that_does_not_match_the_target_keeps_workers_out(setup, tmp_path)
                for w in result.workers)
     ok = asyncio.run(coordinator.refresh(root / "B", "B"))  # the right probe reopens it
     assert ok.ok, ok.reason
+
+
+def test_distributed_path_broadcasts_from_the_trainer(setup, tmp_path):
+    """The vLLM distributed path: the coordinator (trainer) broadcasts the checkpoint's
+    tensors over gloo to both workers, then verifies and reopens as for the disk path."""
+    fleet, root = setup
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-distributed",
+                                journal=tmp_path / "j.sqlite", timeout=60)
+    result = asyncio.run(coordinator.refresh(root / "A", "A-dist"))
+    assert result.ok, result.reason
+    assert [w["status"] for w in result.workers] == ["verified", "verified"]
+    for w in result.workers:
+        call = next(c for c in w["calls"] if c["route"] == "update_weights_from_distributed")
+        assert call["body"]["weight_digest"] == checkpoint_digest(root / "A")

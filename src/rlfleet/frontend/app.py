@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from rlfleet.runtime.http import (
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError
 
 REQUEST_ID_HEADER = "x-request-id"
+log = logging.getLogger("rlfleet.frontend.requests")
 
 
 class ApiError(Exception):
@@ -97,10 +99,19 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
             resp = await call_next(request)
         finally:
             metrics.FRONTEND_INFLIGHT.labels(route).dec()
-        metrics.FRONTEND_LATENCY.labels(route).observe(time.monotonic() - t0)
+        secs = time.monotonic() - t0
+        metrics.FRONTEND_LATENCY.labels(route).observe(secs)
         metrics.FRONTEND_REQUESTS.labels(route, str(resp.status_code)).inc()
-        if REQUEST_ID_HEADER in request.headers:
-            resp.headers["X-Request-Id"] = request.headers[REQUEST_ID_HEADER]
+        rid = request.headers.get(REQUEST_ID_HEADER)
+        if rid is not None:
+            resp.headers["X-Request-Id"] = rid
+        # one structured line per request: the trainer's request ID and trace context line
+        # up with what the frontend saw (streams: time to the response head)
+        log.info("%s %s -> %d in %.3fs request_id=%s traceparent=%s", request.method,
+                 request.url.path, resp.status_code, secs, rid,
+                 request.headers.get("traceparent"),
+                 extra={"request_id": rid, "traceparent": request.headers.get("traceparent"),
+                        "route": route, "status": resp.status_code})
         return resp
 
     async def run(request: Request, model: str, greq: GenerateRequest, res: Result,
