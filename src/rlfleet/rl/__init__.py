@@ -1,5 +1,6 @@
 """The framework side: rollouts admitted exactly once (RolloutClient, admission checks,
-sample ledger, retry and partial-rollout policies)."""
+sample ledger, retry and partial-rollout policies) and fleet policy refresh (PolicyRefresh,
+its journal, and the RolloutGate between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
 from rlfleet.rl.admission import (
@@ -14,8 +15,20 @@ from rlfleet.rl.admission import (
 )
 from rlfleet.rl.attempt import AttemptState, IllegalTransition
 from rlfleet.rl.client import RolloutClient
+from rlfleet.rl.gate import RolloutGate
+from rlfleet.rl.journal import Journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
+from rlfleet.rl.refresh import (
+    OnFailure,
+    Policy,
+    PolicyRefresh,
+    Probe,
+    RefreshResult,
+    RefreshState,
+    SglangWorker,
+    UpdatePath,
+)
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
