@@ -121,6 +121,9 @@ async def first_or_gone(request: Request, items: AsyncIterator[Any]) -> Any:
     gone = asyncio.ensure_future(until_disconnected(request))
     try:
         await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this task was cancelled: leave nothing running behind
+        first.cancel()
+        raise
     finally:
         gone.cancel()
     if not first.done():
@@ -136,6 +139,7 @@ async def stop_on_disconnect(request: Request, items: AsyncIterator[Any]) -> Asy
     work behind it) and stop."""
     watcher = asyncio.ensure_future(until_disconnected(request))
     it = items.__aiter__()
+    nxt: asyncio.Future | None = None
     try:
         while True:
             nxt = asyncio.ensure_future(it.__anext__())
@@ -152,6 +156,8 @@ async def stop_on_disconnect(request: Request, items: AsyncIterator[Any]) -> Asy
             yield item
     finally:
         watcher.cancel()
+        if nxt is not None and not nxt.done():  # this task was cancelled mid-wait
+            nxt.cancel()
         aclose = getattr(items, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):

@@ -69,37 +69,55 @@ class Proc:
                 pass
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code. Whatever the process
+        left behind in its group (an engine-core child, say) is killed too."""
         self.signal(signal.SIGTERM)
         try:
-            return self.popen.wait(timeout)
+            code = self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
-            return self.popen.wait(5)
+            code = self.popen.wait(5)
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        return code
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
           ready_marker: str = "RLFLEET_") -> Proc:
-    """Start `argv` in its own process group; its output goes to <log_dir>/<name>.log and the
+    """Start `argv` in its own process group; its output goes straight to
+    <log_dir>/<name>.log (no pipe: a busy parent never blocks the child's writes), and the
     first line starting with `ready_marker` and containing `_READY` marks it ready."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, env=engine_env(env), start_new_session=True)
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=engine_env(env),
+                                 start_new_session=True)
     proc = Proc(name, popen, log_path)
 
-    def pump() -> None:
-        with open(log_path, "w", errors="replace") as f:
-            for raw in popen.stdout:  # type: ignore[union-attr]
-                line = raw.decode(errors="replace")
-                f.write(line)
-                f.flush()
-                if not proc._ready_event.is_set() and line.startswith(ready_marker) and \
-                        "_READY" in line.split()[0]:
+    def watch() -> None:
+        """Read the log as it grows until the ready line (or the process ends)."""
+        with open(log_path, "rb") as f:
+            pending = b""
+            while True:
+                chunk = f.readline()
+                if not chunk:
+                    if popen.poll() is not None:
+                        return
+                    time.sleep(0.05)
+                    continue
+                pending += chunk
+                if not pending.endswith(b"\n"):
+                    continue
+                line, pending = pending.decode(errors="replace"), b""
+                if line.startswith(ready_marker) and "_READY" in line.split()[0]:
                     proc.ready = _parse_ready(line.strip())
                     proc._ready_event.set()
+                    return
 
-    threading.Thread(target=pump, name=f"log-{name}", daemon=True).start()
+    threading.Thread(target=watch, name=f"ready-{name}", daemon=True).start()
     return proc
 
 
