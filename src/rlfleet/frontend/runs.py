@@ -69,17 +69,15 @@ class RunRegistry:
     runs: OrderedDict[str, Run] = field(default_factory=OrderedDict)
 
     def _expire(self) -> None:
+        """Forget runs that ended more than `window` ago, and the oldest beyond `max_runs`
+        (a forgotten run still in flight finishes for the callers attached to it)."""
         now = time.monotonic()
         while self.runs:
-            rid, run = next(iter(self.runs.items()))
+            run = next(iter(self.runs.values()))
             old = run.done and run.ended_at is not None and now - run.ended_at > self.window
             if not old and len(self.runs) <= self.max_runs:
                 break
-            if not run.done and len(self.runs) <= self.max_runs:
-                break
             self.runs.popitem(last=False)
-            if not run.done and run.task is not None:
-                run.task.cancel()
 
     def start(self, request_id: str, body: bytes, keep: bool,
               source: Callable[[Run], AsyncIterator[dict]]) -> tuple[Run, bool]:
