@@ -409,6 +409,7 @@ class PolicyRefresh:
                     raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
                                       f"{target.version}; need {self.min_workers}")
                 await timed("reopen", self._each(ok_workers, lambda w: self._open(http, w)))
+                ok_workers = active()  # a worker whose reopen failed stays out
                 for w in ok_workers:
                     w.status = "verified"
                 if state is not RefreshState.ROLLED_BACK:
