@@ -19,7 +19,6 @@ way out, also on Ctrl-C and on failure.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import os
 import shutil
@@ -259,15 +258,10 @@ async def rollouts(client: RolloutClient, task: SevensTask, cfg: DemoConfig, tag
 
 def rollout_client(url: str, ledger: Path, gate: RolloutGate) -> RolloutClient:
     """The client checks every response against the expected model and policy (set with
-    `expect` after each refresh); it waits on the refresh's gate where it supports one."""
-    kwargs: dict[str, Any] = {"ledger": SampleLedger(ledger),
-                              "retry": RetryPolicy(max_attempts=4, backoff_initial=0.2,
-                                                   attempt_timeout=120)}
-    # rl/gate.py says the client waits on the gate before each attempt, but RolloutClient
-    # takes no gate yet; until it does, the training loop waits on it before each batch
-    if "gate" in inspect.signature(RolloutClient).parameters:
-        kwargs["gate"] = gate
-    return RolloutClient(url, MODEL_NAME, **kwargs)
+    `expect` after each refresh) and starts no attempt while the refresh's gate is closed."""
+    return RolloutClient(url, MODEL_NAME, ledger=SampleLedger(ledger), gate=gate,
+                         retry=RetryPolicy(max_attempts=4, backoff_initial=0.2,
+                                           attempt_timeout=120))
 
 
 def mean(xs: list[float]) -> float:
@@ -323,7 +317,6 @@ async def train(run: Run, fleet: Fleet, trainer: GrpoTrainer, task: SevensTask,
               f"{'max|Δlogprob|':>14}  policy", flush=True)
         for step in range(1, cfg.steps + 1):
             policy = run.versions[-1]
-            await gate.wait_open(timeout=60)
             t0 = time.monotonic()
             batch, rejected, reasons = await rollouts(client, task, cfg, f"{run_id}/step{step}")
             t_roll = time.monotonic() - t0
@@ -350,7 +343,6 @@ async def train(run: Run, fleet: Fleet, trainer: GrpoTrainer, task: SevensTask,
                   f"{len(batch):>9} {rejected:>9} {stats.max_abs_logprob_diff:>14.2e}  "
                   f"{policy['version']} -> {refresh['version']}", flush=True)
         # the last policy, measured the same way (no update)
-        await gate.wait_open(timeout=60)
         batch, rejected, reasons = await rollouts(client, task, cfg, f"{run_id}/final")
         run.final_eval = {"step": cfg.steps + 1, "policy_version": run.versions[-1]["version"],
                           "weight_digest": run.versions[-1]["digest"],
