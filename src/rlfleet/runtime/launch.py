@@ -77,8 +77,12 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.signal(signal.SIGKILL)
             code = self.popen.wait(5)
+        deadline = time.monotonic() + 5.0
         try:
             os.killpg(self.popen.pid, signal.SIGKILL)
+            while time.monotonic() < deadline:  # until the kernel has removed them all
+                os.killpg(self.popen.pid, 0)
+                time.sleep(0.05)
         except (ProcessLookupError, PermissionError):
             pass
         return code
