@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rlfleet.rl.refresh import reference_probe
 from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.conftest import VLLM_FLAGS, wait_for_workers
@@ -99,19 +100,9 @@ def greedy(fleet, max_tokens: int = 16) -> tuple[list[int], list[float]]:
 
 
 def transformers_greedy(model_dir: Path, n: int) -> tuple[list[int], list[float]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    seq = list(PROMPT)
-    lps = []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([seq])).logits[0, -1].float()
-            lsm = torch.log_softmax(logits, -1)
-            t = int(torch.argmax(lsm))
-            seq.append(t)
-            lps.append(lsm[t].item())
-    return seq[len(PROMPT):], lps
+    """Greedy tokens and logprobs of a plain transformers forward pass."""
+    probe = reference_probe(model_dir, PROMPT, n)
+    return probe.token_ids, probe.logprobs
 
 
 def set_weights(fleet, path: Path, version: str) -> dict:
