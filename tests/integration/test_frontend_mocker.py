@@ -97,3 +97,28 @@ def test_unknown_model_gets_a_clear_error_without_workers(tmp_path, route):
                 "input_ids": [1]}
         r = httpx.post(f"{fleet.url}{route}", json=body, timeout=10)
         assert r.status_code in (400, 404) and r.json()["error"]["message"]
+
+
+def test_requests_are_held_while_every_worker_is_gated(tmp_path):
+    with Fleet(tmp_path, lease_ttl=5) as fleet:
+        fleet.start_frontend("--gated-hold", "3")
+        w = fleet.start_worker(*SLOW, "--system-port", "0", "--start-gated", kind="mocker")
+        wait_for_workers_listed = time.monotonic() + 10
+        while not httpx.get(f"{fleet.url}/health").json()["workers"]:
+            assert time.monotonic() < wait_for_workers_listed
+            time.sleep(0.1)
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(r=complete(fleet.url)))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive()  # held, not refused
+        r = httpx.post(f"{w.ready['system_url']}/engine/set_admission", json={"open": True})
+        assert r.json()["status"] == "ok"
+        t.join(10)
+        assert out["r"].status_code == 200, out["r"].text
+        httpx.post(f"{w.ready['system_url']}/engine/set_admission",
+                   json={"open": False, "reason": "test"})
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        r = complete(fleet.url)  # nobody reopens it: a 503 after the hold
+        assert r.status_code == 503 and 2.5 < time.monotonic() - t0 < 10

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "else a per-user directory)")
     p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
     p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES)
+    p.add_argument("--gated-hold", type=float, default=60.0,
+                   help="seconds a request waits while every worker of its model is gated "
+                        "(a policy refresh); then 503")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds to wait for a worker's next event before failing the request")
     p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
@@ -48,7 +51,8 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     discovery = open_discovery(args.discovery)
-    pool = WorkerPool(discovery, args.namespace, mode=args.router_mode)
+    pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
+                      gated_hold=args.gated_hold)
     client = WorkerClient(read_timeout=args.request_timeout)
     await pool.start()
     servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port))]

@@ -260,7 +260,7 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
         req: InputTokensRequest = await parse_body(request, InputTokensRequest)
         models = pool.models()
         model = req.model or (models[0] if models else "")
-        w = pool.pick(model)
+        w = await pool.acquire(model)
         n = (await client.tokenize(w.url, {"messages": req.messages()}))["count"]
         if req.tools:
             n += (await client.tokenize(w.url, {"prompt": json.dumps(req.tools)}))["count"]

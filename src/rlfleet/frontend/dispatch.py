@@ -110,7 +110,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     WorkerError."""
     tried: set[int] = set()
     for attempt in range(MAX_ATTEMPTS):
-        w = pool.pick(model, tried)
+        w = await pool.acquire(model, tried)
         tried.add(w.instance_id)
         if on_pick is not None:
             on_pick(w)

@@ -46,10 +46,14 @@ class WorkerPool:
     namespace: str
     mode: str = "round-robin"
     down_seconds: float = 30.0
+    # how long a request waits for a worker while its model's workers are gated (a policy
+    # refresh in progress): held, not refused
+    gated_hold: float = 60.0
     workers: dict[int, Worker] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
     _task: asyncio.Task | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
@@ -90,6 +94,8 @@ class WorkerPool:
             log.info("worker %s left", iid)
         self.workers = fresh
         metrics.FRONTEND_WORKERS.set(len(fresh))
+        self._changed.set()  # wake requests held for a worker
+        self._changed = asyncio.Event()
 
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers.values()})
@@ -113,6 +119,22 @@ class WorkerPool:
             return random.choice(ok)
         ok.sort(key=lambda w: w.instance_id)
         return ok[next(self._rr) % len(ok)]
+
+    async def acquire(self, model: str, exclude: set[int] = frozenset()) -> Worker:
+        """pick(), but while the model's only candidates are gated (a policy refresh is
+        under way), wait for one to reopen, up to `gated_hold` seconds."""
+        deadline = time.monotonic() + self.gated_hold
+        while True:
+            try:
+                return self.pick(model, exclude)
+            except NoWorker as e:
+                gated = any(w.entry.get("gated") for w in self.for_model(model)
+                            if w.instance_id not in exclude)
+                left = deadline - time.monotonic()
+                if e.status != 503 or not gated or left <= 0:
+                    raise
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
 
     def mark_down(self, w: Worker, why: str) -> None:
         log.warning("worker %s marked down for %.0fs: %s", w.instance_id, self.down_seconds, why)
