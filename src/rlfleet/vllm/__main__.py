@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 
+from rlfleet.runtime.admin import EngineAdmin
 from rlfleet.runtime.worker import add_worker_args, serve_worker
-from rlfleet.vllm.admin import VllmAdmin
 from rlfleet.vllm.engine import VllmEngine, add_engine_args
 
 
@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     add_worker_args(p)
     args = p.parse_args(argv)
     engine = VllmEngine(args)
-    admin = VllmAdmin(engine, args.allowed_weights_root)
+    admin = EngineAdmin(engine, args.allowed_weights_root)
     asyncio.run(serve_worker(engine, args, admin.routes))
 
 
