@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from rlfleet.protocol.engine import MAX_LOGPROBS, GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import BadRequest, Engine, EngineInfo
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
@@ -82,8 +81,10 @@ class VllmEngine(Engine):
         self.llm = None
         self.tokenizer = None
         self._running = 0
+        from rlfleet.vllm.args import served_name
+
         path = Path(args.model)
-        name = args.served_model_name or path.name
+        name = served_name(args)
         self.version: str | None = None  # caller-declared weight version
         self.version_declared = False
         self.digest: str | None = None  # content digest of the weights applied
@@ -94,16 +95,10 @@ class VllmEngine(Engine):
                                else args.model, vocab_size=0, max_model_len=0)
 
     def engine_args(self):
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        """vLLM's AsyncEngineArgs from the worker's command line (rlfleet.vllm.args)."""
+        from rlfleet.vllm.args import engine_args
 
-        a = self.args
-        return AsyncEngineArgs(
-            model=a.model, served_model_name=self.info.served_model_name, dtype=a.dtype,
-            max_model_len=a.max_model_len, enforce_eager=a.enforce_eager, seed=a.seed,
-            logprobs_mode=a.logprobs_mode, max_logprobs=MAX_LOGPROBS,
-            enable_prefix_caching=True, max_num_seqs=a.max_num_seqs,
-            disable_log_stats=True, worker_extension_cls=a.worker_extension_cls,
-        )
+        return engine_args(self.args)
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -221,21 +216,3 @@ class VllmEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format checkpoint directory (or hub name)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true",
-                   default=os.environ.get("RLFLEET_ENFORCE_EAGER", "") not in ("", "0"),
-                   help="skip graph compilation (faster start, slower decode)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logprobs-mode", default="processed_logprobs",
-                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
-                   help="processed_logprobs: log-softmax after temperature/top-k/top-p, what an RL "
-                        "trainer's importance ratio needs")
-    p.add_argument("--worker-extension-cls", default="rlfleet.vllm.extension.WorkerExtension")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false")
-
