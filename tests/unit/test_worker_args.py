@@ -13,7 +13,6 @@ from rlfleet.runtime import address
 from rlfleet.vllm.args import EXTENSION, engine_args, parse_args
 
 
-
 def test_config_yaml_is_read_and_the_command_line_wins(tmp_path: Path) -> None:
     cfg = tmp_path / "worker.yaml"
     cfg.write_text("model: /models/policy\ntensor-parallel-size: 2\npipeline-parallel-size: 2\n"
