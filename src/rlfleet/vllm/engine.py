@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import MAX_LOGPROBS, GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import (
     BadRequest,
@@ -98,8 +98,10 @@ class VllmEngine(Engine, EngineControl):
         self.llm = None
         self.tokenizer = None
         self._running = 0
+        from rlfleet.vllm.args import served_name
+
         path = Path(args.model)
-        name = args.served_model_name or path.name
+        name = served_name(args)
         self.version: str | None = None  # caller-declared weight version
         self.version_declared = False
         self.digest: str | None = None  # content digest of the weights applied
@@ -110,16 +112,10 @@ class VllmEngine(Engine, EngineControl):
                                else args.model, vocab_size=0, max_model_len=0)
 
     def engine_args(self):
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        """vLLM's AsyncEngineArgs from the worker's command line (rlfleet.vllm.args)."""
+        from rlfleet.vllm.args import engine_args
 
-        a = self.args
-        return AsyncEngineArgs(
-            model=a.model, served_model_name=self.info.served_model_name, dtype=a.dtype,
-            max_model_len=a.max_model_len, enforce_eager=a.enforce_eager, seed=a.seed,
-            logprobs_mode=a.logprobs_mode, max_logprobs=MAX_LOGPROBS,
-            enable_prefix_caching=True, max_num_seqs=a.max_num_seqs,
-            disable_log_stats=True, worker_extension_cls=a.worker_extension_cls,
-        )
+        return engine_args(self.args)
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
