@@ -338,20 +338,3 @@ class VllmEngine(Engine, EngineControl):
     async def leave_group(self) -> None:
         await self._rpc("rlfleet_destroy_group", 30)
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF-format checkpoint directory (or hub name)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true",
-                   default=os.environ.get("RLFLEET_ENFORCE_EAGER", "") not in ("", "0"),
-                   help="skip graph compilation (faster start, slower decode)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--logprobs-mode", default="processed_logprobs",
-                   choices=["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"],
-                   help="processed_logprobs: log-softmax after temperature/top-k/top-p, what an RL "
-                        "trainer's importance ratio needs")
-    p.add_argument("--worker-extension-cls", default="rlfleet.vllm.extension.WorkerExtension")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false")
-
