@@ -90,8 +90,9 @@ def _journal(args: argparse.Namespace) -> int:
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
         total = sum(s["seconds"] for s in r["steps"] or [])
+        serves = f" serves {r['served_version']}" if r.get("served_version") else ""
         print(f"#{r['id']} {when} step={r['framework_step']} {r['update_path']} "
-              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}] "
+              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}]{serves} "
               f"{total:.2f}s: {r['reason']}")
     return 0
 
@@ -126,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--probe-tolerance", type=float, default=1e-3)
     rf.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
     rf.add_argument("--step", type=int, default=None, help="framework step, for the journal")
-    rf.add_argument("--journal", default=str(default_journal()))
+    rf.add_argument("--journal", default=str(default_journal()),
+                    help="SQLite journal; a refresh started on an existing journal knows the "
+                         "fleet's last verified policy (what --on-failure rollback returns to)")
     rf.set_defaults(func=_refresh)
 
     jn = sub.add_parser("journal", help="show past policy refreshes")

@@ -157,6 +157,29 @@ def test_transfer_failure_rollback_returns_to_a_verified(fleet, ckpts, tmp_path)
     assert any(s["name"] == "rollback" for s in res.steps)
 
 
+def test_a_coordinator_on_an_existing_journal_rolls_back(fleet, ckpts, tmp_path):
+    """A new PolicyRefresh on the journal of a held refresh knows the last verified policy
+    (and what each worker holds) and rolls the mixed fleet back to it."""
+    first = coordinator(fleet, tmp_path, on_failure="hold")
+    assert to(first, ckpts, "A", 1).ok
+    fault(fleet.workers[1], "update_weights_from_disk", "error")
+    assert to(first, ckpts, "B", 2).decision == "held"
+    ids = [int(p.ready["instance_id"]) for p in fleet.workers]
+    assert versions(fleet) == {ids[0]: ("B", "mock:2"), ids[1]: ("A", "mock:1")}
+
+    second = coordinator(fleet, tmp_path, on_failure="rollback")
+    assert (second.current.version, second.current.digest) == ("A", "mock:1")
+    assert second.current.path == str(ckpts["A"].resolve()) and second.verified == set(ids)
+    assert second.holdings == {ids[0]: {"version": "B", "digest": "mock:2"},
+                               ids[1]: {"version": "A", "digest": "mock:1"}}
+    fault(fleet.workers[1], "update_weights_from_disk", "error")
+    res = to(second, ckpts, "B", 2)
+    assert res.decision == "rolled_back" and "rolled back to A" in res.reason, res.reason
+    assert set(versions(fleet).values()) == {("A", "mock:1")}
+    assert len(routed(fleet, 2)) == 2 and second.gate.is_open
+    assert coordinator(fleet, tmp_path).current.version == "A"  # and the next one knows
+
+
 def test_cache_reset_failure_excludes(fleet, ckpts, tmp_path):
     fault(fleet.workers[0], "flush_cache")
     res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)

@@ -107,6 +107,20 @@ def _message(data: dict[str, Any]) -> Any:
     return data.get("message", data)
 
 
+def _tensors_of(policy: Policy) -> list[tuple[str, Any]]:
+    """The tensors to broadcast: the trainer's, else read from the checkpoint."""
+    if policy.tensors is not None:
+        return list(policy.tensors())
+    if policy.path is None:
+        raise RefreshHeld(f"policy {policy.version} has neither tensors nor a checkpoint "
+                          "path to send")
+    from pathlib import Path
+
+    from rlfleet.weights.digest import iter_checkpoint_tensors
+
+    return list(iter_checkpoint_tensors(Path(policy.path)))
+
+
 class WorkerControl(abc.ABC):
     """The lifecycle steps for one flavour of worker. Per-worker steps exclude the worker
     (with the reason) when they fail; `transfer` returns the workers whose transfer failed,
@@ -114,6 +128,8 @@ class WorkerControl(abc.ABC):
 
     #: the name recorded in the journal
     path: str
+    #: which fleet this is, for the journal (a later coordinator finds its history by it)
+    fleet: str
     #: whether workers can join or leave between resolve and transfer (discovery)
     dynamic_membership: bool = False
 
@@ -184,7 +200,7 @@ class VllmControl(WorkerControl):
 
     def __init__(self, rl_url: str, model: str | None = None, *,
                  distributed: bool = False) -> None:
-        self.rl_url = rl_url.rstrip("/")
+        self.rl_url = self.fleet = rl_url.rstrip("/")
         self.model = model
         self.distributed = distributed
         self.path = "vllm-distributed" if distributed else "vllm-disk"
@@ -231,7 +247,7 @@ class VllmControl(WorkerControl):
                 "model_path": target.path, "weight_version": target.version})
         from rlfleet.weights.broadcast import TransferError, push_weights
 
-        tensors = await asyncio.to_thread(target.tensors)
+        tensors = await asyncio.to_thread(_tensors_of, target)
         try:
             results = await push_weights([w.system_url for w in ws], tensors, target.version,
                                          timeout=ch.timeout, admin_token=ch.admin_token)
@@ -287,6 +303,7 @@ class SglangControl(WorkerControl):
         if not workers:
             raise ValueError("the SGLang path needs sglang_workers (system and request URLs)")
         self.workers = list(workers)
+        self.fleet = " ".join(sorted(w.system_url.rstrip("/") for w in self.workers))
 
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
         return {i: FleetWorker(i, w.system_url.rstrip("/"), w.request_url.rstrip("/"),

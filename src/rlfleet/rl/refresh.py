@@ -200,6 +200,24 @@ class PolicyRefresh:
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         self.current = current
         self.verified: set[int] = set()  # workers verified on self.current
+        if current is None:
+            self._resume_from_journal()
+        # what each worker was last seen holding ({version, digest}), kept in the journal
+        self.holdings = self.journal.holdings(self.control.fleet, self.model)
+
+    def _resume_from_journal(self) -> None:
+        """A coordinator started on an existing journal (a new process, after a crash or a
+        held refresh) takes the fleet's last verified policy from it: the policy a rollback
+        returns to and replacement workers are admitted on."""
+        row = self.journal.last_served(self.control.fleet, self.model)
+        if row is None:
+            return
+        self.current = Policy(version=row["served_version"], digest=row["served_digest"],
+                              path=row["served_path"])
+        self.verified = set(row["verified_workers"] or [])
+        self.on_event(f"journal {self.journal.path}: last verified policy "
+                      f"{self.current.version} ({self.current.digest}) on "
+                      f"{len(self.verified)} worker(s), refresh {row['id']}")
 
     @staticmethod
     def _control(path: UpdatePath, rl_url: str | None, model: str | None,
@@ -240,12 +258,8 @@ class PolicyRefresh:
         if probe is None and path is not None and (Path(path) / "config.json").exists():
             probe = await asyncio.to_thread(reference_probe, path, self.probe_prompt,
                                             self.probe_tokens)
-        if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None:
-            if path is None:
-                raise ValueError("the distributed path needs tensors or a checkpoint path")
-            from rlfleet.weights.digest import iter_checkpoint_tensors
-
-            tensors = lambda: list(iter_checkpoint_tensors(Path(path)))  # noqa: E731
+        if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None and path is None:
+            raise ValueError("the distributed path needs tensors or a checkpoint path")
         return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors)
 
     async def _each(self, workers: list[FleetWorker], fn) -> None:
@@ -260,7 +274,8 @@ class PolicyRefresh:
         workers: dict[int, FleetWorker] = {}
         state = RefreshState.STARTED
         refresh_id = self.journal.begin(
-            framework_step=step, update_path=control.path, target_path=target.path,
+            framework_step=step, fleet=control.fleet, model=self.model,
+            update_path=control.path, target_path=target.path,
             target_version=target.version, target_digest=target.digest,
             previous_version=previous.version if previous else None,
             previous_digest=previous.digest if previous else None)
@@ -318,7 +333,11 @@ class PolicyRefresh:
                     move(RefreshState.PROBED)
                 except _Rollback as e:
                     if previous is None:
-                        raise RefreshHeld(f"{e}; no previous policy to roll back to") from e
+                        raise RefreshHeld(f"{e}; no previous policy to roll back to (none "
+                                          f"verified in the journal {self.journal.path})") from e
+                    if previous.path is None and previous.tensors is None:
+                        raise RefreshHeld(f"{e}; the previous policy {previous.version} came "
+                                          "from memory and cannot be sent again") from e
                     move(RefreshState.ROLLING_BACK)
                     await timed("rollback", self._rollback(ch, workers, previous, str(e)))
                     target = previous
@@ -354,8 +373,14 @@ class PolicyRefresh:
                 log.exception("policy refresh %s failed", refresh_id)
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in workers.values()]
+        served = target if decision != "held" else None
         self.journal.update(refresh_id, ended_at=time.time(), decision=decision, reason=reason,
-                            steps=steps, workers={str(w["instance_id"]): w for w in summaries})
+                            steps=steps, workers={str(w["instance_id"]): w for w in summaries},
+                            served_version=served.version if served else None,
+                            served_digest=served.digest if served else None,
+                            served_path=served.path if served else None,
+                            verified_workers=sorted(self.verified) if served else [])
+        self.holdings.update({w.instance_id: w.holds for w in workers.values() if w.holds})
         return RefreshResult(refresh_id, decision, reason, state, summaries, steps, target)
 
     # ------------------------------------------------------------------ fleet-level steps
