@@ -180,6 +180,34 @@ def test_a_coordinator_on_an_existing_journal_rolls_back(fleet, ckpts, tmp_path)
     assert coordinator(fleet, tmp_path).current.version == "A"  # and the next one knows
 
 
+def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts, tmp_path):
+    """A fleet whose vocabulary is not Qwen's (4,096 tokens) refreshes with the defaults: the
+    probe prompt is text the workers tokenise. A worker that generates differently from the
+    others (a misconfigured vocabulary: the simulated model is another) keeps the fleet held,
+    and the reason names it and the token."""
+    small = ("--served-model-name", "mock-4k", "--vocab-size", "4096")
+    for _ in range(2):
+        fleet.start_worker(*mock_args(ckpts["root"]), *small, kind="mocker")
+    wait_for_workers(fleet.url, "mock-4k", 2)
+    r = PolicyRefresh(fleet.rl_url, model="mock-4k", timeout=10,
+                      journal=tmp_path / "journal.sqlite")
+    res = asyncio.run(r.refresh(ckpts["B"], "B", digest="mock:2"))
+    assert res.ok and res.fleet_moved, res.reason
+
+    odd = fleet.start_worker(*mock_args(ckpts["root"]), "--served-model-name", "mock-4k",
+                             "--vocab-size", "4097", kind="mocker")
+    wait_for_workers(fleet.url, "mock-4k", 3)
+    res = asyncio.run(r.refresh(ckpts["A"], "A", digest="mock:1"))
+    assert res.decision == "held" and not res.fleet_moved, res.reason
+    assert res.reason.startswith("workers disagree on the post-update probe: worker "
+                                 f"{odd.ready['instance_id']} puts token "), res.reason
+    assert " first at position " in res.reason and " where worker " in res.reason
+    assert not r.gate.is_open
+    usable = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
+              if w["usable"] and w["model"] == "mock-4k"}
+    assert usable == set()  # none of the three admitted
+
+
 def test_cache_reset_failure_excludes(fleet, ckpts, tmp_path):
     fault(fleet.workers[0], "flush_cache")
     res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)

@@ -17,7 +17,8 @@ import pytest
 from rlfleet.rl import RolloutClient, SamplingSpec
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
-from rlfleet.rl.refresh import PolicyRefresh, reference_probe
+from rlfleet.rl.probe import reference_probe
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import VLLM_FLAGS, wait_for_workers
