@@ -7,7 +7,11 @@ Failure handling follows the reference table (distribute-and-update-rollout-weig
 a worker whose pause, cache reset, resume or probe fails is excluded and stays gated; a
 worker gone from discovery is dropped; a transfer that fails after peers succeeded leaves
 the fleet gated and is handled by one explicit policy (retry | rollback | hold); a version
-or digest that differs keeps a synchronous fleet closed. Every refresh is journaled."""
+or digest that differs keeps a synchronous fleet closed. Every refresh is journaled.
+
+The lifecycle calls one `WorkerControl` per worker flavour (rlfleet.rl.control) and judges
+the post-update probe with rlfleet.rl.probe. A coordinator started on an existing journal
+resumes from it: the fleet's last verified policy is what it rolls back to."""
 
 from __future__ import annotations
 
