@@ -62,8 +62,11 @@ def _refresh(args: argparse.Namespace) -> int:
     coordinator = PolicyRefresh(
         args.rl_url, model=args.model, path=args.path, sglang_workers=sglang,
         journal=args.journal, on_failure=args.on_failure, retries=args.retries,
-        pause_mode=args.pause_mode, probe_tolerance=args.probe_tolerance,
-        admin_token=args.admin_token, on_event=lambda msg: print(msg, flush=True))
+        pause_mode=args.pause_mode, probe_tokens=args.probe_tokens,
+        probe_tolerance=args.probe_tolerance, probe_from_checkpoint=args.probe_from_checkpoint,
+        transfer_backend=args.transfer_backend, master_address=args.master_address,
+        master_port=args.master_port, admin_token=args.admin_token,
+        on_event=lambda msg: print(msg, flush=True))
     result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
                                              step=args.step))
     print(f"decision: {result.decision} ({result.reason})")
@@ -90,8 +93,9 @@ def _journal(args: argparse.Namespace) -> int:
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
         total = sum(s["seconds"] for s in r["steps"] or [])
+        serves = f" serves {r['served_version']}" if r.get("served_version") else ""
         print(f"#{r['id']} {when} step={r['framework_step']} {r['update_path']} "
-              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}] "
+              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}]{serves} "
               f"{total:.2f}s: {r['reason']}")
     return 0
 
@@ -123,10 +127,27 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
     rf.add_argument("--retries", type=int, default=1)
     rf.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
-    rf.add_argument("--probe-tolerance", type=float, default=1e-3)
+    rf.add_argument("--probe-tokens", type=int, default=8,
+                    help="tokens each worker generates in the post-update probe")
+    rf.add_argument("--probe-tolerance", type=float, default=None,
+                    help="max logprob difference in the probe (default: by the dtype each "
+                         "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
+    rf.add_argument("--probe-from-checkpoint", action="store_true",
+                    help="check every worker against a transformers forward pass of the "
+                         "checkpoint (loads the whole model here); default: the workers must "
+                         "agree with each other on a prompt their tokenizer makes")
+    rf.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
+                    help="process-group backend of --path vllm-distributed (nccl needs CUDA here)")
+    rf.add_argument("--master-address", default=None,
+                    help="address the workers reach this host at for --path vllm-distributed "
+                         "(default: this host's address on the route to the workers)")
+    rf.add_argument("--master-port", type=int, default=None,
+                    help="rendezvous port for --path vllm-distributed (default: a free port)")
     rf.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
     rf.add_argument("--step", type=int, default=None, help="framework step, for the journal")
-    rf.add_argument("--journal", default=str(default_journal()))
+    rf.add_argument("--journal", default=str(default_journal()),
+                    help="SQLite journal; a refresh started on an existing journal knows the "
+                         "fleet's last verified policy (what --on-failure rollback returns to)")
     rf.set_defaults(func=_refresh)
 
     jn = sub.add_parser("journal", help="show past policy refreshes")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlfleet.rl.refresh import reference_probe
+from rlfleet.rl.probe import reference_probe
 from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.conftest import VLLM_FLAGS, wait_for_workers
@@ -312,6 +312,9 @@ def test_trainer_pushes_weights_over_gloo(ctl, tiny_model_b, weights_root):
 
 TRAINER = textwrap.dedent("""
     import asyncio, sys, time, httpx
+    # imported before the rendezvous: on a loaded machine the import alone can outlast the
+    # group's 5 s deadline, and the worker would give up before this side listens
+    import vllm.distributed.utils
     from rlfleet.weights.broadcast import TrainerGroup, dtype_name, free_port
     from rlfleet.weights.digest import iter_checkpoint_tensors
 

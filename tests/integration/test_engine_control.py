@@ -11,7 +11,7 @@ import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.rl.refresh import reference_probe
+from rlfleet.rl.probe import reference_probe
 from rlfleet.runtime.admin import EngineAdmin
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine

@@ -157,6 +157,57 @@ def test_transfer_failure_rollback_returns_to_a_verified(fleet, ckpts, tmp_path)
     assert any(s["name"] == "rollback" for s in res.steps)
 
 
+def test_a_coordinator_on_an_existing_journal_rolls_back(fleet, ckpts, tmp_path):
+    """A new PolicyRefresh on the journal of a held refresh knows the last verified policy
+    (and what each worker holds) and rolls the mixed fleet back to it."""
+    first = coordinator(fleet, tmp_path, on_failure="hold")
+    assert to(first, ckpts, "A", 1).ok
+    fault(fleet.workers[1], "update_weights_from_disk", "error")
+    assert to(first, ckpts, "B", 2).decision == "held"
+    ids = [int(p.ready["instance_id"]) for p in fleet.workers]
+    assert versions(fleet) == {ids[0]: ("B", "mock:2"), ids[1]: ("A", "mock:1")}
+
+    second = coordinator(fleet, tmp_path, on_failure="rollback")
+    assert (second.current.version, second.current.digest) == ("A", "mock:1")
+    assert second.current.path == str(ckpts["A"].resolve()) and second.verified == set(ids)
+    assert second.holdings == {ids[0]: {"version": "B", "digest": "mock:2"},
+                               ids[1]: {"version": "A", "digest": "mock:1"}}
+    fault(fleet.workers[1], "update_weights_from_disk", "error")
+    res = to(second, ckpts, "B", 2)
+    assert res.decision == "rolled_back" and "rolled back to A" in res.reason, res.reason
+    assert set(versions(fleet).values()) == {("A", "mock:1")}
+    assert len(routed(fleet, 2)) == 2 and second.gate.is_open
+    assert coordinator(fleet, tmp_path).current.version == "A"  # and the next one knows
+
+
+def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts, tmp_path):
+    """A fleet whose vocabulary is not Qwen's (4,096 tokens) refreshes with the defaults: the
+    probe prompt is text the workers tokenise. A worker that generates differently from the
+    others (a misconfigured vocabulary: the simulated model is another) keeps the fleet held,
+    and the reason names it and the token."""
+    small = ("--served-model-name", "mock-4k", "--vocab-size", "4096")
+    for _ in range(2):
+        fleet.start_worker(*mock_args(ckpts["root"]), *small, kind="mocker")
+    wait_for_workers(fleet.url, "mock-4k", 2)
+    r = PolicyRefresh(fleet.rl_url, model="mock-4k", timeout=10,
+                      journal=tmp_path / "journal.sqlite")
+    res = asyncio.run(r.refresh(ckpts["B"], "B", digest="mock:2"))
+    assert res.ok and res.fleet_moved, res.reason
+
+    odd = fleet.start_worker(*mock_args(ckpts["root"]), "--served-model-name", "mock-4k",
+                             "--vocab-size", "4097", kind="mocker")
+    wait_for_workers(fleet.url, "mock-4k", 3)
+    res = asyncio.run(r.refresh(ckpts["A"], "A", digest="mock:1"))
+    assert res.decision == "held" and not res.fleet_moved, res.reason
+    assert res.reason.startswith("workers disagree on the post-update probe: worker "
+                                 f"{odd.ready['instance_id']} puts token "), res.reason
+    assert " first at position " in res.reason and " where worker " in res.reason
+    assert not r.gate.is_open
+    usable = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
+              if w["usable"] and w["model"] == "mock-4k"}
+    assert usable == set()  # none of the three admitted
+
+
 def test_cache_reset_failure_excludes(fleet, ckpts, tmp_path):
     fault(fleet.workers[0], "flush_cache")
     res = to(coordinator(fleet, tmp_path), ckpts, "B", 2)

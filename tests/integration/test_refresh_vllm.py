@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import subprocess
+import sys
+import time
 
 import httpx
 import pytest
@@ -14,7 +17,8 @@ import pytest
 from rlfleet.rl import RolloutClient, SamplingSpec
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
-from rlfleet.rl.refresh import PolicyRefresh, reference_probe
+from rlfleet.rl.probe import reference_probe
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import VLLM_FLAGS, wait_for_workers
@@ -30,7 +34,7 @@ def setup(tmp_path_factory, tiny_model, tiny_model_b):
     with Fleet(tmp_path_factory.mktemp("refresh-fleet"), lease_ttl=3) as fleet:
         fleet.start_frontend(enable_rl=True)
         procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
-                                    "--enable-rl", "--system-port", "0",
+                                    "--enable-rl", "--system-port", "0", "--enable-fault-injection",
                                     "--allowed-weights-root", str(root), *VLLM_FLAGS, wait=False)
                  for _ in range(2)]
         for p in procs:
@@ -144,3 +148,60 @@ def test_distributed_path_broadcasts_from_the_trainer(setup, tmp_path):
     for w in result.workers:
         call = next(c for c in w["calls"] if c["route"] == "update_weights_from_distributed")
         assert call["body"]["weight_digest"] == checkpoint_digest(root / "A")
+
+
+def routed(fleet, expected: int, timeout: float = 10.0) -> int:
+    """How many workers of MODEL the frontend routes to, once it is `expected` (or the
+    timeout passed: discovery reaches the frontend within its poll interval)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = sum(1 for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
+                if w["model"] == MODEL and w["usable"])
+        if n == expected or time.monotonic() > deadline:
+            return n
+        time.sleep(0.2)
+
+
+def test_a_new_coordinator_rolls_a_held_mixed_fleet_back(setup, tmp_path):
+    """Issue 9, finding 6: every refresh below is a new `rlfleet refresh` process on the same
+    journal. A held refresh leaves the fleet gated on mixed weights; the next coordinator
+    knows from the journal that B was the last verified policy and rolls back to it."""
+    fleet, root = setup
+    journal = tmp_path / "journal.sqlite"
+    digest = {name: checkpoint_digest(root / name) for name in ("A", "B")}
+    w0, w1 = fleet.workers
+
+    def refresh(name: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "rlfleet.cli", "refresh", "--checkpoint", str(root / name),
+             "--version", name, "--rl-url", fleet.rl_url, "--model", MODEL, "--journal",
+             str(journal), *flags], capture_output=True, text=True, timeout=600)
+
+    def holds() -> list[tuple[str, str]]:
+        return [tuple(httpx.post(f"{p.ready['system_url']}/engine/get_weight_version",
+                                 json={}, timeout=30).json()[k]
+                      for k in ("version", "weight_digest")) for p in (w0, w1)]
+
+    def fail_transfer(proc) -> None:
+        r = httpx.post(f"{proc.ready['system_url']}/engine/fault_injection", timeout=5,
+                       json={"route": "update_weights_from_disk", "mode": "error"})
+        assert r.json()["status"] == "ok", r.text
+
+    for name in ("A", "B"):
+        run = refresh(name)
+        assert run.returncode == 0 and "decision: reopened" in run.stdout, run.stdout + run.stderr
+    fail_transfer(w1)
+    held = refresh("A", "--on-failure", "hold")
+    assert held.returncode == 1 and "decision: held" in held.stdout, held.stdout + held.stderr
+    assert holds() == [("A", digest["A"]), ("B", digest["B"])]  # mixed
+    assert routed(fleet, 0) == 0  # and gated
+
+    fail_transfer(w1)  # the next coordinator's transfer fails on the same worker again
+    back = refresh("A", "--on-failure", "rollback")
+    assert "decision: rolled_back" in back.stdout and "rolled back to B" in back.stdout, \
+        back.stdout + back.stderr
+    assert holds() == [("B", digest["B"])] * 2
+    assert routed(fleet, 2) == 2
+    last = Journal(journal).recent(1)[0]
+    assert last["decision"] == "rolled_back" and last["previous_version"] == "B"
+    assert all(w["status"] == "verified" for w in last["workers"].values())

@@ -19,6 +19,7 @@ from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
+from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import (
     OnFailure,
     Policy,

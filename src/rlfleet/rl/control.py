@@ -10,10 +10,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -50,6 +52,7 @@ class FleetWorker:
     reason: str | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
     holds: dict[str, Any] | None = None  # the last identity it reported {version, digest}
+    dtype: str | None = None  # the dtype it serves in, when it says
 
     def record(self, step: str, route: str, http_status: int | None, body: Any) -> None:
         self.calls.append({"step": step, "route": route, "http_status": http_status,
@@ -67,7 +70,7 @@ class FleetWorker:
     def summary(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "system_url": self.system_url,
                 "model": self.model, "status": self.status, "reason": self.reason,
-                "holds": self.holds, "calls": self.calls}
+                "holds": self.holds, "dtype": self.dtype, "calls": self.calls}
 
 
 @dataclass
@@ -107,6 +110,37 @@ def _message(data: dict[str, Any]) -> Any:
     return data.get("message", data)
 
 
+def address_toward(url: str) -> str:
+    """This host's address on the route to `url`'s host (what a worker there can reach us
+    at). Connecting a UDP socket sends nothing."""
+    host = urlsplit(url).hostname or "127.0.0.1"
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise RefreshHeld(f"cannot tell this host's address toward {host}: {e}; give "
+                          "master_address (rlfleet refresh --master-address)") from e
+
+
+TRANSFER_BACKENDS = ("gloo", "nccl")
+
+
+def _tensors_of(policy: Policy) -> list[tuple[str, Any]]:
+    """The tensors to broadcast: the trainer's, else read from the checkpoint."""
+    if policy.tensors is not None:
+        return list(policy.tensors())
+    if policy.path is None:
+        raise RefreshHeld(f"policy {policy.version} has neither tensors nor a checkpoint "
+                          "path to send")
+    from pathlib import Path
+
+    from rlfleet.weights.digest import iter_checkpoint_tensors
+
+    return list(iter_checkpoint_tensors(Path(policy.path)))
+
+
 class WorkerControl(abc.ABC):
     """The lifecycle steps for one flavour of worker. Per-worker steps exclude the worker
     (with the reason) when they fail; `transfer` returns the workers whose transfer failed,
@@ -114,8 +148,12 @@ class WorkerControl(abc.ABC):
 
     #: the name recorded in the journal
     path: str
+    #: which fleet this is, for the journal (a later coordinator finds its history by it)
+    fleet: str
     #: whether workers can join or leave between resolve and transfer (discovery)
     dynamic_membership: bool = False
+    #: how the last transfer moved the weights, when there is more to say than the path
+    transfer_detail: dict[str, Any] | None = None
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
@@ -182,11 +220,24 @@ class VllmControl(WorkerControl):
 
     dynamic_membership = True
 
-    def __init__(self, rl_url: str, model: str | None = None, *,
-                 distributed: bool = False) -> None:
-        self.rl_url = rl_url.rstrip("/")
+    def __init__(self, rl_url: str, model: str | None = None, *, distributed: bool = False,
+                 backend: str = "gloo", master_address: str | None = None,
+                 master_port: int | None = None) -> None:
+        """The distributed path's group: `backend` gloo (CPU tensors) or nccl (needs CUDA
+        here: the coordinator is rank 0), rendezvous at `master_address`:`master_port`
+        (default: this host's address toward the workers, a free port)."""
+        if backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"transfer backend must be gloo or nccl, not {backend!r}")
+        if distributed and backend == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("transfer backend nccl needs a CUDA device on the coordinator "
+                                 "(rank 0 of the weight-update group); use gloo")
+        self.rl_url = self.fleet = rl_url.rstrip("/")
         self.model = model
         self.distributed = distributed
+        self.backend, self.master_address, self.master_port = backend, master_address, master_port
         self.path = "vllm-distributed" if distributed else "vllm-disk"
         self.required_routes = _LIFECYCLE | (
             {"init_weights_update_group", "update_weights_from_distributed",
@@ -229,11 +280,16 @@ class VllmControl(WorkerControl):
         if not self.distributed:
             return await self._transfer_each(ch, ws, "update_weights_from_disk", {
                 "model_path": target.path, "weight_version": target.version})
-        from rlfleet.weights.broadcast import TransferError, push_weights
+        from rlfleet.weights.broadcast import TransferError, free_port, push_weights
 
-        tensors = await asyncio.to_thread(target.tensors)
+        tensors = await asyncio.to_thread(_tensors_of, target)
+        host = self.master_address or address_toward(ws[0].system_url)
+        port = self.master_port or free_port(host)
+        self.transfer_detail = {"backend": self.backend, "master_address": host,
+                                "master_port": port}
         try:
             results = await push_weights([w.system_url for w in ws], tensors, target.version,
+                                         host=host, port=port, backend=self.backend,
                                          timeout=ch.timeout, admin_token=ch.admin_token)
         except TransferError as e:
             for w, r in zip(ws, e.results or [{}] * len(ws), strict=False):
@@ -263,6 +319,7 @@ class VllmControl(WorkerControl):
             w.exclude(f"version check failed: {_message(v)}")
             return None
         w.holds = {"version": v.get("version"), "digest": v.get("weight_digest")}
+        w.dtype = v.get("dtype")
         if v.get("version") != target.version or v.get("weight_digest") != target.digest:
             w.exclude("version or digest differs from the target")
             return f"{w.instance_id} reports {v.get('version')!r} / {v.get('weight_digest')}"
@@ -287,6 +344,7 @@ class SglangControl(WorkerControl):
         if not workers:
             raise ValueError("the SGLang path needs sglang_workers (system and request URLs)")
         self.workers = list(workers)
+        self.fleet = " ".join(sorted(w.system_url.rstrip("/") for w in self.workers))
 
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
         return {i: FleetWorker(i, w.system_url.rstrip("/"), w.request_url.rstrip("/"),

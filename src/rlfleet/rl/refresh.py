@@ -7,13 +7,16 @@ Failure handling follows the reference table (distribute-and-update-rollout-weig
 a worker whose pause, cache reset, resume or probe fails is excluded and stays gated; a
 worker gone from discovery is dropped; a transfer that fails after peers succeeded leaves
 the fleet gated and is handled by one explicit policy (retry | rollback | hold); a version
-or digest that differs keeps a synchronous fleet closed. Every refresh is journaled."""
+or digest that differs keeps a synchronous fleet closed. Every refresh is journaled.
+
+The lifecycle calls one `WorkerControl` per worker flavour (rlfleet.rl.control) and judges
+the post-update probe with rlfleet.rl.probe. A coordinator started on an existing journal
+resumes from it: the fleet's last verified policy is what it rolls back to."""
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import logging
 import time
 import uuid
@@ -24,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.rl.control import (
     Channel,
     FleetWorker,
@@ -35,6 +39,16 @@ from rlfleet.rl.control import (
 )
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
+from rlfleet.rl.probe import (
+    PROBE_TEXT,
+    Answer,
+    Probe,
+    check_expected,
+    disagreement,
+    reference_probe,
+    tolerance,
+)
+from rlfleet.runtime.request_plane import WorkerClient, WorkerError
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -96,16 +110,6 @@ def check_transition(old: RefreshState, new: RefreshState) -> RefreshState:
 
 
 @dataclass
-class Probe:
-    """The post-update generation every worker must reproduce: greedy `token_ids` from
-    `prompt`, with `logprobs` the trainer expects for the target policy."""
-
-    prompt: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-
-
-@dataclass
 class Policy:
     """One target policy: where it is, what it is called, what it is."""
 
@@ -149,24 +153,6 @@ class _Rollback(Exception):
     """The failure policy asks for a rollback."""
 
 
-def reference_probe(checkpoint: str | Path, prompt: list[int], n: int) -> Probe:
-    """Greedy tokens and logprobs of `checkpoint` by a plain transformers forward pass: what
-    the trainer expects every worker to reproduce."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    seq, lps = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logits = model(torch.tensor([seq])).logits[0, -1].float()
-            lsm = torch.log_softmax(logits, -1)
-            t = int(torch.argmax(lsm))
-            seq.append(t)
-            lps.append(float(lsm[t]))
-    return Probe(list(prompt), seq[len(prompt):], lps)
-
-
 class PolicyRefresh:
     """Refreshes one fleet's policy. Keep one instance per fleet: it remembers the policy the
     fleet is on (for rollback and for admitting replacement workers)."""
@@ -176,39 +162,72 @@ class PolicyRefresh:
                  sglang_workers: Sequence[SglangWorker] = (),
                  journal: Journal | str | Path = ":memory:", gate: RolloutGate | None = None,
                  on_failure: OnFailure | str = OnFailure.HOLD, retries: int = 1,
-                 pause_mode: str = "wait", probe_prompt: Sequence[int] = (151644, 8948, 198),
-                 probe_tokens: int = 8, probe_tolerance: float = 1e-3, min_workers: int = 1,
-                 timeout: float = 120.0, admin_token: str | None = None,
+                 pause_mode: str = "wait", probe_text: str = PROBE_TEXT,
+                 probe_tokens: int = 8, probe_tolerance: float | None = None,
+                 probe_from_checkpoint: bool = False, transfer_backend: str = "gloo",
+                 master_address: str | None = None, master_port: int | None = None,
+                 min_workers: int = 1, timeout: float = 120.0, admin_token: str | None = None,
                  on_event: Callable[[str], None] | None = None,
                  current: Policy | None = None) -> None:
+        """`probe_tolerance`: max logprob difference in the post-update probe (default: by
+        the dtype each worker serves in, see rlfleet.rl.probe). `probe_from_checkpoint`:
+        without a trainer's probe, compute the expected one from the checkpoint with
+        transformers (loads the whole model here); else the workers must agree with each
+        other on `probe_text`. `transfer_backend`, `master_address` (default: this host's
+        address toward the workers), `master_port`: the distributed path's process group."""
         self.path = UpdatePath(path)
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, not {pause_mode!r}")
-        self.control = self._control(self.path, rl_url, model, sglang_workers)
+        if probe_tokens < 1:
+            raise ValueError("probe_tokens must be at least 1")
+        self.control = self._control(self.path, rl_url, model, sglang_workers,
+                                     transfer_backend, master_address, master_port)
         self.model = model
         self.journal = journal if isinstance(journal, Journal) else Journal(journal)
         self.gate = gate or RolloutGate()
         self.on_failure = OnFailure(on_failure)
         self.retries = retries
         self.pause_mode = pause_mode
-        self.probe_prompt = list(probe_prompt)
+        self.probe_text = probe_text
         self.probe_tokens = probe_tokens
         self.tolerance = probe_tolerance
+        self.probe_from_checkpoint = probe_from_checkpoint
         self.min_workers = min_workers
         self.timeout = timeout
         self.admin_token = admin_token
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         self.current = current
         self.verified: set[int] = set()  # workers verified on self.current
+        if current is None:
+            self._resume_from_journal()
+        # what each worker was last seen holding ({version, digest}), kept in the journal
+        self.holdings = self.journal.holdings(self.control.fleet, self.model)
+
+    def _resume_from_journal(self) -> None:
+        """A coordinator started on an existing journal (a new process, after a crash or a
+        held refresh) takes the fleet's last verified policy from it: the policy a rollback
+        returns to and replacement workers are admitted on."""
+        row = self.journal.last_served(self.control.fleet, self.model)
+        if row is None:
+            return
+        self.current = Policy(version=row["served_version"], digest=row["served_digest"],
+                              path=row["served_path"])
+        self.verified = set(row["verified_workers"] or [])
+        self.on_event(f"journal {self.journal.path}: last verified policy "
+                      f"{self.current.version} ({self.current.digest}) on "
+                      f"{len(self.verified)} worker(s), refresh {row['id']}")
 
     @staticmethod
     def _control(path: UpdatePath, rl_url: str | None, model: str | None,
-                 sglang_workers: Sequence[SglangWorker]) -> WorkerControl:
+                 sglang_workers: Sequence[SglangWorker], backend: str,
+                 master_address: str | None, master_port: int | None) -> WorkerControl:
         if path is UpdatePath.SGLANG_DISK:
             return SglangControl(sglang_workers)
         if not rl_url:
             raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
-        return VllmControl(rl_url, model, distributed=path is UpdatePath.VLLM_DISTRIBUTED)
+        return VllmControl(rl_url, model, distributed=path is UpdatePath.VLLM_DISTRIBUTED,
+                           backend=backend, master_address=master_address,
+                           master_port=master_port)
 
     # ------------------------------------------------------------------ public API
 
@@ -237,15 +256,13 @@ class PolicyRefresh:
             from rlfleet.weights.digest import checkpoint_digest
 
             digest = await asyncio.to_thread(checkpoint_digest, Path(path))
-        if probe is None and path is not None and (Path(path) / "config.json").exists():
-            probe = await asyncio.to_thread(reference_probe, path, self.probe_prompt,
-                                            self.probe_tokens)
-        if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None:
-            if path is None:
-                raise ValueError("the distributed path needs tensors or a checkpoint path")
-            from rlfleet.weights.digest import iter_checkpoint_tensors
-
-            tensors = lambda: list(iter_checkpoint_tensors(Path(path)))  # noqa: E731
+        if probe is None and self.probe_from_checkpoint:
+            if path is None or not (Path(path) / "config.json").exists():
+                raise ValueError("probe_from_checkpoint needs a checkpoint directory with "
+                                 "config.json")
+            probe = await asyncio.to_thread(reference_probe, path, None, self.probe_tokens)
+        if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None and path is None:
+            raise ValueError("the distributed path needs tensors or a checkpoint path")
         return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors)
 
     async def _each(self, workers: list[FleetWorker], fn) -> None:
@@ -260,7 +277,8 @@ class PolicyRefresh:
         workers: dict[int, FleetWorker] = {}
         state = RefreshState.STARTED
         refresh_id = self.journal.begin(
-            framework_step=step, update_path=control.path, target_path=target.path,
+            framework_step=step, fleet=control.fleet, model=self.model,
+            update_path=control.path, target_path=target.path,
             target_version=target.version, target_digest=target.digest,
             previous_version=previous.version if previous else None,
             previous_digest=previous.digest if previous else None)
@@ -283,6 +301,7 @@ class PolicyRefresh:
             return [w for w in workers.values() if w.active]
 
         decision, reason = "held", ""
+        requests = WorkerClient(read_timeout=self.timeout)
         async with httpx.AsyncClient() as http:
             ch = Channel(http, self.timeout, self.admin_token)
             gate_reason = f"policy refresh to {target.version}"
@@ -306,6 +325,8 @@ class PolicyRefresh:
                 move(RefreshState.PAUSED)
                 try:
                     await timed("apply", self._apply_with_policy(ch, active(), target))
+                    if control.transfer_detail:
+                        steps[-1]["transfer"] = control.transfer_detail
                     move(RefreshState.APPLIED)
                     await timed("reset_cache", self._each(
                         active(), lambda w: control.reset_cache(ch, w)))
@@ -314,13 +335,18 @@ class PolicyRefresh:
                     move(RefreshState.VERIFIED)
                     await timed("resume", self._each(active(), lambda w: control.resume(ch, w)))
                     move(RefreshState.RESUMED)
-                    await timed("probe", self._each(active(), lambda w: self._probe(http, w, target)))
+                    await timed("probe", self._probe_all(requests, active(), target))
                     move(RefreshState.PROBED)
                 except _Rollback as e:
                     if previous is None:
-                        raise RefreshHeld(f"{e}; no previous policy to roll back to") from e
+                        raise RefreshHeld(f"{e}; no previous policy to roll back to (none "
+                                          f"verified in the journal {self.journal.path})") from e
+                    if previous.path is None and previous.tensors is None:
+                        raise RefreshHeld(f"{e}; the previous policy {previous.version} came "
+                                          "from memory and cannot be sent again") from e
                     move(RefreshState.ROLLING_BACK)
-                    await timed("rollback", self._rollback(ch, workers, previous, str(e)))
+                    await timed("rollback", self._rollback(ch, requests, workers, previous,
+                                                           str(e)))
                     target = previous
                     move(RefreshState.ROLLED_BACK)
                     decision, reason = "rolled_back", f"{e}; rolled back to {previous.version}"
@@ -352,10 +378,17 @@ class PolicyRefresh:
                 state = RefreshState.HELD
                 decision, reason = "held", f"coordinator error: {e!r}"
                 log.exception("policy refresh %s failed", refresh_id)
+        await requests.close()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in workers.values()]
+        served = target if decision != "held" else None
         self.journal.update(refresh_id, ended_at=time.time(), decision=decision, reason=reason,
-                            steps=steps, workers={str(w["instance_id"]): w for w in summaries})
+                            steps=steps, workers={str(w["instance_id"]): w for w in summaries},
+                            served_version=served.version if served else None,
+                            served_digest=served.digest if served else None,
+                            served_path=served.path if served else None,
+                            verified_workers=sorted(self.verified) if served else [])
+        self.holdings.update({w.instance_id: w.holds for w in workers.values() if w.holds})
         return RefreshResult(refresh_id, decision, reason, state, summaries, steps, target)
 
     # ------------------------------------------------------------------ fleet-level steps
@@ -400,59 +433,77 @@ class PolicyRefresh:
             raise RefreshHeld(f"version check differs on {', '.join(mismatched)}: a synchronous "
                               f"fleet does not reopen (target {target.version} / {target.digest})")
 
-    async def _probe(self, http, w: FleetWorker, target: Policy) -> None:
-        """Post-update generation straight on the worker's request plane. With a reference
-        probe, the expected greedy continuation is teacher-forced: the worker prefills
-        prompt + continuation[:-1] (prompt logprobs, each expected token at rank 1) and
-        generates the last token greedily, so every expected token is checked with a single
-        decode step."""
+    async def _probe_all(self, requests: WorkerClient, ws: list[FleetWorker],
+                         target: Policy) -> None:
+        """Post-update generation on every worker (see rlfleet.rl.probe): each must
+        reproduce the expected probe, or, without one, all must agree with each other."""
+        answers = [a for a in await asyncio.gather(
+            *(self._probe_one(requests, w, target) for w in ws)) if a is not None]
+        if target.probe is not None:
+            by_id = {w.instance_id: w for w in ws}
+            for a in answers:
+                why = check_expected(a, target.probe)
+                if why:
+                    by_id[a.worker].exclude(why)
+            return
+        why = disagreement(answers)
+        if why:
+            raise RefreshHeld(why)
+
+    async def _probe_one(self, requests: WorkerClient, w: FleetWorker,
+                         target: Policy) -> Answer | None:
+        """One worker's probe answer, straight from its request plane (None: excluded).
+        An expected probe is teacher-forced: the worker prefills prompt + expected[:-1]
+        (prompt logprobs: each expected token, its rank and logprob) and generates the last
+        token greedily, so every expected token is checked in one decode step."""
         if not w.request_url:
             w.exclude("no request-plane URL for the post-update generation")
-            return
+            return None
         p = target.probe
-        prompt = p.prompt + p.token_ids[:-1] if p else self.probe_prompt
-        body = {"request_id": f"refresh-probe-{uuid.uuid4().hex[:12]}", "prompt_token_ids": prompt,
-                "sampling": {"temperature": 0.0, "max_tokens": 1 if p else self.probe_tokens,
-                             "logprobs": 0, "prompt_logprobs": 0 if p else None,
-                             "ignore_eos": True}, "stream": False}
+        rid = f"refresh-probe-{uuid.uuid4().hex[:12]}"
+        if p is not None:
+            req = GenerateRequest(request_id=rid, prompt_token_ids=p.prompt + p.token_ids[:-1],
+                                  stream=False, sampling=SamplingOptions(
+                                      temperature=0.0, max_tokens=1, logprobs=0,
+                                      prompt_logprobs=0, ignore_eos=True))
+        else:  # the worker's own first choice at every prompt position, then one token
+            req = GenerateRequest(request_id=rid, prompt=self.probe_text, stream=False,
+                                  sampling=SamplingOptions(
+                                      temperature=0.0, max_tokens=1, logprobs=0,
+                                      prompt_logprobs=1, ignore_eos=True))
         try:
-            r = await http.post(f"{w.request_url}/generate", json=body, timeout=self.timeout)
-            events = [json.loads(line) for line in r.text.splitlines() if line]
-            status = r.status_code
-        except (httpx.HTTPError, ValueError) as e:
-            w.record("probe", "generate", None, {"error": repr(e)})
-            w.exclude(f"post-update generation failed: {e!r}")
-            return
-        w.record("probe", "generate", status, events[-1] if events else r.text[:300])
-        if status != 200 or not events or "error" in events[-1] or not events[-1].get("done"):
-            w.exclude(f"post-update generation failed: HTTP {status} {r.text[:300]}")
-            return
-        if events[0].get("weight_digest") != target.digest:
-            w.exclude(f"post-update generation ran on digest {events[0].get('weight_digest')}, "
+            events = [ev async for ev in requests.generate(w.request_url, req)]
+        except WorkerError as e:
+            w.record("probe", "generate", e.status, e.body)
+            w.exclude(f"post-update generation failed: HTTP {e.status} {e}")
+            return None
+        w.record("probe", "generate", 200, events[-1] if events else None)
+        if not events or not events[-1].get("done"):
+            w.exclude("post-update generation failed: the stream ended early")
+            return None
+        head = events[0]
+        if head.get("weight_digest") != target.digest:
+            w.exclude(f"post-update generation ran on digest {head.get('weight_digest')}, "
                       f"not the target {target.digest}")
-            return
-        if p is None:
-            return
-        # (token, rank, logprob) at every expected position: teacher-forced, then generated
-        forced = (events[-1].get("prompt_logprobs") or [])[len(p.prompt):]
-        got = [(t, e.get(str(t), {}).get("rank"), e.get(str(t), {}).get("logprob"))
-               for t, e in zip(p.token_ids[:-1], forced, strict=False) if e is not None]
-        got += [(lp["token_id"], lp.get("rank"), lp["logprob"]) for ev in events
-                for c in ev.get("choices", []) for lp in (c.get("logprobs") or [])]
-        tokens_ok = len(got) == len(p.token_ids) and all(
-            g[0] == t and g[1] == 1 and g[2] is not None for g, t in zip(got, p.token_ids,
-                                                                          strict=False))
-        worst = max((abs(g[2] - ref) for g, ref in zip(got, p.logprobs, strict=False)
-                     if g[2] is not None), default=0.0)
-        if not tokens_ok:
-            w.exclude("post-update generation does not reproduce the target policy's greedy "
-                      f"tokens (got {[g[0] for g in got]}, expected {p.token_ids})")
-        elif worst > self.tolerance:
-            w.exclude(f"post-update generation does not match the target policy: max logprob "
-                      f"diff {worst:.2e} > {self.tolerance:g}")
+            return None
+        tokens: list[tuple[int, int | None, float | None]] = []
+        prompt_lps = events[-1].get("prompt_logprobs") or []
+        if p is not None:
+            for t, e in zip(p.token_ids[:-1], prompt_lps[len(p.prompt):], strict=False):
+                entry = (e or {}).get(str(t), {})
+                tokens.append((t, entry.get("rank"), entry.get("logprob")))
+        else:
+            for e in prompt_lps[1:]:
+                first = [(int(t), v.get("rank"), v.get("logprob")) for t, v in (e or {}).items()
+                         if v.get("rank") == 1]
+                tokens.append(first[0] if first else (-1, None, None))
+        tokens += [(lp["token_id"], lp.get("rank"), lp.get("logprob")) for ev in events
+                   for c in ev.get("choices", []) for lp in (c.get("logprobs") or [])]
+        prompt = head.get("prompt_token_ids") or list(req.prompt_token_ids or [])
+        return Answer(w.instance_id, prompt, tokens, tolerance(w.dtype, self.tolerance))
 
-    async def _rollback(self, ch: Channel, workers: dict[int, FleetWorker], previous: Policy,
-                        why: str) -> None:
+    async def _rollback(self, ch: Channel, requests: WorkerClient,
+                        workers: dict[int, FleetWorker], previous: Policy, why: str) -> None:
         """Reapply the previous policy to every worker still in the set and verify it the
         same way; a worker that fails any step stays out."""
         control = self.control
@@ -467,4 +518,4 @@ class PolicyRefresh:
         await self._each(active(), lambda w: control.reset_cache(ch, w))
         await self._verify_all(ch, active(), previous)
         await self._each(active(), lambda w: control.resume(ch, w))
-        await self._each(active(), lambda w: self._probe(ch.http, w, previous))
+        await self._probe_all(requests, active(), previous)

@@ -80,8 +80,9 @@ class EngineAdmin:
 
     async def get_weight_version(self, body: dict) -> dict:
         ident = self.engine.identity()
+        served = {"dtype": ident.dtype} if ident.dtype else {}  # what the probe tolerance needs
         return ok(version=ident.version, version_declared=ident.declared,
-                  weight_digest=ident.digest)
+                  weight_digest=ident.digest, **served)
 
     async def set_weight_version(self, body: dict) -> dict:
         v = admin.declared_version(body)

@@ -88,6 +88,7 @@ class WeightIdentity:
     version: str | None  # the caller-declared label (None: none, or declared as null)
     declared: bool  # whether a caller declared `version` (an explicit null counts)
     digest: str | None  # content digest of the applied weights (rlfleet.weights.digest)
+    dtype: str | None = None  # the dtype the engine computes in ("bfloat16"), when known
 
 
 class EngineControl(abc.ABC):

@@ -254,7 +254,8 @@ class VllmEngine(Engine, EngineControl):
         return await self.llm.reset_prefix_cache(reset_running_requests=running)
 
     def identity(self) -> WeightIdentity:
-        return WeightIdentity(self.version, self.version_declared, self.digest)
+        dtype = str(self.llm.model_config.dtype).removeprefix("torch.") if self.llm else None
+        return WeightIdentity(self.version, self.version_declared, self.digest, dtype)
 
     async def set_version(self, version: str | None, declared: bool = True,
                           digest: str | None = None) -> None:

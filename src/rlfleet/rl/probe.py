@@ -1,0 +1,153 @@
+"""The post-update probe of a policy refresh: generation straight on each worker's request
+plane, after the weights changed and before the worker is reopened.
+
+Two kinds:
+- expected (`Probe`): the trainer, which has the model in memory, says which greedy tokens
+  and logprobs the target policy gives for a prompt (`probe_from_model`); every worker must
+  reproduce them. `reference_probe` computes the same from a checkpoint directory with
+  transformers, and only runs when asked (it loads the whole model).
+- agreement (no `Probe`): every worker reads the same text prompt, tokenised by each
+  worker with the model's own tokenizer, and says which token it puts first at every
+  position (prompt logprobs, rank 1) and which it generates after it (greedy); they must
+  all agree on the prompt tokens, those tokens, and their logprobs. One prefill and one
+  decode step per worker.
+
+Logprob tolerances follow the dtype each worker reports serving in (float32 exact to ~1e-6
+against transformers; 16-bit formats round every activation), and can be set instead."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: the agreement probe's prompt, tokenised by the workers themselves
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Policy refresh probe:"
+#: max |logprob difference| accepted, by the dtype a worker serves in. float32: vLLM on CPU
+#: matches transformers within 1.4e-6; bfloat16: 2.8e-3 measured on the tiny test model and
+#: up to 5e-2 on the 0.6B geometry (bench/refresh.py); float16 has 3 more mantissa bits.
+DTYPE_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 5e-2}
+#: when a worker does not report its dtype (SGLang, the mocker)
+DEFAULT_TOLERANCE = 1e-3
+
+
+def tolerance(dtype: str | None, override: float | None = None) -> float:
+    """The logprob tolerance for a worker serving in `dtype` (`override` wins)."""
+    if override is not None:
+        return override
+    return DTYPE_TOLERANCE.get((dtype or "").removeprefix("torch."), DEFAULT_TOLERANCE)
+
+
+@dataclass
+class Probe:
+    """The post-update generation every worker must reproduce: greedy `token_ids` from
+    `prompt`, with `logprobs` the trainer expects for the target policy."""
+
+    prompt: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def probe_from_model(model: Any, prompt: Sequence[int], n: int) -> Probe:
+    """The expected probe from a causal LM in memory (the trainer's: anything called as
+    `model(input_ids).logits`, e.g. a transformers model): `n` greedy tokens after `prompt`
+    and their logprobs."""
+    import torch
+
+    seq, lps = list(prompt), []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([seq], device=device)).logits[0, -1].float()
+            lsm = torch.log_softmax(logits, -1)
+            t = int(torch.argmax(lsm))
+            seq.append(t)
+            lps.append(float(lsm[t]))
+    return Probe(list(prompt), seq[len(prompt):], lps)
+
+
+def reference_probe(checkpoint: str | Path, prompt: Sequence[int] | None, n: int) -> Probe:
+    """The expected probe of a checkpoint directory by a plain float32 transformers forward
+    pass (loads the whole model: for small models and tests). Without `prompt`, the
+    checkpoint's tokenizer makes one from PROBE_TEXT."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if prompt is None:
+        prompt = AutoTokenizer.from_pretrained(str(checkpoint)).encode(PROBE_TEXT)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return probe_from_model(model, prompt, n)
+
+
+# ---------------------------------------------------------------------- judging answers
+
+
+@dataclass
+class Answer:
+    """What one worker generated for the probe."""
+
+    worker: int
+    prompt: list[int]  # the prompt token IDs the worker used
+    # (token, rank, logprob) per checked position: the expected token (expected probe) or
+    # the worker's own first choice (agreement probe)
+    tokens: list[tuple[int, int | None, float | None]]
+    tolerance: float
+
+
+def check_expected(a: Answer, p: Probe) -> str | None:
+    """Why worker `a` does not reproduce the expected probe (None when it does)."""
+    got = [t for t, _, _ in a.tokens]
+    for i, ((t, rank, lp), want) in enumerate(zip(a.tokens, p.token_ids, strict=False)):
+        if t != want or rank != 1 or lp is None:
+            return (f"post-update generation does not reproduce the target policy's greedy "
+                    f"tokens: token {i} is {t} (rank {rank}), expected {want} (got {got}, "
+                    f"expected {p.token_ids})")
+    if len(a.tokens) != len(p.token_ids):
+        return (f"post-update generation does not reproduce the target policy's greedy tokens "
+                f"(got {got}, expected {p.token_ids})")
+    worst, at = max(((abs(lp - ref), i) for i, ((_, _, lp), ref)
+                     in enumerate(zip(a.tokens, p.logprobs, strict=True))), default=(0.0, 0))
+    if worst > a.tolerance:
+        return (f"post-update generation does not match the target policy: max logprob diff "
+                f"{worst:.2e} > {a.tolerance:g} (token {at}: {p.token_ids[at]})")
+    return None
+
+
+def disagreement(answers: list[Answer]) -> str | None:
+    """Whether workers that should serve the same policy generated the same thing; the
+    reason names each worker that differs from the majority, and where."""
+    if len(answers) < 2:
+        return None
+    groups: dict[tuple, list[Answer]] = {}
+    for a in answers:
+        groups.setdefault((tuple(a.prompt), tuple(t for t, _, _ in a.tokens)), []).append(a)
+    # the reference: the largest group; on a tie, the one with the lowest worker ID
+    ref_key = max(groups, key=lambda k: (len(groups[k]), -min(a.worker for a in groups[k])))
+    ref = groups[ref_key][0]
+    problems = []
+    for a in sorted(answers, key=lambda a: a.worker):
+        if a is ref:
+            continue
+        if a.prompt != ref.prompt:
+            problems.append(f"worker {a.worker} tokenised the probe prompt as {a.prompt[:8]}..., "
+                            f"worker {ref.worker} as {ref.prompt[:8]}...")
+            continue
+        for i, (mine, theirs) in enumerate(zip(a.tokens, ref.tokens, strict=False)):
+            if mine[0] != theirs[0]:
+                problems.append(f"worker {a.worker} puts token {mine[0]} first at position {i} "
+                                f"where worker {ref.worker} puts {theirs[0]}")
+                break
+            if mine[2] is not None and theirs[2] is not None and \
+                    abs(mine[2] - theirs[2]) > max(a.tolerance, ref.tolerance):
+                problems.append(f"worker {a.worker} gives token {mine[0]} at position {i} "
+                                f"logprob {mine[2]:.6f}, worker {ref.worker} {theirs[2]:.6f} "
+                                f"(> {max(a.tolerance, ref.tolerance):g} apart)")
+                break
+        else:
+            if len(a.tokens) != len(ref.tokens):
+                problems.append(f"worker {a.worker} answered for {len(a.tokens)} positions, "
+                                f"worker {ref.worker} for {len(ref.tokens)}")
+    if not problems:
+        return None
+    return "workers disagree on the post-update probe: " + "; ".join(problems)
