@@ -98,6 +98,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     system_url = None
     regs: list[Registration] = []
     admission = Admission(gated=args.start_gated)
+    serving = asyncio.Event()  # set once registered; /health says "ready" from then on
 
     async def set_admission(body: dict) -> dict:
         """Open or close this worker to rollout traffic: the flag lives in its own discovery
@@ -114,10 +115,16 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
 
     if args.system_port is not None:
         routes = (admin_routes() if admin_routes else []) + [Route("set_admission", set_admission)]
-        app = system_app(routes, admin_token=args.admin_token, faults=faults,
-                         health=lambda: {"instance_id": instance_id,
-                                         "model": engine.info.served_model_name,
-                                         "gated": admission.gated, **engine.weight_identity()})
+        endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
+
+        def health() -> dict[str, Any]:
+            state = "ready" if serving.is_set() else "notready"
+            return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
+                    "model": engine.info.served_model_name, "gated": admission.gated,
+                    **engine.weight_identity()}
+
+        app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
+                         ready=serving.is_set)
         system_host = args.system_host or args.host
         ss = AppServer(app, bind_socket(system_host, args.system_port))
         await ss.start()
@@ -143,6 +150,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         regs.append(await discovery.register(
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
             ttl=args.lease_ttl))
+    serving.set()
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
           f"system_url={system_url or ''} model={info.served_model_name}", flush=True)
@@ -152,6 +160,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         await stop.wait()
     finally:
         log.info("shutting down worker %s", instance_id)
+        serving.clear()
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)

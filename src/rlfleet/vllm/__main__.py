@@ -9,14 +9,14 @@ import asyncio
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlfleet.runtime.admin import EngineAdmin
     from rlfleet.runtime.worker import serve_worker
-    from rlfleet.vllm.admin import VllmAdmin
     from rlfleet.vllm.args import parse_args
     from rlfleet.vllm.engine import VllmEngine
 
     args = parse_args(argv)
     engine = VllmEngine(args)
-    admin = VllmAdmin(engine, args.allowed_weights_root)
+    admin = EngineAdmin(engine, args.allowed_weights_root)
     asyncio.run(serve_worker(engine, args, admin.routes))
 
 
