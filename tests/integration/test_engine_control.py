@@ -5,7 +5,6 @@ test_mocker_admin.py (mocker)."""
 
 from __future__ import annotations
 
-import argparse
 import shutil
 
 import torch
@@ -14,8 +13,8 @@ from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.rl.refresh import reference_probe
 from rlfleet.runtime.admin import EngineAdmin
-from rlfleet.runtime.worker import add_worker_args
-from rlfleet.vllm.engine import VllmEngine, add_engine_args
+from rlfleet.vllm.args import parse_args
+from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.conftest import VLLM_FLAGS
 
@@ -37,10 +36,7 @@ async def greedy(engine, n: int = 8) -> tuple[list[int], list[float]]:
 
 async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) -> None:
     a = shutil.copytree(tiny_model, tmp_path / "A")
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_worker_args(p)
-    engine = VllmEngine(p.parse_args(["--model", str(a), *VLLM_FLAGS, "--no-warmup"]))
+    engine = VllmEngine(parse_args(["--model", str(a), *VLLM_FLAGS, "--no-warmup"]))
     await engine.start()
     admin = EngineAdmin(engine)
     try:
