@@ -87,14 +87,18 @@ class Lab:
         self._made: list[str] = []
         _ip("netns", "add", self.switch)
         self._made.append(self.switch)
-        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.switch, "link", "set", "br0", "up")
+        try:
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+        except RuntimeError:
+            self.close()
+            raise
 
     def add_host(self, role: str) -> Host:
         n = len(self.hosts) + 1
         host = Host(f"rlf{self.tag}{role}", f"{self.subnet}.{n}", f"p{n}")
         _ip("netns", "add", host.name)
-        self._made.append(host.name)
+        self._made.append(host.name)  # deleted by close() even if the rest fails
         _ip("-n", self.switch, "link", "add", host.port_link, "type", "veth", "peer", "name",
             "eth0", "netns", host.name)
         _ip("-n", self.switch, "link", "set", host.port_link, "master", "br0", "up")

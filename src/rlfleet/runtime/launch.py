@@ -89,7 +89,7 @@ class Proc:
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-          ready_marker: str = "RLFLEET_") -> Proc:
+          ready_marker: str = "RLFLEET_", cwd: Path | None = None) -> Proc:
     """Start `argv` in its own process group; its output goes straight to
     <log_dir>/<name>.log (no pipe: a busy parent never blocks the child's writes), and the
     first line starting with `ready_marker` and containing `_READY` marks it ready."""
@@ -98,7 +98,7 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=engine_env(env),
-                                 start_new_session=True)
+                                 start_new_session=True, cwd=cwd)
     proc = Proc(name, popen, log_path)
 
     def watch() -> None:
@@ -157,12 +157,13 @@ class Fleet:
 
     def start_worker(self, *extra: str, kind: str = "vllm", wait: bool = True,
                      timeout: float = 300, name: str | None = None,
-                     env: dict[str, str] | None = None) -> Proc:
-        """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker)."""
+                     env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+        """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker);
+        `cwd`: the directory a relative --model is resolved in."""
         name = name or f"{kind}-worker-{len(self.workers)}"
         argv = [sys.executable, "-m", f"rlfleet.{kind}", "--lease-ttl", str(self.lease_ttl),
                 *self._common(), *extra]
-        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})})
+        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})}, cwd=cwd)
         self.procs.append(p)
         self.workers.append(p)
         if wait:
