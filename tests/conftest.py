@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -61,3 +62,23 @@ def vllm_fleet(tmp_path_factory, tiny_model, etcd_url):
             p.wait_ready(600)
         wait_for_workers(fleet.url, MODEL_NAME, 2)
         yield fleet
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """One local Ray head (127.0.0.1) for the whole session; drivers and `rlfleet` processes
+    find it at the address yielded."""
+    from tests.ray_server import LOOPBACK_ENV, run_ray_head
+
+    saved = {k: os.environ.get(k) for k in LOOPBACK_ENV}
+    os.environ.update(LOOPBACK_ENV)  # before ray is imported: it reads them at import time
+    try:
+        pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+        with run_ray_head() as address:
+            yield address
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
