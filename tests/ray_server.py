@@ -30,10 +30,12 @@ def ray_binary() -> str:
 
 
 @contextlib.contextmanager
-def run_ray_head(num_cpus: int = 8, timeout: float = 300) -> Iterator[str]:
+def run_ray_head(num_cpus: int = 4, timeout: float = 300) -> Iterator[str]:
     port = free_port()
     tmp = Path(tempfile.mkdtemp(prefix="rlfray-", dir="/tmp"))  # short: unix socket paths
-    env = {**os.environ, **LOOPBACK_ENV}
+    # no idle Python workers started ahead of need: a lighter start on a small machine
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_enable_worker_prestart": "0",
+           "RAY_prestart_worker_first_driver": "0"}
     cmd = [ray_binary(), "start", "--head", "--block", "--port", str(port),
            "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus), "--num-gpus", "0",
            "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", str(tmp),
