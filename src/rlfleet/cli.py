@@ -130,6 +130,10 @@ def _up(args: argparse.Namespace) -> int:
 
         if read_state(state_dir) is not None:
             raise ValueError(f"a fleet is already up from {state_dir}: `rlfleet down` first")
+        if spec.discovery.startswith("file://"):
+            print("rlfleet up: file discovery works only while every member runs on this "
+                  "node; a multi-node cluster needs --discovery etcd://HOST:PORT",
+                  file=sys.stderr)
         state = up_ray(spec, args.ray, state_dir, namespace=args.ray_namespace,
                        timeout=args.timeout)
         write_state(state_dir, state)
