@@ -20,6 +20,10 @@ else
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 $PIP install -q -e '.[test]'
+# System pieces the tests need: `ip netns` (iproute2) for the multi-host tests
+if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }) || true
+fi
 
 # Engine environment, sourced by the Makefile and by rlfleet's process launcher (rlfleet.runtime.procs).
 ENVFILE="$VENV/rlfleet.env"

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from rlfleet.models import make_model
+from tests.ray_server import LOOPBACK_ENV
+
+# Ray reads these when it is first imported (vLLM imports it too): set them before anything
+# else, so that drivers find the test's Ray head on 127.0.0.1
+os.environ.update(LOOPBACK_ENV)
+
+from rlfleet.models import make_model  # noqa: E402
 from rlfleet.runtime.launch import Fleet
 from tests.etcd_server import run_etcd
 
@@ -61,3 +68,18 @@ def vllm_fleet(tmp_path_factory, tiny_model, etcd_url):
             p.wait_ready(600)
         wait_for_workers(fleet.url, MODEL_NAME, 2)
         yield fleet
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """One local Ray head (127.0.0.1) for the whole session; drivers and `rlfleet` processes
+    find it at the address yielded."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
+    from ray._private import ray_constants
+
+    from tests.ray_server import run_ray_head
+
+    if ray_constants.ENABLE_RAY_CLUSTER:  # a driver would look for the head elsewhere, forever
+        pytest.fail("ray was imported before tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    with run_ray_head() as address:
+        yield address

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -46,19 +46,20 @@ def run_etcd(
     client_port: int | None = None,
     data_dir: str | os.PathLike[str] | None = None,
     timeout: float = 20.0,
+    host: str = "127.0.0.1",
 ) -> Iterator[str]:
-    """Run etcd on 127.0.0.1 and yield its ``etcd://127.0.0.1:<port>`` URL.
+    """Run etcd on `host` (127.0.0.1) and yield its ``etcd://<host>:<port>`` URL.
 
     ``client_port``/``data_dir`` let a test restart "the same" server; a data dir
     passed in is kept (data in ``<dir>/data``, log in ``<dir>/etcd.log``), one created
     here is removed. The process is always killed.
     """
-    port = client_port or free_port()
-    peer_port = free_port()
+    port = client_port or free_port(host)
+    peer_port = free_port(host)
     own_dir = data_dir is None
     workdir = Path(tempfile.mkdtemp(prefix="rlfleet-etcd-")) if own_dir else Path(data_dir)
-    client_url = f"http://127.0.0.1:{port}"
-    peer_url = f"http://127.0.0.1:{peer_port}"
+    client_url = f"http://{host}:{port}"
+    peer_url = f"http://{host}:{peer_port}"
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "etcd.log"
     cmd = [
@@ -86,7 +87,7 @@ def run_etcd(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"etcd not healthy on {client_url} after {timeout}s")
             time.sleep(0.05)
-        yield f"etcd://127.0.0.1:{port}"
+        yield f"etcd://{host}:{port}"
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

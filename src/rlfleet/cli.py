@@ -100,6 +100,117 @@ def _journal(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_members(members: list[dict]) -> None:
+    for m in members:
+        ready = m.get("ready") or {}
+        where = ready.get("url", "")
+        extra = f" rl_url={ready['rl_url']}" if ready.get("rl_url") else ""
+        extra += f" system_url={ready['system_url']}" if ready.get("system_url") else ""
+        alive = "" if m.get("alive", True) else " [not running]"
+        again = " (restarted by Ray)" if m.get("restarted") else ""
+        print(f"  {m['name']:<10} pid {m.get('pid', '?'):<8} {where}{extra}{alive}{again}")
+
+
+def _up(args: argparse.Namespace) -> int:
+    import yaml
+
+    from rlfleet.runtime.launch import FleetSpec, up_local, write_state
+
+    config = None
+    if args.config:
+        config = yaml.safe_load(Path(args.config).read_text()) or {}
+        if not isinstance(config, dict):
+            raise ValueError(f"{args.config}: a fleet config is a mapping (discovery, "
+                             "namespace, frontend, workers)")
+    worker_args = list(args.worker_args)
+    if worker_args[:1] == ["--"]:
+        worker_args = worker_args[1:]
+    state_dir = Path(args.state)
+    spec = FleetSpec.load(config, state_dir=state_dir, discovery=args.discovery,
+                          kind=args.kind, count=args.workers, worker_args=worker_args)
+    if args.ray:
+        from rlfleet.runtime.launch import read_state
+        from rlfleet.runtime.placement import up_ray
+
+        if read_state(state_dir) is not None:
+            raise ValueError(f"a fleet is already up from {state_dir}: `rlfleet down` first")
+        if spec.discovery.startswith("file://"):
+            print("rlfleet up: file discovery works only while every member runs on this "
+                  "node; a multi-node cluster needs --discovery etcd://HOST:PORT",
+                  file=sys.stderr)
+        state = up_ray(spec, args.ray, state_dir, namespace=args.ray_namespace,
+                       timeout=args.timeout)
+        write_state(state_dir, state)
+    else:
+        state = up_local(spec, state_dir, timeout=args.timeout)
+    front = state["members"][0].get("ready", {})
+    print(f"rlfleet up: {len(spec.workers)} worker(s), discovery {spec.discovery}"
+          + (f", Ray {args.ray} (namespace {args.ray_namespace})" if args.ray else ""))
+    print(f"frontend: {front.get('url')}" + (f"  RL listener: {front['rl_url']}"
+                                             if front.get("rl_url") else ""))
+    _print_members(state["members"])
+    print(f"state: {state_dir / 'fleet.json'}  (`rlfleet status`, `rlfleet down`)")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    import httpx
+
+    from rlfleet.runtime.launch import read_state, status_local
+
+    state = read_state(Path(args.state))
+    if state is None:
+        print(f"no fleet is up from {args.state}")
+        return 1
+    if state["mode"] == "ray":
+        from rlfleet.runtime.placement import status_ray
+
+        members = status_ray(state, state["address"])
+    else:
+        members = status_local(state)
+    url = (state["members"][0].get("ready") or {}).get("url")
+    workers: list[dict] | str = []
+    try:
+        workers = httpx.get(f"{url}/health", timeout=5).json().get("workers", [])
+    except (httpx.HTTPError, ValueError) as e:
+        workers = f"frontend at {url} not answering: {e!r}"
+    if args.json:
+        print(json.dumps({"mode": state["mode"], "members": members, "routed": workers}))
+        return 0
+    print(f"fleet ({state['mode']}, discovery {state['discovery']}):")
+    _print_members(members)
+    if isinstance(workers, str):
+        print(f"  {workers}")
+    else:
+        usable = sum(bool(w.get("usable")) for w in workers)
+        print(f"frontend routes to {usable} of {len(workers)} registered worker(s)")
+        for w in workers:
+            print(f"  {w['instance_id']:<20} {w['model']:<24} {w['url']}"
+                  f"{'' if w.get('usable') else '  [gated or down]'}")
+    return 0 if all(m.get("alive") for m in members) else 1
+
+
+def _down(args: argparse.Namespace) -> int:
+    from rlfleet.runtime.launch import down_local, read_state
+
+    state_dir = Path(args.state)
+    state = read_state(state_dir)
+    if state is None:
+        print(f"no fleet is up from {state_dir}")
+        return 0
+    if state["mode"] == "ray":
+        from rlfleet.runtime.placement import down_ray
+
+        down_ray(state, state["address"])
+    else:
+        down_local(state)
+    (state_dir / "fleet.json").unlink()
+    print(f"rlfleet down: {len(state['members'])} member(s) stopped")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -156,6 +267,40 @@ def build_parser() -> argparse.ArgumentParser:
     jn.add_argument("--json", action="store_true")
     jn.set_defaults(func=_journal)
 
+    from rlfleet.runtime.launch import default_state_dir
+
+    state_help = "where the running fleet is recorded (default: $RLFLEET_STATE or ~/.local/state)"
+    up = sub.add_parser("up", help="start a frontend and workers: local processes, or Ray "
+                                   "actors with --ray",
+                        description="Start a fleet and return once every member is ready. "
+                                    "Worker flags after `--` go to every worker.")
+    up.add_argument("--config", default=None, help="fleet.yaml (discovery, namespace, "
+                                                   "frontend, workers: see the README)")
+    up.add_argument("--ray", default=None, metavar="auto|ADDRESS",
+                    help="run every member as a Ray actor on this cluster (GPUs per worker = "
+                         "tensor x pipeline parallel size); restarted by Ray when it dies")
+    up.add_argument("--ray-namespace", default="rlfleet", help="Ray namespace of the actors")
+    up.add_argument("--kind", choices=["vllm", "mocker"], default=None,
+                    help="worker kind (default vllm)")
+    up.add_argument("--workers", type=int, default=None, help="number of workers (default 1)")
+    up.add_argument("--discovery", default=None,
+                    help="etcd://host:port for a fleet across hosts (default: $RLFLEET_DISCOVERY, "
+                         "$ETCD_ENDPOINTS, else a directory under --state)")
+    up.add_argument("--state", default=str(default_state_dir()), help=state_help)
+    up.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
+    up.add_argument("worker_args", nargs=argparse.REMAINDER,
+                    help="-- then flags for every worker (e.g. -- --model DIR --enable-rl)")
+    up.set_defaults(func=_up)
+
+    st = sub.add_parser("status", help="the fleet started by `rlfleet up`: members and routing")
+    st.add_argument("--state", default=str(default_state_dir()), help=state_help)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=_status)
+
+    dn = sub.add_parser("down", help="stop everything `rlfleet up` started (processes, actors)")
+    dn.add_argument("--state", default=str(default_state_dir()), help=state_help)
+    dn.set_defaults(func=_down)
+
     de = sub.add_parser("demo", help="GRPO training on a local fleet of two vLLM workers")
     de.add_argument("--out", default="rlfleet-demo",
                     help="output directory (the demo's earlier files there are replaced)")
@@ -175,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RuntimeError, TimeoutError) as e:
         print(f"rlfleet {args.command}: {e}", file=sys.stderr)
         return 2
 

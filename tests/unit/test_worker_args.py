@@ -119,3 +119,39 @@ def test_frontend_http_port_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert frontend_args([]).http_port == 9123
     assert frontend_args(["--http-port", "1"]).http_port == 1
     assert frontend_args(["--advertise-host", "h"]).advertise_host == "h"
+
+
+def test_local_address_toward_a_worker() -> None:
+    assert address.local_address_toward("http://127.0.0.1:8081") == "127.0.0.1"
+    assert address.local_address_toward("not a url") is None
+
+
+def test_fleet_spec_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fleet.yaml → the members `rlfleet up` starts; a vLLM worker holds TP x PP GPUs."""
+    from rlfleet.runtime import launch
+
+    monkeypatch.setattr(launch, "_gpu_engine", lambda: True)
+    for var in ("RLFLEET_DISCOVERY", "ETCD_ENDPOINTS"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = {"discovery": "etcd://10.0.0.1:2379", "frontend": {"http-port": 0, "enable-rl": True},
+           "workers": [{"kind": "vllm", "count": 2,
+                        "args": {"model": "m", "tensor-parallel-size": 2,
+                                 "pipeline-parallel-size": 2, "enable-rl": True,
+                                 "enforce-eager": False, "allowed-weights-root": ["/a", "/b"]}},
+                       {"kind": "mocker", "args": ["--token-delay", "0.1"]}]}
+    spec = launch.FleetSpec.load(cfg, state_dir=tmp_path)
+    assert [w.name for w in spec.workers] == ["worker-0", "worker-1", "worker-2"]
+    assert [w.gpus for w in spec.workers] == [4, 4, 0]
+    assert spec.workers[0].args == ["--discovery", "etcd://10.0.0.1:2379", "--namespace",
+                                    spec.namespace, "--model", "m", "--tensor-parallel-size",
+                                    "2", "--pipeline-parallel-size", "2", "--enable-rl",
+                                    "--allowed-weights-root", "/a", "--allowed-weights-root",
+                                    "/b"]
+    assert spec.frontend.args[-3:] == ["--http-port", "0", "--enable-rl"]
+    quick = launch.FleetSpec.load(None, state_dir=tmp_path, kind="mocker", count=3,
+                                  worker_args=["--served-model-name", "x"])
+    assert len(quick.workers) == 3 and quick.discovery.startswith("file://")
+    with pytest.raises(ValueError, match="--model"):
+        launch.FleetSpec.load({"workers": [{"kind": "vllm"}]}, state_dir=tmp_path)
+    with pytest.raises(ValueError, match="unknown keys"):
+        launch.FleetSpec.load({"worker": []}, state_dir=tmp_path)

@@ -99,5 +99,8 @@ def warn_if_unreachable(what: str, host: str, discovery_url: str | None) -> None
                     what, host, peer[0])
 
 
-def host_of(url: str) -> str:
-    return urllib.parse.urlsplit(url).hostname or ""
+def local_address_toward(url: str) -> str | None:
+    """This machine's address on the route to `url`'s host: what a trainer advertises as
+    the master address of a weight-update group its workers join."""
+    u = urllib.parse.urlsplit(url)
+    return route_source(u.hostname, u.port or 80) if u.hostname else None

@@ -1,9 +1,13 @@
-"""Start and stop local fleet processes (frontend, workers) for `rlfleet up`, the demo,
-benchmarks and tests. Every process gets the engine environment written by setup
-(`<venv>/rlfleet.env`), its own process group, and a log file."""
+"""Start and stop fleet processes (frontend, workers) for `rlfleet up`, the demo,
+benchmarks and tests: local processes here, Ray actors in rlfleet.runtime.placement. Every
+process gets the engine environment written by setup (`<venv>/rlfleet.env`), its own
+process group, and a log file."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -88,8 +93,15 @@ class Proc:
         return code
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the thread that started it dies (a Ray actor
+    killed by Ray takes its worker with it)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-          ready_marker: str = "RLFLEET_") -> Proc:
+          ready_marker: str = "RLFLEET_", cwd: Path | None = None,
+          die_with_parent: bool = False) -> Proc:
     """Start `argv` in its own process group; its output goes straight to
     <log_dir>/<name>.log (no pipe: a busy parent never blocks the child's writes), and the
     first line starting with `ready_marker` and containing `_READY` marks it ready."""
@@ -98,7 +110,8 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=engine_env(env),
-                                 start_new_session=True)
+                                 start_new_session=True, cwd=cwd,
+                                 preexec_fn=_die_with_parent if die_with_parent else None)
     proc = Proc(name, popen, log_path)
 
     def watch() -> None:
@@ -157,12 +170,13 @@ class Fleet:
 
     def start_worker(self, *extra: str, kind: str = "vllm", wait: bool = True,
                      timeout: float = 300, name: str | None = None,
-                     env: dict[str, str] | None = None) -> Proc:
-        """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker)."""
+                     env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+        """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker);
+        `cwd`: the directory a relative --model is resolved in."""
         name = name or f"{kind}-worker-{len(self.workers)}"
         argv = [sys.executable, "-m", f"rlfleet.{kind}", "--lease-ttl", str(self.lease_ttl),
                 *self._common(), *extra]
-        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})})
+        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})}, cwd=cwd)
         self.procs.append(p)
         self.workers.append(p)
         if wait:
@@ -191,3 +205,200 @@ class Fleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------ `rlfleet up`: a fleet spec
+
+
+WORKER_MODULES = {"vllm": "rlfleet.vllm", "mocker": "rlfleet.mocker"}
+
+
+def to_flags(args: dict[str, Any] | list[str] | None) -> list[str]:
+    """YAML arguments → command-line flags: `{"tensor-parallel-size": 2, "enable-rl": true,
+    "allowed-weights-root": [a, b]}` → `--tensor-parallel-size 2 --enable-rl
+    --allowed-weights-root a --allowed-weights-root b`; false and null are left out. A list
+    is taken as flags already."""
+    if args is None:
+        return []
+    if isinstance(args, list):
+        return [str(a) for a in args]
+    if not isinstance(args, dict):
+        raise ValueError(f"arguments must be a mapping of flag: value, not {args!r}")
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + str(key).removeprefix("--").replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, list):
+            for v in value:
+                out += [flag, str(v)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def _flag_value(flags: list[str], *names: str) -> str | None:
+    value = None
+    for i, f in enumerate(flags):
+        for n in names:
+            if f == n and i + 1 < len(flags):
+                value = flags[i + 1]
+            elif f.startswith(n + "="):
+                value = f.split("=", 1)[1]
+    return value
+
+
+@dataclass
+class Member:
+    """One process of a fleet: the frontend or a worker."""
+
+    name: str  # frontend | worker-<i>
+    module: str  # python -m <module>
+    args: list[str]
+    gpus: int = 0  # GPUs it holds (a worker: tensor × pipeline parallel size)
+    cpus: float = 1.0
+
+    @property
+    def is_worker(self) -> bool:
+        return self.module != "rlfleet.frontend"
+
+
+@dataclass
+class FleetSpec:
+    """What `rlfleet up` starts: a frontend and its workers, sharing one discovery store."""
+
+    frontend: Member
+    workers: list[Member]
+    discovery: str
+    namespace: str = "dynamo"
+
+    @classmethod
+    def load(cls, config: dict[str, Any] | None = None, *, state_dir: Path,
+             discovery: str | None = None, kind: str | None = None, count: int | None = None,
+             worker_args: list[str] | None = None) -> FleetSpec:
+        """From a fleet.yaml mapping (see the README), with the command line's overrides."""
+        cfg = dict(config or {})
+        unknown = set(cfg) - {"discovery", "namespace", "frontend", "workers"}
+        if unknown:
+            raise ValueError(f"fleet config: unknown keys {sorted(unknown)} (use discovery, "
+                             "namespace, frontend, workers)")
+        from rlfleet.runtime.discovery import default_discovery_url
+
+        disc = (discovery or cfg.get("discovery") or default_discovery_url()
+                or (Path(state_dir).absolute() / "discovery").as_uri())
+        namespace = str(cfg.get("namespace") or os.environ.get("DYN_NAMESPACE", "dynamo"))
+        common = ["--discovery", disc, "--namespace", namespace]
+        fe = to_flags(cfg.get("frontend"))
+        frontend = Member("frontend", "rlfleet.frontend", [*common, *fe], cpus=0.5)
+        groups = cfg.get("workers") or [{}]
+        if not isinstance(groups, list):
+            raise ValueError("fleet config: workers must be a list of worker groups")
+        if kind or count is not None or worker_args:
+            if len(groups) > 1:
+                raise ValueError("--kind/--workers/worker flags apply to a single worker group")
+            g = dict(groups[0])
+            g["kind"] = kind or g.get("kind")
+            g["count"] = count if count is not None else g.get("count")
+            g["args"] = to_flags(g.get("args")) + list(worker_args or [])
+            groups = [g]
+        workers: list[Member] = []
+        for g in groups:
+            if not isinstance(g, dict):
+                raise ValueError(f"fleet config: a worker group is a mapping, not {g!r}")
+            k = g.get("kind") or "vllm"
+            if k not in WORKER_MODULES:
+                raise ValueError(f"fleet config: worker kind {k!r}; use one of {sorted(WORKER_MODULES)}")
+            n = int(g.get("count", 1) if g.get("count") is not None else 1)
+            flags = to_flags(g.get("args"))
+            if k == "vllm" and _flag_value(flags, "--model") is None:
+                raise ValueError("a vllm worker needs --model (args: {model: ...})")
+            tp = int(_flag_value(flags, "--tensor-parallel-size", "-tp") or 1)
+            pp = int(_flag_value(flags, "--pipeline-parallel-size", "-pp") or 1)
+            gpus = int(g.get("gpus", tp * pp if k == "vllm" and _gpu_engine() else 0))
+            for _ in range(n):
+                workers.append(Member(f"worker-{len(workers)}", WORKER_MODULES[k],
+                                      [*common, *flags], gpus=gpus,
+                                      cpus=float(g.get("cpus", 1.0))))
+        return cls(frontend, workers, disc, namespace)
+
+
+def _gpu_engine() -> bool:
+    """Whether workers hold GPUs: the engine set up for this venv (RLFLEET_ENGINE)."""
+    return engine_env().get("RLFLEET_ENGINE", "gpu") != "cpu"
+
+
+def default_state_dir() -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
+    return Path(os.environ.get("RLFLEET_STATE", base / "rlfleet" / "fleet"))
+
+
+def write_state(state_dir: Path, state: dict[str, Any]) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = state_dir / ".fleet.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    os.replace(tmp, state_dir / "fleet.json")
+
+
+def read_state(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((state_dir / "fleet.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def up_local(spec: FleetSpec, state_dir: Path, timeout: float = 600) -> dict[str, Any]:
+    """Start the fleet as local processes that outlive this call; stop them all if any
+    fails to start."""
+    if (old := read_state(state_dir)) is not None:
+        raise ValueError(f"a fleet is already up from {state_dir} ({old['mode']}): "
+                         "`rlfleet down` first")
+    procs: list[tuple[Member, Proc]] = []
+    try:
+        for m in [spec.frontend, *spec.workers]:
+            procs.append((m, spawn(m.name, [sys.executable, "-m", m.module, *m.args],
+                                   state_dir / "logs")))
+        members = []
+        for m, p in procs:
+            ready = p.wait_ready(timeout)
+            members.append({"name": m.name, "pid": p.pid, "ready": ready,
+                            "log": str(p.log_path)})
+    except BaseException:
+        for _, p in reversed(procs):
+            p.stop()
+        raise
+    state = {"mode": "local", "discovery": spec.discovery, "namespace": spec.namespace,
+             "members": members}
+    write_state(state_dir, state)
+    return state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def status_local(state: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{**m, "alive": _alive(m["pid"])} for m in state["members"]]
+
+
+def down_local(state: dict[str, Any], timeout: float = 15.0) -> None:
+    """SIGTERM every member's process group (workers first), SIGKILL what is left."""
+    members = list(reversed(state["members"]))
+    for m in members:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(m["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for m in members:
+        while _alive(m["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(m["pid"], signal.SIGKILL)

@@ -338,4 +338,3 @@ class VllmEngine(Engine, EngineControl):
 
     async def leave_group(self) -> None:
         await self._rpc("rlfleet_destroy_group", 30)
-
