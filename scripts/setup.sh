@@ -20,6 +20,11 @@ else
   $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 $PIP install -q -e '.[test]'
+# ModelExpress's own delta and checksum functions, the independent reader of the weight tests;
+# kept out of site-packages (--target, --no-deps): its vLLM plugin entry point must not load
+# in the workers, and its declared CUDA dependencies are not needed for those functions
+[ -d "$VENV/modelexpress-reader/modelexpress_rl" ] || \
+  $PIP install -q --no-deps --target "$VENV/modelexpress-reader" modelexpress==0.7.0
 
 # Engine environment, sourced by the Makefile and by rlfleet's process launcher (rlfleet.runtime.procs).
 ENVFILE="$VENV/rlfleet.env"
