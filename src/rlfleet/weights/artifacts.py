@@ -513,10 +513,11 @@ def plan_version(read: Callable[..., bytes], key: str,
                  list_files: Callable[[str], list[str]] | None = None) -> VersionPlan:
     """Read the index (or, for a plain HF checkpoint directory, list its safetensors files)
     and every shard's header. `read(key, start, end)` is the storage's ranged read."""
+    missing: FileNotFoundError | None = None
     try:
         raw = read(f"{key}/{INDEX}")
-    except FileNotFoundError:
-        raw = None
+    except FileNotFoundError as e:
+        raw, missing = None, e
     meta: dict[str, Any] = {}
     if raw is not None:
         try:
@@ -533,7 +534,7 @@ def plan_version(read: Callable[..., bytes], key: str,
                 raise ArtifactError(f"{key}/{INDEX}: bad shard name {f!r}")
     else:
         if list_files is None:
-            raise ArtifactError(f"{key}: no {INDEX} (not a published version)")
+            raise ArtifactError(f"{key}: no {INDEX}, not a published version ({missing})")
         files = [f for f in list_files(key) if f.endswith(".safetensors")]
         if not files:
             raise ArtifactError(f"{key}: neither {INDEX} nor *.safetensors files")

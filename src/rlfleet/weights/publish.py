@@ -160,9 +160,9 @@ def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, t
 # ---------------------------------------------------------------- serving versions over HTTP
 
 
-def version_file_response(directory: Path | None, version: str, file: str, range_header):
+def version_file_response(directory: Path | None, version: str, file: str):
     """The response for GET /weights/<version>/<file> from a version directory: the file
-    with byte-range support, or a 404 that says what is served."""
+    (Starlette's FileResponse answers Range requests), or a 404 that says what is served."""
     from fastapi.responses import FileResponse, JSONResponse
 
     if directory is None:
@@ -177,14 +177,13 @@ def version_file_response(directory: Path | None, version: str, file: str, range
 def weights_app(lookup) -> Any:
     """A FastAPI app serving ``GET /weights/{version}/{file}``; `lookup(version)` gives the
     version's directory or None."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
 
     app = FastAPI(title="rlfleet weights", docs_url=None, redoc_url=None)
 
     @app.get("/weights/{version}/{file}")
-    async def _file(version: str, file: str, request: Request):
-        return version_file_response(lookup(version), version, file,
-                                     request.headers.get("range"))
+    async def _file(version: str, file: str):
+        return version_file_response(lookup(version), version, file)
     return app
 
 
