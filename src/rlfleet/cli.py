@@ -48,6 +48,27 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from rlfleet.weights.artifacts import ArtifactError
+    from rlfleet.weights.catalog import CatalogError
+    from rlfleet.weights.publish import publish
+
+    try:
+        res = publish(Path(args.checkpoint), args.version, to=args.to, base=args.base,
+                      catalog=args.catalog, model=args.model, endpoint_url=args.s3_endpoint_url,
+                      dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (ArtifactError, CatalogError) as e:
+        print(f"rlfleet publish: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: res[k] for k in ("version", "base_version", "digest", "bytes_full",
+                                          "bytes_written")}))
+    return 0
+
+
 def default_journal() -> Path:
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
     return Path(os.environ.get("RLFLEET_JOURNAL", base / "rlfleet" / "journal.sqlite"))
@@ -110,6 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
     dg = sub.add_parser("digest", help="print the content digest of a checkpoint directory")
     dg.add_argument("path")
     dg.set_defaults(func=_digest)
+
+    pb = sub.add_parser("publish", help="publish a checkpoint as a policy version (full or an "
+                                         "XOR delta) to a directory or S3, READY in the catalog")
+    pb.add_argument("checkpoint", help="checkpoint directory (safetensors)")
+    pb.add_argument("--version", required=True, help="the version's name")
+    pb.add_argument("--base", default=None,
+                    help="publish an XOR delta against this version (read from --to)")
+    pb.add_argument("--to", required=True, help="file:///dir or s3://bucket/prefix; the version "
+                                               "is written under <to>/<version>/")
+    pb.add_argument("--s3-endpoint-url", default=None,
+                    help="S3 endpoint (default: boto3's own, e.g. $AWS_ENDPOINT_URL)")
+    pb.add_argument("--catalog", default=os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
+                    help="version catalog: sqlite:///path or etcd://host:port "
+                         "(default: $RLFLEET_WEIGHTS_CATALOG; none: not registered)")
+    pb.add_argument("--model", default=None, help="model name in the catalog "
+                                                  "(default: the checkpoint directory's name)")
+    pb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="cast floating-point tensors before publishing")
+    pb.set_defaults(func=_publish)
 
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
     rf.add_argument("--checkpoint", required=True, help="checkpoint directory the workers can read")
