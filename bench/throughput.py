@@ -46,12 +46,11 @@ def direct(args: argparse.Namespace) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from rlfleet.vllm.engine import VllmEngine, add_engine_args
+    from rlfleet.vllm.args import parse_args
+    from rlfleet.vllm.engine import VllmEngine
 
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    p.add_argument("--served-model-name", default="bench")
-    eargs = p.parse_args(["--model", args.model, *engine_flags(args)])
+    eargs = parse_args(["--model", args.model, "--served-model-name", "bench",
+                        *engine_flags(args)])
     engine = VllmEngine(eargs)
 
     async def main() -> None:

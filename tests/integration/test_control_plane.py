@@ -179,6 +179,16 @@ def test_version_routes(ctl):
     assert admin(ctl, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
 
 
+def test_system_health_answers_ready_as_dynamo_workers_do(ctl):
+    """Dynamo's RL end-to-end harness waits for the worker's /health to say "ready"."""
+    r = httpx.get(f"{ctl.system_url}/health", timeout=10)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ready" and body["endpoints"] == {"generate": "ready", "rl": "ready"}
+    assert body["model"] == MODEL and body["weight_digest"].startswith("blake3:")
+    assert body["uptime"]["secs"] >= 0 and "instance_id" in body and "gated" in body
+
+
 # ------------------------------------------------------------------ pause modes in flight
 
 class Stream:

@@ -388,3 +388,236 @@ async def test_registration_type(disco: Discovery, ns: str) -> None:
     assert isinstance(reg, Registration)
     await reg.close()
     assert 0 < new_instance_id() < 1 << 64
+
+
+# ---------------------------------------------------------------- bad entries (issue 10, finding 1)
+
+
+def _garbage(store: Path, ns: str) -> dict[str, str]:
+    """Drop unreadable files into a file store; returns {file name: expected error}."""
+    store.mkdir(parents=True, exist_ok=True)
+    bad_utf8 = f"{ns}%2Fbackend%2Fgenerate%2F77.json"
+    (store / bad_utf8).write_bytes(b'{"entry": "\xff\xfe\xfa"}')
+    os.mkfifo(store / "fifo.json")  # opening it for reading would block until a writer comes
+    (store / "notarecord.json").write_text('{"hello": 1}')
+    return {bad_utf8: "UTF-8", "fifo.json": "regular file", "notarecord.json": "not a discovery"}
+
+
+async def test_file_store_skips_and_reports_unreadable_files(tmp_path: Path, ns: str) -> None:
+    store = tmp_path / "d"
+    d = open_discovery(store.as_uri())
+    try:
+        good = make_entry(ns)
+        reg = await d.register(good, ttl=5)
+        expected = _garbage(store, ns)
+        # a FIFO would have blocked here (and the event loop with it) before the fix
+        listing = await asyncio.wait_for(d.listing(), 5)
+        assert [e for e in listing.entries if e["namespace"] == ns] == [good]
+        got = {Path(s.where).name: s.error for s in listing.skipped}
+        assert got.keys() == expected.keys()
+        for name, words in expected.items():
+            assert words in got[name], (name, got[name])
+        # the key of a readable name is reported; a namespace filter leaves out other namespaces
+        assert {s.key for s in listing.skipped} >= {f"{ns}/backend/generate/77"}
+        filtered = await d.listing(ns + "-other")
+        assert {Path(s.where).name for s in filtered.skipped} == {"fifo.json", "notarecord.json"}
+        assert await d.list(ns) == [good]
+        await reg.close()
+    finally:
+        await d.close()
+
+
+async def test_etcd_store_skips_and_reports_bad_values(etcd_url: str, ns: str) -> None:
+    d = open_discovery(etcd_url)
+    assert isinstance(d, EtcdDiscovery)
+    try:
+        good = make_entry(ns)
+        reg = await d.register(good, ttl=5)
+        bad_utf8 = d._etcd_key(f"{ns}/backend/generate/5")
+        not_entry = d._etcd_key(f"{ns}/backend/generate/6")
+        await d._call("put", lambda c: c.put(bad_utf8, b"\xff\xfe"))
+        await d._call("put", lambda c: c.put(not_entry, b'{"namespace": 3}'))
+        listing = await d.listing(ns)
+        assert listing.entries == [good]
+        errors = {s.key: s.error for s in listing.skipped}
+        assert "UTF-8" in errors[f"{ns}/backend/generate/5"]
+        assert "namespace" in errors[f"{ns}/backend/generate/6"]
+        await d._call("delete", lambda c: c.delete_prefix(d._etcd_key(f"{ns}/")))
+        await reg.close()
+    finally:
+        await d.close()
+
+
+async def test_watch_keeps_following_after_a_bad_file(tmp_path: Path, ns: str) -> None:
+    """Before the fix one non-UTF-8 file ended the watch for good (membership froze)."""
+    store = tmp_path / "d"
+    d = open_discovery(store.as_uri())
+    try:
+        async with contextlib.aclosing(d.watch(ns, interval=0.05)) as watch:
+            assert await next_matching(watch, lambda _: True, 5) == []
+            _garbage(store, ns)
+            late = make_entry(ns)
+            reg = await d.register(late, ttl=5)
+            assert await next_matching(watch, lambda es: es != [], 5) == [late]
+            await reg.close()
+            assert await next_matching(watch, lambda es: es == [], 5) == []
+    finally:
+        await d.close()
+
+
+async def test_file_store_never_blocks_the_event_loop(tmp_path: Path, ns: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow filesystem (here: a listdir that takes 0.6 s) must not stall the loop."""
+    d = open_discovery((tmp_path / "d").as_uri())
+    try:
+        reg = await d.register(make_entry(ns), ttl=5)
+        real_listdir = os.listdir
+
+        def slow_listdir(path):
+            time.sleep(0.6)
+            return real_listdir(path)
+
+        monkeypatch.setattr(os, "listdir", slow_listdir)
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        t = asyncio.create_task(ticker())
+        try:
+            assert len(await d.list(ns)) == 1
+        finally:
+            t.cancel()
+        assert ticks >= 5, f"the event loop was blocked during the scan ({ticks} ticks)"
+        monkeypatch.undo()
+        await reg.close()
+    finally:
+        await d.close()
+
+
+@pytest.mark.parametrize("how", ["renamed", "deleted"])
+async def test_vanishing_directory_keeps_its_entries(tmp_path: Path, ns: str, how: str) -> None:
+    """The directory gone for 3 s: readers keep every entry whose lease still runs."""
+    store = tmp_path / "d"
+    owner = open_discovery(store.as_uri())
+    reader = open_discovery(store.as_uri())
+    try:
+        entry = make_entry(ns)
+        reg = await owner.register(entry, ttl=6)  # keep-alive every 2 s recreates the dir
+        assert await reader.list(ns) == [entry]
+        aside = tmp_path / "aside"
+        if how == "renamed":
+            store.rename(aside)
+        else:
+            import shutil
+
+            shutil.rmtree(store)
+        seen = []
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            seen.append(await reader.list(ns))
+            if how == "renamed" and store.exists():  # an owner recreated it: the old one goes
+                import shutil
+
+                shutil.rmtree(aside, ignore_errors=True)
+            await asyncio.sleep(0.1)
+        assert all(s == [entry] for s in seen), [len(s) for s in seen]
+        if how == "renamed" and aside.exists():
+            aside.rename(store)
+        await eventually(lambda: _has(reader, ns, entry), 5, "the entry back from its file")
+        await reg.close()
+        assert await reader.list(ns) == []  # a deregistration still ends it at once
+    finally:
+        await owner.close()
+        await reader.close()
+
+
+async def _has(d: Discovery, ns: str, entry: dict[str, Any]) -> bool:
+    return await d.list(ns) == [entry] and any(
+        p.suffix == ".json" for p in Path(d.directory).iterdir())  # type: ignore[attr-defined]
+
+
+async def test_rl_listener_lists_the_rest_and_reports_the_bad_entry(tmp_path: Path,
+                                                                    ns: str) -> None:
+    """An entry failing the listing schema made the whole GET /v1/rl/workers a 500."""
+    import httpx
+
+    from rlfleet.frontend.rl import rl_app
+
+    store = tmp_path / "d"
+    d = open_discovery(store.as_uri())
+    good = make_entry(ns, "backend", "rl", 1, transport={"http": "http://127.0.0.1:9"},
+                      request_plane_url=f"dyn://{ns}.backend.rl", model="m")
+    bad = make_entry(ns, "backend", "rl", 2, transport={"http": "x", "tcp": "y"},
+                     request_plane_url=f"dyn://{ns}.backend.rl", model="m")
+    regs = [await d.register(e, ttl=5) for e in (good, bad)]
+    _garbage(store, ns)
+    try:
+        app = rl_app(d, ns)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://listener") as http:
+            r = await http.get("/v1/rl/workers")
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert [w["instance_id"] for w in body["workers"]] == [1]
+        assert "system server" in body["workers"][0]["error"]
+        by_key = {s.get("key"): s for s in body["skipped"]}
+        assert "transport" in by_key[f"{ns}/backend/rl/2"]["error"]
+        assert any("regular file" in s["error"] for s in body["skipped"])  # the FIFO
+        from rlfleet.protocol.rl import RlWorkers
+
+        RlWorkers.model_validate(body)  # the body keeps to the protocol schema
+    finally:
+        for reg in regs:
+            await reg.close()
+        await d.close()
+
+
+def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path) -> None:
+    """A mocker fleet on the file store: garbage in the directory neither freezes the
+    frontend's membership nor breaks the RL listing, and the directory gone for 3 s gives
+    no model_not_found."""
+    import shutil
+    import threading
+
+    import httpx
+
+    from rlfleet.runtime.launch import Fleet
+    from tests.conftest import wait_for_workers
+
+    flags = ("--served-model-name", "mock", "--enable-rl", "--system-port", "0")
+    with Fleet(tmp_path, lease_ttl=6) as fleet:
+        fleet.start_frontend(enable_rl=True)
+        fleet.start_worker(*flags, kind="mocker")
+        wait_for_workers(fleet.url, "mock", 1)
+        store = Path(fleet.discovery.removeprefix("file://"))
+        _garbage(store, fleet.namespace)
+        fleet.start_worker(*flags, kind="mocker")
+        wait_for_workers(fleet.url, "mock", 2, timeout=10)  # membership still followed
+        r = httpx.get(f"{fleet.rl_url}/v1/rl/workers", timeout=30)
+        assert r.status_code == 200 and len(r.json()["workers"]) == 2, r.text
+        assert {Path(s["where"]).name for s in r.json()["skipped"]} >= {"fifo.json"}
+
+        statuses: list[int] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                statuses.append(httpx.post(f"{fleet.url}/v1/completions", timeout=30, json={
+                    "model": "mock", "prompt": [1, 2], "max_tokens": 2}).status_code)
+                time.sleep(0.05)
+
+        t = threading.Thread(target=load)
+        t.start()
+        try:
+            time.sleep(0.3)
+            shutil.rmtree(store)  # the workers recreate it at their next keep-alive (≤ 2 s)
+            time.sleep(3)
+        finally:
+            stop.set()
+            t.join()
+        assert statuses and set(statuses) == {200}, statuses
+        wait_for_workers(fleet.url, "mock", 2, timeout=10)

@@ -21,15 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.mocker.admin import (
-    CHECKPOINT_FILE,
-    EngineRoute,
-    MockAdmin,
-    parse_engine_routes,
-    sglang_result,
-    write_mock_checkpoint,
-)
-from rlfleet.mocker.engine import MockEngine
+from rlfleet.mocker.admin import EngineRoute, MockAdmin, parse_engine_routes, sglang_result
+from rlfleet.mocker.engine import CHECKPOINT_FILE, MockEngine, write_mock_checkpoint
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.launch import Fleet, Proc, spawn
 from rlfleet.runtime.system_server import system_app

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlfleet.mocker.admin import write_mock_checkpoint
+from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import Journal
 from rlfleet.rl.refresh import (
     TRANSITIONS,

@@ -337,13 +337,13 @@ async def test_pause_keep_continues_as_if_uninterrupted() -> None:
     run = Progress(engine, request(stream=True, **kw))
     await until(lambda: run.tokens >= 10)
     await engine.pause("keep")
-    assert engine.is_paused()
+    assert await engine.is_paused()
     frozen = run.tokens
     late = Progress(engine, request(stream=True, max_tokens=3))
     await asyncio.sleep(0.1)
     assert run.tokens == frozen < 80 and late.tokens == 0 and not run.task.done()
     await engine.resume()
-    assert not engine.is_paused()
+    assert not await engine.is_paused()
     choices, _ = await run.result()
     assert choices == ref
     assert len((await late.result())[0][0]["token_ids"]) == 3
@@ -377,7 +377,7 @@ async def test_pause_abort_ends_running_requests_and_holds_new_ones() -> None:
     assert late.tokens == 0 and not late.task.done()
     await engine.resume()
     assert (await late.result())[0][0]["finish_reason"] == "length"
-    assert await engine.flush_cache() is True
+    assert await engine.reset_cache() is True
     with pytest.raises(ValueError, match="pause mode"):
         await engine.pause("later")
 

@@ -107,9 +107,23 @@ async def test_fault_injection_is_404_when_disabled() -> None:
                                "message": "Route /engine/fault_injection not found"}
 
 
-async def test_health() -> None:
-    async with client_for([], health=lambda: {"model": "m"}) as c:
-        assert (await c.get("/health")).json() == {"status": "healthy", "model": "m"}
+async def test_health_is_ready_once_the_worker_serves() -> None:
+    """As Dynamo's workers answer (its RL end-to-end test waits for "ready"): 503 notready
+    until the worker serves, then 200 ready; /live says the same; the worker's own fields
+    stay."""
+    serving = False
+    async with client_for([], health=lambda: {"model": "m"}, ready=lambda: serving) as c:
+        for path in ("/health", "/live"):
+            resp = await c.get(path)
+            assert resp.status_code == 503
+            body = resp.json()
+            assert body["status"] == "notready" and body["model"] == "m"
+            assert set(body["uptime"]) == {"secs", "nanos"}
+        serving = True
+        for path in ("/health", "/live"):
+            resp = await c.get(path)
+            assert resp.status_code == 200
+            assert resp.json()["status"] == "ready" and resp.json()["model"] == "m"
 
 
 # ---------------------------------------------------------------- admin token

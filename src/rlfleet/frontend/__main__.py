@@ -1,4 +1,4 @@
-"""python -m rlfleet.frontend [--http-host H] [--http-port P] [--discovery URL]"""
+"""python -m rlfleet.frontend [--http-host H] [--http-port P] [--advertise-host A] [--discovery URL]"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
+from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import WorkerClient
@@ -24,11 +25,17 @@ def _truthy(v: str | None) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rlfleet.frontend",
                                 description="OpenAI-compatible frontend over an rlfleet fleet")
-    p.add_argument("--http-host", default="127.0.0.1")
-    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--http-host", default="127.0.0.1",
+                   help="bind address of the OpenAI routes and the RL listener (0.0.0.0: all)")
+    p.add_argument("--http-port", type=int, default=int(os.environ.get("DYN_HTTP_PORT", 8000)),
+                   help="OpenAI routes port (default: $DYN_HTTP_PORT, else 8000)")
+    p.add_argument("--advertise-host", default=None,
+                   help="address clients on other hosts use (default: the bind address; when "
+                        "bound to 0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that "
+                        "routes to the discovery store)")
     p.add_argument("--discovery", default=None,
-                   help="file:///dir or etcd://host:port (default: $RLFLEET_DISCOVERY, "
-                        "else a per-user directory)")
+                   help="file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
+                        "$ETCD_ENDPOINTS, else a per-user directory)")
     p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
     p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES)
     p.add_argument("--gated-hold", type=float, default=60.0,
@@ -63,9 +70,11 @@ async def serve(args: argparse.Namespace) -> None:
                                  bind_socket(args.http_host, args.rl_port)))
     for s in servers:
         await s.start()
-    print(f"RLFLEET_FRONTEND_READY url={servers[0].url}"
-          + (f" rl_url={servers[1].url}" if len(servers) > 1 else ""), flush=True)
-    log.info("frontend at %s (discovery %s, router %s)", servers[0].url, discovery.url,
+    host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))
+    urls = [http_url(host, s.port) for s in servers]
+    print(f"RLFLEET_FRONTEND_READY url={urls[0]}"
+          + (f" rl_url={urls[1]}" if len(urls) > 1 else ""), flush=True)
+    log.info("frontend at %s (discovery %s, router %s)", urls[0], discovery.url,
              args.router_mode)
     try:
         await stop.wait()

@@ -9,16 +9,25 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from rlfleet.protocol.rl import PROTOCOL_VERSION, RlWorker
-from rlfleet.runtime.discovery import Discovery, DiscoveryError
+from rlfleet.runtime.discovery import Discovery, DiscoveryError, entry_key
+
+
+def _brief(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'entry'}: {err['msg']}"
+                         for err in e.errors())
+    return str(e)
 
 
 async def probe_routes(http: httpx.AsyncClient, system_url: str, timeout: float) -> list[str]:
     """Ask a worker's system server which /engine routes it serves."""
     r = await http.get(f"{system_url}/engine", timeout=timeout)
     r.raise_for_status()
-    routes = r.json().get("routes")
+    body = r.json()
+    routes = body.get("routes") if isinstance(body, dict) else None
     if not isinstance(routes, list) or not all(isinstance(x, str) for x in routes):
         raise ValueError("the worker's route listing is malformed")
     return sorted(set(routes))
@@ -31,7 +40,7 @@ def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
     http = httpx.AsyncClient()
 
     async def describe(entry: dict[str, Any]) -> dict[str, Any]:
-        w = RlWorker.from_entry(entry)
+        w = RlWorker.from_entry(entry)  # the caller checked that it validates
         if w.system_url is None:
             w.error = "the worker has no system server (start it with --system-port)"
             return w.dump()
@@ -45,11 +54,26 @@ def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
     @app.get("/v1/rl/workers")
     async def workers():
         try:
-            entries = await discovery.list(namespace=namespace, endpoint="rl")
+            found = await discovery.listing(namespace=namespace, endpoint="rl")
         except DiscoveryError as e:
             return JSONResponse({"error": "discovery_failed", "message": str(e)}, status_code=500)
-        listed = await asyncio.gather(*(describe(e) for e in entries))
-        return {"protocol_version": PROTOCOL_VERSION, "namespace": namespace,
-                "workers": sorted(listed, key=lambda w: w["instance_id"])}
+        # one bad entry is reported beside the others, never a failed listing
+        skipped = [s.dump() for s in found.skipped]
+        valid = []
+        for entry in found.entries:
+            try:
+                RlWorker.from_entry(entry)
+            except (ValidationError, TypeError) as e:
+                skipped.append({"where": f"instance {entry.get('instance_id')}",
+                                "key": entry_key(entry),
+                                "error": f"entry fails the listing schema: {_brief(e)}"})
+            else:
+                valid.append(entry)
+        listed = await asyncio.gather(*(describe(e) for e in valid))
+        body: dict[str, Any] = {"protocol_version": PROTOCOL_VERSION, "namespace": namespace,
+                                "workers": sorted(listed, key=lambda w: w["instance_id"])}
+        if skipped:
+            body["skipped"] = skipped
+        return body
 
     return app

@@ -71,16 +71,28 @@ class WorkerPool:
                 await self._task
 
     async def _follow(self) -> None:
-        async for entries in self.discovery.watch(self.namespace):
-            self.update([e for e in entries if e.get("endpoint") == "generate"])
-            self._ready.set()
+        """Follow discovery for the life of the pool: neither a bad entry nor a failing
+        watch ends it (it logs and carries on with the last good set)."""
+        while True:
+            try:
+                async for entries in self.discovery.watch(self.namespace):
+                    try:
+                        self.update([e for e in entries if e.get("endpoint") == "generate"])
+                    except Exception:  # a malformed entry must not freeze membership
+                        log.exception("discovery update not applied; keeping the last set")
+                    self._ready.set()
+                return  # the discovery object was closed
+            except Exception:
+                log.exception("discovery watch failed; restarting it in 1 s")
+                await asyncio.sleep(1.0)
 
     def update(self, entries: list[dict]) -> None:
         """Replace the live set, keeping the load and health state of workers that stay."""
         fresh: dict[int, Worker] = {}
         for e in entries:
-            url = (e.get("transport") or {}).get("http")
-            if not url or "model" not in e:
+            transport = e.get("transport")
+            url = transport.get("http") if isinstance(transport, dict) else None
+            if not isinstance(url, str) or not isinstance(e.get("model"), str):
                 continue
             iid = int(e["instance_id"])
             w = self.workers.get(iid)

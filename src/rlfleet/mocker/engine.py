@@ -16,6 +16,11 @@ penalties are accepted and ignored.
 
 Detokenisation: token `1000 + b` is byte `b` (ASCII as itself, the rest as `<0xNN>`),
 the EOS token is `<|im_end|>`, every other token ID `t` reads `<t>`.
+
+The simulated weights are one number, the seed of the token distribution. As a checkpoint
+they are a directory holding ``mock_weights.json`` = ``{"seed": <int>}`` (see
+`write_mock_checkpoint`); as tensors, ``{"mock.seed": <one integer>}``; their digest is
+``"mock:<seed>"``.
 """
 
 from __future__ import annotations
@@ -25,17 +30,27 @@ import asyncio
 import bisect
 import hashlib
 import itertools
+import json
 import math
 import random
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.runtime import metrics
-from rlfleet.runtime.engine import BadRequest, Engine, EngineInfo
+from rlfleet.runtime.engine import (
+    BadRequest,
+    Engine,
+    EngineControl,
+    EngineInfo,
+    WeightIdentity,
+    WeightLoadError,
+)
 
 QWEN_EOS = 151645
 ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
@@ -69,6 +84,34 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
                    help=f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller")
     p.add_argument("--eos-prob", type=float, default=d["eos_prob"],
                    help="chance per token that a choice ends with EOS (mean length ~ 1/p)")
+
+
+CHECKPOINT_FILE = "mock_weights.json"
+SEED_TENSOR = "mock.seed"
+
+
+def write_mock_checkpoint(directory: str | Path, seed: int) -> Path:
+    """Make `directory` a mock checkpoint whose weights are `seed`; returns the directory."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / CHECKPOINT_FILE).write_text(json.dumps({"seed": seed}))
+    return d
+
+
+def read_mock_checkpoint(directory: Path) -> int:
+    """The seed of a mock checkpoint; ValueError says why `directory` is not one."""
+    f = directory / CHECKPOINT_FILE
+    if not f.is_file():
+        raise ValueError(f"it has no {CHECKPOINT_FILE} (a mock checkpoint holds "
+                         f'{CHECKPOINT_FILE} with {{"seed": <int>}})')
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{CHECKPOINT_FILE} is not readable JSON: {e}") from e
+    seed = data.get("seed") if isinstance(data, dict) else None
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f'{CHECKPOINT_FILE} must be an object {{"seed": <int>}}')
+    return seed
 
 
 @dataclass(frozen=True)
@@ -112,7 +155,7 @@ def _hash(key: tuple) -> tuple[float, int]:
     return (int.from_bytes(d[:8], "little") >> 11) / (1 << 53), int.from_bytes(d[8:], "little")
 
 
-class MockEngine(Engine):
+class MockEngine(Engine, EngineControl):
     """A deterministic token simulator behind the `Engine` contract (see the module doc).
 
     Build it from parsed flags or keywords: `MockEngine(args)`, `MockEngine(seed=1, ttft=0.5)`.
@@ -139,7 +182,9 @@ class MockEngine(Engine):
                                vocab_size=vocab, max_model_len=o["max_model_len"],
                                eos_token_ids=(eos,))
         self.eos = eos
-        self.weights = MockWeights(o["seed"])  # set_weights swaps this; tokens depend on it
+        self.weights = MockWeights(o["seed"])  # loads swap this; tokens depend on it
+        self.version_declared = False
+        self._received: int | None = None  # the seed "received" from a trainer's group
         self.token_delay, self.token_delay_jitter = o["token_delay"], o["token_delay_jitter"]
         self.ttft = o["ttft"]
         self.max_batch: int | None = o["max_batch"]
@@ -268,8 +313,8 @@ class MockEngine(Engine):
     # ------------------------------------------------------------ generation
 
     def weight_identity(self) -> dict[str, Any]:
-        return {"weight_version": self.weights.version,
-                "weight_digest": f"mock:{self.weights.seed}"}
+        ident = self.identity()
+        return {"weight_version": ident.version, "weight_digest": ident.digest}
 
     def num_running(self) -> int:
         return len(self._runs)
@@ -455,9 +500,9 @@ class MockEngine(Engine):
     async def shutdown(self) -> None:
         await self.abort_all()
 
-    # ------------------------------------------------------------ admin: pause, weights
+    # ------------------------------------------------------------ control (EngineControl)
 
-    def is_paused(self) -> bool:
+    async def is_paused(self) -> bool:
         return self._mode is not None
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
@@ -476,17 +521,74 @@ class MockEngine(Engine):
             while self._active:
                 await self._idle.wait()
         if clear_cache:
-            await self.flush_cache()
+            await self.reset_cache()
 
     async def resume(self) -> None:
         self._mode = None
         self._wake_all()
 
-    async def flush_cache(self) -> bool:
-        return True  # no cache to flush
+    async def reset_cache(self, running: bool = False) -> bool:
+        return True  # no cache to reset
 
     async def set_weights(self, seed: int, version: str | None = None) -> None:
         """Switch the simulated weights (hence the token distribution); only while paused."""
-        if not self.is_paused():
+        if self._mode is None:
             raise RuntimeError("pause generation first")
         self.weights = MockWeights(seed, version)
+
+    def _swap(self, seed: int) -> str:
+        """New weights now (running requests continue on them); the version label stays."""
+        self.weights = MockWeights(seed, self.weights.version)
+        return self.identity().digest or ""
+
+    def identity(self) -> WeightIdentity:
+        return WeightIdentity(self.weights.version, self.version_declared,
+                              f"mock:{self.weights.seed}")
+
+    async def set_version(self, version: str | None, declared: bool = True,
+                          digest: str | None = None) -> None:
+        # the digest is a function of the seed, already swapped by the load
+        self.weights = MockWeights(self.weights.seed, version)
+        self.version_declared = declared
+
+    def checkpoint_mismatch(self, path: Path) -> str | None:
+        try:
+            read_mock_checkpoint(path)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    async def load_path(self, path: Path) -> str:
+        return self._swap(read_mock_checkpoint(path))
+
+    async def apply_tensors(self, tensors: Mapping[str, Any]) -> str:
+        t = tensors.get(SEED_TENSOR)
+        if set(tensors) != {SEED_TENSOR} or t is None or t.numel() != 1 \
+                or t.dtype.is_floating_point:
+            raise ValueError(f"the mocker's weights are one tensor {SEED_TENSOR!r} holding one "
+                             f"integer (the seed); got {sorted(tensors)[:3]}")
+        return self._swap(int(t.reshape(-1)[0]))
+
+    def announced_mismatch(self, d: DistributedRequest) -> str | None:
+        seed = d.extra.get("mock_seed")
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            return ("mock_seed is required by the mocker: an integer, the seed of the "
+                    "simulated weights being sent")
+        return None
+
+    async def join_group(self, g: GroupRequest) -> None:
+        """Nothing to join: the mocker simulates the transfer (the seed is in the request)."""
+
+    async def receive(self, d: DistributedRequest, timeout: float) -> int:
+        self._received = d.extra["mock_seed"]
+        return 0
+
+    async def apply_received(self) -> str:
+        seed, self._received = self._received, None
+        if seed is None:
+            raise WeightLoadError("nothing received to apply; the previous weights are still "
+                                  "serving")
+        return self._swap(seed)
+
+    async def leave_group(self) -> None:
+        self._received = None

@@ -4,7 +4,7 @@ the system server answers with the contract's 200 `{"status": "error", "message"
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,9 @@ class DistributedRequest:
     version: str | None
     reset_prefix_cache: bool
     allow_unpaused: bool
+    # fields this contract does not define, for an engine that reads its own (the mocker's
+    # simulated `mock_seed`)
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def pause_request(body: dict[str, Any]) -> PauseRequest:
@@ -110,7 +113,12 @@ def distributed_request(body: dict[str, Any]) -> DistributedRequest:
     if unpaused and reset:
         raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
                                 "send reset_prefix_cache: false, or pause first")
-    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused)
+    extra = {k: v for k, v in body.items() if k not in _DISTRIBUTED_FIELDS}
+    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused, extra)
+
+
+_DISTRIBUTED_FIELDS = frozenset({"names", "dtypes", "shapes", "weight_version",
+                                 "reset_prefix_cache", "allow_unpaused"})
 
 
 def weights_path(raw: Any, roots: list[Path]) -> Path:

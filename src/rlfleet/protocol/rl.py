@@ -58,7 +58,17 @@ class RlWorker(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
+class SkippedEntry(BaseModel):
+    """A discovery entry the listener could not list (unreadable, or failing the schema
+    above); the rest of the listing is unaffected. An rlfleet extension to version 1."""
+
+    where: str  # the file, etcd key or instance it came from
+    error: str
+    key: str | None = None  # namespace/component/endpoint/instance_id, when known
+
+
 class RlWorkers(BaseModel):
     protocol_version: int
     namespace: str
     workers: list[RlWorker]
+    skipped: list[SkippedEntry] = Field(default_factory=list)

@@ -18,13 +18,21 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from rlfleet.protocol.rl import PROTOCOL_VERSION
+from rlfleet.rl.control import (
+    Channel,
+    FleetWorker,
+    RefreshHeld,
+    SglangControl,
+    SglangWorker,
+    VllmControl,
+    WorkerControl,
+)
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
 
@@ -35,16 +43,6 @@ class UpdatePath(enum.StrEnum):
     VLLM_DISK = "vllm-disk"
     VLLM_DISTRIBUTED = "vllm-distributed"
     SGLANG_DISK = "sglang-disk"
-
-
-_LIFECYCLE = {"pause_generation", "resume_generation", "get_weight_version", "liveness_probe",
-              "flush_cache"}
-REQUIRED_ROUTES: dict[UpdatePath, frozenset[str]] = {
-    UpdatePath.VLLM_DISK: frozenset(_LIFECYCLE | {"update_weights_from_disk"}),
-    UpdatePath.VLLM_DISTRIBUTED: frozenset(_LIFECYCLE | {
-        "init_weights_update_group", "update_weights_from_distributed",
-        "destroy_weights_update_group"}),
-}
 
 
 class OnFailure(enum.StrEnum):
@@ -119,46 +117,6 @@ class Policy:
 
 
 @dataclass
-class SglangWorker:
-    """An SGLang worker, whose URLs come from the deployment (SGLang workers are not in
-    /v1/rl/workers)."""
-
-    system_url: str
-    request_url: str
-    name: str = ""
-
-
-@dataclass
-class FleetWorker:
-    instance_id: int
-    system_url: str
-    request_url: str | None
-    model: str | None = None
-    routes: frozenset[str] = frozenset()
-    status: str = "selected"  # selected | excluded | missing | verified
-    reason: str | None = None
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def record(self, step: str, route: str, http_status: int | None, body: Any) -> None:
-        self.calls.append({"step": step, "route": route, "http_status": http_status,
-                           "body": body, "at": time.time()})
-
-    def exclude(self, why: str, status: str = "excluded") -> None:
-        if self.status in ("selected", "verified"):
-            self.status, self.reason = status, why
-            log.warning("worker %s %s: %s", self.instance_id, status, why)
-
-    @property
-    def active(self) -> bool:
-        return self.status in ("selected", "verified")
-
-    def summary(self) -> dict[str, Any]:
-        return {"instance_id": self.instance_id, "system_url": self.system_url,
-                "model": self.model, "status": self.status, "reason": self.reason,
-                "calls": self.calls}
-
-
-@dataclass
 class RefreshResult:
     refresh_id: int
     decision: str  # reopened | rolled_back | held
@@ -173,15 +131,18 @@ class RefreshResult:
         return self.state is RefreshState.REOPENED
 
     @property
+    def fleet_moved(self) -> bool:
+        """Every worker the refresh selected serves the target, verified (`ok` allows
+        workers kept out of a reopened fleet)."""
+        return self.ok and bool(self.workers) and all(
+            w["status"] == "verified" for w in self.workers)
+
+    @property
     def seconds(self) -> float:
         return sum(s["seconds"] for s in self.steps)
 
     def step_seconds(self) -> dict[str, float]:
         return {s["name"]: s["seconds"] for s in self.steps}
-
-
-class RefreshHeld(Exception):
-    """The refresh stops here; the fleet stays gated."""
 
 
 class _Rollback(Exception):
@@ -221,15 +182,10 @@ class PolicyRefresh:
                  on_event: Callable[[str], None] | None = None,
                  current: Policy | None = None) -> None:
         self.path = UpdatePath(path)
-        if self.path is UpdatePath.SGLANG_DISK and not sglang_workers:
-            raise ValueError("the SGLang path needs sglang_workers (system and request URLs)")
-        if self.path is not UpdatePath.SGLANG_DISK and not rl_url:
-            raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, not {pause_mode!r}")
-        self.rl_url = rl_url.rstrip("/") if rl_url else None
+        self.control = self._control(self.path, rl_url, model, sglang_workers)
         self.model = model
-        self.sglang_workers = list(sglang_workers)
         self.journal = journal if isinstance(journal, Journal) else Journal(journal)
         self.gate = gate or RolloutGate()
         self.on_failure = OnFailure(on_failure)
@@ -241,10 +197,18 @@ class PolicyRefresh:
         self.min_workers = min_workers
         self.timeout = timeout
         self.admin_token = admin_token
-        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         self.current = current
         self.verified: set[int] = set()  # workers verified on self.current
+
+    @staticmethod
+    def _control(path: UpdatePath, rl_url: str | None, model: str | None,
+                 sglang_workers: Sequence[SglangWorker]) -> WorkerControl:
+        if path is UpdatePath.SGLANG_DISK:
+            return SglangControl(sglang_workers)
+        if not rl_url:
+            raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
+        return VllmControl(rl_url, model, distributed=path is UpdatePath.VLLM_DISTRIBUTED)
 
     # ------------------------------------------------------------------ public API
 
@@ -284,55 +248,6 @@ class PolicyRefresh:
             tensors = lambda: list(iter_checkpoint_tensors(Path(path)))  # noqa: E731
         return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors)
 
-    async def _call(self, http: httpx.AsyncClient, w: FleetWorker, step: str, route: str,
-                    body: dict[str, Any] | None = None, timeout: float | None = None
-                    ) -> tuple[bool, dict[str, Any]]:
-        """POST {system_url}/engine/<route>; ok means HTTP 200 and a body that says so."""
-        try:
-            r = await http.post(f"{w.system_url}/engine/{route}", json=body or {},
-                                headers=self.headers, timeout=timeout or self.timeout)
-            status = r.status_code
-            try:
-                data = r.json()
-            except ValueError:
-                data = {"raw": r.text[:500]}
-        except httpx.HTTPError as e:
-            w.record(step, route, None, {"error": repr(e)})
-            return False, {"unreachable": True, "message": repr(e)}
-        w.record(step, route, status, data)
-        good = status == 200 and isinstance(data, dict) and (
-            data.get("status") == "ok" or data.get("success") is True)
-        return good, data if isinstance(data, dict) else {"body": data}
-
-    async def _discover(self, http: httpx.AsyncClient) -> dict[int, FleetWorker]:
-        if self.path is UpdatePath.SGLANG_DISK:
-            return {i: FleetWorker(i, w.system_url.rstrip("/"), w.request_url.rstrip("/"),
-                                   model=w.name or None)
-                    for i, w in enumerate(self.sglang_workers)}
-        r = await http.get(f"{self.rl_url}/v1/rl/workers", timeout=self.timeout)
-        if r.status_code != 200:
-            raise RefreshHeld(f"discovery failed: HTTP {r.status_code} {r.text[:300]}")
-        body = r.json()
-        if body.get("protocol_version") != PROTOCOL_VERSION:
-            raise RefreshHeld(f"unsupported discovery protocol_version "
-                              f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
-        out = {}
-        for e in body.get("workers", []):
-            if self.model is not None and e.get("model") != self.model:
-                continue
-            w = FleetWorker(int(e["instance_id"]), e.get("system_url", ""),
-                            (e.get("transport") or {}).get("http"), e.get("model"),
-                            frozenset(e.get("routes", [])))
-            need = REQUIRED_ROUTES[self.path] - w.routes
-            if e.get("error"):
-                w.exclude(f"discovery probe failed: {e['error']}")
-            elif not w.system_url:
-                w.exclude("no system_url")
-            elif need:
-                w.exclude(f"missing routes for {self.path.value}: {sorted(need)}")
-            out[w.instance_id] = w
-        return out
-
     async def _each(self, workers: list[FleetWorker], fn) -> None:
         await asyncio.gather(*(fn(w) for w in workers))
 
@@ -340,11 +255,12 @@ class PolicyRefresh:
 
     async def _run(self, target: Policy, *, step: int | None, fleet_wide: bool) -> RefreshResult:
         previous = self.current
+        control = self.control
         steps: list[dict[str, Any]] = []
         workers: dict[int, FleetWorker] = {}
         state = RefreshState.STARTED
         refresh_id = self.journal.begin(
-            framework_step=step, update_path=self.path.value, target_path=target.path,
+            framework_step=step, update_path=control.path, target_path=target.path,
             target_version=target.version, target_digest=target.digest,
             previous_version=previous.version if previous else None,
             previous_digest=previous.digest if previous else None)
@@ -368,11 +284,13 @@ class PolicyRefresh:
 
         decision, reason = "held", ""
         async with httpx.AsyncClient() as http:
+            ch = Channel(http, self.timeout, self.admin_token)
+            gate_reason = f"policy refresh to {target.version}"
             try:
                 if fleet_wide:
-                    self.gate.close(f"policy refresh to {target.version}")
+                    self.gate.close(gate_reason)
                 move(RefreshState.GATED)
-                found = await timed("resolve", self._discover(http))
+                found = await timed("resolve", control.discover(ch))
                 workers.update(found if fleet_wide else
                                {i: w for i, w in found.items() if i not in self.verified})
                 self.journal.update(refresh_id, intended_workers=sorted(workers))
@@ -381,18 +299,20 @@ class PolicyRefresh:
                                       else "no new worker to admit")
                 move(RefreshState.RESOLVED)
                 await timed("gate", self._each(list(workers.values()),
-                                               lambda w: self._close(http, w, target)))
-                await timed("pause", self._each(active(), lambda w: self._pause(http, w)))
-                await self._membership(http, workers, target)
+                                               lambda w: control.close(ch, w, gate_reason)))
+                await timed("pause", self._each(
+                    active(), lambda w: control.pause(ch, w, self.pause_mode)))
+                await self._membership(ch, workers, gate_reason)
                 move(RefreshState.PAUSED)
                 try:
-                    await timed("apply", self._apply_with_policy(http, active(), target))
+                    await timed("apply", self._apply_with_policy(ch, active(), target))
                     move(RefreshState.APPLIED)
-                    await timed("reset_cache", self._each(active(), lambda w: self._flush(http, w)))
+                    await timed("reset_cache", self._each(
+                        active(), lambda w: control.reset_cache(ch, w)))
                     move(RefreshState.CACHE_RESET)
-                    await timed("verify", self._verify_all(http, active(), target))
+                    await timed("verify", self._verify_all(ch, active(), target))
                     move(RefreshState.VERIFIED)
-                    await timed("resume", self._each(active(), lambda w: self._resume(http, w)))
+                    await timed("resume", self._each(active(), lambda w: control.resume(ch, w)))
                     move(RefreshState.RESUMED)
                     await timed("probe", self._each(active(), lambda w: self._probe(http, w, target)))
                     move(RefreshState.PROBED)
@@ -400,7 +320,7 @@ class PolicyRefresh:
                     if previous is None:
                         raise RefreshHeld(f"{e}; no previous policy to roll back to") from e
                     move(RefreshState.ROLLING_BACK)
-                    await timed("rollback", self._rollback(http, workers, previous, str(e)))
+                    await timed("rollback", self._rollback(ch, workers, previous, str(e)))
                     target = previous
                     move(RefreshState.ROLLED_BACK)
                     decision, reason = "rolled_back", f"{e}; rolled back to {previous.version}"
@@ -408,7 +328,7 @@ class PolicyRefresh:
                 if len(ok_workers) < self.min_workers:
                     raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
                                       f"{target.version}; need {self.min_workers}")
-                await timed("reopen", self._each(ok_workers, lambda w: self._open(http, w)))
+                await timed("reopen", self._each(ok_workers, lambda w: control.open(ch, w)))
                 ok_workers = active()  # a worker whose reopen failed stays out
                 for w in ok_workers:
                     w.status = "verified"
@@ -438,95 +358,33 @@ class PolicyRefresh:
                             steps=steps, workers={str(w["instance_id"]): w for w in summaries})
         return RefreshResult(refresh_id, decision, reason, state, summaries, steps, target)
 
-    # ------------------------------------------------------------------ per-worker steps
+    # ------------------------------------------------------------------ fleet-level steps
 
-    async def _close(self, http, w: FleetWorker, target: Policy) -> None:
-        if self.path is UpdatePath.SGLANG_DISK or "set_admission" in w.routes:
-            await self._call(http, w, "gate", "set_admission",
-                             {"open": False, "reason": f"policy refresh to {target.version}"})
-
-    async def _open(self, http, w: FleetWorker) -> None:
-        if self.path is UpdatePath.SGLANG_DISK or "set_admission" in w.routes:
-            ok, body = await self._call(http, w, "reopen", "set_admission", {"open": True})
-            if not ok and self.path is not UpdatePath.SGLANG_DISK:
-                w.exclude(f"reopen failed: {body.get('message', body)}")
-
-    async def _pause(self, http, w: FleetWorker) -> None:
-        body = {} if self.path is UpdatePath.SGLANG_DISK else \
-            {"mode": self.pause_mode, "clear_cache": False}
-        ok, data = await self._call(http, w, "pause", "pause_generation", body)
-        if not ok:
-            w.exclude(f"pause failed: {data.get('message', data)}",
-                      "missing" if data.get("unreachable") else "excluded")
-
-    async def _membership(self, http, workers: dict[int, FleetWorker], target: Policy) -> None:
+    async def _membership(self, ch: Channel, workers: dict[int, FleetWorker],
+                          gate_reason: str) -> None:
         """Membership changes before transfer: refresh the set."""
-        if self.path is UpdatePath.SGLANG_DISK:
+        if not self.control.dynamic_membership:
             return
-        now = await self._discover(http)
+        now = await self.control.discover(ch)
         for iid, w in workers.items():
             if iid not in now and w.active:
                 w.exclude("left discovery before the transfer", "missing")
         for iid, w in now.items():
             if iid not in workers and w.active and iid not in self.verified:
                 workers[iid] = w
-                await self._close(http, w, target)
-                await self._pause(http, w)
+                await self.control.close(ch, w, gate_reason)
+                await self.control.pause(ch, w, self.pause_mode)
                 self.on_event(f"worker {iid} joined during the refresh: included")
 
-    async def _apply(self, http, ws: list[FleetWorker], target: Policy) -> list[FleetWorker]:
-        """Transfer and apply; returns the workers whose transfer failed."""
-        failed: list[FleetWorker] = []
-        if self.path is UpdatePath.VLLM_DISTRIBUTED:
-            return await self._apply_distributed(ws, target)
-
-        async def one(w: FleetWorker) -> None:
-            if self.path is UpdatePath.SGLANG_DISK:
-                route, body = "control/update_weights_from_disk", {
-                    "model_path": target.path, "weight_version": target.version,
-                    "flush_cache": True, "keep_pause": True}
-            else:
-                route, body = "update_weights_from_disk", {
-                    "model_path": target.path, "weight_version": target.version}
-            ok, data = await self._call(http, w, "apply", route, body)
-            if not ok:
-                if data.get("unreachable"):
-                    w.exclude(f"unreachable at transfer: {data.get('message')}", "missing")
-                else:
-                    w.reason = f"transfer failed: {data.get('message', data)}"
-                    failed.append(w)
-        await self._each(ws, one)
-        return failed
-
-    async def _apply_distributed(self, ws: list[FleetWorker], target: Policy
-                                 ) -> list[FleetWorker]:
-        from rlfleet.weights.broadcast import TransferError, push_weights
-
-        tensors = await asyncio.to_thread(target.tensors)
-        try:
-            results = await push_weights([w.system_url for w in ws], tensors, target.version,
-                                         timeout=self.timeout, admin_token=self.admin_token)
-        except TransferError as e:
-            for w, r in zip(ws, e.results or [{}] * len(ws), strict=False):
-                w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
-                w.reason = f"transfer failed: {e}"
-            return list(ws)
-        failed = []
-        for w, r in zip(ws, results, strict=True):
-            w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
-            if r.get("status") != "ok":
-                w.reason = f"transfer failed: {r.get('message')}"
-                failed.append(w)
-        return failed
-
-    async def _apply_with_policy(self, http, ws: list[FleetWorker], target: Policy) -> None:
-        failed = await self._apply(http, ws, target)
+    async def _apply_with_policy(self, ch: Channel, ws: list[FleetWorker],
+                                 target: Policy) -> None:
+        failed = await self.control.transfer(ch, ws, target)
         tries = 0
         while failed and self.on_failure is OnFailure.RETRY and tries < self.retries:
             tries += 1
             self.on_event(f"retrying the transfer to {len(failed)} worker(s) ({tries}/{self.retries})")
             # a distributed group is rebuilt around the workers that still need it
-            failed = await self._apply(http, failed, target)
+            failed = await self.control.transfer(ch, failed, target)
         if not failed:
             return
         why = (f"transfer failed on {len(failed)} of {len(ws)} worker(s): "
@@ -535,45 +393,12 @@ class PolicyRefresh:
             raise _Rollback(why)
         raise RefreshHeld(why + f" (policy {self.on_failure.value}: the fleet stays gated)")
 
-    async def _flush(self, http, w: FleetWorker) -> None:
-        if self.path is UpdatePath.SGLANG_DISK:
-            return  # the update itself flushed (flush_cache: true), checked in its body
-        ok, data = await self._call(http, w, "reset_cache", "flush_cache")
-        if not ok:
-            w.exclude(f"cache reset failed: {data.get('message', data)}")
-
-    async def _verify_all(self, http, ws: list[FleetWorker], target: Policy) -> None:
-        mismatched: list[str] = []
-
-        async def one(w: FleetWorker) -> None:
-            if self.path is UpdatePath.SGLANG_DISK:
-                return  # no version route on SGLang: the probe checks the digest
-            (ok, v), (alive, live) = await asyncio.gather(
-                self._call(http, w, "verify", "get_weight_version"),
-                self._call(http, w, "verify", "liveness_probe"))
-            if not ok:
-                w.exclude(f"version check failed: {v.get('message', v)}")
-                return
-            if v.get("version") != target.version or v.get("weight_digest") != target.digest:
-                mismatched.append(f"{w.instance_id} reports {v.get('version')!r} / "
-                                  f"{v.get('weight_digest')}")
-                w.exclude("version or digest differs from the target")
-                return
-            if not alive:
-                w.exclude(f"liveness probe failed: {live.get('message', live)}")
-        await self._each(ws, one)
+    async def _verify_all(self, ch: Channel, ws: list[FleetWorker], target: Policy) -> None:
+        found = await asyncio.gather(*(self.control.verify(ch, w, target) for w in ws))
+        mismatched = [m for m in found if m]
         if mismatched:
             raise RefreshHeld(f"version check differs on {', '.join(mismatched)}: a synchronous "
                               f"fleet does not reopen (target {target.version} / {target.digest})")
-
-    async def _resume(self, http, w: FleetWorker) -> None:
-        if self.path is UpdatePath.SGLANG_DISK:
-            ok, data = await self._call(http, w, "resume", "continue_generation",
-                                        {"torch_empty_cache": False})
-        else:
-            ok, data = await self._call(http, w, "resume", "resume_generation")
-        if not ok:
-            w.exclude(f"resume failed: {data.get('message', data)}")
 
     async def _probe(self, http, w: FleetWorker, target: Policy) -> None:
         """Post-update generation straight on the worker's request plane. With a reference
@@ -626,17 +451,20 @@ class PolicyRefresh:
             w.exclude(f"post-update generation does not match the target policy: max logprob "
                       f"diff {worst:.2e} > {self.tolerance:g}")
 
-    async def _rollback(self, http, workers: dict[int, FleetWorker], previous: Policy,
+    async def _rollback(self, ch: Channel, workers: dict[int, FleetWorker], previous: Policy,
                         why: str) -> None:
         """Reapply the previous policy to every worker still in the set and verify it the
         same way; a worker that fails any step stays out."""
+        control = self.control
         ws = [w for w in workers.values() if w.active]
         self.on_event(f"rolling back {len(ws)} worker(s) to {previous.version}: {why}")
-        failed = await self._apply(http, ws, previous)
+        failed = await control.transfer(ch, ws, previous)
         for w in failed:
             w.exclude(f"rollback transfer failed: {w.reason}")
-        ws = [w for w in ws if w.active]
-        await self._each(ws, lambda w: self._flush(http, w))
-        await self._verify_all(http, [w for w in ws if w.active], previous)
-        await self._each([w for w in ws if w.active], lambda w: self._resume(http, w))
-        await self._each([w for w in ws if w.active], lambda w: self._probe(http, w, previous))
+
+        def active() -> list[FleetWorker]:
+            return [w for w in ws if w.active]
+        await self._each(active(), lambda w: control.reset_cache(ch, w))
+        await self._verify_all(ch, active(), previous)
+        await self._each(active(), lambda w: control.resume(ch, w))
+        await self._each(active(), lambda w: self._probe(ch.http, w, previous))

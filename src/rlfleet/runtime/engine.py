@@ -1,14 +1,17 @@
 """What a worker's engine must provide: the vLLM engine (rlfleet.vllm) and the
-synthetic engine (rlfleet.mocker) both implement `Engine`, and the shared worker
-runtime (request plane, system server, discovery) drives either one."""
+synthetic engine (rlfleet.mocker) both implement `Engine` (serving) and `EngineControl`
+(the control plane), and the shared worker runtime (request plane, system server with
+`rlfleet.runtime.admin`, discovery) drives either one."""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest
 
 
@@ -68,3 +71,105 @@ class Engine(abc.ABC):
 
     def num_running(self) -> int:
         return 0
+
+
+# ---------------------------------------------------------------------- control plane
+
+
+class WeightLoadError(RuntimeError):
+    """New weights could not be loaded; the message says what failed and whether the
+    previous weights serve again."""
+
+
+@dataclass(frozen=True)
+class WeightIdentity:
+    """What an engine serves: the caller's label and the content of the weights."""
+
+    version: str | None  # the caller-declared label (None: none, or declared as null)
+    declared: bool  # whether a caller declared `version` (an explicit null counts)
+    digest: str | None  # content digest of the applied weights (rlfleet.weights.digest)
+
+
+class EngineControl(abc.ABC):
+    """What the admin routes (`rlfleet.runtime.admin.EngineAdmin`) need from an engine.
+
+    Loads never check the pause state (the admin does) and never reset the cache (the
+    admin does, then records the identity with `set_version`). A load that fails leaves
+    the previous weights serving, or raises `WeightLoadError` saying it could not."""
+
+    #: backend of a trainer's weight-update group when the trainer names none
+    group_backend: str = "gloo"
+
+    # ---- generation
+
+    async def check_health(self) -> None:  # noqa: B027 - optional: healthy by default
+        """Raise when the engine cannot serve."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        """Stop generating; `mode` keep | wait | abort (protocol.admin.PAUSE_MODES)."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Generate again; requests frozen by a keep-pause continue."""
+
+    @abc.abstractmethod
+    async def is_paused(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """End a running request now (as `Engine.abort`)."""
+
+    @abc.abstractmethod
+    async def reset_cache(self, running: bool = False) -> bool:
+        """Drop the prefix (KV) cache; with `running`, also the cache of requests still in
+        the engine (they recompute). False when it could not be reset."""
+
+    # ---- identity
+
+    @abc.abstractmethod
+    def identity(self) -> WeightIdentity: ...
+
+    @abc.abstractmethod
+    async def set_version(self, version: str | None, declared: bool = True,
+                          digest: str | None = None) -> None:
+        """Record the label of the weights served (and, after a load, their digest)."""
+
+    # ---- loading
+
+    @abc.abstractmethod
+    def checkpoint_mismatch(self, path: Path) -> str | None:
+        """Why the checkpoint directory at `path` cannot replace the served weights in
+        place (None when it can). ValueError when `path` is not a readable checkpoint."""
+
+    @abc.abstractmethod
+    async def load_path(self, path: Path) -> str:
+        """Load the checkpoint directory at `path`; returns the digest of what was loaded."""
+
+    @abc.abstractmethod
+    async def apply_tensors(self, tensors: Mapping[str, Any]) -> str:
+        """Load staged tensors already in host memory (name -> tensor in checkpoint format,
+        the model's complete set); returns the digest of what was loaded. ValueError
+        (nothing changed) when they do not fit the served model."""
+
+    # ---- a trainer's weight-update group (update_weights_from_distributed)
+
+    @abc.abstractmethod
+    def announced_mismatch(self, d: DistributedRequest) -> str | None:
+        """Why the tensors a trainer announces cannot be received (None when they can)."""
+
+    @abc.abstractmethod
+    async def join_group(self, g: GroupRequest) -> None:
+        """Join the trainer's group (rank `g.rank_offset`); raises on failure or timeout."""
+
+    @abc.abstractmethod
+    async def receive(self, d: DistributedRequest, timeout: float) -> int:
+        """Receive the announced tensors into staging (live weights untouched); returns
+        the bytes received. Raises when the transfer fails."""
+
+    @abc.abstractmethod
+    async def apply_received(self) -> str:
+        """Load what `receive` staged; returns the digest of what was loaded."""
+
+    @abc.abstractmethod
+    async def leave_group(self) -> None: ...

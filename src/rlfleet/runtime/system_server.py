@@ -1,7 +1,11 @@
-"""A worker's system server: /health, /metrics and POST /engine/<route>, with the contract's
-shared HTTP behaviour, bearer-token auth on mutating routes, per-worker serialisation of
-control calls, and (tests only) fault injection. The route table is data: each engine
-flavour hands in its `Route`s."""
+"""A worker's system server: /health (and /live), /metrics and POST /engine/<route>, with the
+contract's shared HTTP behaviour, bearer-token auth on mutating routes, per-worker
+serialisation of control calls, and (tests only) fault injection. The route table is data:
+each engine flavour hands in its `Route`s.
+
+/health answers as Dynamo's workers do: HTTP 200 `{"status": "ready", ...}` once the worker
+serves, HTTP 503 `{"status": "notready", ...}` before and while it shuts down, with
+`uptime` `{"secs", "nanos"}` and whatever the worker adds (identity, weights, gate)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import hmac
 import json
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,8 +105,12 @@ class FaultInjector:
 
 def system_app(routes: list[Route], *, admin_token: str | None = None,
                faults: FaultInjector | None = None,
-               health: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+               health: Callable[[], dict[str, Any]] | None = None,
+               ready: Callable[[], bool] | None = None) -> FastAPI:
+    """`health` adds fields to /health; `ready` says whether the worker serves (default:
+    always, once this app answers)."""
     table = {r.name: r for r in routes}
+    started = time.monotonic_ns()
     lock = asyncio.Lock()
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
     metrics.mount_metrics(app)
@@ -113,8 +122,14 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
         return hmac.compare_digest(got.encode(), f"Bearer {admin_token}".encode())
 
     @app.get("/health")
+    @app.get("/live")
     async def _health():
-        return {"status": "healthy", **(health() if health else {})}
+        up = time.monotonic_ns() - started
+        serving = ready() if ready else True
+        body = {"status": "ready" if serving else "notready",
+                "uptime": {"secs": up // 1_000_000_000, "nanos": up % 1_000_000_000},
+                **(health() if health else {})}
+        return JSONResponse(body, status_code=200 if serving else 503)
 
     @app.get("/engine")
     async def _routes():

@@ -8,11 +8,11 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
@@ -25,34 +25,47 @@ COMPONENT = "backend"
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    """Flags every worker shares, whatever its engine."""
-    p.add_argument("--served-model-name", default=None,
-                   help="name clients use in `model` (default: the model directory's name)")
-    p.add_argument("--host", default="127.0.0.1", help="request-plane bind address")
-    p.add_argument("--port", type=int, default=0, help="request-plane port (0: any free port)")
-    p.add_argument("--discovery", default=None,
-                   help="file:///dir or etcd://host:port (default: $RLFLEET_DISCOVERY, "
-                        "else a per-user directory)")
-    p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
-    p.add_argument("--lease-ttl", type=float, default=float(os.environ.get("RLFLEET_LEASE_TTL", 10)),
-                   help="seconds a crashed worker stays listed")
-    p.add_argument("--enable-rl", action="store_true",
-                   help="advertise the `rl` endpoint so GET /v1/rl/workers lists this worker")
-    p.add_argument("--system-host", default="127.0.0.1", help="system-server bind address")
-    p.add_argument("--system-port", type=int,
-                   default=int(os.environ["DYN_SYSTEM_PORT"]) if os.environ.get("DYN_SYSTEM_PORT")
-                   else None,
-                   help="system-server port (default: $DYN_SYSTEM_PORT; unset: no system server)")
-    p.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"),
-                   help="require `Authorization: Bearer <token>` on mutating admin routes")
-    p.add_argument("--allowed-weights-root", action="append", default=[],
-                   help="update_weights_from_disk reads only under these directories")
-    p.add_argument("--enable-fault-injection", action="store_true",
-                   help="accept POST /engine/fault_injection (tests only)")
-    p.add_argument("--start-gated", action="store_true",
-                   help="register closed to rollouts until a coordinator verifies this worker "
-                        "and calls set_admission (replacement workers in an RL fleet)")
-    p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    """Flags every worker shares, whatever its engine, in their own group. Flags the engine's
+    parser already defines (vLLM's --served-model-name and --log-level) are left to it."""
+    g = p.add_argument_group("rlfleet worker", "serving, discovery, admin (the engine's own "
+                             "arguments are listed in the other groups)")
+
+    def add(flag: str, **kw: Any) -> None:
+        if flag not in p._option_string_actions:
+            g.add_argument(flag, **kw)
+
+    add("--served-model-name", default=None,
+        help="name clients use in `model` (default: the --model string)")
+    add("--host", default="127.0.0.1",
+        help="bind address of the request plane and (unless --system-host) the system server; "
+             "0.0.0.0 for a fleet across hosts")
+    add("--port", type=int, default=0, help="request-plane port (0: any free port)")
+    add("--advertise-host", default=None,
+        help="address other hosts use to reach this worker (default: the bind address; when "
+             "bound to 0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that routes to the "
+             "discovery store)")
+    add("--discovery", default=None,
+        help="file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
+             "$ETCD_ENDPOINTS, else a per-user directory)")
+    add("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
+    add("--lease-ttl", type=float, default=float(os.environ.get("RLFLEET_LEASE_TTL", 10)),
+        help="seconds a crashed worker stays listed")
+    add("--enable-rl", action="store_true",
+        help="advertise the `rl` endpoint so GET /v1/rl/workers lists this worker")
+    add("--system-host", default=None, help="system-server bind address (default: --host)")
+    add("--system-port", type=int,
+        default=int(os.environ["DYN_SYSTEM_PORT"]) if os.environ.get("DYN_SYSTEM_PORT") else None,
+        help="system-server port (default: $DYN_SYSTEM_PORT; unset: no system server)")
+    add("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"),
+        help="require `Authorization: Bearer <token>` on mutating admin routes")
+    add("--allowed-weights-root", action="append", default=[],
+        help="update_weights_from_disk reads only under these directories")
+    add("--enable-fault-injection", action="store_true",
+        help="accept POST /engine/fault_injection (tests only)")
+    add("--start-gated", action="store_true",
+        help="register closed to rollouts until a coordinator verifies this worker "
+             "and calls set_admission (replacement workers in an RL fleet)")
+    add("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
 
 
 @dataclass
@@ -61,16 +74,11 @@ class Admission:
     reason: str | None = None
 
 
-def _advertised_host(bind_host: str) -> str:
-    if bind_host in ("0.0.0.0", "::"):
-        return socket.gethostname()
-    return bind_host
-
-
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT."""
-    logging.basicConfig(level=args.log_level.upper(),
+    level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
+    logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,11 +91,14 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     rp = AppServer(request_plane_app(engine, faults), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]
-    host = _advertised_host(args.host)
-    request_url = f"http://{host}:{rp.port}"
+    toward = discovery_peer(args.discovery)
+    host = advertised_host(args.host, args.advertise_host, toward)
+    warn_if_unreachable("this worker", host, args.discovery)
+    request_url = http_url(host, rp.port)
     system_url = None
     regs: list[Registration] = []
     admission = Admission(gated=args.start_gated)
+    serving = asyncio.Event()  # set once registered; /health says "ready" from then on
 
     async def set_admission(body: dict) -> dict:
         """Open or close this worker to rollout traffic: the flag lives in its own discovery
@@ -104,14 +115,21 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
 
     if args.system_port is not None:
         routes = (admin_routes() if admin_routes else []) + [Route("set_admission", set_admission)]
-        app = system_app(routes, admin_token=args.admin_token, faults=faults,
-                         health=lambda: {"instance_id": instance_id,
-                                         "model": engine.info.served_model_name,
-                                         "gated": admission.gated, **engine.weight_identity()})
-        ss = AppServer(app, bind_socket(args.system_host, args.system_port))
+        endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
+
+        def health() -> dict[str, Any]:
+            state = "ready" if serving.is_set() else "notready"
+            return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
+                    "model": engine.info.served_model_name, "gated": admission.gated,
+                    **engine.weight_identity()}
+
+        app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
+                         ready=serving.is_set)
+        system_host = args.system_host or args.host
+        ss = AppServer(app, bind_socket(system_host, args.system_port))
         await ss.start()
         servers.append(ss)
-        system_url = f"http://{_advertised_host(args.system_host)}:{ss.port}"
+        system_url = http_url(advertised_host(system_host, args.advertise_host, toward), ss.port)
 
     info = engine.info
     base: dict[str, Any] = {
@@ -132,6 +150,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         regs.append(await discovery.register(
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
             ttl=args.lease_ttl))
+    serving.set()
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
           f"system_url={system_url or ''} model={info.served_model_name}", flush=True)
@@ -141,6 +160,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         await stop.wait()
     finally:
         log.info("shutting down worker %s", instance_id)
+        serving.clear()
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)

@@ -1,23 +1,22 @@
-"""python -m rlfleet.vllm --model DIR [--served-model-name NAME] [--enable-rl] [--discovery URL]"""
+"""python -m rlfleet.vllm --model MODEL [vLLM engine arguments] [--config FILE.yaml]
+                       [--enable-rl] [--discovery URL] [--host H] [--advertise-host A] ...
+
+`--help` lists everything; the engine settings rlfleet decides are in rlfleet.vllm.args."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-
-from rlfleet.runtime.worker import add_worker_args, serve_worker
-from rlfleet.vllm.admin import VllmAdmin
-from rlfleet.vllm.engine import VllmEngine, add_engine_args
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rlfleet.vllm",
-                                description="An rlfleet worker around the vLLM engine")
-    add_engine_args(p)
-    add_worker_args(p)
-    args = p.parse_args(argv)
+    from rlfleet.runtime.admin import EngineAdmin
+    from rlfleet.runtime.worker import serve_worker
+    from rlfleet.vllm.args import parse_args
+    from rlfleet.vllm.engine import VllmEngine
+
+    args = parse_args(argv)
     engine = VllmEngine(args)
-    admin = VllmAdmin(engine, args.allowed_weights_root)
+    admin = EngineAdmin(engine, args.allowed_weights_root)
     asyncio.run(serve_worker(engine, args, admin.routes))
 
 

@@ -3,17 +3,33 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
-from rlfleet.protocol.engine import MAX_LOGPROBS, GenerateRequest, SamplingOptions
+from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.runtime import metrics
-from rlfleet.runtime.engine import BadRequest, Engine, EngineInfo
-from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
+from rlfleet.runtime.engine import (
+    BadRequest,
+    Engine,
+    EngineControl,
+    EngineInfo,
+    WeightIdentity,
+    WeightLoadError,
+)
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 
 log = logging.getLogger("rlfleet.vllm")
+
+LOAD_TIMEOUT = float(os.environ.get("RLFLEET_LOAD_TIMEOUT", 600))
+# staged tensors cross into the engine process as a safetensors file in memory (tmpfs)
+_STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 try:  # vLLM's validation errors are not all ValueErrors
     from vllm.exceptions import VLLMClientError
@@ -76,14 +92,16 @@ def _span(w) -> dict:
     return {"version": version or None, "digest": digest or None, "start": w.start, "end": w.end}
 
 
-class VllmEngine(Engine):
+class VllmEngine(Engine, EngineControl):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.llm = None
         self.tokenizer = None
         self._running = 0
+        from rlfleet.vllm.args import served_name
+
         path = Path(args.model)
-        name = args.served_model_name or path.name
+        name = served_name(args)
         self.version: str | None = None  # caller-declared weight version
         self.version_declared = False
         self.digest: str | None = None  # content digest of the weights applied
@@ -94,16 +112,10 @@ class VllmEngine(Engine):
                                else args.model, vocab_size=0, max_model_len=0)
 
     def engine_args(self):
-        from vllm.engine.arg_utils import AsyncEngineArgs
+        """vLLM's AsyncEngineArgs from the worker's command line (rlfleet.vllm.args)."""
+        from rlfleet.vllm.args import engine_args
 
-        a = self.args
-        return AsyncEngineArgs(
-            model=a.model, served_model_name=self.info.served_model_name, dtype=a.dtype,
-            max_model_len=a.max_model_len, enforce_eager=a.enforce_eager, seed=a.seed,
-            logprobs_mode=a.logprobs_mode, max_logprobs=MAX_LOGPROBS,
-            enable_prefix_caching=True, max_num_seqs=a.max_num_seqs,
-            disable_log_stats=True, worker_extension_cls=a.worker_extension_cls,
-        )
+        return engine_args(self.args)
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -124,14 +136,6 @@ class VllmEngine(Engine):
         await self.set_version(None, declared=False)
         if self.args.warmup:
             await self._warmup()
-
-    async def set_version(self, version: str | None, declared: bool,
-                          digest: str | None = None) -> None:
-        """Record the weight identity; the engine stamps the version on tokens it samples."""
-        self.version, self.version_declared = version, declared
-        if digest is not None:
-            self.digest = digest
-        await self.llm.update_weight_version(f"{version or ''}|{self.digest or ''}")
 
     def weight_identity(self) -> dict:
         return {"weight_version": self.version, "weight_digest": self.digest}
@@ -221,6 +225,118 @@ class VllmEngine(Engine):
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+
+    # ------------------------------------------------------------ control (EngineControl)
+
+    @property
+    def group_backend(self) -> str:
+        return "nccl" if self.on_gpu else "gloo"
+
+    async def _rpc(self, method: str, timeout: float, *args: Any) -> Any:
+        """Call a WorkerExtension method inside the engine process (one worker: rank 0)."""
+        out = await asyncio.wait_for(
+            self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+        return out[0]
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(self.llm.check_health(), 10)
+
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.llm.is_paused()
+
+    async def reset_cache(self, running: bool = False) -> bool:
+        return await self.llm.reset_prefix_cache(reset_running_requests=running)
+
+    def identity(self) -> WeightIdentity:
+        return WeightIdentity(self.version, self.version_declared, self.digest)
+
+    async def set_version(self, version: str | None, declared: bool = True,
+                          digest: str | None = None) -> None:
+        """Record the weight identity; the engine stamps it on the tokens it samples."""
+        self.version, self.version_declared = version, declared
+        if digest is not None:
+            self.digest = digest
+        await self.llm.update_weight_version(f"{version or ''}|{self.digest or ''}")
+
+    def checkpoint_mismatch(self, path: Path) -> str | None:
+        return signature_mismatch(self.signature, checkpoint_signature(path))
+
+    async def _load(self, method: str, *args: Any) -> str:
+        """Load through the worker extension; after a failure, the previous weights back."""
+        try:
+            return await self._rpc(method, LOAD_TIMEOUT, *args)
+        except Exception as e:
+            raise WeightLoadError(f"{e!r}; {await self._restore()}") from e
+
+    async def _restore(self) -> str:
+        """Put the previous weights back after a failed load; says how that went."""
+        if self.weights_path is None:
+            return ("the previous weights came from memory (a trainer or staged tensors) and "
+                    "cannot be re-read: replace this worker")
+        try:
+            digest = await self._rpc("rlfleet_load_from_disk", LOAD_TIMEOUT, self.weights_path)
+        except Exception as e:
+            log.error("restoring %s failed: %r", self.weights_path, e)
+            return "restoring the previous weights also failed: replace this worker"
+        if digest != self.digest:
+            return "the restored weights do not match the previous digest: replace this worker"
+        await self.llm.reset_prefix_cache(reset_running_requests=True)
+        return "the previous weights were restored"
+
+    async def load_path(self, path: Path) -> str:
+        digest = await self._load("rlfleet_load_from_disk", str(path))
+        self.weights_path = str(path)
+        return digest
+
+    async def apply_tensors(self, tensors: Mapping[str, Any]) -> str:
+        from safetensors.torch import save_file
+
+        sig = {n: (str(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
+        why = signature_mismatch(self.signature, sig)
+        if why:
+            raise ValueError(f"the staged tensors do not fit the served model: {why}")
+        staging = Path(tempfile.mkdtemp(prefix="rlfleet-apply-", dir=_STAGING_DIR))
+        try:
+            seen: set[int] = set()
+            flat = {}
+            for name, t in tensors.items():  # a tied output layer may share storage
+                t = t.detach().contiguous()
+                ptr = t.untyped_storage().data_ptr()
+                flat[name] = t.clone() if ptr in seen else t
+                seen.add(ptr)
+            await asyncio.to_thread(save_file, flat, str(staging / "model.safetensors"))
+            digest = await self._load("rlfleet_load_from_disk", str(staging))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        self.weights_path = None
+        return digest
+
+    def announced_mismatch(self, d: DistributedRequest) -> str | None:
+        sig = {n: ("", tuple(s)) for n, s in zip(d.names, d.shapes, strict=True)}
+        why = signature_mismatch(self.signature, sig)
+        return f"the announced tensors do not fit the served model: {why}" if why else None
+
+    async def join_group(self, g: GroupRequest) -> None:
+        await self._rpc("rlfleet_init_group", g.timeout + 5, g.master_address, g.master_port,
+                        g.rank_offset, g.world_size, g.backend, g.timeout)
+
+    async def receive(self, d: DistributedRequest, timeout: float) -> int:
+        return await self._rpc("rlfleet_receive", timeout * len(d.names) + 5, d.names, d.dtypes,
+                               d.shapes, timeout)
+
+    async def apply_received(self) -> str:
+        digest = await self._load("rlfleet_apply_staged")
+        self.weights_path = None
+        return digest
+
+    async def leave_group(self) -> None:
+        await self._rpc("rlfleet_destroy_group", 30)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,319 @@
+"""How the policy-refresh coordinator drives each flavour of worker: one `WorkerControl` per
+flavour (vLLM from disk, vLLM from the trainer's process group, SGLang from disk). The
+lifecycle in `rlfleet.rl.refresh` calls these steps and never asks which flavour it has.
+
+Every call goes to the worker's system server (`POST {system_url}/engine/<route>`) with a
+deadline, and is recorded on the worker for the journal."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from rlfleet.protocol.rl import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from rlfleet.rl.refresh import Policy
+
+log = logging.getLogger("rlfleet.refresh")
+
+
+class RefreshHeld(Exception):
+    """The refresh stops here; the fleet stays gated."""
+
+
+@dataclass
+class SglangWorker:
+    """An SGLang worker, whose URLs come from the deployment (SGLang workers are not in
+    /v1/rl/workers)."""
+
+    system_url: str
+    request_url: str
+    name: str = ""
+
+
+@dataclass
+class FleetWorker:
+    instance_id: int
+    system_url: str
+    request_url: str | None
+    model: str | None = None
+    routes: frozenset[str] = frozenset()
+    status: str = "selected"  # selected | excluded | missing | verified
+    reason: str | None = None
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    holds: dict[str, Any] | None = None  # the last identity it reported {version, digest}
+
+    def record(self, step: str, route: str, http_status: int | None, body: Any) -> None:
+        self.calls.append({"step": step, "route": route, "http_status": http_status,
+                           "body": body, "at": time.time()})
+
+    def exclude(self, why: str, status: str = "excluded") -> None:
+        if self.status in ("selected", "verified"):
+            self.status, self.reason = status, why
+            log.warning("worker %s %s: %s", self.instance_id, status, why)
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("selected", "verified")
+
+    def summary(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "system_url": self.system_url,
+                "model": self.model, "status": self.status, "reason": self.reason,
+                "holds": self.holds, "calls": self.calls}
+
+
+@dataclass
+class Channel:
+    """The coordinator's HTTP client for control calls, with its token and deadline."""
+
+    http: httpx.AsyncClient
+    timeout: float
+    admin_token: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    async def call(self, w: FleetWorker, step: str, route: str,
+                   body: dict[str, Any] | None = None, timeout: float | None = None
+                   ) -> tuple[bool, dict[str, Any]]:
+        """POST {system_url}/engine/<route>; ok means HTTP 200 and a body that says so."""
+        try:
+            r = await self.http.post(f"{w.system_url}/engine/{route}", json=body or {},
+                                     headers=self.headers, timeout=timeout or self.timeout)
+            status = r.status_code
+            try:
+                data = r.json()
+            except ValueError:
+                data = {"raw": r.text[:500]}
+        except httpx.HTTPError as e:
+            w.record(step, route, None, {"error": repr(e)})
+            return False, {"unreachable": True, "message": repr(e)}
+        w.record(step, route, status, data)
+        good = status == 200 and isinstance(data, dict) and (
+            data.get("status") == "ok" or data.get("success") is True)
+        return good, data if isinstance(data, dict) else {"body": data}
+
+
+def _message(data: dict[str, Any]) -> Any:
+    return data.get("message", data)
+
+
+class WorkerControl(abc.ABC):
+    """The lifecycle steps for one flavour of worker. Per-worker steps exclude the worker
+    (with the reason) when they fail; `transfer` returns the workers whose transfer failed,
+    for the coordinator's failure policy."""
+
+    #: the name recorded in the journal
+    path: str
+    #: whether workers can join or leave between resolve and transfer (discovery)
+    dynamic_membership: bool = False
+
+    @abc.abstractmethod
+    async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
+        """The current workers, by instance ID; unusable ones already excluded."""
+
+    async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
+        """Stop routing rollouts to the worker (its own admission flag in discovery)."""
+        if "set_admission" in w.routes:
+            await ch.call(w, "gate", "set_admission", {"open": False, "reason": reason})
+
+    async def open(self, ch: Channel, w: FleetWorker) -> None:
+        if "set_admission" in w.routes:
+            ok, body = await ch.call(w, "reopen", "set_admission", {"open": True})
+            if not ok:
+                w.exclude(f"reopen failed: {_message(body)}")
+
+    @abc.abstractmethod
+    async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None: ...
+
+    @abc.abstractmethod
+    async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
+                       ) -> list[FleetWorker]:
+        """Move `target` onto the workers and apply it; returns those whose transfer failed
+        (a worker that is gone is excluded as missing instead)."""
+
+    async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:  # noqa: B027
+        """Drop KV computed under the old weights (when the transfer did not)."""
+
+    async def verify(self, ch: Channel, w: FleetWorker, target: Policy) -> str | None:
+        """Check the worker serves `target`; a mismatch is returned (it keeps a synchronous
+        fleet closed), other failures exclude the worker."""
+        return None
+
+    @abc.abstractmethod
+    async def resume(self, ch: Channel, w: FleetWorker) -> None: ...
+
+    async def _transfer_each(self, ch: Channel, ws: list[FleetWorker], route: str,
+                             body: dict[str, Any]) -> list[FleetWorker]:
+        """One update call per worker, all at once."""
+        failed: list[FleetWorker] = []
+
+        async def one(w: FleetWorker) -> None:
+            ok, data = await ch.call(w, "apply", route, body)
+            if ok:
+                if data.get("weight_digest"):
+                    w.holds = {"version": data.get("version"), "digest": data["weight_digest"]}
+            elif data.get("unreachable"):
+                w.exclude(f"unreachable at transfer: {data.get('message')}", "missing")
+            else:
+                w.reason = f"transfer failed: {_message(data)}"
+                failed.append(w)
+        await asyncio.gather(*(one(w) for w in ws))
+        return failed
+
+
+_LIFECYCLE = frozenset({"pause_generation", "resume_generation", "get_weight_version",
+                        "liveness_probe", "flush_cache"})
+
+
+class VllmControl(WorkerControl):
+    """vLLM-flavoured workers listed by the frontend's RL listener (`GET /v1/rl/workers`);
+    weights from a directory they can read (`update_weights_from_disk`) or broadcast by the
+    coordinator over a process group (`update_weights_from_distributed`)."""
+
+    dynamic_membership = True
+
+    def __init__(self, rl_url: str, model: str | None = None, *,
+                 distributed: bool = False) -> None:
+        self.rl_url = rl_url.rstrip("/")
+        self.model = model
+        self.distributed = distributed
+        self.path = "vllm-distributed" if distributed else "vllm-disk"
+        self.required_routes = _LIFECYCLE | (
+            {"init_weights_update_group", "update_weights_from_distributed",
+             "destroy_weights_update_group"} if distributed else {"update_weights_from_disk"})
+
+    async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
+        r = await ch.http.get(f"{self.rl_url}/v1/rl/workers", timeout=ch.timeout)
+        if r.status_code != 200:
+            raise RefreshHeld(f"discovery failed: HTTP {r.status_code} {r.text[:300]}")
+        body = r.json()
+        if body.get("protocol_version") != PROTOCOL_VERSION:
+            raise RefreshHeld(f"unsupported discovery protocol_version "
+                              f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
+        out = {}
+        for e in body.get("workers", []):
+            if self.model is not None and e.get("model") != self.model:
+                continue
+            w = FleetWorker(int(e["instance_id"]), e.get("system_url", ""),
+                            (e.get("transport") or {}).get("http"), e.get("model"),
+                            frozenset(e.get("routes", [])))
+            need = self.required_routes - w.routes
+            if e.get("error"):
+                w.exclude(f"discovery probe failed: {e['error']}")
+            elif not w.system_url:
+                w.exclude("no system_url")
+            elif need:
+                w.exclude(f"missing routes for {self.path}: {sorted(need)}")
+            out[w.instance_id] = w
+        return out
+
+    async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None:
+        ok, data = await ch.call(w, "pause", "pause_generation",
+                                 {"mode": mode, "clear_cache": False})
+        if not ok:
+            w.exclude(f"pause failed: {_message(data)}",
+                      "missing" if data.get("unreachable") else "excluded")
+
+    async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
+                       ) -> list[FleetWorker]:
+        if not self.distributed:
+            return await self._transfer_each(ch, ws, "update_weights_from_disk", {
+                "model_path": target.path, "weight_version": target.version})
+        from rlfleet.weights.broadcast import TransferError, push_weights
+
+        tensors = await asyncio.to_thread(target.tensors)
+        try:
+            results = await push_weights([w.system_url for w in ws], tensors, target.version,
+                                         timeout=ch.timeout, admin_token=ch.admin_token)
+        except TransferError as e:
+            for w, r in zip(ws, e.results or [{}] * len(ws), strict=False):
+                w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
+                w.reason = f"transfer failed: {e}"
+            return list(ws)
+        failed = []
+        for w, r in zip(ws, results, strict=True):
+            w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
+            if r.get("status") != "ok":
+                w.reason = f"transfer failed: {r.get('message')}"
+                failed.append(w)
+            else:
+                w.holds = {"version": r.get("version"), "digest": r.get("weight_digest")}
+        return failed
+
+    async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:
+        ok, data = await ch.call(w, "reset_cache", "flush_cache")
+        if not ok:
+            w.exclude(f"cache reset failed: {_message(data)}")
+
+    async def verify(self, ch: Channel, w: FleetWorker, target: Policy) -> str | None:
+        (ok, v), (alive, live) = await asyncio.gather(
+            ch.call(w, "verify", "get_weight_version"),
+            ch.call(w, "verify", "liveness_probe"))
+        if not ok:
+            w.exclude(f"version check failed: {_message(v)}")
+            return None
+        w.holds = {"version": v.get("version"), "digest": v.get("weight_digest")}
+        if v.get("version") != target.version or v.get("weight_digest") != target.digest:
+            w.exclude("version or digest differs from the target")
+            return f"{w.instance_id} reports {v.get('version')!r} / {v.get('weight_digest')}"
+        if not alive:
+            w.exclude(f"liveness probe failed: {_message(live)}")
+        return None
+
+    async def resume(self, ch: Channel, w: FleetWorker) -> None:
+        ok, data = await ch.call(w, "resume", "resume_generation")
+        if not ok:
+            w.exclude(f"resume failed: {_message(data)}")
+
+
+class SglangControl(WorkerControl):
+    """SGLang-flavoured workers named by the deployment: native pause/continue methods and
+    `control/update_weights_from_disk` (which flushes the cache itself). SGLang has no
+    version route: the post-update probe checks the digest the worker stamps."""
+
+    path = "sglang-disk"
+
+    def __init__(self, workers: Sequence[SglangWorker]) -> None:
+        if not workers:
+            raise ValueError("the SGLang path needs sglang_workers (system and request URLs)")
+        self.workers = list(workers)
+
+    async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
+        return {i: FleetWorker(i, w.system_url.rstrip("/"), w.request_url.rstrip("/"),
+                               model=w.name or None)
+                for i, w in enumerate(self.workers)}
+
+    async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
+        # the routes of an SGLang worker are not listed anywhere: try, a failure is no harm
+        await ch.call(w, "gate", "set_admission", {"open": False, "reason": reason})
+
+    async def open(self, ch: Channel, w: FleetWorker) -> None:
+        await ch.call(w, "reopen", "set_admission", {"open": True})
+
+    async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None:
+        ok, data = await ch.call(w, "pause", "pause_generation", {})
+        if not ok:
+            w.exclude(f"pause failed: {_message(data)}",
+                      "missing" if data.get("unreachable") else "excluded")
+
+    async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
+                       ) -> list[FleetWorker]:
+        return await self._transfer_each(ch, ws, "control/update_weights_from_disk", {
+            "model_path": target.path, "weight_version": target.version,
+            "flush_cache": True, "keep_pause": True})
+
+    async def resume(self, ch: Channel, w: FleetWorker) -> None:
+        ok, data = await ch.call(w, "resume", "continue_generation",
+                                 {"torch_empty_cache": False})
+        if not ok:
+            w.exclude(f"resume failed: {_message(data)}")

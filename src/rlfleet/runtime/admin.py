@@ -1,0 +1,178 @@
+"""The vLLM-flavoured /engine routes of a worker, written once over the engine-control
+interface (`rlfleet.runtime.engine.EngineControl`) that the vLLM engine and the mocker both
+implement: pause/resume, cache, weight updates from disk or from a trainer's process group,
+versions and digests. Shapes: shared/spec/CONTRACT.md; bodies: rlfleet.protocol.admin."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from rlfleet.protocol import admin
+from rlfleet.runtime.engine import EngineControl, WeightLoadError
+from rlfleet.runtime.system_server import Route, failed, ok
+
+log = logging.getLogger("rlfleet.admin")
+
+GROUP_TIMEOUT = float(os.environ.get("RLFLEET_GROUP_TIMEOUT", 60))
+NOT_PAUSED = "generation is not paused: call pause_generation first"
+
+
+class EngineAdmin:
+    """Route handlers over one engine. The weight identity (version, declared, digest) is
+    the engine's; the admin owns only whether a trainer's weight-update group is open."""
+
+    def __init__(self, engine: EngineControl, allowed_roots: list[str] | None = None) -> None:
+        self.engine = engine
+        self.roots = [Path(r).resolve() for r in allowed_roots or []]
+        self.group: admin.GroupRequest | None = None  # the trainer's group, once joined
+
+    def routes(self) -> list[Route]:
+        # Routes that install staged weights (issue 11: stage_weights, apply_staged_weights,
+        # ...) go here; they install through `install_tensors`.
+        return [
+            Route("liveness_probe", self.liveness_probe, mutating=False, serialized=False),
+            Route("pause_generation", self.pause_generation),
+            Route("resume_generation", self.resume_generation),
+            Route("flush_cache", self.flush_cache),
+            Route("abort_request", self.abort_request, serialized=False),
+            Route("update_weights_from_disk", self.update_weights_from_disk),
+            Route("get_weight_version", self.get_weight_version, mutating=False, serialized=False),
+            Route("set_weight_version", self.set_weight_version),
+            Route("init_weights_update_group", self.init_weights_update_group),
+            Route("update_weights_from_distributed", self.update_weights_from_distributed),
+            Route("destroy_weights_update_group", self.destroy_weights_update_group),
+        ]
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def liveness_probe(self, body: dict) -> dict:
+        try:
+            await self.engine.check_health()
+        except Exception as e:
+            return failed(f"engine is not healthy: {e!r}", alive=False)
+        return ok(alive=True)
+
+    async def pause_generation(self, body: dict) -> dict:
+        p = admin.pause_request(body)
+        await self.engine.pause(p.mode, clear_cache=p.clear_cache)
+        return ok(message="Engine paused", mode=p.mode, clear_cache=p.clear_cache)
+
+    async def resume_generation(self, body: dict) -> dict:
+        await self.engine.resume()
+        return ok(message="Engine resumed")
+
+    async def flush_cache(self, body: dict) -> dict:
+        if not await self.engine.reset_cache():
+            return failed("the prefix cache was not reset because requests are running; "
+                          "pause generation first")
+        return ok(message="Cache flushed")
+
+    async def abort_request(self, body: dict) -> dict:
+        rid = admin.request_id(body)
+        await self.engine.abort(rid)
+        return ok(request_id=rid)
+
+    # ---------------------------------------------------------------- versions
+
+    async def get_weight_version(self, body: dict) -> dict:
+        ident = self.engine.identity()
+        return ok(version=ident.version, version_declared=ident.declared,
+                  weight_digest=ident.digest)
+
+    async def set_weight_version(self, body: dict) -> dict:
+        v = admin.declared_version(body)
+        await self.engine.set_version(v, declared=True)
+        return ok(version=v)
+
+    # ---------------------------------------------------------------- installing weights
+
+    async def _install(self, load: Callable[[], Awaitable[str]], version: str | None, *,
+                       what: str, reset_cache: bool = True) -> dict:
+        """Run `load` (new weights live when it returns their digest), record the identity,
+        drop KV computed under the old weights; the route's reply."""
+        try:
+            digest = await load()
+        except WeightLoadError as e:
+            return failed(f"{what} failed: {e}")
+        await self.engine.set_version(version, declared=version is not None, digest=digest)
+        if reset_cache and not await self.engine.reset_cache(running=True):
+            return failed("weights were applied but the prefix cache could not be reset; "
+                          "do not admit this worker", weight_digest=digest)
+        return ok(version=version if version is not None else "unknown",
+                  version_declared=version is not None, weight_digest=digest)
+
+    async def install_tensors(self, tensors: Mapping[str, Any], version: str | None) -> dict:
+        """Install tensors staged in host memory (only while paused); the reply has the shape
+        of update_weights_from_disk's. For routes that apply staged weights."""
+        if not await self.engine.is_paused():
+            return failed(NOT_PAUSED)
+
+        async def load() -> str:
+            try:
+                return await self.engine.apply_tensors(tensors)
+            except ValueError as e:  # they do not fit: nothing was changed
+                raise WeightLoadError(f"{e}; the previous weights are still serving") from e
+        return await self._install(load, version, what="applying staged weights")
+
+    # ---------------------------------------------------------------- from disk
+
+    def checkpoint_path(self, raw: Any) -> Path:
+        """`model_path` checked: allowed, a directory, and a fit for the served model."""
+        path = admin.weights_path(raw, self.roots)
+        try:
+            why = self.engine.checkpoint_mismatch(path)
+        except ValueError as e:
+            raise admin.AdminRequestError(str(e)) from e
+        if why:
+            raise admin.AdminRequestError(
+                f"checkpoint {raw} does not fit the served model's architecture: {why}")
+        return path
+
+    async def update_weights_from_disk(self, body: dict) -> dict:
+        version = admin.weight_version(body)
+        if not await self.engine.is_paused():
+            return failed(NOT_PAUSED)
+        path = self.checkpoint_path(body.get("model_path"))
+        return await self._install(lambda: self.engine.load_path(path), version,
+                                   what=f"loading {path}")
+
+    # ---------------------------------------------------------------- from a trainer
+
+    async def init_weights_update_group(self, body: dict) -> dict:
+        g = admin.group_request(body, self.engine.group_backend, GROUP_TIMEOUT)
+        try:
+            await self.engine.join_group(g)
+        except Exception as e:
+            return failed(f"weight update group initialisation failed (within {g.timeout}s): "
+                          f"{e!r}")
+        self.group = g
+        return ok(message="Weight update group initialized")
+
+    async def update_weights_from_distributed(self, body: dict) -> dict:
+        d = admin.distributed_request(body)
+        why = self.engine.announced_mismatch(d)
+        if why:
+            return failed(why)
+        if self.group is None:
+            return failed("no weight update group: call init_weights_update_group first")
+        if not d.allow_unpaused and not await self.engine.is_paused():
+            return failed(f"{NOT_PAUSED} (or allow_unpaused with reset_prefix_cache: false)")
+        try:
+            received = await self.engine.receive(d, self.group.timeout)
+        except Exception as e:
+            return failed(f"weight transfer failed: {e!r}; the previous weights are still serving")
+        log.info("received %d tensors (%d bytes) from the trainer", len(d.names), received)
+        return await self._install(self.engine.apply_received, d.version,
+                                   what="applying received weights",
+                                   reset_cache=d.reset_prefix_cache)
+
+    async def destroy_weights_update_group(self, body: dict) -> dict:
+        try:
+            await self.engine.leave_group()
+        finally:
+            self.group = None
+        return ok(message="Weight update group destroyed")

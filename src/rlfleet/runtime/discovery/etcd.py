@@ -1,0 +1,282 @@
+"""The etcd store (etcd v3 through ``aetcd``): multi-host. ``etcd://host:port[,host:port...]``,
+keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``, one lease per
+registration. Every call has a deadline; with several endpoints a failed one hands over to
+the next. A value that is not a valid entry is skipped and reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aetcd
+import aetcd.exceptions
+
+from rlfleet.runtime.discovery.base import (
+    ChangeSource,
+    Discovery,
+    DiscoveryError,
+    Entry,
+    Listing,
+    Registration,
+    Skipped,
+    _filter_prefix,
+    _matches,
+    _sorted_entries,
+    entry_key,
+    log,
+)
+
+ETCD_PREFIX = "/rlfleet/discovery/"
+ETCD_DEFAULT_PORT = 2379
+DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
+WATCH_RESYNC = 5.0  # seconds, re-list even when the etcd watch is quiet
+
+T = TypeVar("T")
+
+
+class _LeaseNotFound(DiscoveryError):
+    """etcd says the lease does not exist (expired or revoked)."""
+
+
+def _grpc_detail(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _EtcdRegistration(Registration):
+    _owner: EtcdDiscovery
+
+    def __init__(self, owner: EtcdDiscovery, key: str, entry: Entry, ttl: float) -> None:
+        super().__init__(owner, key, entry, ttl)
+        self._lease_id = 0
+        self._etcd_key = owner._etcd_key(key)
+
+    def _value(self) -> bytes:
+        return json.dumps(self.entry).encode()
+
+    async def _establish(self) -> None:
+        d = self._owner
+        ttl = max(1, math.ceil(self.ttl))
+        lease = await d._call(f"grant lease for {self.key}", lambda c: c.lease(ttl))
+        self._lease_id = lease.id
+        value = self._value()
+        await d._call(f"put {self.key}",
+                      lambda c: c.put(self._etcd_key, value, lease=lease.id))
+
+    async def _refresh(self) -> bool:
+        lease_id = self._lease_id
+        reply = await self._owner._call(f"keep-alive {self.key}",
+                                        lambda c: c.refresh_lease(lease_id))
+        return reply is not None and reply.TTL > 0
+
+    async def _put(self) -> None:
+        value, lease_id = self._value(), self._lease_id
+        try:
+            await self._owner._call(f"put {self.key}",
+                                    lambda c: c.put(self._etcd_key, value, lease=lease_id))
+        except _LeaseNotFound:
+            await self._establish()
+
+    async def _remove(self) -> None:
+        d = self._owner
+        await d._call(f"delete {self.key}", lambda c: c.delete(self._etcd_key))
+        lease_id, self._lease_id = self._lease_id, 0
+        if lease_id:
+            try:
+                await d._call(f"revoke lease of {self.key}", lambda c: c.revoke_lease(lease_id))
+            except DiscoveryError as exc:  # the key is gone already; the lease will expire
+                log.debug("discovery: %s", exc)
+
+
+class _EtcdChanges(ChangeSource):
+    """Wakes the watch loop on etcd watch events; polls while no watch can be held."""
+
+    def __init__(self, owner: EtcdDiscovery, prefix: bytes) -> None:
+        self._owner = owner
+        self._prefix = prefix
+        self._event = asyncio.Event()
+        self._watch: Any = None
+        self._pump: asyncio.Task[None] | None = None
+        self._warned = False
+
+    def _alive(self) -> bool:
+        return self._pump is not None and not self._pump.done()
+
+    async def start(self) -> None:
+        """(Re)create the etcd watch; on failure stay in polling mode."""
+        await self._drop()
+        self._event.clear()
+        try:
+            watch = await self._owner._call(f"watch {self._prefix.decode()}",
+                                            lambda c: c.watch_prefix(self._prefix))
+        except DiscoveryError as exc:
+            if not self._warned:
+                log.warning("discovery: cannot watch etcd, polling instead: %s", exc)
+                self._warned = True
+            return
+        if self._warned:
+            log.info("discovery: etcd watch on %s re-established", self._owner.url)
+            self._warned = False
+        self._watch = watch
+        self._pump = asyncio.get_running_loop().create_task(self._run(watch))
+
+    async def _run(self, watch: Any) -> None:
+        try:
+            async for _ in watch:
+                self._event.set()
+        except Exception as exc:  # noqa: BLE001 - any stream failure means: re-watch
+            if not self._owner._closed:
+                log.warning("discovery: etcd watch broke, falling back to polling: %s",
+                            _grpc_detail(exc))
+                self._warned = True
+        finally:
+            self._event.set()
+
+    async def wait(self, interval: float, failing: bool) -> None:
+        if self._alive() and not failing:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), max(interval, WATCH_RESYNC))
+            self._event.clear()
+            if self._alive():
+                return
+        else:
+            await asyncio.sleep(interval)
+        if not self._owner._closed:
+            await self.start()  # the next list() then covers anything the watch missed
+
+    async def _drop(self) -> None:
+        pump, watch = self._pump, self._watch
+        self._pump = self._watch = None
+        if pump is not None:
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        if watch is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.cancel(), 1.0)
+
+    async def aclose(self) -> None:
+        await self._drop()
+
+
+class EtcdDiscovery(Discovery):
+    """Multi-host backend on etcd v3; keys are ``/rlfleet/discovery/<key>``."""
+
+    def __init__(self, url: str, endpoints: list[tuple[str, int]],
+                 deadline: float = DEFAULT_DEADLINE, prefix: str = ETCD_PREFIX) -> None:
+        if not endpoints:
+            raise ValueError("etcd discovery needs at least one host:port")
+        super().__init__(url)
+        self.endpoints = endpoints
+        self.deadline = deadline
+        self.prefix = prefix
+        self._current = 0
+        self._client: aetcd.Client | None = None
+        self._retired: set[asyncio.Task[None]] = set()
+
+    @property
+    def endpoint(self) -> str:
+        host, port = self.endpoints[self._current]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _etcd_key(self, key: str) -> bytes:
+        return (self.prefix + key).encode()
+
+    def _get_client(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self.endpoints[self._current]
+            self._client = aetcd.Client(
+                host=host, port=port, timeout=self.deadline,
+                # reconnect quickly after an etcd restart (gRPC backs off up to 120 s)
+                options={"grpc.initial_reconnect_backoff_ms": 200,
+                         "grpc.max_reconnect_backoff_ms": 1000},
+            )
+        return self._client
+
+    def _failover(self, client: aetcd.Client) -> None:
+        """After a connection failure, move on to the next endpoint (if there are several)."""
+        if len(self.endpoints) < 2 or self._client is not client:
+            return
+        self._current = (self._current + 1) % len(self.endpoints)
+        self._client = None
+        task = asyncio.get_running_loop().create_task(self._close_client(client))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)
+        log.info("discovery: switching to etcd endpoint %s", self.endpoint)
+
+    @staticmethod
+    async def _close_client(client: aetcd.Client) -> None:
+        try:
+            await asyncio.wait_for(client.close(), 2.0)
+        except Exception as exc:  # noqa: BLE001 - closing is best effort
+            log.warning("discovery: closing etcd client failed: %r", exc)
+
+    async def _call(self, what: str, fn: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+        """Run one etcd operation under the deadline; failures become DiscoveryError.
+
+        With several endpoints, a connection failure or timeout moves on to the next one
+        (each endpoint is tried at most once per call).
+        """
+        self._check_open()
+        failures: list[str] = []
+        for _ in self.endpoints:
+            endpoint = self.endpoint
+            client = self._get_client()
+            try:
+                return await asyncio.wait_for(fn(client), self.deadline)
+            except TimeoutError:
+                failures.append(f"{endpoint}: timed out after {self.deadline:g}s")
+            except (aetcd.exceptions.ConnectionFailedError,
+                    aetcd.exceptions.ConnectionTimeoutError) as exc:
+                failures.append(f"{endpoint} unreachable: {_grpc_detail(exc)}")
+            except aetcd.exceptions.ClientError as exc:
+                cls = _LeaseNotFound if "lease not found" in str(exc) else DiscoveryError
+                raise cls(f"etcd {endpoint}: {what} failed: {_grpc_detail(exc)}") from exc
+            self._failover(client)
+        raise DiscoveryError(f"etcd {what} failed: " + "; ".join(failures))
+
+    def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
+        return _EtcdRegistration(self, key, entry, ttl)
+
+    def _changes(self, namespace: str | None) -> ChangeSource:
+        return _EtcdChanges(self, self._etcd_key(_filter_prefix(namespace, None, None)))
+
+    async def _list(self, namespace: str | None, component: str | None,
+                    endpoint: str | None) -> Listing:
+        prefix = self._etcd_key(_filter_prefix(namespace, component, endpoint))
+        result = await self._call(f"list {prefix.decode()}", lambda c: c.get_prefix(prefix))
+        items, skipped = [], []
+        for kv in result.kvs:
+            name = kv.key.decode("utf-8", errors="replace")
+            try:
+                entry = json.loads(kv.value.decode("utf-8"))
+                key = entry_key(entry)
+            except UnicodeDecodeError as exc:
+                skipped.append(Skipped(name, f"not UTF-8 text: {exc}", self._key_of(name)))
+                continue
+            except (ValueError, TypeError) as exc:
+                skipped.append(Skipped(name, str(exc), self._key_of(name)))
+                continue
+            if _matches(entry, namespace, component, endpoint):
+                items.append((key, entry))
+        return Listing(_sorted_entries(items),
+                       [s for s in skipped if s.matches(namespace, component, endpoint)])
+
+    def _key_of(self, etcd_key: str) -> str | None:
+        key = etcd_key.removeprefix(self.prefix)
+        return key if key != etcd_key and key.count("/") == 3 else None
+
+    async def _close_backend(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await self._close_client(client)
+        if self._retired:
+            await asyncio.gather(*self._retired, return_exceptions=True)
+        # gRPC completes the calls it just cancelled from its poller thread; let those land on
+        # this loop now, not on a closed one ("Event loop is closed" noise in per-test loops).
+        await asyncio.sleep(0.02)

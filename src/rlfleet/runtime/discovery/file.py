@@ -1,0 +1,273 @@
+"""The file store: one JSON file per entry in a directory (one host, or a filesystem that all
+hosts share). ``file:///path/to/dir``.
+
+Every file operation runs in a worker thread, never on the event loop: a slow disk, a FIFO
+or a huge file named ``*.json`` cannot stall a server. Files that cannot be read are skipped
+and reported (:class:`~rlfleet.runtime.discovery.base.Skipped`). A directory that vanishes
+or is replaced does not end its entries: each keeps its lease until it expires or its owner
+rewrites it (owners recreate the directory at their next keep-alive), so a few seconds
+without the directory never empty a frontend's pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import stat
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from rlfleet.runtime.discovery.base import (
+    ChangeSource,
+    Discovery,
+    DiscoveryError,
+    Entry,
+    Listing,
+    Registration,
+    Skipped,
+    _matches,
+    _sorted_entries,
+    entry_key,
+    log,
+)
+
+# file name -> (inode, mtime_ns, size), the parsed record or None, the reason it is unusable
+_Cached = tuple[tuple[int, int, int], dict[str, Any] | None, str | None]
+
+
+def default_file_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/rlfleet/discovery`` if usable, else ``/tmp/rlfleet-<uid>/discovery``."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
+        return Path(xdg) / "rlfleet" / "discovery"
+    return Path("/tmp") / f"rlfleet-{os.getuid()}" / "discovery"
+
+
+class _FileRegistration(Registration):
+    _owner: FileDiscovery
+
+    async def _establish(self) -> None:
+        await self._owner._io(self._owner._write, self.key, self.entry, self.ttl)
+
+    async def _refresh(self) -> bool:
+        await self._establish()
+        return True
+
+    async def _put(self) -> None:
+        await self._establish()
+
+    async def _remove(self) -> None:
+        await self._owner._io(self._owner._delete, self.key)
+
+
+class FileDiscovery(Discovery):
+    """``<dir>/<quoted key>.json`` = ``{"entry", "expires_at", "ttl"}``."""
+
+    GC_TTLS = 3.0  # delete files expired for longer than this many ttls
+    TMP_MAX_AGE = 60.0  # delete leftover temp files older than this (crashed writers)
+    MAX_RECORD_BYTES = 1 << 20  # an entry is a few hundred bytes; anything this big is not one
+    DEADLINE = 10.0  # seconds for one scan or write (a hung filesystem becomes a DiscoveryError)
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory).absolute()
+        super().__init__(self.directory.as_uri())
+        self._cache: dict[str, _Cached] = {}
+        self._lock = threading.Lock()  # one scan or write at a time; they run in threads
+        self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) when last seen
+        self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
+        self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
+
+    def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
+        return _FileRegistration(self, key, entry, ttl)
+
+    def _changes(self, namespace: str | None) -> ChangeSource:
+        return ChangeSource()
+
+    async def _io(self, fn, *args):
+        """Run a file operation in a thread under the lock and a deadline."""
+        def locked():
+            if not self._lock.acquire(timeout=self.DEADLINE):
+                raise DiscoveryError(f"file discovery {self.directory}: busy for "
+                                     f"{self.DEADLINE:g}s (is the filesystem hung?)")
+            try:
+                return fn(*args)
+            finally:
+                self._lock.release()
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(locked), self.DEADLINE + 1)
+        except TimeoutError:
+            raise DiscoveryError(f"file discovery {self.directory}: no answer from the "
+                                 f"filesystem in {self.DEADLINE:g}s") from None
+
+    def _path(self, key: str) -> Path:
+        name = urllib.parse.quote(key, safe="")
+        if len(name) > 200:  # '#' never occurs in a quoted name
+            name = "#" + hashlib.sha256(key.encode()).hexdigest()
+        return self.directory / f"{name}.json"
+
+    @staticmethod
+    def _key_of_name(name: str) -> str | None:
+        """The entry key a file name stands for (None for hashed names and strangers)."""
+        if name.startswith("#") or not name.endswith(".json"):
+            return None
+        key = urllib.parse.unquote(name[: -len(".json")])
+        return key if key.count("/") == 3 else None
+
+    # ------------------------------------------------------------ in a thread
+
+    def _write(self, key: str, entry: Entry, ttl: float) -> None:
+        path = self._path(key)
+        record = {"entry": entry, "expires_at": time.time() + ttl, "ttl": ttl}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(record, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise DiscoveryError(f"file discovery {self.directory}: cannot write {key}: "
+                                 f"{exc}") from exc
+
+    def _delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot delete "
+                                 f"{key}: {exc}") from exc
+        self._last.pop(key, None)
+        self._held.pop(key, None)
+
+    def _read(self, name: str) -> tuple[dict[str, Any] | None, str | None]:
+        """(the parsed record, None), or (None, why it is unusable), or (None, None) when the
+        file is gone. Cached by inode/mtime/size; never blocks (FIFOs and devices are
+        refused before they are opened, and opened non-blocking in case of a race)."""
+        path = self.directory / name
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"cannot stat: {exc}"
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._cache.get(name)
+        if cached is not None and cached[0] == sig:
+            return cached[1], cached[2]
+        record, error = self._parse(path, st)
+        self._cache[name] = (sig, record, error)
+        return record, error
+
+    def _parse(self, path: Path, st: os.stat_result) -> tuple[dict[str, Any] | None, str | None]:
+        if not stat.S_ISREG(st.st_mode):
+            return None, "not a regular file"
+        if st.st_size > self.MAX_RECORD_BYTES:
+            return None, f"{st.st_size} bytes: too large to be a discovery record"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"cannot open: {exc}"
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None, "not a regular file"
+            data = os.read(fd, self.MAX_RECORD_BYTES + 1)
+        except OSError as exc:
+            return None, f"cannot read: {exc}"
+        finally:
+            os.close(fd)
+        try:
+            record = json.loads(data.decode("utf-8"))
+            if not (isinstance(record, dict) and isinstance(record.get("entry"), dict)
+                    and isinstance(record.get("expires_at"), int | float)):
+                raise ValueError('not a discovery record ({"entry", "expires_at", "ttl"})')
+            entry_key(record["entry"])
+        except UnicodeDecodeError as exc:
+            return None, f"not UTF-8 text: {exc}"
+        except (ValueError, TypeError) as exc:
+            return None, str(exc)
+        return record, None
+
+    def _scan(self) -> tuple[dict[str, tuple[Entry, float]], list[Skipped]]:
+        """Live entries by key (with their expiry) and the files that had to be skipped."""
+        now = time.time()
+        skipped: list[Skipped] = []
+        try:
+            st = os.stat(self.directory)
+            dir_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            dir_id, names = None, []
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot list: {exc}") from exc
+        if dir_id != self._dir_id:
+            if self._dir_id is not None and self._last:
+                # not an owner's deregistration (owners delete their own file): the leases
+                # still run, so hold the entries until they expire or are rewritten
+                log.warning("discovery: %s %s; keeping its %d entries until their leases end",
+                            self.directory, "vanished" if dir_id is None else "was replaced",
+                            len(self._last))
+                self._held.update(self._last)
+            self._dir_id = dir_id
+            self._cache.clear()
+        if dir_id is None and self._held:
+            skipped.append(Skipped(str(self.directory), "the discovery directory is missing; "
+                                   "its entries are kept until their leases end"))
+        live: dict[str, tuple[Entry, float]] = {}
+        for name in names:
+            if name.startswith("."):
+                if name.endswith(".tmp"):
+                    self._gc_tmp(name, now)
+                continue
+            if not name.endswith(".json"):
+                continue
+            record, error = self._read(name)
+            if error is not None:
+                skipped.append(Skipped(str(self.directory / name), error, self._key_of_name(name)))
+                continue
+            if record is None:
+                continue
+            expires_at = float(record["expires_at"])
+            if expires_at <= now:
+                ttl = record.get("ttl")
+                grace = self.GC_TTLS * (ttl if isinstance(ttl, int | float) and ttl > 0 else 10.0)
+                if now - expires_at > grace:
+                    with contextlib.suppress(OSError):
+                        (self.directory / name).unlink()
+                continue
+            entry = record["entry"]
+            live[entry_key(entry)] = (entry, expires_at)
+        for gone in self._cache.keys() - set(names):
+            del self._cache[gone]
+        for key, (entry, expires_at) in list(self._held.items()):
+            if expires_at <= now or key in live:
+                del self._held[key]
+            else:
+                live[key] = (entry, expires_at)
+        self._last = live
+        return live, skipped
+
+    def _gc_tmp(self, name: str, now: float) -> None:
+        path = self.directory / name
+        with contextlib.suppress(OSError):
+            if now - path.lstat().st_mtime > self.TMP_MAX_AGE:
+                path.unlink()
+
+    # ------------------------------------------------------------ on the loop
+
+    async def _list(self, namespace: str | None, component: str | None,
+                    endpoint: str | None) -> Listing:
+        live, skipped = await self._io(self._scan)
+        items = [(key, entry) for key, (entry, _) in live.items()
+                 if _matches(entry, namespace, component, endpoint)]
+        # callers get private copies
+        return Listing(json.loads(json.dumps(_sorted_entries(items))),
+                       [s for s in skipped if s.matches(namespace, component, endpoint)])

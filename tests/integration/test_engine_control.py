@@ -1,0 +1,85 @@
+"""The engine-control interface under the admin, in process: installing tensors staged in
+host memory (what the weight-staging routes call) on the real vLLM engine and on the mocker.
+The HTTP routes over the same admin are tested in test_control_plane.py (vLLM) and
+test_mocker_admin.py (mocker)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+import torch
+
+from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.rl.refresh import reference_probe
+from rlfleet.runtime.admin import EngineAdmin
+from rlfleet.runtime.worker import add_worker_args
+from rlfleet.vllm.engine import VllmEngine, add_engine_args
+from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
+from tests.conftest import VLLM_FLAGS
+
+PROMPT = [151644, 8948, 198, 40, 1079]
+
+
+async def greedy(engine, n: int = 8) -> tuple[list[int], list[float]]:
+    req = GenerateRequest(request_id=f"g-{torch.randint(1 << 30, ()).item()}",
+                          prompt_token_ids=PROMPT,
+                          sampling=SamplingOptions(max_tokens=n, temperature=0.0, logprobs=0,
+                                                   ignore_eos=True))
+    ids, lps = [], []
+    async for ev in engine.generate(req, PROMPT):
+        for c in ev.get("choices", []):
+            ids += c["token_ids"]
+            lps += [lp["logprob"] for lp in c["logprobs"] or []]
+    return ids, lps
+
+
+async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) -> None:
+    a = shutil.copytree(tiny_model, tmp_path / "A")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_worker_args(p)
+    engine = VllmEngine(p.parse_args(["--model", str(a), *VLLM_FLAGS, "--no-warmup"]))
+    await engine.start()
+    admin = EngineAdmin(engine)
+    try:
+        before = await greedy(engine)
+        staged = dict(iter_checkpoint_tensors(tiny_model_b))
+        out = await admin.install_tensors(staged, "B")
+        assert out == {"status": "error",
+                       "message": "generation is not paused: call pause_generation first"}
+        await engine.pause("wait")
+        wrong = {**staged, "model.norm.weight": torch.ones(3)}
+        out = await admin.install_tensors(wrong, "B")
+        assert out["status"] == "error" and "do not fit the served model" in out["message"]
+        assert "still serving" in out["message"]
+        assert engine.identity().digest == checkpoint_digest(a)  # nothing changed
+
+        out = await admin.install_tensors(staged, "B")
+        assert out == {"status": "ok", "version": "B", "version_declared": True,
+                       "weight_digest": checkpoint_digest(tiny_model_b)}
+        await engine.resume()
+        ref = reference_probe(tiny_model_b, PROMPT, 8)
+        ids, lps = await greedy(engine)
+        assert ids == ref.token_ids and ids != before[0]
+        assert max(abs(x - y) for x, y in zip(lps, ref.logprobs, strict=True)) < 1e-4
+        # weights from memory cannot be re-read; a checkpoint on disk can be loaded again
+        assert engine.weights_path is None
+        await engine.pause("wait")
+        assert await engine.load_path(a) == checkpoint_digest(a)
+        await engine.resume()
+        assert await greedy(engine) == before
+    finally:
+        await engine.shutdown()
+
+
+async def test_mocker_installs_staged_tensors() -> None:
+    engine = MockEngine(seed=1)
+    admin = EngineAdmin(engine)
+    await engine.pause("wait")
+    out = await admin.install_tensors({"w": torch.zeros(2)}, "v")
+    assert out["status"] == "error" and SEED_TENSOR in out["message"]
+    assert await admin.install_tensors({SEED_TENSOR: torch.tensor([5])}, "v5") == {
+        "status": "ok", "version": "v5", "version_declared": True, "weight_digest": "mock:5"}
+    assert engine.weight_identity() == {"weight_version": "v5", "weight_digest": "mock:5"}

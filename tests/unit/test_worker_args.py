@@ -1,0 +1,121 @@
+"""python -m rlfleet.vllm's arguments: vLLM's own engine arguments, --config YAML, rlfleet's
+flags beside them, the settings rlfleet enforces; advertised addresses."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlfleet.runtime import address
+from rlfleet.vllm.args import EXTENSION, engine_args, parse_args
+
+
+def test_config_yaml_is_read_and_the_command_line_wins(tmp_path: Path) -> None:
+    cfg = tmp_path / "worker.yaml"
+    cfg.write_text("model: /models/policy\ntensor-parallel-size: 2\npipeline-parallel-size: 2\n"
+                   "gpu-memory-utilization: 0.8\nmax-num-seqs: 64\nenforce-eager: true\n"
+                   "enable-prefix-caching: false\nenable-rl: true\nsystem-port: 8081\n"
+                   "advertise-host: 10.1.2.3\ndtype: bfloat16\n")
+    args = parse_args(["--config", str(cfg), "--max-num-seqs", "32"])
+    assert args.model == "/models/policy" and args.enable_rl and args.system_port == 8081
+    assert args.advertise_host == "10.1.2.3" and args.max_num_seqs == 32  # CLI beats YAML
+    ea = engine_args(args)
+    assert (ea.tensor_parallel_size, ea.pipeline_parallel_size) == (2, 2)
+    assert ea.gpu_memory_utilization == 0.8 and ea.enforce_eager and ea.dtype == "bfloat16"
+    assert ea.enable_prefix_caching is False
+    assert parse_args([f"--config={cfg}"]).tensor_parallel_size == 2  # the `=` form too
+
+
+def test_rlfleet_defaults_and_the_served_name() -> None:
+    ea = engine_args(parse_args(["--model", "Qwen/Qwen3-0.6B"]))
+    assert ea.served_model_name == ["Qwen/Qwen3-0.6B"]  # the whole string, as vLLM serves it
+    assert ea.logprobs_mode == "processed_logprobs" and ea.max_logprobs == 20
+    assert ea.worker_extension_cls == EXTENSION
+    # the flags the suite has always passed keep working
+    ea = engine_args(parse_args(["--model", "m", "--served-model-name", "tiny", "--dtype",
+                                 "float32", "--max-model-len", "2048", "--enforce-eager",
+                                 "--logprobs-mode", "raw_logprobs"]))
+    assert ea.served_model_name == ["tiny"] and ea.max_model_len == 2048
+    assert ea.logprobs_mode == "raw_logprobs"
+
+
+def test_served_name_of_a_local_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model Qwen/Qwen3-0.6B`, a local directory of that name, is served under that name."""
+    from rlfleet.vllm.engine import VllmEngine
+
+    (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    engine = VllmEngine(parse_args(["--model", "Qwen/Qwen3-0.6B"]))
+    assert engine.info.served_model_name == "Qwen/Qwen3-0.6B"
+    assert engine.info.model_path == str(tmp_path / "Qwen" / "Qwen3-0.6B")
+    assert engine.engine_args().served_model_name == ["Qwen/Qwen3-0.6B"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--logprobs-mode", "raw_logits"], "log-probabilities"),
+    (["--max-logprobs", "5"], "at least 20"),
+    (["--skip-tokenizer-init"], "tokenizer"),
+    (["--served-model-name", "a", "b"], "one name"),
+    (["--worker-extension-cls", "collections.OrderedDict"], "subclass"),
+    (["--worker-extension-cls", "no.such.Module"], "cannot import"),
+])
+def test_enforced_settings_are_refused_with_a_reason(flags, words, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", *flags])
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_help_lists_engine_arguments_and_rlfleet_flags() -> None:
+    out = subprocess.run([sys.executable, "-m", "rlfleet.vllm", "--help"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size",
+                 "--gpu-memory-utilization", "--max-num-seqs", "--quantization", "--config",
+                 "--trust-remote-code", "--enable-prefix-caching", "--advertise-host",
+                 "--enable-rl", "--discovery", "--system-port", "--start-gated"):
+        assert f"  {flag}" in out, flag
+
+
+def test_advertised_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in address.HOST_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert address.advertised_host("127.0.0.1") == "127.0.0.1"
+    assert address.advertised_host("0.0.0.0", explicit="node-3.example") == "node-3.example"
+    assert address.advertised_host("10.9.8.7") == "10.9.8.7"  # a specific bind is advertised
+    # bound to all interfaces: the interface that routes to the discovery store
+    assert address.advertised_host("0.0.0.0", toward=("127.0.0.1", 2379)) == "127.0.0.1"
+    monkeypatch.setenv("POD_IP", "10.0.0.9")
+    assert address.advertised_host("0.0.0.0", toward=("127.0.0.1", 2379)) == "10.0.0.9"
+    monkeypatch.setenv("VLLM_HOST_IP", "10.0.0.8")
+    assert address.advertised_host("0.0.0.0") == "10.0.0.8"
+    assert address.http_url("::1", 80) == "http://[::1]:80"
+    assert address.discovery_peer("etcd://10.1.1.1:2379,10.1.1.2:2379") == ("10.1.1.1", 2379)
+    assert address.discovery_peer("file:///tmp/x") is None
+
+
+def test_etcd_endpoints_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfleet.runtime.discovery import EtcdDiscovery, default_discovery_url, open_discovery
+
+    monkeypatch.delenv("RLFLEET_DISCOVERY", raising=False)
+    monkeypatch.setenv("ETCD_ENDPOINTS", "http://10.0.0.1:2379, 10.0.0.2:2380")
+    assert default_discovery_url() == "etcd://10.0.0.1:2379,10.0.0.2:2380"
+    d = open_discovery()
+    assert isinstance(d, EtcdDiscovery) and d.endpoints == [("10.0.0.1", 2379), ("10.0.0.2", 2380)]
+    monkeypatch.setenv("RLFLEET_DISCOVERY", "etcd://10.0.0.5:1")  # rlfleet's own wins
+    assert default_discovery_url() == "etcd://10.0.0.5:1"
+    monkeypatch.delenv("RLFLEET_DISCOVERY")
+    monkeypatch.setenv("ETCD_ENDPOINTS", "ftp://x")
+    with pytest.raises(ValueError, match="ETCD_ENDPOINTS"):
+        default_discovery_url()
+
+
+def test_frontend_http_port_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlfleet.frontend.__main__ import parse_args as frontend_args
+
+    monkeypatch.setenv("DYN_HTTP_PORT", "9123")
+    assert frontend_args([]).http_port == 9123
+    assert frontend_args(["--http-port", "1"]).http_port == 1
+    assert frontend_args(["--advertise-host", "h"]).advertise_host == "h"
