@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
 
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog
@@ -174,16 +175,29 @@ def version_file_response(directory: Path | None, version: str, file: str):
     return FileResponse(directory / file)
 
 
+def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
+    """``GET /weights/{version}/{file}`` on `app`; `lookup(version)` gives the version's
+    directory or None. With `admin_token`, requests must carry it (peers do)."""
+    import hmac
+
+    from fastapi.responses import JSONResponse
+
+    async def version_file(version: str, file: str, request: Request):
+        if admin_token and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(),
+                f"Bearer {admin_token}".encode()):
+            return JSONResponse({"error": "Unauthorized", "message": "this route needs "
+                                 "'Authorization: Bearer <admin token>'"}, status_code=401)
+        return version_file_response(lookup(version), version, file)
+    app.add_api_route("/weights/{version}/{file}", version_file, methods=["GET"])
+
+
 def weights_app(lookup) -> Any:
-    """A FastAPI app serving ``GET /weights/{version}/{file}``; `lookup(version)` gives the
-    version's directory or None."""
+    """A FastAPI app serving ``GET /weights/{version}/{file}`` (see add_weights_route)."""
     from fastapi import FastAPI
 
     app = FastAPI(title="rlfleet weights", docs_url=None, redoc_url=None)
-
-    @app.get("/weights/{version}/{file}")
-    async def _file(version: str, file: str):
-        return version_file_response(lookup(version), version, file)
+    add_weights_route(app, lookup)
     return app
 
 

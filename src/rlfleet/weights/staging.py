@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from rlfleet.protocol.admin import AdminRequestError
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
 from rlfleet.weights.digest import DigestBuilder, tensor_digest
@@ -51,8 +52,9 @@ READ_TIMEOUT = 10.0  # one request's connect/read deadline
 CHUNK = 32 << 20  # bytes per ranged read (the unit of resume)
 
 
-class StageRequestError(ValueError):
-    """The stage request cannot be accepted; the message says what to send instead."""
+class StageRequestError(AdminRequestError):
+    """The stage request cannot be accepted; the message says what to send instead (the
+    system server answers it in the contract's error shape)."""
 
 
 class StageState(enum.StrEnum):
@@ -151,12 +153,15 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
     return Source(kind, (url or "").rstrip("/"), version, **common)
 
 
-def open_source_storage(src: Source, read_timeout: float = READ_TIMEOUT) -> art.Storage:
+def open_source_storage(src: Source, read_timeout: float = READ_TIMEOUT,
+                        admin_token: str | None = None) -> art.Storage:
     if src.kind == "disk":
         return art.FileStorage(src.location)
     if src.kind == "s3":
         return art.open_storage(src.location, src.endpoint_url, read_timeout)
-    return art.HttpStorage(src.location, read_timeout)
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token and src.kind == "peer" \
+        else None
+    return art.HttpStorage(src.location, read_timeout, headers)
 
 
 @dataclass
@@ -282,6 +287,7 @@ class Resident:
     dir: Path
     specs: dict[str, TensorSpec]
     checksums: dict[str, str]
+    engine_digest: str | None = None  # what the engine reported when it applied these bytes
 
     def slots(self) -> dict[str, np.ndarray]:
         """Read-only views of every tensor's bytes (memory-mapped)."""
@@ -378,7 +384,8 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     base: Resident | None = None
     if first.format == "xor-delta":
         holds_base = (resident is not None and resident.version == first.base_version
-                      and served_version == resident.version and served_digest == resident.digest)
+                      and served_version == resident.version
+                      and served_digest == (resident.engine_digest or resident.digest))
         if holds_base:
             base = resident
         elif not src.chain:
@@ -480,14 +487,16 @@ class StagingArea:
 
     def __init__(self, root: str | Path | None = None, *, catalog=None, worker_id: str = "",
                  system_url: str | None = None, allowed_roots: list[str] | None = None,
-                 lease_ttl: float = 60.0) -> None:
+                 lease_ttl: float = 60.0, admin_token: str | None = None) -> None:
         if root is None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             root = base / f"rlfleet-staging-{os.getpid()}"
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.catalog = catalog
+        self.catalog = catalog  # a Catalog, or its URL (opened on first use, in the loop)
+        self._own_catalog = isinstance(catalog, (str, Path))
         self.worker_id = worker_id
+        self.admin_token = admin_token  # peers' /weights routes want it when they have one
         self.system_url = system_url
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.lease_ttl = lease_ttl
@@ -496,6 +505,16 @@ class StagingArea:
         self._staged: dict[str, Resident] = {}  # handle -> READY buffers
         self._tasks: set[asyncio.Task] = set()
 
+    def attach(self, worker_id: str, system_url: str | None) -> None:
+        """Who this worker is, once its system server listens (peers find it there)."""
+        self.worker_id, self.system_url = worker_id, system_url
+
+    def _open_catalog(self) -> None:
+        if isinstance(self.catalog, (str, Path)):
+            from rlfleet.weights.catalog import Catalog
+
+            self.catalog = Catalog(self.catalog)
+
     # ------------------------------------------------------------ stage
 
     async def stage(self, version: str, source: Any, *, applied: tuple[str | None, str | None],
@@ -503,6 +522,7 @@ class StagingArea:
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
         src = parse_source(source, version, self.roots)
+        self._open_catalog()
         expected = digest
         entry = None
         if self.catalog is not None:
@@ -512,6 +532,14 @@ class StagingArea:
             if entry is not None and expected != entry.digest:
                 raise StageRequestError(f"digest {expected} differs from the catalog's "
                                         f"{entry.digest} for {version}")
+        if (entry is not None and entry.base_version and not src.chain
+                and src.kind in ("disk", "s3")
+                and entry.format.value == "xor-delta" and applied[0] != entry.base_version):
+            serving = applied[0] if applied[0] is not None else "an unversioned model"
+            raise StageRequestError(f"this delta needs base {entry.base_version}; the worker "
+                                    f"serves {serving}. Stage the base or a full version first, "
+                                    "or send \"chain\": true to replay the chain from the last "
+                                    "full version")
         if src.kind == "peer" and not src.location and entry is None:
             raise StageRequestError(f"no peer URL given and version {version} is not in the "
                                     "catalog" + ("" if self.catalog else
@@ -586,7 +614,7 @@ class StagingArea:
             src = Source("peer", url, h.version, timeout=h.source.timeout,
                          max_bytes_per_s=h.source.max_bytes_per_s)
             h.peer = url
-            storage = open_source_storage(src, min(READ_TIMEOUT, src.timeout))
+            storage = open_source_storage(src, min(READ_TIMEOUT, src.timeout), self.admin_token)
             h.bytes_done = h.tensors_done = 0
             try:
                 return await asyncio.to_thread(transfer, h, src, storage, self.root,
@@ -634,10 +662,12 @@ class StagingArea:
 
     # ------------------------------------------------------------ apply / release
 
-    async def applied(self, handle: str) -> None:
-        """The engine now serves `handle`'s version: its buffers become the resident copy
-        (peers may read it, the next delta starts from it); the previous one is dropped."""
+    async def applied(self, handle: str, engine_digest: str | None = None) -> None:
+        """The engine now serves `handle`'s version (and reports `engine_digest` for it): its
+        buffers become the resident copy (peers may read it, the next delta starts from it);
+        the previous one is dropped."""
         h, staged = self.ready(handle)
+        staged.engine_digest = engine_digest
         old, self.resident = self.resident, staged
         del self._staged[handle]
         h.applied = True
@@ -685,6 +715,9 @@ class StagingArea:
         if self.resident is not None:
             await self._holder(self.resident.version, add=False)
         shutil.rmtree(self.root, ignore_errors=True)
+        if self.catalog is not None and not isinstance(self.catalog, (str, Path)) and \
+                self._own_catalog:
+            await self.catalog.close()
 
 
 __all__ = ["StageState", "StagedVersion", "StagingArea", "StageRequestError", "Source",
