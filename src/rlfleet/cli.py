@@ -80,13 +80,24 @@ def _refresh(args: argparse.Namespace) -> int:
     from rlfleet.rl.refresh import PolicyRefresh, SglangWorker
 
     sglang = [SglangWorker(*pair.split(",", 1)) for pair in args.sglang_worker]
+    source = None
+    if args.staged:
+        from rlfleet.rl.staged import source_from_uri
+
+        if not (args.source or args.checkpoint):
+            raise ValueError("--staged needs --source (s3://bucket/prefix/VERSION, a version "
+                             "directory, or a trainer's http://host:port) or --checkpoint")
+        source = source_from_uri(args.source, args.s3_endpoint_url) if args.source else None
+    elif not args.checkpoint:
+        raise ValueError("--checkpoint is required (or --staged --source URI)")
     coordinator = PolicyRefresh(
-        args.rl_url, model=args.model, path=args.path, sglang_workers=sglang,
+        args.rl_url, model=args.model, path="vllm-staged" if args.staged else args.path,
+        sglang_workers=sglang,
         journal=args.journal, on_failure=args.on_failure, retries=args.retries,
         pause_mode=args.pause_mode, probe_tolerance=args.probe_tolerance,
         admin_token=args.admin_token, on_event=lambda msg: print(msg, flush=True))
     result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
-                                             step=args.step))
+                                             step=args.step, source=source))
     print(f"decision: {result.decision} ({result.reason})")
     for s in result.steps:
         print(f"  {s['name']:<12} {s['seconds']:8.3f} s")
@@ -152,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.set_defaults(func=_publish)
 
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
-    rf.add_argument("--checkpoint", required=True, help="checkpoint directory the workers can read")
+    rf.add_argument("--checkpoint", default=None,
+                    help="checkpoint directory the workers can read (required unless --staged "
+                         "--source)")
     rf.add_argument("--version", required=True, help="the version to declare")
     rf.add_argument("--digest", default=None, help="target digest (default: computed from the checkpoint)")
     rf.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL", "http://127.0.0.1:8001"),
@@ -160,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--model", default=None, help="only workers serving this model")
     rf.add_argument("--path", default="vllm-disk", choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
     rf.add_argument("--sglang-worker", action="append", default=[], metavar="SYSTEM_URL,REQUEST_URL")
+    rf.add_argument("--staged", action="store_true",
+                    help="workers pull the version while they serve (stage_weights); the fleet "
+                         "is gated only to install it")
+    rf.add_argument("--source", default=None,
+                    help="with --staged: s3://bucket/prefix/VERSION, a version directory, or a "
+                         "trainer publisher's http://host:port")
+    rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
+                                                            "(default: boto3's own)")
     rf.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
     rf.add_argument("--retries", type=int, default=1)
     rf.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
