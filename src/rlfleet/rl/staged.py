@@ -12,7 +12,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from rlfleet.rl.control import _LIFECYCLE, Channel, FleetWorker, VllmControl, _message
+from rlfleet.rl.control import (
+    _LIFECYCLE,
+    Channel,
+    FleetWorker,
+    RefreshHeld,
+    VllmControl,
+    _message,
+)
 
 if TYPE_CHECKING:
     from rlfleet.rl.refresh import Policy
@@ -117,7 +124,12 @@ class VllmStagedControl(VllmControl):
         self.staged = {}
         found = await self.discover(ch)
         ws = [w for i, w in found.items() if w.active and i not in skip]
-        await asyncio.gather(*(self._stage(ch, w, target) for w in ws))
+        results = await asyncio.gather(*(self._stage(ch, w, target) for w in ws))
+        if ws and not any(r.get("state") == "READY" for r in results):
+            raise RefreshHeld(
+                f"staging {target.version} failed on every worker, nothing was gated and the "
+                "fleet keeps serving its policy: " + "; ".join(
+                    f"{w.instance_id}: {r.get('error')}" for w, r in zip(ws, results, strict=True)))
 
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
