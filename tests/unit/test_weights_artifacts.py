@@ -233,3 +233,33 @@ def test_a_delta_chain_longer_than_64_is_refused(tmp_path):
     assert torch.equal(art.as_tensors(specs, data)["w"], torch.full((4,), 63.0))
     with pytest.raises(art.ArtifactError, match="longer than 64"):
         art.read_version(art.FileStorage(tmp_path), "v65")
+
+
+def test_publish_command(tmp_path, tiny_model, capsys):
+    from rlfleet.cli import main
+    from rlfleet.weights.catalog import Catalog, VersionState
+
+    catalog = f"sqlite://{tmp_path / 'catalog.sqlite'}"
+    assert main(["publish", str(tiny_model), "--version", "v1", "--to", f"file://{tmp_path}/s",
+                 "--catalog", catalog]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert set(line) == {"version", "base_version", "digest", "bytes_full", "bytes_written"}
+    assert line["digest"] == digest_tensors(iter_checkpoint_tensors(tiny_model))
+    assert main(["publish", str(tiny_model), "--version", "v2", "--base", "v1", "--to",
+                 f"file://{tmp_path}/s", "--catalog", catalog]) == 0
+    line = json.loads(capsys.readouterr().out)
+    assert line["base_version"] == "v1" and line["bytes_written"] < 1000  # nothing changed
+
+    async def states():
+        async with Catalog(catalog) as c:
+            return {v.version: (v.state, v.format.value, v.base_version) for v in await c.list()}
+    import asyncio
+
+    assert asyncio.run(states()) == {"v1": (VersionState.READY, "full", None),
+                                     "v2": (VersionState.READY, "xor-delta", "v1")}
+    assert main(["publish", str(tiny_model), "--version", "v3", "--base", "nope", "--to",
+                 f"file://{tmp_path}/s"]) == 2
+    assert "base nope is not at" in capsys.readouterr().err
+    assert main(["publish", str(tiny_model), "--version", "v1", "--to", f"file://{tmp_path}/s",
+                 "--catalog", catalog, "--dtype", "bfloat16"]) == 2
+    assert "different request" in capsys.readouterr().err

@@ -490,6 +490,7 @@ class StagingArea:
                  lease_ttl: float = 60.0, admin_token: str | None = None) -> None:
         if root is None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            _remove_orphans(base)
             root = base / f"rlfleet-staging-{os.getpid()}"
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -718,6 +719,21 @@ class StagingArea:
         if self.catalog is not None and not isinstance(self.catalog, (str, Path)) and \
                 self._own_catalog:
             await self.catalog.close()
+
+
+def _remove_orphans(base: Path) -> None:
+    """Staging directories of worker processes that died without cleaning up (they hold
+    shared memory until removed)."""
+    for d in base.glob("rlfleet-staging-*"):
+        try:
+            pid = int(d.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
 
 
 __all__ = ["StageState", "StagedVersion", "StagingArea", "StageRequestError", "Source",
