@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import shutil
 import statistics
@@ -112,22 +113,50 @@ def main() -> None:
     rows = []
     try:
         base = make_model(work / "base", size=args.size, dtype="bfloat16")
+        # 1. training: AdamW steps on float32 master weights, each published as a bf16 delta
+        # (the trainer is freed before the fleet starts: both at once do not fit in 24 GiB)
         trainer = GrpoTrainer(base, lr=args.lr, seed=0)
         trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=args.lr)
         pub = Publisher(f"file://{store}", model="bench", dtype=torch.bfloat16)
+        versions = []
 
-        def version(step: int) -> tuple[str, dict, Path]:
-            state = trainer.state_dict()
+        def publish(step: int) -> None:
+            state = prepare_tensors(trainer.state_dict(), torch.bfloat16)
             v = f"step-{step}"
             res = pub.publish(state, v, base=None if step == 0 else f"step-{step - 1}")
-            ckpt = save_checkpoint(prepare_tensors(state, torch.bfloat16), base, work / v)
-            return v, res, ckpt
+            versions.append((v, res, save_checkpoint(state, base, work / v)))
 
-        versions = [version(0)]
+        publish(0)
+        for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
+            stats = trainer.step(rollouts(trainer, step))
+            trainer.optimizer.zero_grad(set_to_none=True)
+            train_s = time.perf_counter() - t0
+            prev = pub.last[1]
+            cur = prepare_tensors(trainer.state_dict(), torch.bfloat16)
+            t0 = time.perf_counter()
+            artifact = art.encode_delta(f"step-{step}", f"step-{step - 1}", cur, prev, "-")
+            encode_s = time.perf_counter() - t0
+            full = artifact.bytes_full
+            rows.append({
+                "step": step, "train_s": round(train_s, 1), "loss": round(stats.loss, 4),
+                "changed_tensors": artifact.changed, "tensors": len(cur),
+                "delta_bytes": artifact.bytes_written, "full_bytes": full,
+                "delta_ratio": artifact.bytes_written / full,
+                "changed_elements": sum(
+                    int(np.count_nonzero(art.tensor_bytes(cur[n]).view(np.uint16)
+                                         != prev[n].view(np.uint16))) for n in cur) / (full / 2),
+                "encode_gbps": full / encode_s / 1e9,
+                "decode_gbps": decode_gbps(artifact, prev),
+                "copy_gbps": plain_copy_gbps(cur)})
+            del artifact, cur
+            publish(step)
+        trainer = pub = None  # free the master weights and optimizer state
+        gc.collect()
+        # 2. the fleet: one worker refreshed through the staged path, one from disk
         flags = ["--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
                  "--enable-rl", "--system-port", "0", "--allowed-weights-root", str(work),
-                 "--allowed-weights-root", str(store),
-                 "--no-warmup"]
+                 "--allowed-weights-root", str(store), "--no-warmup"]
         with Fleet(work / "fleet") as fleet:
             fleet.start_frontend(enable_rl=True)
             procs = [fleet.start_worker("--model", str(base), "--served-model-name", name, *flags,
@@ -148,35 +177,13 @@ def main() -> None:
                 return s, d
 
             asyncio.run(refresh(*versions[0]))  # step 0: full, both paths
-            for step in range(1, args.steps + 1):
-                t0 = time.perf_counter()
-                stats = trainer.step(rollouts(trainer, step))
-                train_s = time.perf_counter() - t0
-                prev = pub.last[1]
-                cur = prepare_tensors(trainer.state_dict(), torch.bfloat16)
-                t0 = time.perf_counter()
-                artifact = art.encode_delta(f"step-{step}", f"step-{step - 1}", cur, prev, "-")
-                encode_s = time.perf_counter() - t0
-                full = artifact.bytes_full
-                row = {"step": step, "train_s": round(train_s, 1), "loss": round(stats.loss, 4),
-                       "changed_tensors": artifact.changed, "tensors": len(cur),
-                       "delta_bytes": artifact.bytes_written, "full_bytes": full,
-                       "delta_ratio": artifact.bytes_written / full,
-                       "changed_elements": sum(
-                           int(np.count_nonzero(art.tensor_bytes(cur[n]).view(np.uint16)
-                                                != prev[n].view(np.uint16)))
-                           for n in cur) / (full / 2),
-                       "encode_gbps": full / encode_s / 1e9,
-                       "decode_gbps": decode_gbps(artifact, prev),
-                       "copy_gbps": plain_copy_gbps(cur)}
-                v, res, ckpt = version(step)
+            for row, (v, res, ckpt) in zip(rows, versions[1:], strict=True):
                 s, d = asyncio.run(refresh(v, res, ckpt))
                 ss, ds = s.step_seconds(), d.step_seconds()
                 row.update({"stage_s": ss["stage"], "apply_staged_s": ss["apply"],
                             "apply_disk_s": ds["apply"], "window_staged_s": window(s),
                             "window_disk_s": window(d)})
                 row["window_ratio"] = row["window_staged_s"] / row["window_disk_s"]
-                rows.append(row)
                 print(json.dumps({k: round(x, 4) if isinstance(x, float) else x
                                   for k, x in row.items()}), flush=True)
     finally:
