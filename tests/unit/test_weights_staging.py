@@ -180,6 +180,9 @@ async def test_a_lease_protects_the_version_while_it_is_pulled(tmp_path, version
         assert (await catalog.get("v1")).live_leases() == []
         assert await catalog.evict("v1", lambda v: evicted.append(v.version))
         assert evicted == ["v1"] and (await catalog.get("v1")).state is VersionState.EVICTED
+        with pytest.raises(StageRequestError, match="v1 is EVICTED in the catalog; only a READY"):
+            await area.stage("v1", {"kind": "disk", "path": str(tmp_path / "store" / "v1")},
+                             applied=(None, None))
     finally:
         await area.close()
         await catalog.close()

@@ -527,12 +527,20 @@ class StagingArea:
         expected = digest
         entry = None
         if self.catalog is not None:
-            entry = await self.catalog.find(version)
+            from rlfleet.weights.catalog import CatalogError
+
+            try:
+                entry = await self.catalog.find(version)
+            except CatalogError as e:  # staging goes on without it; the digest check stays
+                log.warning("catalog unavailable while staging %s: %s", version, e)
             if entry is not None and expected is None:
                 expected = entry.digest
             if entry is not None and expected != entry.digest:
                 raise StageRequestError(f"digest {expected} differs from the catalog's "
                                         f"{entry.digest} for {version}")
+        if entry is not None and src.kind in ("disk", "s3") and entry.state.value != "READY":
+            raise StageRequestError(f"version {version} is {entry.state.value} in the catalog; "
+                                    "only a READY version is staged from its artifact")
         if (entry is not None and entry.base_version and not src.chain
                 and src.kind in ("disk", "s3")
                 and entry.format.value == "xor-delta" and applied[0] != entry.base_version):
@@ -546,11 +554,19 @@ class StagingArea:
                                     "catalog" + ("" if self.catalog else
                                                  " (this worker has no catalog)"))
         h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event())
+        self._forget_old()
         self.handles[h.handle] = h
         task = asyncio.get_running_loop().create_task(self._run(h, applied))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return h
+
+    def _forget_old(self, keep: int = 64) -> None:
+        """Released and failed handles are listed for a while, not forever."""
+        done = [k for k, h in self.handles.items()
+                if h.state in (StageState.RELEASED, StageState.FAILED)]
+        for k in done[:max(0, len(done) - keep)]:
+            del self.handles[k]
 
     def _peers(self, h: StagedVersion, entry) -> list[str]:
         if h.source.location:
@@ -565,10 +581,19 @@ class StagingArea:
         lease = None
         renew: asyncio.Task | None = None
         try:
-            entry = await self.catalog.find(h.version) if self.catalog is not None else None
-            if entry is not None and h.source.kind in ("disk", "s3"):
-                lease = await self.catalog.acquire_lease(h.version, self.worker_id or "worker",
-                                                         self.lease_ttl)
+            entry = lease = None
+            if self.catalog is not None:
+                from rlfleet.weights.catalog import CatalogError, VersionState
+
+                try:
+                    entry = await self.catalog.find(h.version)
+                    if entry is not None and entry.state is VersionState.READY \
+                            and h.source.kind in ("disk", "s3"):  # the bytes the lease keeps
+                        lease = await self.catalog.acquire_lease(
+                            h.version, self.worker_id or "worker", self.lease_ttl)
+                except CatalogError as e:  # pulled without a lease: the digest still checks
+                    log.warning("no catalog lease on %s: %s", h.version, e)
+            if lease is not None:
                 renew = asyncio.get_running_loop().create_task(self._renew(h.version, lease))
             if h.source.kind == "peer":
                 result = await self._from_peers(h, entry, applied)
