@@ -238,3 +238,17 @@ def test_staged_files_match_safetensors(tmp_path):
     assert h_got == h_exp and got[start_got:] == expected[start_exp:]
     loaded = safetensors.torch.load(got)
     assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
+def test_staging_handle_transitions():
+    from rlfleet.weights.staging import TRANSITIONS, Source, StagedVersion
+
+    assert set(TRANSITIONS) == set(StageState) and TRANSITIONS[StageState.RELEASED] == frozenset()
+    h = StagedVersion("h", "v", Source("disk", "/x", "v"), None)
+    h.move(StageState.READY)
+    with pytest.raises(art.ArtifactError, match="cannot go from READY to STAGING"):
+        h.move(StageState.STAGING)
+    h.move(StageState.RELEASED)
+    for new in StageState:
+        with pytest.raises(art.ArtifactError):
+            h.move(new)
