@@ -15,7 +15,7 @@ from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, TrainerServer, weights_app
 from rlfleet.weights.staging import StageState, StagingArea
-from tests import modelexpress_reader  # noqa: F401  (puts ModelExpress on sys.path)
+from tests.modelexpress_reader import on_path
 from tests.s3_server import BUCKET
 
 RATE = 8e6  # bytes/s: the tiny model (39 MB) then takes ~5 s, long enough to kill a source
@@ -72,15 +72,16 @@ def s3_versions(s3_server, policy, tmp_path_factory):
 def test_modelexpress_s3_receiver_reads_what_rlfleet_published(s3, s3_versions, policy, tmp_path):
     """ModelExpress's own generator-side code downloads the full version and replays the two
     deltas from the S3 server, verifying every Adler-32: the result is rlfleet's v3."""
-    from modelexpress_rl.inference.receiver import (
-        ObjectStorageGeneratorConfig,
-        _LocalCheckpoint,
-        _S3Version,
-        bootstrap_s3_checkpoint,
-    )
-    from modelexpress_rl.object_storage import ObjectStorageType
-    from modelexpress_rl.s3 import S3Client
-    from modelexpress_rl.train import WeightPayloadFormat as Fmt
+    with on_path():  # ModelExpress's modules, imported with its directory on sys.path
+        from modelexpress_rl.inference.receiver import (
+            ObjectStorageGeneratorConfig,
+            _LocalCheckpoint,
+            _S3Version,
+            bootstrap_s3_checkpoint,
+        )
+        from modelexpress_rl.object_storage import ObjectStorageType
+        from modelexpress_rl.s3 import S3Client
+        from modelexpress_rl.train import WeightPayloadFormat as Fmt
 
     client = S3Client(endpoint_url=s3.endpoint_url, region_name="us-east-1")
 
