@@ -45,6 +45,10 @@ def _free_port() -> int:
             return port
 
 
+class _ExitedEarly(RuntimeError):
+    pass
+
+
 class S3Server:
     #: the `weed server` flag of every port it opens (all chosen free here)
     _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
@@ -76,7 +80,19 @@ class S3Server:
                             config=Config(connect_timeout=timeout, read_timeout=timeout,
                                           retries={"max_attempts": 1}))
 
-    def start(self) -> S3Server:
+    def start(self, attempts: int = 3) -> S3Server:
+        """Start (or restart) the server; a restart on the same ports may find one still
+        held for a moment by the killed process, so an early exit is retried."""
+        for attempt in range(attempts):
+            try:
+                return self._start()
+            except _ExitedEarly:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    def _start(self) -> S3Server:
         cmd = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-dir={self.dir / 'data'}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
                f"-s3.config={self.dir / 's3.json'}", "-metricsPort=0", "-master.electionTimeout=1s",
@@ -89,7 +105,7 @@ class S3Server:
         deadline = time.monotonic() + self.timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}: "
+                raise _ExitedEarly(f"weed exited with {self.proc.returncode}: "
                                    f"{(self.dir / 'weed.log').read_text()[-2000:]}")
             try:
                 if BUCKET not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
