@@ -24,6 +24,11 @@ $PIP install -q -e '.[test]'
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }) || true
 fi
+# ModelExpress's own delta and checksum functions, the independent reader of the weight tests;
+# kept out of site-packages (--target, --no-deps): its vLLM plugin entry point must not load
+# in the workers, and its declared CUDA dependencies are not needed for those functions
+[ -d "$VENV/modelexpress-reader/modelexpress_rl" ] || \
+  $PIP install -q --no-deps --target "$VENV/modelexpress-reader" modelexpress==0.7.0
 
 # Engine environment, sourced by the Makefile and by rlfleet's process launcher (rlfleet.runtime.procs).
 ENVFILE="$VENV/rlfleet.env"

@@ -18,6 +18,7 @@ os.environ.update(LOOPBACK_ENV)
 from rlfleet.models import make_model  # noqa: E402
 from rlfleet.runtime.launch import Fleet
 from tests.etcd_server import run_etcd
+from tests.s3_server import S3Server
 
 # float32 so logprobs can be compared with transformers; eager for a quick start
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
@@ -39,6 +40,13 @@ def tiny_model_b(tmp_path_factory) -> Path:
 def etcd_url():
     with run_etcd() as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3 server (SeaweedFS) on 127.0.0.1; tests may kill() and start() it again."""
+    with S3Server() as server:
+        yield server
 
 
 def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) -> list[dict]:

@@ -48,6 +48,27 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _publish(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from rlfleet.weights.artifacts import ArtifactError
+    from rlfleet.weights.catalog import CatalogError
+    from rlfleet.weights.publish import publish
+
+    try:
+        res = publish(Path(args.checkpoint), args.version, to=args.to, base=args.base,
+                      catalog=args.catalog, model=args.model, endpoint_url=args.s3_endpoint_url,
+                      dtype=getattr(torch, args.dtype) if args.dtype else None)
+    except (ArtifactError, CatalogError) as e:
+        print(f"rlfleet publish: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: res[k] for k in ("version", "base_version", "digest", "bytes_full",
+                                          "bytes_written")}))
+    return 0
+
+
 def default_journal() -> Path:
     base = Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state"))
     return Path(os.environ.get("RLFLEET_JOURNAL", base / "rlfleet" / "journal.sqlite"))
@@ -59,8 +80,19 @@ def _refresh(args: argparse.Namespace) -> int:
     from rlfleet.rl.refresh import PolicyRefresh, SglangWorker
 
     sglang = [SglangWorker(*pair.split(",", 1)) for pair in args.sglang_worker]
+    source = None
+    if args.staged:
+        from rlfleet.rl.staged import source_from_uri
+
+        if not (args.source or args.checkpoint):
+            raise ValueError("--staged needs --source (s3://bucket/prefix/VERSION, a version "
+                             "directory, or a trainer's http://host:port) or --checkpoint")
+        source = source_from_uri(args.source, args.s3_endpoint_url) if args.source else None
+    elif not args.checkpoint:
+        raise ValueError("--checkpoint is required (or --staged --source URI)")
     coordinator = PolicyRefresh(
-        args.rl_url, model=args.model, path=args.path, sglang_workers=sglang,
+        args.rl_url, model=args.model, path="vllm-staged" if args.staged else args.path,
+        sglang_workers=sglang,
         journal=args.journal, on_failure=args.on_failure, retries=args.retries,
         pause_mode=args.pause_mode, probe_tokens=args.probe_tokens,
         probe_tolerance=args.probe_tolerance, probe_from_checkpoint=args.probe_from_checkpoint,
@@ -68,7 +100,7 @@ def _refresh(args: argparse.Namespace) -> int:
         master_port=args.master_port, admin_token=args.admin_token,
         on_event=lambda msg: print(msg, flush=True))
     result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
-                                             step=args.step))
+                                             step=args.step, source=source))
     print(f"decision: {result.decision} ({result.reason})")
     for s in result.steps:
         print(f"  {s['name']:<12} {s['seconds']:8.3f} s")
@@ -226,8 +258,29 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("path")
     dg.set_defaults(func=_digest)
 
+    pb = sub.add_parser("publish", help="publish a checkpoint as a policy version (full or an "
+                                         "XOR delta) to a directory or S3, READY in the catalog")
+    pb.add_argument("checkpoint", help="checkpoint directory (safetensors)")
+    pb.add_argument("--version", required=True, help="the version's name")
+    pb.add_argument("--base", default=None,
+                    help="publish an XOR delta against this version (read from --to)")
+    pb.add_argument("--to", required=True, help="file:///dir or s3://bucket/prefix; the version "
+                                               "is written under <to>/<version>/")
+    pb.add_argument("--s3-endpoint-url", default=None,
+                    help="S3 endpoint (default: boto3's own, e.g. $AWS_ENDPOINT_URL)")
+    pb.add_argument("--catalog", default=os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
+                    help="version catalog: sqlite:///path or etcd://host:port "
+                         "(default: $RLFLEET_WEIGHTS_CATALOG; none: not registered)")
+    pb.add_argument("--model", default=None, help="model name in the catalog "
+                                                  "(default: the checkpoint directory's name)")
+    pb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                    help="cast floating-point tensors before publishing")
+    pb.set_defaults(func=_publish)
+
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
-    rf.add_argument("--checkpoint", required=True, help="checkpoint directory the workers can read")
+    rf.add_argument("--checkpoint", default=None,
+                    help="checkpoint directory the workers can read (required unless --staged "
+                         "--source)")
     rf.add_argument("--version", required=True, help="the version to declare")
     rf.add_argument("--digest", default=None, help="target digest (default: computed from the checkpoint)")
     rf.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL", "http://127.0.0.1:8001"),
@@ -235,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
     rf.add_argument("--model", default=None, help="only workers serving this model")
     rf.add_argument("--path", default="vllm-disk", choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
     rf.add_argument("--sglang-worker", action="append", default=[], metavar="SYSTEM_URL,REQUEST_URL")
+    rf.add_argument("--staged", action="store_true",
+                    help="workers pull the version while they serve (stage_weights); the fleet "
+                         "is gated only to install it")
+    rf.add_argument("--source", default=None,
+                    help="with --staged: s3://bucket/prefix/VERSION, a version directory, or a "
+                         "trainer publisher's http://host:port")
+    rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
+                                                            "(default: boto3's own)")
     rf.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
     rf.add_argument("--retries", type=int, default=1)
     rf.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])

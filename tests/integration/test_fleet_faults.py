@@ -17,10 +17,13 @@ from tests.conftest import VLLM_FLAGS, wait_for_workers
 
 MODEL = "tiny-f"
 LEASE = 2.0
-ROUTES = ["abort_request", "destroy_weights_update_group", "flush_cache", "get_weight_version",
-          "init_weights_update_group", "liveness_probe", "pause_generation",
-          "resume_generation", "set_admission", "set_weight_version", "update_weights_from_disk",
-          "update_weights_from_distributed"]
+ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
+                 "get_weight_version", "init_weights_update_group", "liveness_probe",
+                 "pause_generation", "resume_generation", "set_admission", "set_weight_version",
+                 "update_weights_from_disk", "update_weights_from_distributed",
+                 # staged weights (issue 11)
+                 "stage_weights", "get_staged_weights", "apply_staged_weights",
+                 "release_staged_weights"])
 
 
 @pytest.fixture(scope="module")

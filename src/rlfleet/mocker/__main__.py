@@ -14,7 +14,7 @@ import os
 
 from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
-from rlfleet.runtime.worker import add_worker_args, serve_worker
+from rlfleet.runtime.worker import add_worker_args, serve_worker, staging_area
 
 log = logging.getLogger("rlfleet.mocker")
 
@@ -31,15 +31,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     try:
         engine = MockEngine(args)
+        staging = staging_area(args) if args.admin_schema == "vllm" else None
         admin = MockAdmin(engine, args.allowed_weights_root, schema=args.admin_schema,
-                          engine_routes=os.environ.get("DYN_SGLANG_ENGINE_ROUTES"))
+                          engine_routes=os.environ.get("DYN_SGLANG_ENGINE_ROUTES"),
+                          staging=staging)
     except ValueError as e:
         p.error(str(e))
     if args.admin_schema == "sglang" and args.enable_rl:
         # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
-    asyncio.run(serve_worker(engine, args, admin.routes))
+    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging))
 
 
 if __name__ == "__main__":

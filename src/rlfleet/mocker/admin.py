@@ -105,12 +105,15 @@ class MockAdmin:
     mocker lacks raises ValueError, so the worker refuses to start."""
 
     def __init__(self, engine: MockEngine, allowed_roots: list[str] | None = None,
-                 schema: str = "vllm", engine_routes: str | None = None) -> None:
+                 schema: str = "vllm", engine_routes: str | None = None,
+                 staging=None) -> None:
         if schema not in SCHEMAS:
             raise ValueError(f"admin schema must be one of {', '.join(SCHEMAS)}, not {schema!r}")
         self.engine = engine
         self.schema = schema
-        self.vllm = EngineAdmin(engine, allowed_roots)  # owns the checkpoint checks too
+        # owns the checkpoint checks too; with `staging`, the staged-weights routes over the
+        # simulated weights (one tensor holding the seed, rlfleet.mocker.engine)
+        self.vllm = EngineAdmin(engine, allowed_roots, staging=staging)
         self.native: list[tuple[EngineRoute, Callable[..., Awaitable[Any]]]] = []
         if schema == "sglang":
             methods = self._native_methods()

@@ -134,3 +134,36 @@ def weights_path(raw: Any, roots: list[Path]) -> Path:
     if not path.is_dir():
         raise AdminRequestError(f"model_path {raw} does not exist or is not a directory")
     return path
+
+
+# ---------------------------------------------------------------- staged weights (issue 11)
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    version: str
+    source: dict[str, Any]  # checked by rlfleet.weights.staging.parse_source
+    digest: str | None  # the version's content digest, when the caller knows it
+
+
+def stage_request(body: dict[str, Any]) -> StageRequest:
+    """`stage_weights` `{"version", "source": {"kind": ...}, "digest"?}`."""
+    version, source, digest = body.get("version"), body.get("source"), body.get("digest")
+    if not isinstance(version, str) or not version:
+        raise AdminRequestError('version is required (the name of the version to stage), with '
+                                'source: {"kind": "disk"|"s3"|"trainer"|"peer", ...}')
+    if not isinstance(source, dict):
+        raise AdminRequestError('source is required: {"kind": "disk", "path": DIR} | {"kind": '
+                                '"s3", "uri": "s3://bucket/prefix/VERSION"} | {"kind": "trainer", '
+                                '"url": URL} | {"kind": "peer"[, "url": SYSTEM_URL]}')
+    if digest is not None and not isinstance(digest, str):
+        raise AdminRequestError("digest must be a string (blake3:<hex>)")
+    return StageRequest(version, source, digest)
+
+
+def staging_handle(body: dict[str, Any]) -> str:
+    handle = body.get("handle")
+    if not isinstance(handle, str) or not handle:
+        raise AdminRequestError("handle is required (the one stage_weights returned; "
+                                "get_staged_weights lists them)")
+    return handle

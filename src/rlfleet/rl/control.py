@@ -154,10 +154,16 @@ class WorkerControl(abc.ABC):
     dynamic_membership: bool = False
     #: how the last transfer moved the weights, when there is more to say than the path
     transfer_detail: dict[str, Any] | None = None
+    #: whether the target is staged on the workers before the fleet is gated (`prepare`)
+    stages: bool = False
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
         """The current workers, by instance ID; unusable ones already excluded."""
+
+    async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:  # noqa: B027
+        """Before the gate closes: move `target` onto the workers (but `skip`) while they
+        serve (rlfleet.rl.staged); `transfer` then only installs it."""
 
     async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
         """Stop routing rollouts to the worker (its own admission flag in discovery)."""

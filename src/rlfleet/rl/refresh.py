@@ -57,6 +57,7 @@ class UpdatePath(enum.StrEnum):
     VLLM_DISK = "vllm-disk"
     VLLM_DISTRIBUTED = "vllm-distributed"
     SGLANG_DISK = "sglang-disk"
+    VLLM_STAGED = "vllm-staged"  # pulled while serving (rlfleet.rl.staged), installed gated
 
 
 class OnFailure(enum.StrEnum):
@@ -118,6 +119,7 @@ class Policy:
     path: str | None = None
     probe: Probe | None = None
     tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None  # for the distributed path
+    source: dict[str, Any] | None = None  # where workers stage it from (the staged path)
 
 
 @dataclass
@@ -225,6 +227,10 @@ class PolicyRefresh:
             return SglangControl(sglang_workers)
         if not rl_url:
             raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
+        if path is UpdatePath.VLLM_STAGED:
+            from rlfleet.rl.staged import VllmStagedControl
+
+            return VllmStagedControl(rl_url, model)
         return VllmControl(rl_url, model, distributed=path is UpdatePath.VLLM_DISTRIBUTED,
                            backend=backend, master_address=master_address,
                            master_port=master_port)
@@ -234,9 +240,11 @@ class PolicyRefresh:
     async def refresh(self, checkpoint: str | Path | None, version: str, *,
                       digest: str | None = None, probe: Probe | None = None,
                       tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None,
-                      step: int | None = None) -> RefreshResult:
-        """Move every worker to the checkpoint at `checkpoint` (declared `version`)."""
-        target = await self._policy(checkpoint, version, digest, probe, tensors)
+                      step: int | None = None, source: dict[str, Any] | None = None
+                      ) -> RefreshResult:
+        """Move every worker to the checkpoint at `checkpoint` (declared `version`); on the
+        staged path, to the version workers stage from `source` (a stage_weights source)."""
+        target = await self._policy(checkpoint, version, digest, probe, tensors, source)
         return await self._run(target, step=step, fleet_wide=True)
 
     async def admit_new_workers(self, step: int | None = None) -> RefreshResult:
@@ -248,8 +256,16 @@ class PolicyRefresh:
 
     # ------------------------------------------------------------------ building blocks
 
-    async def _policy(self, checkpoint, version, digest, probe, tensors) -> Policy:
+    async def _policy(self, checkpoint, version, digest, probe, tensors, source=None) -> Policy:
         path = str(Path(checkpoint).resolve()) if checkpoint is not None else None
+        if self.path is UpdatePath.VLLM_STAGED and source is None:
+            if path is None:
+                raise ValueError("the staged path needs a source (or a checkpoint path)")
+            source = {"kind": "disk", "path": path}
+        if digest is None and path is None and source is not None:
+            from rlfleet.rl.staged import source_digest
+
+            digest = await asyncio.to_thread(source_digest, source, version)
         if digest is None:
             if path is None:
                 raise ValueError("give a checkpoint path or the target digest")
@@ -263,7 +279,8 @@ class PolicyRefresh:
             probe = await asyncio.to_thread(reference_probe, path, None, self.probe_tokens)
         if self.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None and path is None:
             raise ValueError("the distributed path needs tensors or a checkpoint path")
-        return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors)
+        return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors,
+                      source=source)
 
     async def _each(self, workers: list[FleetWorker], fn) -> None:
         await asyncio.gather(*(fn(w) for w in workers))
@@ -306,6 +323,9 @@ class PolicyRefresh:
             ch = Channel(http, self.timeout, self.admin_token)
             gate_reason = f"policy refresh to {target.version}"
             try:
+                if control.stages:  # pulled while the fleet serves: the gate is still open
+                    await timed("stage", control.prepare(
+                        ch, target, set() if fleet_wide else set(self.verified)))
                 if fleet_wide:
                     self.gate.close(gate_reason)
                 move(RefreshState.GATED)

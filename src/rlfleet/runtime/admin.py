@@ -9,11 +9,14 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.protocol import admin
 from rlfleet.runtime.engine import EngineControl, WeightLoadError
 from rlfleet.runtime.system_server import Route, failed, ok
+
+if TYPE_CHECKING:
+    from rlfleet.weights.staging import StagingArea
 
 log = logging.getLogger("rlfleet.admin")
 
@@ -25,15 +28,22 @@ class EngineAdmin:
     """Route handlers over one engine. The weight identity (version, declared, digest) is
     the engine's; the admin owns only whether a trainer's weight-update group is open."""
 
-    def __init__(self, engine: EngineControl, allowed_roots: list[str] | None = None) -> None:
+    def __init__(self, engine: EngineControl, allowed_roots: list[str] | None = None,
+                 staging: StagingArea | None = None) -> None:
         self.engine = engine
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.group: admin.GroupRequest | None = None  # the trainer's group, once joined
+        self.staging = staging  # versions pulled while serving (stage_weights, ...)
 
     def routes(self) -> list[Route]:
-        # Routes that install staged weights (issue 11: stage_weights, apply_staged_weights,
-        # ...) go here; they install through `install_tensors`.
-        return [
+        staged = [] if self.staging is None else [
+            Route("stage_weights", self.stage_weights),
+            Route("get_staged_weights", self.get_staged_weights, mutating=False,
+                  serialized=False),
+            Route("apply_staged_weights", self.apply_staged_weights),
+            Route("release_staged_weights", self.release_staged_weights),
+        ]
+        return staged + [
             Route("liveness_probe", self.liveness_probe, mutating=False, serialized=False),
             Route("pause_generation", self.pause_generation),
             Route("resume_generation", self.resume_generation),
@@ -92,13 +102,15 @@ class EngineAdmin:
     # ---------------------------------------------------------------- installing weights
 
     async def _install(self, load: Callable[[], Awaitable[str]], version: str | None, *,
-                       what: str, reset_cache: bool = True) -> dict:
+                       what: str, reset_cache: bool = True, staged: bool = False) -> dict:
         """Run `load` (new weights live when it returns their digest), record the identity,
         drop KV computed under the old weights; the route's reply."""
         try:
             digest = await load()
         except WeightLoadError as e:
             return failed(f"{what} failed: {e}")
+        if self.staging is not None and not staged:  # the resident staged copy is stale now
+            await self.staging.weights_replaced()
         await self.engine.set_version(version, declared=version is not None, digest=digest)
         if reset_cache and not await self.engine.reset_cache(running=True):
             return failed("weights were applied but the prefix cache could not be reset; "
@@ -118,6 +130,45 @@ class EngineAdmin:
             except ValueError as e:  # they do not fit: nothing was changed
                 raise WeightLoadError(f"{e}; the previous weights are still serving") from e
         return await self._install(load, version, what="applying staged weights")
+
+    # ---------------------------------------------------------------- staged weights
+
+    async def stage_weights(self, body: dict) -> dict:
+        """Start pulling a version into host buffers while the engine serves; returns at once
+        with the handle (STAGING). Bad sources and wrong bases are refused here when they can
+        be seen without the transfer, else the handle ends FAILED with the reason."""
+        req = admin.stage_request(body)
+        ident = self.engine.identity()
+        h = await self.staging.stage(req.version, req.source, digest=req.digest,
+                                     applied=(ident.version, ident.digest))
+        return ok(handle=h.handle, state=h.state.value, version=h.version)
+
+    async def get_staged_weights(self, body: dict) -> dict:
+        """Every handle (or the one named) with its state, progress and error."""
+        if body.get("handle") is not None:
+            return ok(staged=[self.staging.get(admin.staging_handle(body)).summary()])
+        r = self.staging.resident
+        return ok(staged=self.staging.summaries(),
+                  resident={"version": r.version, "digest": r.digest} if r else None)
+
+    async def apply_staged_weights(self, body: dict) -> dict:
+        """Install a READY handle (only while paused); the reply is update_weights_from_disk's
+        (version, weight_digest). `weight_version` defaults to the staged version's name."""
+        handle = admin.staging_handle(body)
+        version = admin.weight_version(body)
+        h, staged = self.staging.ready(handle)
+        if not await self.engine.is_paused():
+            return failed(NOT_PAUSED)
+        version = h.version if version is None else version
+        reply = await self._install(lambda: self.engine.load_staged(staged.dir, staged.digest),
+                                    version, what=f"applying staged {h.version}", staged=True)
+        if reply.get("status") == "ok":
+            await self.staging.applied(handle, reply.get("weight_digest"))
+        return {**reply, "handle": handle, "staged_digest": staged.digest}
+
+    async def release_staged_weights(self, body: dict) -> dict:
+        h = await self.staging.release(admin.staging_handle(body))
+        return ok(handle=h.handle, state=h.state.value)
 
     # ---------------------------------------------------------------- from disk
 

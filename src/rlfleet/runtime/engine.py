@@ -153,6 +153,15 @@ class EngineControl(abc.ABC):
         the model's complete set); returns the digest of what was loaded. ValueError
         (nothing changed) when they do not fit the served model."""
 
+    async def load_staged(self, path: Path, digest: str) -> str:
+        """Load a staged version directory (rlfleet.weights.staging) whose content digest
+        `digest` was computed over these very files when they were staged (they are
+        read-only since); returns the digest of what was loaded. By default its tensors go
+        through `apply_tensors`."""
+        from rlfleet.weights.digest import iter_checkpoint_tensors
+
+        return await self.apply_tensors(dict(iter_checkpoint_tensors(path)))
+
     # ---- a trainer's weight-update group (update_weights_from_distributed)
 
     @abc.abstractmethod

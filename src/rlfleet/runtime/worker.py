@@ -66,6 +66,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="register closed to rollouts until a coordinator verifies this worker "
              "and calls set_admission (replacement workers in an RL fleet)")
     add("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    add("--weights-catalog", default=os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
+        help="version catalog (sqlite:///path or etcd://host:port) for staged weights: "
+             "digests, leases, and the peers that hold a version (default: "
+             "$RLFLEET_WEIGHTS_CATALOG; none: stage without it)")
+    add("--weights-staging-dir", default=os.environ.get("RLFLEET_WEIGHTS_STAGING_DIR"),
+        help="where staged versions are held (default: a directory in /dev/shm)")
 
 
 @dataclass
@@ -74,9 +80,20 @@ class Admission:
     reason: str | None = None
 
 
+def staging_area(args: argparse.Namespace):
+    """The worker's staging area for versions pulled while it serves (stage_weights)."""
+    from rlfleet.weights.staging import StagingArea
+
+    return StagingArea(args.weights_staging_dir, catalog=args.weights_catalog,
+                       allowed_roots=args.allowed_weights_root, admin_token=args.admin_token)
+
+
 async def serve_worker(engine: Engine, args: argparse.Namespace,
-                       admin_routes: Callable[[], list[Route]] | None = None) -> None:
-    """Start the engine, serve it, register it, and run until SIGTERM/SIGINT."""
+                       admin_routes: Callable[[], list[Route]] | None = None,
+                       staging=None) -> None:
+    """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
+    `staging` area, the system server also serves the applied version's files to peers
+    (GET /weights/<version>/<file>)."""
     level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -130,6 +147,12 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         await ss.start()
         servers.append(ss)
         system_url = http_url(advertised_host(system_host, args.advertise_host, toward), ss.port)
+        if staging is not None:
+            from rlfleet.weights.publish import add_weights_route
+
+            add_weights_route(app, staging.resident_dir, args.admin_token)
+    if staging is not None:
+        staging.attach(str(instance_id), system_url)
 
     info = engine.info
     base: dict[str, Any] = {
@@ -169,4 +192,6 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         await discovery.close()
         for s in servers:
             await s.stop()
+        if staging is not None:
+            await staging.close()
         await engine.shutdown()

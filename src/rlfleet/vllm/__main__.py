@@ -10,14 +10,15 @@ import asyncio
 
 def main(argv: list[str] | None = None) -> None:
     from rlfleet.runtime.admin import EngineAdmin
-    from rlfleet.runtime.worker import serve_worker
+    from rlfleet.runtime.worker import serve_worker, staging_area
     from rlfleet.vllm.args import parse_args
     from rlfleet.vllm.engine import VllmEngine
 
     args = parse_args(argv)
     engine = VllmEngine(args)
-    admin = EngineAdmin(engine, args.allowed_weights_root)
-    asyncio.run(serve_worker(engine, args, admin.routes))
+    staging = staging_area(args)
+    admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
+    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging))
 
 
 if __name__ == "__main__":

@@ -318,6 +318,19 @@ class VllmEngine(Engine, EngineControl):
         self.weights_path = None
         return digest
 
+    async def load_staged(self, path: Path, digest: str) -> str:
+        """The engine reads the staged files in place (shared memory); their digest was
+        computed over the same bytes when they were staged, so it is not computed again
+        inside the gated window. The files are the resident copy from now on: a failed
+        later load restores from them."""
+        why = self.checkpoint_mismatch(path)
+        if why:
+            raise WeightLoadError(f"the staged tensors do not fit the served model: {why}; the "
+                                  "previous weights are still serving")
+        loaded = await self._load("rlfleet_load_staged", str(path), digest)
+        self.weights_path = str(path)
+        return loaded
+
     def announced_mismatch(self, d: DistributedRequest) -> str | None:
         sig = {n: ("", tuple(s)) for n, s in zip(d.names, d.shapes, strict=True)}
         why = signature_mismatch(self.signature, sig)

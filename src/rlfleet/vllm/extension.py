@@ -35,8 +35,10 @@ def dtype_from_name(name: str) -> torch.dtype:
 class WorkerExtension:
     """Weight loading, identity and trainer → worker transfer for rlfleet."""
 
-    def _rlfleet_apply(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> str:
-        """Load (name, tensor) pairs in checkpoint format; return the digest of what was loaded."""
+    def _rlfleet_apply(self, tensors: Iterator[tuple[str, torch.Tensor]],
+                       known_digest: str | None = None) -> str:
+        """Load (name, tensor) pairs in checkpoint format; return the digest of what was
+        loaded (computed here, unless the caller computed it over the same bytes)."""
         digest = DigestBuilder()
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -44,16 +46,22 @@ class WorkerExtension:
                 digest.add(name, t)
                 yield name, t
 
-        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        self.model_runner.reload_weights(
+            weights_iterator=tensors if known_digest else counted(), is_checkpoint_format=True)
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         qm = getattr(lm_head, "quant_method", None)
         if qm is not None and hasattr(qm, "process_weights_after_loading"):
             qm.process_weights_after_loading(lm_head)  # refresh the tied output layer's repack
-        return digest.root()
+        return known_digest or digest.root()
 
     def rlfleet_load_from_disk(self, path: str) -> str:
         return self._rlfleet_apply(iter_checkpoint_tensors(path))
+
+    def rlfleet_load_staged(self, path: str, digest: str) -> str:
+        """A staged version directory (rlfleet.weights.staging): read-only files whose digest
+        was computed when they were staged."""
+        return self._rlfleet_apply(iter_checkpoint_tensors(path), known_digest=digest)
 
     # ------------------------------------------------------------ trainer → worker group
 

@@ -1,0 +1,681 @@
+"""Policy versions as files, byte-compatible with ModelExpress's S3 layout.
+
+A version lives under ``<prefix>/<version>/`` with ``model.safetensors.index.json``:
+
+* full: index ``{"metadata": {"total_size", "checksum_format": "adler32"}, "weight_map"}``;
+  shards ``model-NNNNN-of-NNNNN.safetensors`` (at most 4 GiB of tensors each) whose
+  safetensors metadata maps every tensor to the Adler-32 (8 hex digits) of its bytes.
+* xor-delta: index ``{"metadata": {"version", "base_version", "delta_encoding": "xor",
+  "compression_format": "zstd", "checksum_format": "adler32"}, "weight_map"}``; every
+  changed tensor is the bytewise XOR of target and base over the whole tensor, compressed
+  as its own zstd level-1 frame and stored as a uint8 array; unchanged tensors are absent;
+  the shard metadata holds the Adler-32 of each changed tensor's *target* bytes. A delta
+  is applied only on the exact base it names.
+
+Index JSON is written with sorted keys and no spaces, last, so a reader never sees a
+version whose files are not all there. The same layout lives in a local directory
+(``file://``), on S3 (``s3://bucket/prefix``), and is served over HTTP byte ranges by a
+trainer (`rlfleet.weights.publish`) or a peer worker (`/weights/<version>/<file>`)."""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+import struct
+import threading
+import urllib.parse
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+try:  # ISA-L's Adler-32 is several times faster than zlib's; the same checksum
+    from isal.isal_zlib import adler32 as _adler32
+except ImportError:  # pragma: no cover - isal has wheels for the usual platforms
+    from zlib import adler32 as _adler32
+
+INDEX = "model.safetensors.index.json"
+SHARD_LIMIT = 4 << 30  # bytes of tensors per shard, as ModelExpress batches them
+CHECKSUM_FORMAT = "adler32"
+TIED_OUTPUT = "lm_head.weight"
+TIED_INPUT = "model.embed_tokens.weight"
+
+#: safetensors dtype codes <-> torch dtypes
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ST_CODES = {v: k for k, v in ST_DTYPES.items()}
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, malformed or does not check out; the message says which."""
+
+
+class ArtifactMissing(ArtifactError, FileNotFoundError):
+    """A file of the version is not at the source."""
+
+
+class WrongBase(ArtifactError):
+    """A delta offered on a base other than the one it names."""
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def adler32_hex(data: Any) -> str:
+    return f"{_adler32(data) & 0xFFFFFFFF:08x}"
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.nbytes % 8 == 0 and a.nbytes:
+        return np.array_equal(a.view(np.uint64), b.view(np.uint64))
+    return np.array_equal(a, b)
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's raw little-endian bytes as a flat uint8 array (no copy when possible)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    try:
+        return _ST_CODES[dtype]
+    except KeyError:
+        raise ArtifactError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors code, e.g. "BF16"
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * ST_DTYPES[self.dtype].itemsize
+
+    def as_tensor(self, data: np.ndarray) -> torch.Tensor:
+        """A tensor view over `data` (the spec's bytes; a read-only buffer stays unwritten:
+        the views are only read)."""
+        if not self.nbytes:
+            return torch.empty(self.shape, dtype=ST_DTYPES[self.dtype])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+            return torch.frombuffer(data, dtype=ST_DTYPES[self.dtype]).reshape(self.shape)
+
+
+def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, dtype_code(t.dtype), tuple(t.shape))
+
+
+def drop_tied_output(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A tied output layer is not stored twice: drop `lm_head.weight` when it is the input
+    embedding (same storage, or equal bytes)."""
+    out = dict(tensors)
+    head, emb = out.get(TIED_OUTPUT), out.get(TIED_INPUT)
+    if head is not None and emb is not None and head.shape == emb.shape and (
+            head.data_ptr() == emb.data_ptr() or torch.equal(head, emb)):
+        del out[TIED_OUTPUT]
+    return out
+
+
+# ---------------------------------------------------------------- safetensors headers
+
+
+def order_specs(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
+    """The order safetensors writes tensors in: larger items first, then by name (keeps
+    every tensor aligned to its item size)."""
+    return sorted(specs, key=lambda s: (-ST_DTYPES[s.dtype].itemsize, s.name))
+
+
+def build_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None
+                 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """A safetensors header (length prefix included) for `specs`, and each tensor's
+    (start, end) offsets within the data region."""
+    head: dict[str, Any] = {}
+    if metadata:
+        head["__metadata__"] = dict(metadata)
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for s in order_specs(specs):
+        offsets[s.name] = (pos, pos + s.nbytes)
+        head[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        pos += s.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def parse_header(data: bytes, source: str) -> tuple[dict[str, Any], int]:
+    """(header, data start) of a safetensors file whose first bytes are `data`."""
+    if len(data) < 8:
+        raise ArtifactError(f"{source}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > 100 << 20 or 8 + n > len(data):
+        raise ArtifactError(f"{source}: invalid safetensors header length {n}")
+    try:
+        header = json.loads(data[8:8 + n])
+    except ValueError as e:
+        raise ArtifactError(f"{source}: invalid safetensors header: {e}") from e
+    if not isinstance(header, dict):
+        raise ArtifactError(f"{source}: invalid safetensors header")
+    return header, 8 + n
+
+
+# ---------------------------------------------------------------- encoding
+
+
+@dataclass
+class Artifact:
+    """An encoded version, ready to write: `files` then the index (last)."""
+
+    version: str
+    format: str  # "full" | "xor-delta"
+    base_version: str | None
+    files: list[tuple[str, bytes]]
+    index: dict[str, Any]
+    bytes_full: int  # bytes of the whole model's tensors
+    digest: str
+    changed: int = 0  # tensors stored (a delta stores only the changed ones)
+
+    @property
+    def index_bytes(self) -> bytes:
+        return json.dumps(self.index, sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(len(d) for _, d in self.files) + len(self.index_bytes)
+
+    @property
+    def parts(self) -> list[str]:
+        return [name for name, _ in self.files] + [INDEX]
+
+
+def _batches(items: list[tuple[str, int]], limit: int) -> list[list[str]]:
+    out: list[list[str]] = []
+    size = 0
+    for name, n in items:
+        if out and out[-1] and size + n <= limit:
+            out[-1].append(name)
+            size += n
+        else:
+            out.append([name])
+            size = n
+    return out
+
+
+def encode_full(version: str, tensors: Mapping[str, torch.Tensor], digest: str,
+                shard_limit: int = SHARD_LIMIT) -> Artifact:
+    """A full version: shards of at most `shard_limit` bytes, Adler-32 per tensor."""
+    from safetensors.torch import save
+
+    if not tensors:
+        raise ArtifactError(f"version {version}: no tensors to publish")
+    names = sorted(tensors)
+    batches = _batches([(n, tensors[n].numel() * tensors[n].element_size()) for n in names],
+                       shard_limit)
+    files, weight_map, total = [], {}, 0
+    for i, batch in enumerate(batches, start=1):
+        fname = shard_name(i, len(batches))
+        part = {n: tensors[n].detach().cpu().contiguous() for n in batch}
+        sums = {n: adler32_hex(tensor_bytes(t)) for n, t in part.items()}
+        files.append((fname, save(part, metadata=sums)))
+        for n, t in part.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total, "checksum_format": CHECKSUM_FORMAT},
+             "weight_map": weight_map}
+    return Artifact(version, "full", None, files, index, total, digest, len(names))
+
+
+def xor_delta(target: np.ndarray, base: np.ndarray) -> np.ndarray | None:
+    """The full-size bytewise XOR of target and base; None when they are equal."""
+    if target.nbytes != base.nbytes:
+        raise ArtifactError("tensor changed byte size")
+    if _same_bytes(target, base):
+        return None
+    return np.bitwise_xor(target, base)
+
+
+def compress_frame(delta: np.ndarray) -> np.ndarray:
+    import zstandard
+
+    return np.frombuffer(zstandard.ZstdCompressor(level=1).compress(delta), dtype=np.uint8)
+
+
+def encode_delta(version: str, base_version: str, tensors: Mapping[str, torch.Tensor],
+                 base: Mapping[str, np.ndarray], digest: str,
+                 shard_limit: int = SHARD_LIMIT, threads: int | None = None) -> Artifact:
+    """An exact-base XOR delta of `tensors` against `base` (name -> base bytes)."""
+    from safetensors.numpy import save
+
+    if set(tensors) != set(base):
+        missing, extra = sorted(set(base) - set(tensors)), sorted(set(tensors) - set(base))
+        raise ArtifactError(f"version {version} and its base {base_version} hold different "
+                            f"tensors (missing: {missing[:3]}, new: {extra[:3]}): publish it full")
+
+    def one(name: str) -> tuple[str, np.ndarray | None, str | None, int]:
+        cur = tensor_bytes(tensors[name])
+        if cur.nbytes != base[name].nbytes:
+            raise ArtifactError(f"tensor {name} changed byte size since {base_version}: "
+                                "publish a full version")
+        delta = xor_delta(cur, base[name])
+        if delta is None:
+            return name, None, None, cur.nbytes
+        return name, compress_frame(delta), adler32_hex(cur), cur.nbytes
+
+    with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(one, sorted(tensors)))
+    total = sum(r[3] for r in results)
+    changed = [(n, frame, s) for n, frame, s, _ in results if frame is not None]
+    batches = _batches([(n, f.nbytes) for n, f, _ in changed], shard_limit)
+    by_name = {n: (f, s) for n, f, s in changed}
+    files, weight_map = [], {}
+    for i, batch in enumerate(batches, start=1):
+        fname = shard_name(i, len(batches))
+        files.append((fname, save({n: by_name[n][0] for n in batch},
+                                  metadata={n: by_name[n][1] for n in batch})))
+        weight_map.update(dict.fromkeys(batch, fname))
+    index = {"metadata": {"version": version, "base_version": base_version,
+                          "delta_encoding": "xor", "compression_format": "zstd",
+                          "checksum_format": CHECKSUM_FORMAT},
+             "weight_map": weight_map}
+    return Artifact(version, "xor-delta", base_version, files, index, total, digest, len(changed))
+
+
+# ---------------------------------------------------------------- storage
+
+
+class Storage(abc.ABC):
+    """Where versions live: keys are ``<version>/<file>`` below the storage's root."""
+
+    uri: str
+
+    @abc.abstractmethod
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of `key` (the whole object without a range)."""
+
+    def write(self, key: str, data: bytes) -> None:
+        raise ArtifactError(f"{self.uri} is read-only")
+
+    def delete_version(self, version: str) -> None:
+        raise ArtifactError(f"{self.uri} is read-only")
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.read(key, 0, 1)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def list_version(self, version: str) -> list[str]:
+        """File names of a version directory (only where listing is possible)."""
+        raise ArtifactError(f"{self.uri}: cannot list {version}; it needs {INDEX}")
+
+    def close(self) -> None:
+        return None
+
+
+class FileStorage(Storage):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.uri = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        p = (self.root / key)
+        if ".." in Path(key).parts:
+            raise ArtifactError(f"bad key {key!r}")
+        return p
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        with open(self._path(key), "rb") as f:
+            if start is None:
+                return f.read()
+            f.seek(start)
+            return f.read(end - start if end is not None else -1)
+
+    def write(self, key: str, data: bytes) -> None:
+        p = self._path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, p)
+
+    def delete_version(self, version: str) -> None:
+        import shutil
+
+        shutil.rmtree(self._path(version), ignore_errors=True)
+
+    def list_version(self, version: str) -> list[str]:
+        d = self._path(version)
+        if not d.is_dir():
+            raise FileNotFoundError(f"{d} is not a directory")
+        return sorted(p.name for p in d.iterdir() if p.is_file())
+
+
+class S3Storage(Storage):
+    """boto3 against any S3 endpoint; credentials from the usual environment. Every call
+    has connect and read timeouts; retries are the caller's (it knows its deadline)."""
+
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None,
+                 timeout: float = 30.0) -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.client = boto3.client(
+            "s3", endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None,
+            config=Config(connect_timeout=timeout, read_timeout=timeout,
+                          retries={"max_attempts": 1, "mode": "standard"},
+                          s3={"addressing_style": "path"}))
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        from botocore.exceptions import ClientError
+
+        kw: dict[str, Any] = {}
+        if start is not None:
+            kw["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kw)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(f"{self.uri}/{key}") from None
+            raise
+        with r["Body"] as body:
+            return body.read()
+
+    def write(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def delete_version(self, version: str) -> None:
+        pager = self.client.get_paginator("list_objects_v2")
+        for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(version) + "/"):
+            objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objs:
+                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class HttpStorage(Storage):
+    """Read-only: ``<base_url>/weights/<version>/<file>`` with Range requests (a trainer's
+    publisher or a peer worker's system server)."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0,
+                 headers: Mapping[str, str] | None = None) -> None:
+        import httpx
+
+        self.base = base_url.rstrip("/")
+        self.uri = self.base
+        self.http = httpx.Client(timeout=timeout, headers=dict(headers or {}))
+
+    def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        headers = {}
+        if start is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        r = self.http.get(f"{self.base}/weights/{key}", headers=headers)
+        if r.status_code == 404:
+            raise FileNotFoundError(f"{self.base}/weights/{key}: {r.text[:200]}")
+        if r.status_code not in (200, 206):
+            raise ArtifactError(f"{self.base}/weights/{key}: HTTP {r.status_code} {r.text[:200]}")
+        data = r.content
+        if start is not None and r.status_code == 200:  # the server ignored the range
+            data = data[start:end]
+        return data
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def open_storage(uri: str | Path, endpoint_url: str | None = None,
+                 timeout: float = 30.0) -> Storage:
+    """``file:///dir``, a plain directory path, ``s3://bucket[/prefix]`` or ``http(s)://``."""
+    text = str(uri)
+    p = urllib.parse.urlsplit(text)
+    if p.scheme == "s3":
+        if not p.netloc:
+            raise ValueError(f"bad S3 URI {text!r}: expected s3://bucket/prefix")
+        return S3Storage(p.netloc, p.path, endpoint_url, timeout)
+    if p.scheme in ("http", "https"):
+        return HttpStorage(text, timeout)
+    if p.scheme == "file":
+        if p.netloc not in ("", "localhost"):
+            raise ValueError(f"bad file URI {text!r}: expected file:///absolute/dir")
+        return FileStorage(urllib.parse.unquote(p.path))
+    if p.scheme == "":
+        return FileStorage(text)
+    raise ValueError(f"unsupported weights location {text!r}: use file:///dir, s3://bucket/prefix "
+                     "or http(s)://host:port")
+
+
+def split_version_uri(uri: str) -> tuple[str, str]:
+    """``s3://b/prefix/VERSION`` -> (``s3://b/prefix``, ``VERSION``)."""
+    text = str(uri).rstrip("/")
+    parent, _, version = text.rpartition("/")
+    if not version or not parent or parent.endswith(":/"):
+        if text.startswith("s3://") and text.count("/") == 2:
+            raise ValueError(f"{uri!r} names a bucket, not a version: s3://bucket/prefix/VERSION")
+        raise ValueError(f"{uri!r} does not name a version directory")
+    return parent, version
+
+
+def write_artifact(storage: Storage, artifact: Artifact,
+                   on_part: Callable[[str], Any] | None = None) -> int:
+    """Write the files, then the index; `on_part(name)` after each. Returns bytes written."""
+    for name, data in artifact.files:
+        storage.write(f"{artifact.version}/{name}", data)
+        if on_part:
+            on_part(name)
+    storage.write(f"{artifact.version}/{INDEX}", artifact.index_bytes)
+    if on_part:
+        on_part(INDEX)
+    return artifact.bytes_written
+
+
+# ---------------------------------------------------------------- reading
+
+
+@dataclass
+class Entry:
+    """One stored tensor: where its bytes are and what they must check out to."""
+
+    name: str
+    file: str  # file name within the version directory
+    start: int  # absolute byte range in the file
+    end: int
+    spec: TensorSpec  # the stored tensor (a delta: the compressed uint8 frame)
+    checksum: str | None  # Adler-32 of the (target) bytes, when the artifact carries one
+
+
+@dataclass
+class VersionPlan:
+    """What a version directory holds, from its index and shard headers alone."""
+
+    key: str  # the version's directory below the storage root
+    format: str  # "full" | "xor-delta" | "checkpoint" (plain HF, no checksums)
+    version: str | None  # as the index names it (deltas); None otherwise
+    base_version: str | None
+    entries: list[Entry] = field(default_factory=list)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(e.end - e.start for e in self.entries)
+
+
+def plan_version(read: Callable[..., bytes], key: str,
+                 list_files: Callable[[str], list[str]] | None = None) -> VersionPlan:
+    """Read the index (or, for a plain HF checkpoint directory, list its safetensors files)
+    and every shard's header. `read(key, start, end)` is the storage's ranged read."""
+    missing: FileNotFoundError | None = None
+    try:
+        raw = read(f"{key}/{INDEX}")
+    except FileNotFoundError as e:
+        raw, missing = None, e
+    meta: dict[str, Any] = {}
+    if raw is not None:
+        try:
+            index = json.loads(raw)
+            weight_map = index["weight_map"]
+            meta = index.get("metadata") or {}
+        except (ValueError, KeyError, TypeError) as e:
+            raise ArtifactError(f"{key}/{INDEX}: not a valid index ({e!r})") from e
+        if not isinstance(weight_map, dict) or not isinstance(meta, dict):
+            raise ArtifactError(f"{key}/{INDEX}: weight_map and metadata must be objects")
+        files = sorted(set(weight_map.values()))
+        for f in files:
+            if not isinstance(f, str) or "/" in f or f in (".", "..") or not f.endswith(".safetensors"):
+                raise ArtifactError(f"{key}/{INDEX}: bad shard name {f!r}")
+    else:
+        if list_files is None:
+            raise ArtifactError(f"{key}: no {INDEX}, not a published version ({missing})")
+        files = [f for f in list_files(key) if f.endswith(".safetensors")]
+        if not files:
+            raise ArtifactError(f"{key}: neither {INDEX} nor *.safetensors files")
+        weight_map = None
+    is_delta = meta.get("delta_encoding") is not None
+    if is_delta:
+        for k, want in (("delta_encoding", "xor"), ("compression_format", "zstd"),
+                        ("checksum_format", CHECKSUM_FORMAT)):
+            if meta.get(k) != want:
+                raise ArtifactError(f"{key}/{INDEX}: {k} is {meta.get(k)!r}; only {want!r} is "
+                                    "supported")
+        if not meta.get("base_version"):
+            raise ArtifactError(f"{key}/{INDEX}: a delta without base_version")
+    elif meta.get("checksum_format") not in (None, CHECKSUM_FORMAT):
+        raise ArtifactError(f"{key}/{INDEX}: checksum_format {meta['checksum_format']!r} is "
+                            "not supported (adler32 is)")
+    checked = meta.get("checksum_format") == CHECKSUM_FORMAT
+    plan = VersionPlan(key, "xor-delta" if is_delta else ("full" if checked else "checkpoint"),
+                       meta.get("version"), meta.get("base_version"))
+    seen: set[str] = set()
+    for f in files:
+        head = read(f"{key}/{f}", 0, 8)
+        if len(head) < 8:
+            raise ArtifactError(f"{key}/{f}: truncated safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        header, start = parse_header(head + read(f"{key}/{f}", 8, 8 + n), f"{key}/{f}")
+        sums = header.pop("__metadata__", None) or {}
+        for name, info in header.items():
+            if weight_map is not None and weight_map.get(name) != f:
+                continue  # not this shard's (an index is the authority)
+            if name in seen:
+                raise ArtifactError(f"{key}: tensor {name} stored twice")
+            seen.add(name)
+            try:
+                b, e = info["data_offsets"]
+                spec = TensorSpec(name, info["dtype"], tuple(info["shape"]))
+            except (KeyError, TypeError, ValueError) as err:
+                raise ArtifactError(f"{key}/{f}: bad header entry for {name}") from err
+            if spec.dtype not in ST_DTYPES or e - b != spec.nbytes:
+                raise ArtifactError(f"{key}/{f}: bad header entry for {name}")
+            if is_delta and spec.dtype != "U8":
+                raise ArtifactError(f"{key}/{f}: delta tensor {name} is {spec.dtype}, not U8")
+            sum_ = sums.get(name) if checked else None
+            if checked and not isinstance(sum_, str):
+                raise ArtifactError(f"{key}/{f}: no Adler-32 for tensor {name} in the shard "
+                                    "metadata")
+            plan.entries.append(Entry(name, f, start + b, start + e, spec, sum_))
+    if weight_map is not None and seen != set(weight_map):
+        missing = sorted(set(weight_map) - seen)
+        raise ArtifactError(f"{key}: tensors in the index but in no shard: {missing[:3]}")
+    return plan
+
+
+def check_bytes(name: str, data: np.ndarray, checksum: str | None) -> None:
+    if checksum is not None:
+        got = adler32_hex(data)
+        if got != checksum:
+            raise ArtifactError(f"tensor {name}: Adler-32 {got} does not match the artifact's "
+                                f"{checksum} (corrupt or truncated transfer)")
+
+
+DECODE_CHUNK = 2 << 20  # decompress, XOR and checksum in cache-sized pieces
+
+
+def decode_delta(name: str, frame: np.ndarray, base: np.ndarray, out: np.ndarray,
+                 checksum: str | None) -> None:
+    """out = base XOR decompress(frame), checked against the target's Adler-32. `out` may be
+    `base` itself (in place)."""
+    import zstandard
+
+    n = base.nbytes
+    buf = np.empty(min(DECODE_CHUNK, max(n, 1)), dtype=np.uint8)
+    pos, value = 0, 1
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(memoryview(frame)) as reader:
+            while pos < n:
+                k = reader.readinto(memoryview(buf)[:min(len(buf), n - pos)])
+                if not k:
+                    break
+                region = out[pos:pos + k]
+                np.bitwise_xor(base[pos:pos + k], buf[:k], out=region)
+                value = _adler32(region, value)
+                pos += k
+            extra = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise ArtifactError(f"tensor {name}: bad zstd frame ({e})") from e
+    if pos != n or extra:
+        raise ArtifactError(f"tensor {name}: the delta does not have the base's {n} bytes")
+    got = f"{value & 0xFFFFFFFF:08x}"
+    if checksum is not None and got != checksum:
+        raise ArtifactError(f"tensor {name}: Adler-32 {got} does not match the artifact's "
+                            f"{checksum} (corrupt or truncated transfer)")
+
+
+def read_version(storage: Storage, key: str, max_chain: int = 64
+                 ) -> tuple[dict[str, TensorSpec], dict[str, np.ndarray]]:
+    """Every tensor of the version at `key`, replaying its delta chain (up to `max_chain`
+    links, bases found as siblings under the same root) from the last full version. For a
+    trainer publishing a delta against what it published before, and for tests."""
+    plans: list[VersionPlan] = []
+    k: str | None = key
+    while k is not None:
+        if len(plans) >= max_chain:
+            raise ArtifactError(f"{key}: delta chain longer than {max_chain}")
+        list_files = storage.list_version if isinstance(storage, FileStorage) else None
+        plan = plan_version(storage.read, k, list_files)
+        plans.append(plan)
+        k = plan.base_version if plan.format == "xor-delta" else None
+    specs: dict[str, TensorSpec] = {}
+    data: dict[str, np.ndarray] = {}
+    for plan in reversed(plans):
+        if plan.format != "xor-delta":
+            specs, data = {}, {}
+            for e in plan.entries:
+                buf = np.frombuffer(storage.read(f"{plan.key}/{e.file}", e.start, e.end),
+                                    dtype=np.uint8)
+                check_bytes(e.name, buf, e.checksum)
+                specs[e.name], data[e.name] = e.spec, buf
+            continue
+        for e in plan.entries:
+            if e.name not in data:
+                raise ArtifactError(f"{plan.key}: delta tensor {e.name} is not in its base")
+            frame = np.frombuffer(storage.read(f"{plan.key}/{e.file}", e.start, e.end),
+                                  dtype=np.uint8)
+            out = np.empty_like(data[e.name])
+            decode_delta(e.name, frame, data[e.name], out, e.checksum)
+            data[e.name] = out
+    return specs, data
+
+
+def as_tensors(specs: Mapping[str, TensorSpec], data: Mapping[str, np.ndarray]
+               ) -> dict[str, torch.Tensor]:
+    return {n: specs[n].as_tensor(data[n]) for n in specs}

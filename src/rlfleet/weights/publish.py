@@ -1,0 +1,249 @@
+"""The trainer side of the weight plane: publish a policy version (full, or an exact-base
+XOR delta against one published before) to a directory, S3, or the trainer's own HTTP
+server, and register it in the catalog, READY once every file is written.
+
+    from rlfleet.weights.publish import Publisher
+    pub = Publisher("s3://bucket/policies", catalog="sqlite:///run/catalog.sqlite",
+                    model="qwen3", dtype=torch.bfloat16)
+    pub.publish(model.state_dict(), "step-1")                     # full
+    pub.publish(model.state_dict(), "step-2", base="step-1")      # delta
+
+    server = TrainerServer()              # workers stage {"kind": "trainer", "url": server.url}
+    pub = Publisher(server.uri, ...)
+
+`publish(...)` is the one-shot form; `rlfleet publish CHECKPOINT --version V [--base V0]
+--to URI` the command. Each call returns (the command prints) one JSON object:
+``{"version", "base_version", "digest", "bytes_full", "bytes_written"}``."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
+
+from rlfleet.weights import artifacts as art
+from rlfleet.weights.catalog import Catalog
+from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
+
+
+def _run(coro):
+    """Run a catalog coroutine from synchronous code (also from inside a running loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def prepare_tensors(tensors: Mapping[str, torch.Tensor] | Any,
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The tensors as the engine will receive them: on the CPU, contiguous, in `dtype`
+    (e.g. float32 master weights published as bfloat16), a tied output layer dropped."""
+    out = {}
+    for name, t in dict(tensors).items():
+        t = t.detach()
+        if dtype is not None and t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        out[name] = t.to("cpu").contiguous()
+    return art.drop_tied_output(out)
+
+
+class Publisher:
+    """Publishes successive versions to one destination. It keeps the bytes of the last
+    version it published, so a delta against it needs no read-back; any other base is read
+    from the destination (its chain replayed)."""
+
+    def __init__(self, to: str | Path, *, catalog: Catalog | str | Path | None = None,
+                 model: str = "policy", dtype: torch.dtype | None = None,
+                 endpoint_url: str | None = None, shard_limit: int = art.SHARD_LIMIT) -> None:
+        self.storage = art.open_storage(to, endpoint_url)
+        if isinstance(self.storage, art.HttpStorage):
+            raise ValueError(f"cannot publish to {to}: use file:///dir, s3://bucket/prefix or "
+                             "a TrainerServer's uri")
+        self.catalog_url = catalog.url if isinstance(catalog, Catalog) else catalog
+        self.model = model
+        self.dtype = dtype
+        self.shard_limit = shard_limit
+        self.last: tuple[str, dict[str, np.ndarray]] | None = None  # version, bytes
+
+    def _base_bytes(self, base: str) -> dict[str, np.ndarray]:
+        if self.last is not None and self.last[0] == base:
+            return self.last[1]
+        try:
+            _, data = art.read_version(self.storage, base)
+        except FileNotFoundError as e:
+            raise art.ArtifactError(f"base {base} is not at {self.storage.uri}: {e}") from None
+        return data
+
+    def publish(self, tensors: Mapping[str, torch.Tensor] | Any, version: str, *,
+                base: str | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Write `tensors` as `version` (full, or a delta on `base`), register it, READY."""
+        if not version or "/" in version:
+            raise ValueError(f"bad version name {version!r} (non-empty, no '/')")
+        t0 = time.perf_counter()
+        prepared = prepare_tensors(tensors, self.dtype)
+        digest = digest_tensors(prepared.items())
+        if base is None:
+            artifact = art.encode_full(version, prepared, digest, self.shard_limit)
+        else:
+            artifact = art.encode_delta(version, base, prepared, self._base_bytes(base), digest,
+                                        self.shard_limit)
+        encode_s = time.perf_counter() - t0
+        location = f"{self.storage.uri}/{version}"
+
+        async def write_all() -> None:
+            catalog = Catalog(self.catalog_url) if self.catalog_url is not None else None
+            try:
+                if catalog is not None:
+                    await catalog.create(model=self.model, version=version,
+                                         format=artifact.format, digest=digest,
+                                         base_version=base, locations=[location],
+                                         size=artifact.bytes_full, parts=artifact.parts,
+                                         idempotency_key=idempotency_key)
+                for name, data in [*artifact.files, (art.INDEX, artifact.index_bytes)]:
+                    await asyncio.to_thread(self.storage.write, f"{version}/{name}", data)
+                    if catalog is not None:
+                        await catalog.publish_part(version, name)
+            finally:
+                if catalog is not None:
+                    await catalog.close()
+        _run(write_all())
+        self.last = (version, {n: art.tensor_bytes(t).copy() for n, t in prepared.items()})
+        return {"version": version, "base_version": base, "digest": digest,
+                "bytes_full": artifact.bytes_full, "bytes_written": artifact.bytes_written,
+                "tensors_changed": artifact.changed, "encode_seconds": round(encode_s, 4),
+                "seconds": round(time.perf_counter() - t0, 4), "location": location}
+
+    def close(self) -> None:
+        self.storage.close()
+
+
+def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, to: str | Path,
+            base: str | None = None, catalog: Catalog | str | Path | None = None,
+            model: str | None = None, dtype: torch.dtype | None = None,
+            endpoint_url: str | None = None, idempotency_key: str | None = None
+            ) -> dict[str, Any]:
+    """Publish a state dict (or a checkpoint directory) as `version` at `to` (full, or a
+    delta against `base`, whose bytes are read from `to`); see the module doc."""
+    if isinstance(tensors, (str, Path)):
+        path = Path(tensors)
+        model = model or path.resolve().name
+        tensors = dict(iter_checkpoint_tensors(path))
+    pub = Publisher(to, catalog=catalog, model=model or "policy", dtype=dtype,
+                    endpoint_url=endpoint_url)
+    try:
+        return pub.publish(tensors, version, base=base, idempotency_key=idempotency_key)
+    finally:
+        pub.close()
+
+
+# ---------------------------------------------------------------- serving versions over HTTP
+
+
+def version_file_response(directory: Path | None, version: str, file: str):
+    """The response for GET /weights/<version>/<file> from a version directory: the file
+    (Starlette's FileResponse answers Range requests), or a 404 that says what is served."""
+    from fastapi.responses import FileResponse, JSONResponse
+
+    if directory is None:
+        return JSONResponse({"error": "Not found", "message": f"version {version} is not "
+                             "served here"}, status_code=404)
+    if "/" in file or file in (".", "..") or not (directory / file).is_file():
+        return JSONResponse({"error": "Not found", "message": f"{version} has no file {file!r}"},
+                            status_code=404)
+    return FileResponse(directory / file)
+
+
+def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
+    """``GET /weights/{version}/{file}`` on `app`; `lookup(version)` gives the version's
+    directory or None. With `admin_token`, requests must carry it (peers do)."""
+    import hmac
+
+    from fastapi.responses import JSONResponse
+
+    async def version_file(version: str, file: str, request: Request):
+        if admin_token and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(),
+                f"Bearer {admin_token}".encode()):
+            return JSONResponse({"error": "Unauthorized", "message": "this route needs "
+                                 "'Authorization: Bearer <admin token>'"}, status_code=401)
+        return version_file_response(lookup(version), version, file)
+    app.add_api_route("/weights/{version}/{file}", version_file, methods=["GET"])
+
+
+def weights_app(lookup) -> Any:
+    """A FastAPI app serving ``GET /weights/{version}/{file}`` (see add_weights_route)."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="rlfleet weights", docs_url=None, redoc_url=None)
+    add_weights_route(app, lookup)
+    return app
+
+
+class TrainerServer:
+    """The trainer's publisher: serves the versions published to `uri` (a local directory,
+    by default a fresh one in shared memory) over HTTP byte ranges, from a thread of the
+    trainer process. Workers stage with ``{"kind": "trainer", "url": server.url}``."""
+
+    def __init__(self, directory: str | Path | None = None, host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        from rlfleet.runtime.http import AppServer, bind_socket
+
+        own = directory is None
+        if own:
+            base = "/dev/shm" if Path("/dev/shm").is_dir() else None
+            directory = tempfile.mkdtemp(prefix="rlfleet-trainer-", dir=base)
+        self.dir = Path(directory)
+        self._own = own
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+        def lookup(version: str) -> Path | None:
+            d = self.dir / version
+            return d if "/" not in version and (d / art.INDEX).is_file() else None
+
+        self._server = AppServer(weights_app(lookup), bind_socket(host, port))
+        self.url = self._server.url
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="trainer-weights",
+                                        daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(30)
+
+    @property
+    def uri(self) -> str:
+        return f"file://{self.dir}"
+
+    def close(self) -> None:
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._server.stop(), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if self._own:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> TrainerServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

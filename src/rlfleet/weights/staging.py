@@ -1,0 +1,765 @@
+"""Staging on a worker: pull a version into host buffers while the engine keeps serving,
+check every tensor as it lands and the whole version before it is READY, then hand it to
+the engine at a safe point.
+
+Sources (a stage request's ``source``):
+  ``{"kind": "disk", "path": DIR}``                      a full or delta version directory,
+                                                          or a plain HF checkpoint
+  ``{"kind": "s3", "uri": "s3://b/prefix/V", "endpoint_url": URL}``
+  ``{"kind": "trainer", "url": URL}``                     a trainer's publisher
+  ``{"kind": "peer", "url": SYSTEM_URL}`` or ``{"kind": "peer"}`` (any holder in the catalog)
+Options on any source: ``"timeout"`` (seconds for the whole transfer), ``"chain": true``
+(replay a delta's chain from the last full version when the worker does not hold its
+base), ``"max_bytes_per_s"`` (leave bandwidth to serving).
+
+The staged buffers are a full-layout version directory (index + shards with Adler-32
+metadata) in the staging root, by default in shared memory: the engine loads from it, and
+once applied it is the worker's resident copy, served to peers and used as the base of the
+next delta. Every transfer has a deadline, re-requests a dropped range (resume), and ends
+READY or FAILED with a message that says what happened; nothing is applied from a handle
+that is not READY."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlfleet.protocol.admin import AdminRequestError
+from rlfleet.weights import artifacts as art
+from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
+from rlfleet.weights.digest import DigestBuilder, tensor_digest
+
+log = logging.getLogger("rlfleet.weights.staging")
+
+SOURCE_KINDS = ("disk", "s3", "trainer", "peer")
+DEFAULT_TIMEOUT = float(os.environ.get("RLFLEET_STAGE_TIMEOUT", 600))
+READ_TIMEOUT = 10.0  # one request's connect/read deadline
+CHUNK = 32 << 20  # bytes per ranged read (the unit of resume)
+
+
+class StageRequestError(AdminRequestError):
+    """The stage request cannot be accepted; the message says what to send instead (the
+    system server answers it in the contract's error shape)."""
+
+
+class StageState(enum.StrEnum):
+    STAGING = "STAGING"
+    READY = "READY"
+    FAILED = "FAILED"
+    RELEASED = "RELEASED"
+
+
+_S = StageState
+TRANSITIONS: dict[StageState, frozenset[StageState]] = {
+    _S.STAGING: frozenset({_S.READY, _S.FAILED, _S.RELEASED}),
+    _S.READY: frozenset({_S.RELEASED, _S.FAILED}),
+    _S.FAILED: frozenset({_S.RELEASED}),
+    _S.RELEASED: frozenset(),
+}
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str
+    location: str  # path, s3 URI (parent of the version), or base URL; "" = from the catalog
+    key: str  # the version's directory below `location`
+    endpoint_url: str | None = None
+    timeout: float = DEFAULT_TIMEOUT
+    chain: bool = False
+    max_bytes_per_s: float | None = None
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind}
+        if self.kind == "disk":
+            out["path"] = str(Path(self.location) / self.key)
+        elif self.kind == "s3":
+            out["uri"] = f"{self.location}/{self.key}"
+            if self.endpoint_url:
+                out["endpoint_url"] = self.endpoint_url
+        else:
+            out["url"] = self.location or None
+        return out
+
+
+def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None) -> Source:
+    """A stage request's `source` object → Source (StageRequestError says what is wrong)."""
+    if not isinstance(raw, dict):
+        raise StageRequestError('source is required: {"kind": "disk"|"s3"|"trainer"|"peer", ...}')
+    kind = raw.get("kind")
+    if kind not in SOURCE_KINDS:
+        raise StageRequestError(f"source.kind must be one of {', '.join(SOURCE_KINDS)}, "
+                                f"not {kind!r}")
+    timeout = raw.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise StageRequestError("source.timeout must be a positive number of seconds")
+    chain = raw.get("chain", False)
+    if not isinstance(chain, bool):
+        raise StageRequestError("source.chain must be a boolean")
+    rate = raw.get("max_bytes_per_s")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or rate <= 0):
+        raise StageRequestError("source.max_bytes_per_s must be a positive number")
+    common = {"timeout": float(timeout), "chain": chain,
+              "max_bytes_per_s": float(rate) if rate else None}
+    if kind == "disk":
+        path = raw.get("path")
+        if not isinstance(path, str) or not path:
+            raise StageRequestError("source.path is required for a disk source (a version "
+                                    "directory on this worker's disk)")
+        p = Path(path).resolve()
+        roots = allowed_roots or []
+        if roots and not any(p == r or p.is_relative_to(r) for r in roots):
+            raise StageRequestError(f"source.path {path} is outside the allowed weights roots "
+                                    f"({', '.join(map(str, roots))})")
+        if not p.is_dir():
+            raise StageRequestError(f"source.path {path} does not exist or is not a directory")
+        return Source("disk", str(p.parent), p.name, **common)
+    if kind == "s3":
+        uri = raw.get("uri")
+        if not isinstance(uri, str) or not uri.startswith("s3://"):
+            raise StageRequestError("source.uri is required for an s3 source: "
+                                    "s3://bucket/prefix/VERSION")
+        try:
+            parent, key = art.split_version_uri(uri)
+        except ValueError as e:
+            raise StageRequestError(str(e)) from None
+        endpoint = raw.get("endpoint_url")
+        if endpoint is not None and not isinstance(endpoint, str):
+            raise StageRequestError("source.endpoint_url must be a string (http://host:port)")
+        return Source("s3", parent, key, endpoint_url=endpoint, **common)
+    url = raw.get("url")
+    if kind == "trainer" and (not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+        raise StageRequestError("source.url is required for a trainer source: the trainer "
+                                "publisher's http://host:port")
+    if kind == "peer" and url is not None and (
+            not isinstance(url, str) or not url.startswith(("http://", "https://"))):
+        raise StageRequestError("source.url must be a peer's system URL (http://host:port), or "
+                                "leave it out to take any peer the catalog lists")
+    return Source(kind, (url or "").rstrip("/"), version, **common)
+
+
+def open_source_storage(src: Source, read_timeout: float = READ_TIMEOUT,
+                        admin_token: str | None = None) -> art.Storage:
+    if src.kind == "disk":
+        return art.FileStorage(src.location)
+    if src.kind == "s3":
+        return art.open_storage(src.location, src.endpoint_url, read_timeout)
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token and src.kind == "peer" \
+        else None
+    return art.HttpStorage(src.location, read_timeout, headers)
+
+
+@dataclass
+class StagedVersion:
+    """One staging handle: a version being pulled into (or held in) host buffers."""
+
+    handle: str
+    version: str
+    source: Source
+    expected_digest: str | None
+    state: StageState = StageState.STAGING
+    format: str | None = None
+    base_version: str | None = None
+    bytes_done: int = 0
+    bytes_total: int = 0
+    tensors_done: int = 0
+    tensors_total: int = 0
+    error: str | None = None
+    digest: str | None = None
+    started_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    applied: bool = False
+    dir: Path | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    done: asyncio.Event | None = None  # set when the transfer ends (READY or FAILED)
+    peer: str | None = None  # the peer actually used
+
+    def move(self, new: StageState) -> None:
+        if new not in TRANSITIONS[self.state]:
+            raise ArtifactError(f"staged version {self.handle} cannot go from "
+                                f"{self.state.value} to {new.value}")
+        self.state = new
+
+    def summary(self) -> dict[str, Any]:
+        src = self.source.describe()
+        if self.peer:
+            src["url"] = self.peer
+        return {"handle": self.handle, "version": self.version, "state": self.state.value,
+                "format": self.format, "base_version": self.base_version, "source": src,
+                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "tensors_done": self.tensors_done, "tensors_total": self.tensors_total,
+                "digest": self.digest, "error": self.error, "applied": self.applied,
+                "seconds": round((self.finished_at or time.time()) - self.started_at, 3)}
+
+
+# ---------------------------------------------------------------- staged buffers on disk
+
+
+class StagedFiles:
+    """A full-layout version directory whose shards are allocated up front and filled in
+    place through memory maps: each tensor's slot is a writable uint8 view."""
+
+    def __init__(self, directory: Path, specs: list[TensorSpec],
+                 shard_limit: int = art.SHARD_LIMIT) -> None:
+        self.dir = directory
+        self.specs = {s.name: s for s in specs}
+        self.dir.mkdir(parents=True, exist_ok=False)
+        batches = art._batches([(s.name, s.nbytes) for s in art.order_specs(specs)], shard_limit)
+        self.checksums: dict[str, str] = {}
+        self.files: list[tuple[str, list[TensorSpec], int]] = []  # name, specs, header len
+        self._maps: list[mmap.mmap] = []
+        self.slots: dict[str, np.ndarray] = {}
+        for i, batch in enumerate(batches, start=1):
+            fname = art.shard_name(i, len(batches))
+            bspecs = [self.specs[n] for n in batch]
+            header, offsets = art.build_header(bspecs, dict.fromkeys(batch, "00000000"))
+            size = len(header) + sum(s.nbytes for s in bspecs)
+            with open(self.dir / fname, "wb+") as f:
+                f.write(header)
+                f.truncate(size)
+                m = mmap.mmap(f.fileno(), size) if size else None
+            self.files.append((fname, bspecs, len(header)))
+            if m is None:
+                continue
+            self._maps.append(m)
+            view = np.frombuffer(m, dtype=np.uint8)
+            for name, (b, e) in offsets.items():
+                self.slots[name] = view[len(header) + b:len(header) + e]
+
+    def finish(self) -> None:
+        """Write the real checksums into the headers (same length) and the index; make the
+        files read-only: from here on they are what the engine receives."""
+        missing = sorted(set(self.specs) - set(self.checksums))
+        if missing:
+            raise ArtifactError(f"internal: no checksum for {missing[:3]}")
+        weight_map = {}
+        for (fname, bspecs, hlen), m in zip(self.files, self._maps, strict=False):
+            header, _ = art.build_header(bspecs, {s.name: self.checksums[s.name] for s in bspecs})
+            if len(header) != hlen:
+                raise ArtifactError("internal: header length changed")
+            m[:hlen] = header
+            m.flush()
+            weight_map.update({s.name: fname for s in bspecs})
+        total = sum(s.nbytes for s in self.specs.values())
+        (self.dir / art.INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total, "checksum_format": art.CHECKSUM_FORMAT},
+             "weight_map": weight_map}, sort_keys=True, separators=(",", ":")))
+        for fname, _, _ in self.files:
+            os.chmod(self.dir / fname, 0o444)
+
+    def digest(self) -> str:
+        b = DigestBuilder()
+        for name in sorted(self.specs):
+            b.add_digest(name, tensor_digest(name, self.specs[name].as_tensor(self.slots[name])))
+        return b.root()
+
+    def close(self) -> None:
+        self.slots = {}
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a view is still alive somewhere; the GC closes it
+                pass
+        self._maps = []
+
+
+@dataclass
+class Resident:
+    """The version the engine serves, as staged bytes: peers read it, deltas start from it."""
+
+    version: str
+    digest: str
+    dir: Path
+    specs: dict[str, TensorSpec]
+    checksums: dict[str, str]
+    engine_digest: str | None = None  # what the engine reported when it applied these bytes
+
+    def slots(self) -> dict[str, np.ndarray]:
+        """Read-only views of every tensor's bytes (memory-mapped)."""
+        plan = art.plan_version(art.FileStorage(self.dir.parent).read, self.dir.name)
+        out = {}
+        for e in plan.entries:
+            mm = np.memmap(self.dir / e.file, dtype=np.uint8, mode="r")
+            out[e.name] = mm[e.start:e.end]
+        return out
+
+
+# ---------------------------------------------------------------- the transfer
+
+
+class _Fetcher:
+    """Ranged reads with a deadline: a dropped connection or a server error is retried
+    (the same range again) until the deadline; a missing object is not."""
+
+    def __init__(self, storage: art.Storage, what: str, deadline: float, cancel: threading.Event,
+                 max_bytes_per_s: float | None) -> None:
+        self.storage, self.what, self.deadline, self.cancel = storage, what, deadline, cancel
+        self.rate = max_bytes_per_s
+        self.t0 = time.monotonic()
+        self.moved = 0
+
+    def __call__(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        delay, last = 0.1, None
+        while True:
+            if self.cancel.is_set():
+                raise ArtifactError("released while staging")
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise ArtifactError(f"{self.what}: transfer deadline passed "
+                                    f"(last error: {last})" if last else
+                                    f"{self.what}: transfer deadline passed")
+            try:
+                data = self.storage.read(key, start, end)
+            except FileNotFoundError as e:
+                raise art.ArtifactMissing(f"{self.what}: {key} not found ({e})") from None
+            except ArtifactError as e:
+                if "HTTP 5" not in str(e):
+                    raise
+                last = str(e)
+            except Exception as e:  # noqa: BLE001 - any transport failure: retry the range
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if start is not None and end is not None and len(data) != end - start:
+                    last = f"short read of {key} ({len(data)} of {end - start} bytes)"
+                else:
+                    self._throttle(len(data))
+                    return data
+            log.warning("%s: %s; retrying", self.what, last)
+            time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
+            delay = min(delay * 2, 2.0)
+
+    def _throttle(self, n: int) -> None:
+        self.moved += n
+        if self.rate:
+            ahead = self.moved / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                if time.monotonic() + ahead > self.deadline:
+                    time.sleep(max(0.0, self.deadline - time.monotonic()))
+                else:
+                    self.cancel.wait(ahead)
+
+    def read_entry(self, plan: VersionPlan, e: Entry, out: np.ndarray | None,
+                   progress: Callable[[int], None]) -> np.ndarray:
+        """The entry's bytes, chunk by chunk (a failure re-reads only the chunk); into `out`
+        when given, else a new array."""
+        n = e.end - e.start
+        dst = out if out is not None else np.empty(n, dtype=np.uint8)
+        pos = 0
+        chunk = CHUNK if not self.rate else max(1 << 16, min(CHUNK, int(self.rate / 4)))
+        while pos < n:
+            m = min(chunk, n - pos)
+            data = self(f"{plan.key}/{e.file}", e.start + pos, e.start + pos + m)
+            dst[pos:pos + m] = np.frombuffer(data, dtype=np.uint8)
+            pos += m
+            progress(m)
+        return dst
+
+
+def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
+             resident: Resident | None, applied: tuple[str | None, str | None]) -> Resident:
+    """Pull `h`'s version from `src` into a new staged directory under `root`; returns it
+    as a Resident-to-be. Raises ArtifactError (WrongBase for a delta on the wrong base)."""
+    what = f"{src.kind} source {storage.uri}/{src.key}"
+    fetch = _Fetcher(storage, what, time.monotonic() + src.timeout, h.cancel, src.max_bytes_per_s)
+    list_files = storage.list_version if isinstance(storage, art.FileStorage) else None
+    plans = [art.plan_version(fetch, src.key, list_files)]
+    first = plans[0]
+    h.format, h.base_version = first.format, first.base_version
+    served_version, served_digest = applied
+    base: Resident | None = None
+    if first.format == "xor-delta":
+        holds_base = (resident is not None and resident.version == first.base_version
+                      and served_version == resident.version
+                      and served_digest == (resident.engine_digest or resident.digest))
+        if holds_base:
+            base = resident
+        elif not src.chain:
+            serving = served_version if served_version is not None else "an unversioned model"
+            raise art.WrongBase(f"this delta needs base {first.base_version}; the worker serves "
+                                f"{serving}. Stage the base or a full version first, or send "
+                                "\"chain\": true to replay the chain from the last full version")
+        else:  # replay the chain from the last full version (siblings under the same root)
+            while plans[-1].format == "xor-delta":
+                if len(plans) >= 64:
+                    raise ArtifactError(f"{what}: delta chain longer than 64")
+                plans.append(art.plan_version(fetch, plans[-1].base_version, list_files))
+            plans.reverse()
+    if base is not None:
+        specs = list(base.specs.values())
+    elif plans[0].format != "xor-delta":
+        specs = [e.spec for e in plans[0].entries]
+    else:
+        specs = []
+    h.tensors_total = len(specs)
+    h.bytes_total = sum(p.stored_bytes for p in plans)
+
+    def progress(n: int) -> None:
+        h.bytes_done += n
+
+    staged = StagedFiles(root / f"{h.version}.{h.handle}", specs)
+    h.dir = staged.dir
+    try:
+        if base is not None:
+            _apply_delta(fetch, first, staged, base.slots(), base.checksums, progress, h)
+        else:
+            for plan in plans:
+                h.tensors_done = 0
+                if plan.format == "xor-delta":
+                    _apply_delta(fetch, plan, staged, staged.slots, dict(staged.checksums),
+                                 progress, h)
+                else:
+                    _fill_full(fetch, plan, staged, progress, h)
+        h.tensors_done = len(specs)
+        staged.finish()
+        digest = staged.digest()
+    except BaseException:
+        staged.close()
+        shutil.rmtree(staged.dir, ignore_errors=True)
+        raise
+    checksums = dict(staged.checksums)
+    staged.close()
+    return Resident(h.version, digest, staged.dir, staged.specs, checksums)
+
+
+def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
+               progress: Callable[[int], None], h: StagedVersion) -> None:
+    names = {e.name for e in plan.entries}
+    if names != set(staged.specs):
+        raise ArtifactError(f"{plan.key}: holds different tensors than expected")
+    for e in plan.entries:
+        if staged.specs[e.name] != e.spec:
+            raise ArtifactError(f"{plan.key}: tensor {e.name} is {e.spec.dtype}{list(e.spec.shape)}, "
+                                f"expected {staged.specs[e.name].dtype}{list(staged.specs[e.name].shape)}")
+        slot = staged.slots[e.name]
+        fetch.read_entry(plan, e, slot, progress)
+        got = art.adler32_hex(slot)
+        if e.checksum is not None and got != e.checksum:
+            raise ArtifactError(f"tensor {e.name}: Adler-32 {got} does not match the artifact's "
+                                f"{e.checksum} (corrupt or truncated transfer)")
+        staged.checksums[e.name] = got
+        h.tensors_done += 1
+
+
+def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
+                 base: dict[str, np.ndarray], base_sums: dict[str, str],
+                 progress: Callable[[int], None], h: StagedVersion) -> None:
+    changed = {e.name: e for e in plan.entries}
+    unknown = sorted(set(changed) - set(staged.specs))
+    if unknown:
+        raise ArtifactError(f"{plan.key}: delta tensors not in its base: {unknown[:3]}")
+    for name in sorted(staged.specs):
+        slot = staged.slots[name]
+        e = changed.get(name)
+        if e is None:  # unchanged: the base's bytes
+            if slot is not base[name]:
+                slot[:] = base[name]
+            staged.checksums[name] = base_sums.get(name) or art.adler32_hex(slot)
+        else:
+            frame = fetch.read_entry(plan, e, None, progress)
+            art.decode_delta(name, frame, base[name], slot, e.checksum)
+            staged.checksums[name] = e.checksum or art.adler32_hex(slot)
+        h.tensors_done += 1
+
+
+# ---------------------------------------------------------------- the staging area
+
+
+class StagingArea:
+    """A worker's staged versions and its resident one. The transfer runs in a thread; the
+    catalog (when the worker has one) is asked for a lease on the version while it is
+    pulled, for peers when the source is ``{"kind": "peer"}``, and told which versions this
+    worker holds applied."""
+
+    def __init__(self, root: str | Path | None = None, *, catalog=None, worker_id: str = "",
+                 system_url: str | None = None, allowed_roots: list[str] | None = None,
+                 lease_ttl: float = 60.0, admin_token: str | None = None) -> None:
+        if root is None:
+            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+            _remove_orphans(base)
+            root = base / f"rlfleet-staging-{os.getpid()}"
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.catalog = catalog  # a Catalog, or its URL (opened on first use, in the loop)
+        self._own_catalog = isinstance(catalog, (str, Path))
+        self.worker_id = worker_id
+        self.admin_token = admin_token  # peers' /weights routes want it when they have one
+        self.system_url = system_url
+        self.roots = [Path(r).resolve() for r in allowed_roots or []]
+        self.lease_ttl = lease_ttl
+        self.handles: dict[str, StagedVersion] = {}
+        self.resident: Resident | None = None
+        self._staged: dict[str, Resident] = {}  # handle -> READY buffers
+        self._tasks: set[asyncio.Task] = set()
+
+    def attach(self, worker_id: str, system_url: str | None) -> None:
+        """Who this worker is, once its system server listens (peers find it there)."""
+        self.worker_id, self.system_url = worker_id, system_url
+
+    def _open_catalog(self) -> None:
+        if isinstance(self.catalog, (str, Path)):
+            from rlfleet.weights.catalog import Catalog
+
+            self.catalog = Catalog(self.catalog)
+
+    # ------------------------------------------------------------ stage
+
+    async def stage(self, version: str, source: Any, *, applied: tuple[str | None, str | None],
+                    digest: str | None = None) -> StagedVersion:
+        if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
+            raise StageRequestError("version is required: a version name (no '/')")
+        src = parse_source(source, version, self.roots)
+        self._open_catalog()
+        expected = digest
+        entry = None
+        if self.catalog is not None:
+            from rlfleet.weights.catalog import CatalogError
+
+            try:
+                entry = await self.catalog.find(version)
+            except CatalogError as e:  # staging goes on without it; the digest check stays
+                log.warning("catalog unavailable while staging %s: %s", version, e)
+            if entry is not None and expected is None:
+                expected = entry.digest
+            if entry is not None and expected != entry.digest:
+                raise StageRequestError(f"digest {expected} differs from the catalog's "
+                                        f"{entry.digest} for {version}")
+        if entry is not None and src.kind in ("disk", "s3") and entry.state.value != "READY":
+            raise StageRequestError(f"version {version} is {entry.state.value} in the catalog; "
+                                    "only a READY version is staged from its artifact")
+        if (entry is not None and entry.base_version and not src.chain
+                and src.kind in ("disk", "s3")
+                and entry.format.value == "xor-delta" and applied[0] != entry.base_version):
+            serving = applied[0] if applied[0] is not None else "an unversioned model"
+            raise StageRequestError(f"this delta needs base {entry.base_version}; the worker "
+                                    f"serves {serving}. Stage the base or a full version first, "
+                                    "or send \"chain\": true to replay the chain from the last "
+                                    "full version")
+        if src.kind == "peer" and not src.location and entry is None:
+            raise StageRequestError(f"no peer URL given and version {version} is not in the "
+                                    "catalog" + ("" if self.catalog else
+                                                 " (this worker has no catalog)"))
+        h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event())
+        self._forget_old()
+        self.handles[h.handle] = h
+        task = asyncio.get_running_loop().create_task(self._run(h, applied))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return h
+
+    def _forget_old(self, keep: int = 64) -> None:
+        """Released and failed handles are listed for a while, not forever."""
+        done = [k for k, h in self.handles.items()
+                if h.state in (StageState.RELEASED, StageState.FAILED)]
+        for k in done[:max(0, len(done) - keep)]:
+            del self.handles[k]
+
+    def _peers(self, h: StagedVersion, entry) -> list[str]:
+        if h.source.location:
+            return [h.source.location]
+        urls = [d.get("system_url") for w, d in sorted((entry.holders if entry else {}).items())
+                if w != self.worker_id and d.get("system_url")]
+        if not urls:
+            raise ArtifactError(f"no peer holds {h.version} applied (catalog {self.catalog.url})")
+        return urls
+
+    async def _run(self, h: StagedVersion, applied: tuple[str | None, str | None]) -> None:
+        lease = None
+        renew: asyncio.Task | None = None
+        try:
+            entry = lease = None
+            if self.catalog is not None:
+                from rlfleet.weights.catalog import CatalogError, VersionState
+
+                try:
+                    entry = await self.catalog.find(h.version)
+                    if entry is not None and entry.state is VersionState.READY \
+                            and h.source.kind in ("disk", "s3"):  # the bytes the lease keeps
+                        lease = await self.catalog.acquire_lease(
+                            h.version, self.worker_id or "worker", self.lease_ttl)
+                except CatalogError as e:  # pulled without a lease: the digest still checks
+                    log.warning("no catalog lease on %s: %s", h.version, e)
+            if lease is not None:
+                renew = asyncio.get_running_loop().create_task(self._renew(h.version, lease))
+            if h.source.kind == "peer":
+                result = await self._from_peers(h, entry, applied)
+            else:
+                storage = open_source_storage(h.source, min(READ_TIMEOUT, h.source.timeout))
+                try:
+                    result = await asyncio.to_thread(transfer, h, h.source, storage, self.root,
+                                                     self.resident, applied)
+                finally:
+                    storage.close()
+            if h.expected_digest is not None and result.digest != h.expected_digest:
+                shutil.rmtree(result.dir, ignore_errors=True)
+                raise ArtifactError(f"the staged tensors have digest {result.digest}, the "
+                                    f"version's is {h.expected_digest}; not applying it")
+            if h.state is not StageState.STAGING:  # released meanwhile
+                shutil.rmtree(result.dir, ignore_errors=True)
+                return
+            h.digest = result.digest
+            self._staged[h.handle] = result
+            h.move(StageState.READY)
+            log.info("staged %s (%s from %s) in %.2f s", h.version, h.format,
+                     h.source.kind, time.time() - h.started_at)
+        except Exception as e:  # noqa: BLE001 - every failure ends the handle FAILED
+            if h.state is StageState.STAGING:
+                h.error = str(e) if isinstance(e, ArtifactError) else f"{type(e).__name__}: {e}"
+                h.move(StageState.FAILED)
+                log.warning("staging %s failed: %s", h.version, h.error)
+        finally:
+            h.finished_at = time.time()
+            if renew is not None:
+                renew.cancel()
+            if lease is not None:
+                try:
+                    await self.catalog.release_lease(h.version, lease.lease_id)
+                except Exception as e:  # noqa: BLE001 - the lease expires anyway
+                    log.warning("releasing the lease on %s: %r", h.version, e)
+            if h.dir is not None and h.state is not StageState.READY:
+                shutil.rmtree(h.dir, ignore_errors=True)
+            h.done.set()
+
+    async def _from_peers(self, h: StagedVersion, entry, applied) -> Resident:
+        errors = []
+        for url in self._peers(h, entry):
+            src = Source("peer", url, h.version, timeout=h.source.timeout,
+                         max_bytes_per_s=h.source.max_bytes_per_s)
+            h.peer = url
+            storage = open_source_storage(src, min(READ_TIMEOUT, src.timeout), self.admin_token)
+            h.bytes_done = h.tensors_done = 0
+            try:
+                return await asyncio.to_thread(transfer, h, src, storage, self.root,
+                                               self.resident, applied)
+            except ArtifactError as e:
+                errors.append(f"{url}: {e}")
+                if h.cancel.is_set():
+                    break
+            finally:
+                storage.close()
+        raise ArtifactError("no peer could serve it: " + "; ".join(errors))
+
+    async def _renew(self, version: str, lease) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ttl / 3)
+            try:
+                await self.catalog.renew_lease(version, lease.lease_id, self.lease_ttl)
+            except Exception as e:  # noqa: BLE001 - keep pulling; the lease may lapse
+                log.warning("renewing the lease on %s: %r", version, e)
+
+    # ------------------------------------------------------------ queries
+
+    def get(self, handle: Any) -> StagedVersion:
+        if not isinstance(handle, str) or handle not in self.handles:
+            raise StageRequestError(f"unknown staging handle {handle!r}; list them with "
+                                    "get_staged_weights")
+        return self.handles[handle]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [h.summary() for h in self.handles.values()]
+
+    def ready(self, handle: Any) -> tuple[StagedVersion, Resident]:
+        """The READY handle and its buffers, for the engine to load (StageRequestError when
+        the handle is not READY)."""
+        h = self.get(handle)
+        if h.state is not StageState.READY:
+            why = f": {h.error}" if h.error else ""
+            raise StageRequestError(f"staging handle {h.handle} ({h.version}) is "
+                                    f"{h.state.value}{why}; only a READY handle can be applied")
+        return h, self._staged[h.handle]
+
+    def resident_dir(self, version: str) -> Path | None:
+        r = self.resident
+        return r.dir if r is not None and r.version == version else None
+
+    # ------------------------------------------------------------ apply / release
+
+    async def applied(self, handle: str, engine_digest: str | None = None) -> None:
+        """The engine now serves `handle`'s version (and reports `engine_digest` for it): its
+        buffers become the resident copy (peers may read it, the next delta starts from it);
+        the previous one is dropped."""
+        h, staged = self.ready(handle)
+        staged.engine_digest = engine_digest
+        old, self.resident = self.resident, staged
+        del self._staged[handle]
+        h.applied = True
+        h.move(StageState.RELEASED)
+        if old is not None:
+            shutil.rmtree(old.dir, ignore_errors=True)
+            await self._holder(old.version, add=False)
+        await self._holder(staged.version, add=True)
+
+    async def weights_replaced(self) -> None:
+        """The engine's weights came from elsewhere (disk, a trainer broadcast): the resident
+        copy no longer describes them."""
+        old, self.resident = self.resident, None
+        if old is not None:
+            shutil.rmtree(old.dir, ignore_errors=True)
+            await self._holder(old.version, add=False)
+
+    async def _holder(self, version: str, add: bool) -> None:
+        if self.catalog is None or not self.worker_id:
+            return
+        try:
+            if add:
+                await self.catalog.add_holder(version, self.worker_id, system_url=self.system_url)
+            else:
+                await self.catalog.remove_holder(version, self.worker_id)
+        except Exception as e:  # noqa: BLE001 - a version not in the catalog has no holders
+            log.info("catalog holder update for %s: %s", version, e)
+
+    async def release(self, handle: Any) -> StagedVersion:
+        """Drop a handle's buffers (idempotent); a transfer under way stops."""
+        h = self.get(handle)
+        if h.state in (StageState.STAGING, StageState.READY, StageState.FAILED):
+            h.cancel.set()
+            h.move(StageState.RELEASED)
+            staged = self._staged.pop(handle, None)
+            if staged is not None:
+                shutil.rmtree(staged.dir, ignore_errors=True)
+        return h
+
+    async def close(self) -> None:
+        for h in list(self.handles.values()):
+            h.cancel.set()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.resident is not None:
+            await self._holder(self.resident.version, add=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+        if self.catalog is not None and not isinstance(self.catalog, (str, Path)) and \
+                self._own_catalog:
+            await self.catalog.close()
+
+
+def _remove_orphans(base: Path) -> None:
+    """Staging directories of worker processes that died without cleaning up (they hold
+    shared memory until removed)."""
+    for d in base.glob("rlfleet-staging-*"):
+        try:
+            pid = int(d.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            continue
+
+
+__all__ = ["StageState", "StagedVersion", "StagingArea", "StageRequestError", "Source",
+           "parse_source", "transfer", "Resident"]
