@@ -179,6 +179,13 @@ class RefreshResult:
     def step_seconds(self) -> dict[str, float]:
         return {s["name"]: s["seconds"] for s in self.steps}
 
+    @property
+    def all_verified(self) -> bool:
+        """The whole selected fleet moved: the refresh reopened on its target and every
+        worker it selected is verified on it (`ok` holds as soon as one worker is)."""
+        return self.state is RefreshState.REOPENED and bool(self.workers) and \
+            all(w["status"] == "verified" for w in self.workers)
+
 
 class RefreshHeld(Exception):
     """The refresh stops here; the fleet stays gated."""
