@@ -45,7 +45,7 @@ def train(frontend_url: str, rl_url: str, model_dir: Path, out: Path, steps: int
           group: int, prompts: int) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
 
     log = open(out / "trained.jsonl", "w")  # noqa: SIM115  (closed below)
 
@@ -68,6 +68,8 @@ def train(frontend_url: str, rl_url: str, model_dir: Path, out: Path, steps: int
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32")
 
     # --- README: TRL integration (begin) ---
+    from trl import GRPOTrainer
+
     from rlfleet.integrations.trl import FleetRollout
     from rlfleet.rl import Fleet
 
