@@ -9,6 +9,7 @@ import asyncio
 import json
 import socket
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from rlfleet.frontend import openai as render
 from rlfleet.frontend.dispatch import Result
 from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.rl import (
     AdmittedSample,
     Chat,
@@ -25,6 +27,7 @@ from rlfleet.rl import (
     Fleet,
     FleetHeld,
     NextTurn,
+    PartialRolloutPolicy,
     RetryPolicy,
     RolloutClient,
     SampleFailed,
@@ -56,9 +59,11 @@ class Frontend:
     /tokenize, rendered with the frontend's own renderers. `fail(body)` may return an HTTP
     status to answer instead; `omit_prompt_ids` drops nvext.prompt_token_ids."""
 
-    def __init__(self, fail=None, omit_prompt_ids: bool = False) -> None:
+    def __init__(self, fail=None, omit_prompt_ids: bool = False,
+                 abort_first_after: int | None = None) -> None:
         self.fail = fail or (lambda body: None)
         self.omit_prompt_ids = omit_prompt_ids
+        self.abort_first_after = abort_first_after  # the first generation ends aborted
         self.requests: list[tuple[str, dict]] = []
         self.lock = threading.Lock()
 
@@ -92,10 +97,11 @@ class Frontend:
         res = Result(rid, req.n)
         res.apply({"prompt_token_ids": prompt, "_worker": 1, "weight_version": "v1",
                    "weight_digest": "d1"})
+        abort, self.abort_first_after = self.abort_first_after, None
         for c in range(req.n):
-            ids = [2000 + (sum(prompt) + 7 * k + 31 * c) % 900 for k in range(budget)]
+            ids = [2000 + (sum(prompt) + 7 * k + 31 * c) % 900 for k in range(budget)][:abort]
             res.apply({"choices": [{"index": c, "token_ids": ids, "text": "x" * len(ids),
-                                    "finish_reason": "length",
+                                    "finish_reason": "abort" if abort else "length",
                                     "logprobs": [{"token_id": t, "logprob": -0.5, "decoded": "x",
                                                   "top": []} for t in ids]}]})
         res.apply({"done": True, "prompt_logprobs": None})
@@ -146,8 +152,14 @@ def test_sampling_spec_sends_every_parameter_it_holds():
     assert opts.stop == ["END"] and opts.logit_bias == {42: -100.0}
     with pytest.raises(ValueError, match="logit_bias is sent on the OpenAI route only"):
         spec.sglang_params()
-    sg = SamplingSpec(min_p=0.1, stop=("a",), presence_penalty=1.0).sglang_params()
-    assert sg["min_p"] == 0.1 and sg["stop"] == ["a"] and sg["presence_penalty"] == 1.0
+    sg_spec = replace(spec, logit_bias=None)
+    sg = SglangGenerateRequest.model_validate({"input_ids": [1], "sampling_params":
+                                               sg_spec.sglang_params()}).sampling()
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens",
+                 "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        assert getattr(sg, name) == getattr(opts, name), name
+    assert sg.stop == ["END"]
 
 
 def test_prompt_kinds():
@@ -201,6 +213,20 @@ async def test_a_text_prompt_without_the_engine_prompt_ids_is_not_admitted():
             await c.generate("t", "Hello", SamplingSpec(max_tokens=3))
         assert c.ledger.admitted() == {}
     assert info.value.reason == "token_ids_present"
+
+
+async def test_a_text_prompt_resumes_from_the_engine_prompt_ids():
+    """A partial attempt of a text prompt is resumed as token IDs: the engine's prompt IDs
+    (from the aborted response) plus the tokens kept."""
+    fe = Frontend(abort_first_after=2)
+    async with client(fe, partial=PartialRolloutPolicy("resume")) as c:
+        s = await c.generate("t", "Hello", SamplingSpec(max_tokens=5))
+    assert s.prompt_ids == tokenize("Hello")
+    assert len(s.completion.token_ids) == 5 and s.completion.token_attempts == [1, 1, 2, 2, 2]
+    (_, first), (_, second) = fe.requests
+    assert first["prompt"] == "Hello"
+    assert second["prompt"] == tokenize("Hello") + s.completion.token_ids[:2]
+    assert second["max_tokens"] == 3
 
 
 def sample_with(prompt_ids: list[int], tokens: list[int]) -> AdmittedSample:
