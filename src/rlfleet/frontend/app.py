@@ -20,7 +20,12 @@ from rlfleet.frontend.router import NoWorker, WorkerPool
 from rlfleet.frontend.runs import RequestIdConflict, RunRegistry
 from rlfleet.frontend.sglang import generate_body
 from rlfleet.protocol.engine import GenerateRequest
-from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, InputTokensRequest
+from rlfleet.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InputTokensRequest,
+    TokenizeRequest,
+)
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import (
@@ -266,6 +271,15 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
             n += (await client.tokenize(w.url, {"prompt": json.dumps(req.tools)}))["count"]
         return {"object": "response.input_tokens", "input_tokens": n}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """The token IDs a worker of the model makes of a prompt or of chat messages (its
+        tokenizer and chat template: the IDs the engine would be prompted with)."""
+        req: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        w = await pool.acquire(req.model)
+        ids = (await client.tokenize(w.url, req.worker_body()))["token_ids"]
+        return {"count": len(ids), "tokens": ids}
+
     @app.post("/v1/requests/{rid}/cancel")
     async def cancel(rid: str):
         """Abort a request started with this X-Request-Id: the worker ends it now, and its
@@ -291,4 +305,4 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
 
 
 _ROUTES = {"/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
-           "/metrics", "/v1/responses/input_tokens"}
+           "/metrics", "/v1/responses/input_tokens", "/tokenize"}

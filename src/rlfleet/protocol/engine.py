@@ -46,6 +46,7 @@ class SamplingOptions(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = None  # token ID -> bias in [-100, 100]
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -57,6 +58,8 @@ class SamplingOptions(BaseModel):
             )
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()):
+            raise ValueError("logit_bias maps token IDs (>= 0) to biases in [-100, 100]")
         return self
 
 

@@ -28,6 +28,8 @@ class _Request(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    # {"<token_id>": bias}: added to that token's logit before sampling (OpenAI's range)
+    logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -35,6 +37,16 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
     nvext: NvExt = Field(default_factory=NvExt)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token IDs (\"123\"), not {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key}] is {bias}; biases are in [-100, 100]")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -57,6 +69,7 @@ class _Request(BaseModel):
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
             **{k: v for k, v in given.items() if v is not None},
         )
 
@@ -131,6 +144,34 @@ class ChatCompletionRequest(_Request):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's route): the IDs the served model's tokenizer makes of `prompt`,
+    or of `messages` rendered with its chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str = Field(min_length=1)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt, messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty: send at least one message")
+        return self
+
+    def worker_body(self) -> dict[str, Any]:
+        if self.prompt is not None:
+            return {"prompt": self.prompt}
+        return {"messages": [m.plain() for m in self.messages or ()],
+                "add_generation_prompt": self.add_generation_prompt,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class InputTokensRequest(BaseModel):

@@ -1,6 +1,7 @@
-"""The framework side: rollouts admitted exactly once (RolloutClient, admission checks,
-sample ledger, retry and partial-rollout policies) and fleet policy refresh (PolicyRefresh,
-its journal, and the RolloutGate between them)."""
+"""The framework side: the trainer-facing Fleet (rollouts and refreshes from any thread),
+rollouts admitted exactly once (RolloutClient, admission checks, sample ledger, retry and
+partial-rollout policies; prompts as token IDs, text, chat or a next turn) and fleet policy
+refresh (PolicyRefresh, its journal, and the RolloutGate between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
 from rlfleet.rl.admission import (
@@ -14,7 +15,8 @@ from rlfleet.rl.admission import (
     TokenIdsMissing,
 )
 from rlfleet.rl.attempt import AttemptState, IllegalTransition
-from rlfleet.rl.client import RolloutClient
+from rlfleet.rl.client import RolloutClient, TokenizeFailed
+from rlfleet.rl.fleet import Fleet, FleetHeld
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import Journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
@@ -33,7 +35,9 @@ from rlfleet.rl.refresh import (
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
+    Chat,
     Completion,
+    NextTurn,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,

@@ -2,7 +2,16 @@
 
     async with RolloutClient(url, "tiny", ledger=SampleLedger("ledger.db")) as client:
         sample = await client.generate("s-1", prompt_ids, SamplingSpec(max_tokens=64))
+        chat = await client.generate("s-2", [{"role": "user", "content": "Hi"}])
         outcomes = await client.rollout(requests, concurrency=64)
+
+A prompt is token IDs, text, chat messages (`Chat`) or a `NextTurn` (sample.py). Token IDs
+go to /v1/completions (or SGLang /generate) as they are; text goes to /v1/completions and
+chat to /v1/chat/completions, where the worker tokenises (and renders the chat template);
+the engine reports the prompt IDs it used (nvext.prompt_token_ids) and those are the
+sample's `prompt_ids`: a text or chat response without them is not admitted. A `NextTurn`
+is made into token IDs before the first attempt: the earlier sample's tokens verbatim plus
+the new messages as the worker's tokenizer renders them (POST /tokenize on the frontend).
 
 `generate` returns an `AdmittedSample` or raises: `SampleFailed` when no attempt was
 admitted (its `reason` says why: an admission check's name, "timeout", "http: 503 ...",
@@ -42,6 +51,7 @@ from rlfleet.rl.admission import (
     AdmissionRules,
     Expectation,
     NotTerminal,
+    TokenIdsMissing,
     identity,
     logprobs_aligned,
     single_policy,
@@ -63,12 +73,15 @@ from rlfleet.rl.response import (
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
+    Chat,
     Completion,
+    NextTurn,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,
     SamplingSpec,
     WeightSpan,
+    prompt_kind,
 )
 
 if TYPE_CHECKING:
@@ -81,25 +94,46 @@ EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detail
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 499, 500, 502, 503, 504})
 CANCEL_PATH = "/v1/requests/{}/cancel"  # the frontend's abort for a kept X-Request-Id run
 CANCEL_TIMEOUT = 5.0
+TOKENIZE_PATH = "/tokenize"  # the frontend's vLLM-style tokenizer route (a worker's tokenizer)
+TOKENIZE_TIMEOUT = 30.0
+#: two one-turn conversations that differ only in the assistant's content: what their
+#: renderings share at the end is what the template puts after an assistant message
+_PLACEHOLDER = [{"role": "user", "content": "u"}]
 
 log = telemetry.log
 
 
-def request_body(route: str, prompt_ids: list[int], spec: SamplingSpec, n: int, stream: bool,
-                 model: str, request_id: str) -> tuple[str, bytes]:
-    """(path, JSON body) of one attempt: OpenAI completions with token IDs in and out,
-    sampled-token logprobs as `token_id:<id>` and the nvext fields the checks need; or
-    native SGLang /generate with logprobs and `rid`."""
+def request_body(route: str, prompt: list[int] | str | Chat, spec: SamplingSpec, n: int,
+                 stream: bool, model: str, request_id: str) -> tuple[str, bytes]:
+    """(path, JSON body) of one attempt: OpenAI completions (token IDs or text) or chat
+    completions (`Chat`), with the generated token IDs, sampled-token logprobs as
+    `token_id:<id>` and the nvext fields the checks need; or native SGLang /generate (token
+    IDs only) with logprobs and `rid`."""
     if route == "openai":
         fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
-        body = {"model": model, "prompt": prompt_ids, "n": n, "stream": stream, "logprobs": 0,
-                "return_tokens_as_token_ids": True, **spec.openai_fields(),
-                "nvext": {"extra_fields": fields}}
+        common = {"model": model, "n": n, "stream": stream, "return_tokens_as_token_ids": True,
+                  **spec.openai_fields(), "nvext": {"extra_fields": fields}}
+        if isinstance(prompt, Chat):
+            body = {"messages": prompt.messages, "add_generation_prompt": prompt.add_generation_prompt,
+                    "logprobs": True, "top_logprobs": 0, **common}
+            if prompt.chat_template_kwargs:
+                body["chat_template_kwargs"] = prompt.chat_template_kwargs
+            return "/v1/chat/completions", json.dumps(body, separators=(",", ":")).encode()
+        body = {"prompt": prompt, "logprobs": 0, **common}
         return "/v1/completions", json.dumps(body, separators=(",", ":")).encode()
-    body = {"input_ids": prompt_ids, "model": model, "sampling_params": spec.sglang_params(),
+    if not isinstance(prompt, list):
+        raise ValueError("the SGLang route takes token IDs only: send text and chat prompts "
+                         "with route='openai'")
+    body = {"input_ids": prompt, "model": model, "sampling_params": spec.sglang_params(),
             "stream": stream, "return_logprob": True, "rid": request_id,
             "logprob_start_len": 0 if spec.prompt_logprobs else -1}
     return "/generate", json.dumps(body, separators=(",", ":")).encode()
+
+
+class TokenizeFailed(Exception):
+    """The frontend could not tokenise a prompt (its message says why)."""
+
+    reason = "tokenize"
 
 
 @dataclass
@@ -110,6 +144,23 @@ class _End:
     retry: bool = True
     reuse_request_id: bool = False
     partial: Generation | None = None  # output to offer the partial-rollout policy
+
+
+@dataclass
+class _Prompt:
+    """One sample's prompt as sent (`sent`: token IDs, text or Chat) and its token IDs once
+    known: from the start for token IDs, else from the engine's report of an attempt."""
+
+    sent: list[int] | str | Chat
+    ids: list[int] | None
+
+
+def _engine_prompt_ids(gen: Generation) -> list[int] | None:
+    """The prompt IDs the engine reports, if they are a non-empty list of token IDs."""
+    ids = gen.prompt_token_ids
+    if isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids):
+        return ids
+    return None
 
 
 class RolloutClient:
@@ -138,6 +189,7 @@ class RolloutClient:
         self.partial = partial or PartialRolloutPolicy()
         self.route, self.stream, self.gate = route, stream, gate
         self._background: set[asyncio.Task] = set()  # remote cancels in flight
+        self._frames: dict[str, tuple[list[int], list[int]]] = {}  # see _turn_frame
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
             limits=httpx.Limits(max_connections=max_connections,
@@ -163,7 +215,7 @@ class RolloutClient:
 
     # ------------------------------------------------------------ one sample
 
-    async def generate(self, sample_id: str, prompt_ids: list[int],
+    async def generate(self, sample_id: str, prompt: Any,
                        sampling: SamplingSpec | None = None, n: int = 1, *,
                        route: str | None = None, stream: bool | None = None,
                        deadline: float | None = None, attempt_timeout: float | None = None,
@@ -172,6 +224,7 @@ class RolloutClient:
         after which no attempt is started or continued; `attempt_timeout` overrides the
         retry policy's for this call; `rules` override the client's (which each attempt
         reads afresh, so that an `expect` after a policy refresh applies to retries).
+        `prompt`: token IDs, text, chat messages, `Chat` or `NextTurn` (module doc).
         See the module doc for what it raises."""
         sampling = sampling or SamplingSpec()
         route = route or self.route
@@ -180,8 +233,26 @@ class RolloutClient:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         if route == "sglang" and n != 1:
             raise ValueError("the SGLang route generates one sequence per request: use n=1")
-        if n < 1 or not prompt_ids:
-            raise ValueError("need n >= 1 and a non-empty prompt")
+        if type(n) is not int or n < 1:
+            raise ValueError(f"n must be an integer >= 1, not {n!r}")
+        kind = prompt_kind(prompt)
+        if route == "sglang":
+            sampling.sglang_params()  # refuses what the route cannot take, before any attempt
+            if kind in ("text", "chat"):
+                raise ValueError("the SGLang route takes token IDs only: send text and chat "
+                                 "prompts with route='openai'")
+        if kind == "next_turn":
+            try:
+                ids = await self.next_turn_ids(prompt)
+            except TokenizeFailed as e:  # nothing was sent: no attempt in the ledger
+                raise SampleFailed(sample_id, f"tokenize: {e}", [f"tokenize: {e}"]) from e
+            p = _Prompt(ids, ids)
+        elif kind == "chat":
+            p = _Prompt(prompt if isinstance(prompt, Chat) else Chat(list(prompt)), None)
+        elif kind == "text":
+            p = _Prompt(prompt, None)
+        else:
+            p = _Prompt(list(prompt), list(prompt))
         trace = telemetry.trace_id(sample_id)
         t0 = time.monotonic()
         prefix = ResumedPrefix()
@@ -211,7 +282,7 @@ class RolloutClient:
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     budget = left if budget is None else min(budget, left)
-                result = await self._attempt(a, trace, prompt_ids, sampling, n, route, stream,
+                result = await self._attempt(a, trace, p, sampling, n, route, stream,
                                              current, prefix, budget, reused)
                 if isinstance(result, AdmittedSample):
                     telemetry.SAMPLES.labels("admitted").inc()
@@ -221,7 +292,7 @@ class RolloutClient:
                 reuse = rid if result.reuse_request_id else None
                 if not result.retry:
                     break
-                self._offer_partial(a, result, sampling, n, current, prefix)
+                self._offer_partial(a, result, sampling, n, current, prefix, p)
         except (asyncio.CancelledError, AlreadyAdmitted) as e:
             if reuse is not None:
                 self._cancel_remotely(reuse)
@@ -236,11 +307,14 @@ class RolloutClient:
         raise err
 
     def _offer_partial(self, a: Attempt, end: _End, sampling: SamplingSpec, n: int,
-                       rules: AdmissionRules, prefix: ResumedPrefix) -> None:
-        """Keep a partial attempt's verified tokens if the policy resumes; else start over."""
+                       rules: AdmissionRules, prefix: ResumedPrefix, prompt: _Prompt) -> None:
+        """Keep a partial attempt's verified tokens if the policy resumes; else start over.
+        A text or chat prompt resumes only once the engine has reported its token IDs."""
         gen = end.partial
         action = PartialAction.DISCARD
-        if gen is not None and n == 1 and not end.reuse_request_id:
+        if gen is not None and prompt.ids is None:
+            prompt.ids = _engine_prompt_ids(gen)
+        if gen is not None and n == 1 and not end.reuse_request_id and prompt.ids is not None:
             exp = Expectation(a.request_id, [], 1, rules)
             try:
                 token_ids_present(replace(gen, prompt_token_ids=None), exp)
@@ -268,16 +342,18 @@ class RolloutClient:
 
     # ------------------------------------------------------------ one attempt
 
-    async def _attempt(self, a: Attempt, trace: str, prompt_ids: list[int],
+    async def _attempt(self, a: Attempt, trace: str, prompt: _Prompt,
                        sampling: SamplingSpec, n: int, route: str, stream: bool,
                        rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
                        reused: bool) -> AdmittedSample | _End:
-        sent_prompt = prompt_ids + prefix.token_ids if prefix.token_ids else prompt_ids
         spec = sampling
-        if prefix.token_ids:
+        sent: list[int] | str | Chat = prompt.sent
+        if prefix.token_ids:  # resumed: the prompt's token IDs (known by then) + kept tokens
+            assert prompt.ids is not None
+            sent = prompt.ids + prefix.token_ids
             spec = replace(sampling, max_tokens=sampling.max_tokens - len(prefix),
                            min_tokens=max(0, sampling.min_tokens - len(prefix)))
-        path, body = request_body(route, sent_prompt, spec, n, stream, rules.model, a.request_id)
+        path, body = request_body(route, sent, spec, n, stream, rules.model, a.request_id)
         url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
                    "traceparent": telemetry.traceparent(trace, a.span_id)}
@@ -314,15 +390,22 @@ class RolloutClient:
             if reused and gen_or_end.reason.startswith("http: 400"):
                 gen_or_end.retry = True  # the first request may still be running: use a new ID
             return self._close(a, trace, AttemptState.FAILED, gen_or_end)
-        return self._judge(a, trace, gen_or_end, prompt_ids, sent_prompt, sampling, n, rules,
-                           prefix)
+        return self._judge(a, trace, gen_or_end, prompt, sent, sampling, n, rules, prefix)
 
-    def _judge(self, a: Attempt, trace: str, gen: Generation, prompt_ids: list[int],
-               sent_prompt: list[int], sampling: SamplingSpec, n: int, rules: AdmissionRules,
-               prefix: ResumedPrefix) -> AdmittedSample | _End:
-        """Verify a complete response and admit it in the ledger."""
-        exp = Expectation(a.request_id, sent_prompt, n, rules, sampling.prompt_logprobs)
+    def _judge(self, a: Attempt, trace: str, gen: Generation, prompt: _Prompt,
+               sent: list[int] | str | Chat, sampling: SamplingSpec, n: int,
+               rules: AdmissionRules, prefix: ResumedPrefix) -> AdmittedSample | _End:
+        """Verify a complete response and admit it in the ledger. For a text or chat prompt
+        the engine's report of the prompt IDs it used is required: they are the sample's."""
+        prompt_ids = prompt.ids
+        sent_ids = sent if isinstance(sent, list) else _engine_prompt_ids(gen)
         try:
+            if sent_ids is None:
+                raise TokenIdsMissing("the engine did not report the token IDs of the text or "
+                                      "chat prompt it was given (nvext.prompt_token_ids)")
+            if prompt_ids is None:
+                prompt_ids = sent_ids
+            exp = Expectation(a.request_id, sent_ids, n, rules, sampling.prompt_logprobs)
             verify(gen, exp)
             spans = [self._spans(c.weight_spans, len(c.token_ids), gen, prefix)
                      for c in gen.choices]
@@ -366,6 +449,73 @@ class RolloutClient:
         return AdmittedSample(a.sample_id, a.number, a.request_id, list(prompt_ids), completions,
                               rules.model, gen.weight_version, gen.weight_digest, plps,
                               gen.worker_id)
+
+    # ------------------------------------------------------------ the worker's tokenizer
+
+    async def tokenize(self, prompt: str | Chat | list[dict[str, Any]], *,
+                       add_generation_prompt: bool | None = None,
+                       chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The token IDs a worker's tokenizer makes of text, or of chat messages rendered
+        with the served model's chat template (POST /tokenize on the frontend)."""
+        body: dict[str, Any] = {"model": self.rules.model}
+        if isinstance(prompt, str):
+            body["prompt"] = prompt
+        else:
+            chat = prompt if isinstance(prompt, Chat) else Chat(list(prompt))
+            body["messages"] = chat.messages
+            body["add_generation_prompt"] = chat.add_generation_prompt \
+                if add_generation_prompt is None else add_generation_prompt
+            kwargs = chat_template_kwargs or chat.chat_template_kwargs
+            if kwargs:
+                body["chat_template_kwargs"] = kwargs
+        try:
+            r = await self._http.post(self.base_url + TOKENIZE_PATH, json=body,
+                                      timeout=TOKENIZE_TIMEOUT)
+        except httpx.HTTPError as e:
+            raise TokenizeFailed(f"POST {TOKENIZE_PATH} failed: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            end = self._http_end(r.status_code, r.content)
+            raise TokenizeFailed(f"POST {TOKENIZE_PATH}: {end.reason}")
+        tokens = r.json().get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise TokenizeFailed(f"POST {TOKENIZE_PATH} answered without token IDs: {r.text[:200]}")
+        return tokens
+
+    async def next_turn_ids(self, turn: NextTurn) -> list[int]:
+        """The prompt IDs of a `NextTurn`: the earlier sample's prompt and completion tokens
+        verbatim, the turn-closing tokens the template puts after an assistant message (less
+        those the completion already ends with, such as its EOS), then the new messages and
+        the generation prompt as the worker's template renders them after an assistant
+        turn. ValueError if the template does not render a conversation as the rendering of
+        its first turns followed by the rest (nothing can then be appended verbatim)."""
+        kwargs = turn.chat_template_kwargs
+        closing, base = await self._turn_frame(kwargs)
+        first = _PLACEHOLDER + [{"role": "assistant", "content": "a"}]
+        full = await self.tokenize(first + list(turn.messages), add_generation_prompt=True,
+                                   chat_template_kwargs=kwargs)
+        if full[:len(base)] != base:
+            raise ValueError("the chat template renders a conversation differently from its "
+                             "first turns followed by the new messages, so an earlier sample "
+                             "cannot be continued token for token; send the whole conversation "
+                             "as a Chat instead")
+        done = list(turn.earlier.completions[turn.completion].token_ids)
+        have = next(k for k in range(len(closing), -1, -1)
+                    if k == 0 or done[-k:] == closing[:k])
+        return list(turn.earlier.prompt_ids) + done + closing[have:] + full[len(base):]
+
+    async def _turn_frame(self, kwargs: dict[str, Any] | None) -> tuple[list[int], list[int]]:
+        """(the tokens a template puts after an assistant message, the rendering of the
+        placeholder conversation ending with one), cached per chat_template_kwargs."""
+        key = json.dumps(kwargs or {}, sort_keys=True, default=str)
+        if key not in self._frames:
+            a, b = [await self.tokenize(_PLACEHOLDER + [{"role": "assistant", "content": c}],
+                                        add_generation_prompt=False, chat_template_kwargs=kwargs)
+                    for c in ("a", "b")]
+            same = 0
+            while same < min(len(a), len(b)) and a[len(a) - 1 - same] == b[len(b) - 1 - same]:
+                same += 1
+            self._frames[key] = (a[len(a) - same:], a)
+        return self._frames[key]
 
     @staticmethod
     def _spans(raw: Any, length: int, gen: Generation, prefix: ResumedPrefix) -> list[WeightSpan]:
@@ -460,7 +610,7 @@ class RolloutClient:
         async def work() -> None:
             for i, s in queue:
                 try:
-                    got = await self.generate(s.sample_id, s.prompt_ids, s.sampling, s.n, **options)
+                    got = await self.generate(s.sample_id, s.prompt, s.sampling, s.n, **options)
                     out[i] = RolloutOutcome(s.sample_id, sample=got)
                 except (SampleFailed, AlreadyAdmitted) as e:
                     out[i] = RolloutOutcome(s.sample_id, error=e)

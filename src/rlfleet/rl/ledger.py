@@ -8,12 +8,15 @@ attempt is refused, also by another process or after the trainer restarts on the
 file. Starting an attempt of a sample closes (as `canceled`, reason `abandoned`) any
 earlier attempt of it still open (say, from a trainer process that died). Each write is one
 statement in autocommit mode: one small transaction, no fsync (WAL, synchronous=NORMAL:
-durable across a crash of the process, not of the machine).
+durable across a crash of the process, not of the machine). One ledger object may be used
+from any number of threads: its connection is shared, and a lock makes each method's
+statements one unit.
 """
 
 from __future__ import annotations
 
 import sqlite3
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,17 +101,22 @@ class AttemptRecord:
 
 class SampleLedger:
     """`SampleLedger()` keeps the ledger in memory; `SampleLedger(path)` in a file that a
-    restarted trainer reopens. Use from one thread (the event loop's)."""
+    restarted trainer reopens. Usable from any thread."""
 
     def __init__(self, path: str | Path = ":memory:", busy_timeout: float = 30.0) -> None:
         self.path = str(path)
-        self._db = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
+        # shared between threads; the lock serialises use (a statement and the reads of its
+        # cursor, or the two statements of `start`), the database serialises processes
+        self._db = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
+                                   check_same_thread=False)
+        self._lock = threading.RLock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across a process crash
         self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
-        self._db.close()
+        with self._lock:
+            self._db.close()
 
     def __enter__(self) -> SampleLedger:
         return self
@@ -122,47 +130,53 @@ class SampleLedger:
         """Record a new attempt (state accepted) and return its number (1, 2, ...).
         Raises AlreadyAdmitted if the sample has an admitted attempt."""
         now = time.time()
-        row = self._db.execute(_START, (sample_id, request_id, now)).fetchone()
-        if row is None:
-            raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id))
-        if row[0] > 1:  # earlier attempts left open (by a process that died) are abandoned
-            self._db.execute(_ABANDON, (sample_id, row[0], now))
-        return row[0]
+        with self._lock:
+            row = self._db.execute(_START, (sample_id, request_id, now)).fetchone()
+            if row is None:
+                raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id))
+            if row[0] > 1:  # earlier attempts left open (by a process that died) are abandoned
+                self._db.execute(_ABANDON, (sample_id, row[0], now))
+            return row[0]
 
     def streaming(self, sample_id: str, attempt: int) -> bool:
         """Record the first streamed tokens; False if the attempt is no longer open."""
-        return self._db.execute(_STREAMING, (sample_id, attempt, time.time())).rowcount == 1
+        with self._lock:
+            return self._db.execute(_STREAMING, (sample_id, attempt, time.time())).rowcount == 1
 
     def close_attempt(self, sample_id: str, attempt: int, state: AttemptState,
                       reason: str) -> bool:
         """End an open attempt as canceled or failed; False if it was not open."""
-        return self._db.execute(_CLOSE[state], (sample_id, attempt, reason, time.time())
-                                ).rowcount == 1
+        with self._lock:
+            return self._db.execute(_CLOSE[state], (sample_id, attempt, reason, time.time())
+                                    ).rowcount == 1
 
     def admit(self, sample_id: str, attempt: int) -> None:
         """Admit the attempt, in one transaction: it must be open and the sample must have
         no admitted attempt. Raises AlreadyAdmitted (the attempt is then closed as failed)
         or AttemptClosed; either way nothing was admitted."""
-        try:
-            cur = self._db.execute(_ADMIT, (sample_id, attempt, time.time()))
-        except sqlite3.IntegrityError:
-            self.close_attempt(sample_id, attempt, AttemptState.FAILED, AlreadyAdmitted.reason)
-            raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id)) from None
-        if cur.rowcount != 1:
-            rec = self.attempt(sample_id, attempt)
-            raise AttemptClosed(sample_id, attempt, rec.state if rec else None)
+        with self._lock:
+            try:
+                cur = self._db.execute(_ADMIT, (sample_id, attempt, time.time()))
+            except sqlite3.IntegrityError:
+                self.close_attempt(sample_id, attempt, AttemptState.FAILED, AlreadyAdmitted.reason)
+                raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id)) from None
+            if cur.rowcount != 1:
+                rec = self.attempt(sample_id, attempt)
+                raise AttemptClosed(sample_id, attempt, rec.state if rec else None)
 
     # ------------------------------------------------------------ reading
 
     def admitted_attempt(self, sample_id: str) -> int | None:
-        row = self._db.execute("SELECT attempt FROM attempts WHERE sample_id = ? AND admitted = 1",
-                               (sample_id,)).fetchone()
+        with self._lock:
+            row = self._db.execute("SELECT attempt FROM attempts WHERE sample_id = ? AND "
+                                   "admitted = 1", (sample_id,)).fetchone()
         return row[0] if row else None
 
     def admitted(self) -> dict[str, tuple[int, str]]:
         """sample_id -> (attempt, request_id) of every admitted sample."""
-        return {s: (a, r) for s, a, r in self._db.execute(
-            "SELECT sample_id, attempt, request_id FROM attempts WHERE admitted = 1")}
+        with self._lock:
+            return {s: (a, r) for s, a, r in self._db.execute(
+                "SELECT sample_id, attempt, request_id FROM attempts WHERE admitted = 1")}
 
     def attempt(self, sample_id: str, attempt: int) -> AttemptRecord | None:
         rows = self._records("WHERE sample_id = ? AND attempt = ?", (sample_id, attempt))
@@ -175,11 +189,13 @@ class SampleLedger:
 
     def counts(self) -> dict[str, int]:
         """Attempts by state."""
-        return dict(self._db.execute("SELECT state, COUNT(*) FROM attempts GROUP BY state"))
+        with self._lock:
+            return dict(self._db.execute("SELECT state, COUNT(*) FROM attempts GROUP BY state"))
 
     def _records(self, where: str, args: tuple) -> list[AttemptRecord]:
-        rows = self._db.execute(
-            "SELECT sample_id, attempt, request_id, state, reason, started_at, first_token_at, "
-            f"finished_at, admitted FROM attempts {where}", args)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sample_id, attempt, request_id, state, reason, started_at, "
+                f"first_token_at, finished_at, admitted FROM attempts {where}", args).fetchall()
         return [AttemptRecord(s, a, r, AttemptState(st), why, t0, t1, t2, bool(adm))
                 for s, a, r, st, why, t0, t1, t2, adm in rows]

@@ -1,9 +1,9 @@
 """What one attempt brought back, in one shape for both routes.
 
-The parsers read the wire (OpenAI completions with nvext, unary or streamed; native
-SGLang /generate, unary or streamed) without judging it: a missing or malformed field
-becomes None or an empty list, so that the admission checks, not a parse error, say what
-is wrong. Nothing here re-tokenises text: token IDs come from the engine.
+The parsers read the wire (OpenAI completions and chat completions with nvext, unary or
+streamed; native SGLang /generate, unary or streamed) without judging it: a missing or
+malformed field becomes None or an empty list, so that the admission checks, not a parse
+error, say what is wrong. Nothing here re-tokenises text: token IDs come from the engine.
 """
 
 from __future__ import annotations
@@ -75,7 +75,13 @@ def _token_of(s: Any) -> int | None:
 # ---------------------------------------------------------------- OpenAI /v1/completions
 
 def _openai_logprobs(lp: Any) -> tuple[list | None, list | None]:
+    """(sampled-token logprobs, the token each names): completions carry `token_logprobs`
+    and `tokens`; chat completions a `content` list of {"token", "logprob", ...}."""
     lp = _dict(lp)
+    content = _list(lp.get("content"))
+    if content is not None:
+        entries = [_dict(e) for e in content]
+        return [e.get("logprob") for e in entries], [_token_of(e.get("token")) for e in entries]
     values, tokens = _list(lp.get("token_logprobs")), _list(lp.get("tokens"))
     return values, None if tokens is None else [_token_of(t) for t in tokens]
 
@@ -86,7 +92,7 @@ def _worker_id(nv: dict) -> int | None:
 
 
 def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
-    """A unary /v1/completions response."""
+    """A unary /v1/completions or /v1/chat/completions response."""
     body = _dict(body)
     nv = _dict(body.get("nvext"))
     per_choice = _list(nv.get("choices"))
@@ -113,7 +119,7 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
 
 
 class OpenAIStream:
-    """Folds the SSE chunks of a streamed /v1/completions response into a Generation.
+    """Folds the SSE chunks of a streamed /v1/completions (or chat) response into a Generation.
     Chunks carry one choice each, with `nvext.completion_token_ids` deltas; the last
     chunk (no choices) carries the final-only nvext fields."""
 

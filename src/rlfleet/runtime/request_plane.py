@@ -47,6 +47,10 @@ def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
     if bad:
         raise BadRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary "
                          f"[0, {info.vocab_size})")
+    bad = [t for t in req.sampling.logit_bias or () if not 0 <= t < info.vocab_size]
+    if bad:
+        raise BadRequest(f"logit_bias token ID {bad[0]} is outside the vocabulary "
+                         f"[0, {info.vocab_size})")
     room = info.max_model_len - len(ids)
     if room <= 0:
         raise BadRequest(f"the prompt has {len(ids)} tokens, but the context length of "

@@ -49,7 +49,8 @@ def _sampling_params(s: SamplingOptions, room: int, stream: bool):
         stop=s.stop or None, stop_token_ids=s.stop_token_ids or None, ignore_eos=s.ignore_eos,
         logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty, skip_special_tokens=s.skip_special_tokens,
+        repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias,
+        skip_special_tokens=s.skip_special_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
