@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -38,14 +39,27 @@ class Run:
     done: bool = False
     ended_at: float | None = None
     followers: int = 0
-    worker_url: str | None = None  # set once a worker took it
+    worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
     task: asyncio.Task | None = None
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _waiters: list[asyncio.Future] = field(default_factory=list)
     _orphan_timer: asyncio.TimerHandle | None = None
 
     def _publish(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Wake every follower waiting for news (each waits on its own future, so that a
+        follower that leaves cancels nobody else's wait)."""
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    async def wait_past(self, i: int) -> None:
+        """Until the run has more than `i` events or has ended."""
+        while len(self.events) <= i and not self.done:
+            w = asyncio.get_running_loop().create_future()
+            self._waiters.append(w)
+            await w
 
     async def follow(self) -> AsyncIterator[dict]:
         """Every event of the run from the start, then new ones as they come."""
@@ -58,7 +72,7 @@ class Run:
                 if self.error is not None:
                     raise self.error
                 return
-            await self._changed.wait()
+            await self.wait_past(i)
 
 
 @dataclass
@@ -100,10 +114,12 @@ class RunRegistry:
         return run, False
 
     async def _pump(self, run: Run, events: AsyncIterator[dict]) -> None:
+        append = run.events.append
         try:
             async for ev in events:
-                run.events.append(ev)
-                run._publish()
+                append(ev)
+                if run._waiters:
+                    run._publish()
         except asyncio.CancelledError:
             run.error = WorkerError("the request was cancelled before it finished", 499)
         except BaseException as e:  # noqa: BLE001 - handed to every follower

@@ -13,10 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import uvloop
+
 from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
-from rlfleet.runtime.request_plane import request_plane_app
+from rlfleet.runtime.request_plane import WorkerPlane
 from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
 
 log = logging.getLogger("rlfleet.worker")
@@ -67,6 +69,12 @@ def _advertised_host(bind_host: str) -> str:
     return bind_host
 
 
+def run_worker(engine: Engine, args: argparse.Namespace,
+               admin_routes: Callable[[], list[Route]] | None = None) -> None:
+    """serve_worker on uvloop (the worker's event loop carries every request's events)."""
+    uvloop.run(serve_worker(engine, args, admin_routes))
+
+
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT."""
@@ -80,11 +88,15 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
-    rp = AppServer(request_plane_app(engine, faults), bind_socket(args.host, args.port))
+    plane = WorkerPlane(engine, faults)
+    rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]
     host = _advertised_host(args.host)
     request_url = f"http://{host}:{rp.port}"
+    # the stream plane (what frontends use) on a free port beside the HTTP request plane
+    stream = await plane.serve(bind_socket(args.host, 0))
+    stream_address = f"[{host}]:{stream.port}" if ":" in host else f"{host}:{stream.port}"
     system_url = None
     regs: list[Registration] = []
     admission = Admission(gated=args.start_gated)
@@ -116,7 +128,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     info = engine.info
     base: dict[str, Any] = {
         "namespace": args.namespace, "component": COMPONENT, "instance_id": instance_id,
-        "transport": {"http": request_url}, "model": info.served_model_name,
+        "transport": {"http": request_url}, "stream_plane": stream_address,
+        "model": info.served_model_name,
         "model_path": info.model_path, "vocab_size": info.vocab_size,
         "max_model_len": info.max_model_len, "pid": os.getpid(),
     }
@@ -134,7 +147,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             ttl=args.lease_ttl))
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
-          f"system_url={system_url or ''} model={info.served_model_name}", flush=True)
+          f"system_url={system_url or ''} model={info.served_model_name} "
+          f"stream={stream_address}", flush=True)
     log.info("worker %s serving %s at %s (system server: %s, discovery: %s)", instance_id,
              info.served_model_name, request_url, system_url, discovery.url)
     try:
@@ -147,6 +161,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             except Exception as e:  # the lease will expire anyway
                 log.warning("deregistration failed: %r", e)
         await discovery.close()
+        await stream.stop()
         for s in servers:
             await s.stop()
         await engine.shutdown()
