@@ -121,6 +121,11 @@ class Opened:
         self.outcome = "error"
         self.closed = False
 
+    def left(self) -> None:
+        """The caller went away before the end (counted as `abandoned`)."""
+        if self.outcome == "error":
+            self.outcome = "abandoned"
+
     async def aclose(self) -> None:
         if not self.closed:
             self.closed = True
@@ -224,6 +229,9 @@ class WorkerPlane:
                         if kind is Frame.ERROR:
                             ev = ErrorEvent(error=ev)
                         yield _json.encode(ev) + b"\n"
+                except (GeneratorExit, asyncio.CancelledError):
+                    opened.left()
+                    raise
                 finally:
                     await opened.aclose()
 
@@ -323,7 +331,11 @@ class FrameWriter:
         start = len(out)
         out += b"\0\0\0\0\0\0\0\0\0"
         if body is not None:
-            _msgpack.encode_into(body, out, -1)
+            try:
+                _msgpack.encode_into(body, out, -1)
+            except BaseException:
+                del out[start:]  # nothing of a frame that cannot be encoded is sent
+                raise
         _HEADER.pack_into(out, start, len(out) - start - 4, kind, sid)
         if not self._queued:
             self._queued = True
@@ -477,6 +489,9 @@ class _FrontendLink(asyncio.Protocol):
                     if self._paused:
                         await self._writable()
                     put(kind, sid, ev)
+            except asyncio.CancelledError:
+                opened.left()
+                raise
             finally:
                 await opened.aclose()
         except asyncio.CancelledError:
