@@ -361,3 +361,28 @@ def test_deltas_of_several_steps_merge_per_choice_without_changing_events() -> N
                                              (1, [7], "x", [7], None, None)]
     assert msgspec.json.encode(steps) == before  # events may be replayed to another caller
     assert merge_deltas(steps[:1]) == steps[:1]
+
+
+async def test_a_paced_stream_holds_its_request_in_the_engine_until_taken() -> None:
+    """Per-stream window: a caller that does not pass events on stops its own request in
+    the engine after WINDOW events; other streams on the connection run on; taking the
+    events lets it finish, every token in order."""
+    from rlfleet.protocol.engine import WINDOW
+
+    async with worker(token_delay=0.001) as (engine, addr, client):
+        held_req, other_req = request(max_tokens=1000, seed=3), request(max_tokens=300, seed=4)
+        held = await client.generate(addr, held_req, paced=True)
+        other = await client.generate(addr, other_req)
+        assert merged([ev async for ev in other]) == await tokens_of(engine, other_req)
+        await asyncio.sleep(0.3)
+        got = []
+        while held._queue:  # what arrived, without passing it on
+            got.append(await anext(held))
+        assert len(got) == WINDOW and engine.num_running() == 1
+        await asyncio.sleep(0.2)
+        assert not held._queue  # nothing more while the caller takes nothing
+        held.taken(len(got))
+        async for ev in held:
+            got.append(ev)
+            held.taken(1)
+        assert merged(got) == await tokens_of(engine, held_req) and type(got[-1]) is Done

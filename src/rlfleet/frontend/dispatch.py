@@ -11,19 +11,22 @@ from rlfleet.frontend.router import Worker, WorkerPool
 from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step, WeightSpan
 from rlfleet.protocol.openai import Usage
 from rlfleet.runtime import metrics
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerStream
 
 MAX_ATTEMPTS = 3
 
 
 class Choice:
-    """One choice's output so far."""
+    """One choice's output so far (with `keep` false, only how many tokens: a stream that
+    has rendered each delta needs no copy of them)."""
 
-    __slots__ = ("index", "token_ids", "_text", "logprobs", "finish_reason", "stop_reason",
-                 "weight_versions")
+    __slots__ = ("index", "keep", "count", "token_ids", "_text", "logprobs", "finish_reason",
+                 "stop_reason", "weight_versions")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, keep: bool = True) -> None:
         self.index = index
+        self.keep = keep
+        self.count = 0
         self.token_ids: list[int] = []
         self._text: list[str] = []
         self.logprobs: list | None = None
@@ -39,13 +42,15 @@ class Choice:
         return parts[0] if parts else ""
 
     def add(self, d: Delta) -> None:
-        self.token_ids += d.token_ids
-        if d.text:
-            self._text.append(d.text)
-        if d.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs += d.logprobs
+        self.count += len(d.token_ids)
+        if self.keep:
+            self.token_ids += d.token_ids
+            if d.text:
+                self._text.append(d.text)
+            if d.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs += d.logprobs
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
             self.stop_reason = d.stop_reason
@@ -60,7 +65,7 @@ class Result:
                  "prompt_token_ids", "prompt_logprobs", "prompt_text", "prompt_token_strs",
                  "weight", "choices")
 
-    def __init__(self, request_id: str, n: int) -> None:
+    def __init__(self, request_id: str, n: int, keep_output: bool = True) -> None:
         self.request_id, self.n = request_id, n
         self.received = time.time()
         self.first_token: float | None = None
@@ -71,7 +76,7 @@ class Result:
         self.prompt_text = ""  # with echo
         self.prompt_token_strs: list[str] | None = None  # with echo
         self.weight: dict[str, Any] = {}
-        self.choices = [Choice(i) for i in range(n)]
+        self.choices = [Choice(i, keep_output) for i in range(n)]
 
     def apply(self, ev: Event) -> list[Delta]:
         """Fold one worker event in; return its choice deltas (for streaming)."""
@@ -107,11 +112,11 @@ class Result:
         track versions per token, one span from the weights the worker reported."""
         return choice.weight_versions or [WeightSpan(
             version=self.weight.get("weight_version"), digest=self.weight.get("weight_digest"),
-            start=0, end=len(choice.token_ids))]
+            start=0, end=choice.count)]
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(c.count for c in self.choices)
 
     def usage(self) -> Usage:
         p = len(self.prompt_token_ids)
@@ -160,10 +165,13 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
 
 
 async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: GenerateRequest,
-                   on_pick: Callable[[Worker], None] | None = None) -> AsyncIterator[Event]:
+                   on_pick: Callable[[Worker], None] | None = None,
+                   on_stream: Callable[[WorkerStream], None] | None = None,
+                   paced: bool = False) -> AsyncIterator[Event]:
     """Yield the events of `req` served by one worker of `model`. The Head carries the
-    instance ID of the worker (`worker_id`); `on_pick` hears of each worker tried. Raises
-    NoWorker or WorkerError."""
+    instance ID of the worker (`worker_id`); `on_pick` hears of each worker tried and
+    `on_stream` of each stream opened (paced: its caller moves the worker's window, see
+    WorkerStream.taken). Raises NoWorker or WorkerError."""
     tried: set[int] = set()
     for attempt in range(MAX_ATTEMPTS):
         w = await pool.acquire(model, tried)
@@ -174,7 +182,9 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         started = False
         stream = None
         try:
-            stream = await client.generate(w.address, req)
+            stream = await client.generate(w.address, req, paced)
+            if on_stream is not None:
+                on_stream(stream)
             async for ev in stream:
                 if not started:
                     started = True

@@ -111,9 +111,9 @@ class Follower:
         error once its events are used up."""
         run = self.run
         await run.wait_past(self._seen)
-        events = run.events
-        new = events[self._seen:]
-        self._seen = len(events)
+        new = run.since(self._seen)
+        self._seen = run.produced
+        run.release(self._seen)
         deltas: list[Delta] = []
         done = False
         apply = self.res.apply
@@ -129,13 +129,15 @@ class Follower:
 
     async def head(self) -> None:
         """Until the worker's first event (the Head, or the error that refused it)."""
+        run = self.run
         if self._seen == 0:
-            await self.run.wait_past(0)
-            if not self.run.events and self.run.error is not None:
-                raise self.run.error
-            self._seen = 1
-            if self.run.events:
-                self.res.apply(self.run.events[0])
+            await run.wait_past(0)
+            if not run.produced and run.error is not None:
+                raise run.error
+            if run.produced:
+                self.res.apply(run.since(0)[0])
+                self._seen = 1
+                run.release(1)
 
     async def to_end(self) -> None:
         while not (await self._take())[1]:
@@ -183,11 +185,15 @@ async def follow(request: Request, model: str, greq: GenerateRequest, res: Resul
     worker's first event; fail before any byte is sent if no worker takes it."""
     fe = frontend_of(request)
     keep = REQUEST_ID_HEADER in request.headers
+
+    def source(run: Run) -> AsyncIterator:
+        # a run only this caller follows moves at the caller's pace; a kept run is read to
+        # its end whoever listens, so that a retry finds it whole
+        return dispatch(fe.pool, fe.client, model, greq, lambda w: setattr(run, "worker", w),
+                        None if keep else lambda s: setattr(run, "stream", s), paced=not keep)
+
     try:
-        run, _ = fe.runs.start(
-            greq.request_id, await request.body(), keep,
-            lambda run: dispatch(fe.pool, fe.client, model, greq,
-                                 lambda w: setattr(run, "worker", w)))
+        run, _ = fe.runs.start(greq.request_id, await request.body(), keep, source)
     except RequestIdConflict as e:
         raise HttpError(409, str(e)) from e
     fe.runs.attach(run)

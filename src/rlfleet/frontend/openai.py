@@ -69,7 +69,7 @@ async def completions(request: Request) -> Response:
                                echo=req.echo)
 
     greq = engine_request(build)
-    res = Result(rid, req.n)
+    res = Result(rid, req.n, keep_output=not req.stream)
     f = await follow(request, req.model, greq, res)
     if not req.stream:
         return await f.unary(lambda: completion_response(req, res))
@@ -104,7 +104,7 @@ async def chat(request: Request) -> Response:
         add_generation_prompt=req.add_generation_prompt,
         chat_template_kwargs=req.chat_template_kwargs,
         sampling=req.sampling(req.token_budget, logprobs), stream=req.stream))
-    res = Result(rid, req.n)
+    res = Result(rid, req.n, keep_output=not req.stream)
     f = await follow(request, req.model, greq, res)
     if not req.stream:
         return await f.unary(lambda: chat_response(req, res))

@@ -34,12 +34,16 @@ class Run:
     request_id: str
     fingerprint: str
     keep: bool  # outlives its callers (it has a caller-chosen request ID)
+    # events from number `base` on: a run that nobody else can join drops what its one
+    # caller has read (`release`); a kept run keeps them all for retries
     events: list[dict] = field(default_factory=list)
+    base: int = 0
     error: BaseException | None = None
     done: bool = False
     ended_at: float | None = None
     followers: int = 0
     worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
+    stream: Any = None  # its paced stream, for a run that nobody else can join
     task: asyncio.Task | None = None
     _waiters: list[asyncio.Future] = field(default_factory=list)
     _orphan_timer: asyncio.TimerHandle | None = None
@@ -54,19 +58,38 @@ class Run:
                 if not w.done():
                     w.set_result(None)
 
+    @property
+    def produced(self) -> int:
+        """How many events the run has produced so far."""
+        return self.base + len(self.events)
+
+    def since(self, i: int) -> list:
+        """The events from number `i` on."""
+        return self.events[i - self.base:]
+
+    def release(self, upto: int) -> None:
+        """Its caller has read the events before number `upto`: a run that nobody else can
+        join forgets them."""
+        if not self.keep and upto > self.base:
+            n = upto - self.base
+            del self.events[:n]
+            self.base = upto
+            if self.stream is not None:  # the worker may send as many more
+                self.stream.taken(n)
+
     async def wait_past(self, i: int) -> None:
         """Until the run has more than `i` events or has ended."""
-        while len(self.events) <= i and not self.done:
+        while self.base + len(self.events) <= i and not self.done:
             w = asyncio.get_running_loop().create_future()
             self._waiters.append(w)
             await w
 
     async def follow(self) -> AsyncIterator[dict]:
         """Every event of the run from the start, then new ones as they come."""
-        i = 0
+        i = self.base
         while True:
-            while i < len(self.events):
-                yield self.events[i]
+            while i < self.produced:
+                yield self.events[i - self.base]
                 i += 1
             if self.done:
                 if self.error is not None:

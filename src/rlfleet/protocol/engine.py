@@ -34,6 +34,11 @@ from msgspec import UNSET, Meta, Struct, UnsetType, field
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAGIC = b"RLFP\x01"  # first bytes a frontend writes on a stream-plane connection (version 1)
+# Per-stream flow control: a worker sends at most WINDOW events of a stream beyond those
+# the frontend has acknowledged with CREDIT frames (the last event of a stream is exempt).
+# A caller that reads slowly thus holds its request back in the engine instead of piling
+# up events in the frontend.
+WINDOW = 64
 
 
 class SamplingOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -222,6 +227,7 @@ class Frame(enum.IntEnum):
     CLOSE = 2  # (empty) the caller of this stream went away: abort the request
     CANCEL = 3  # CancelRequest; answered by REPLY (Cancelled) or ERROR
     TOKENIZE = 4  # TokenizeRequest; answered by REPLY (Tokens) or ERROR
+    CREDIT = 5  # int: the caller has taken this many more events of the stream
     # worker -> frontend
     HEAD = 10
     STEP = 11

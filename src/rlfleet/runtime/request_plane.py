@@ -13,9 +13,11 @@ Guarantees on the stream plane:
 - a worker that dies (its connection closes, even between two coalesced events) ends
   every stream on it at once with a 502 error; a worker that sends nothing on a stream
   for `request_timeout` seconds ends that stream with a 504;
-- back-pressure: while a frontend does not read, the worker's transport buffer fills and
-  the worker stops pulling events from the engine for that connection (vLLM then merges
-  the deltas it holds; the mocker stops generating), instead of buffering without bound.
+- back-pressure, per stream and per connection: a worker sends at most WINDOW events of
+  a stream that the frontend has not taken yet (CREDIT frames move the window), and stops
+  altogether while the frontend does not read its connection. The worker then stops
+  pulling from the engine for that request (vLLM merges the deltas it holds; the mocker
+  stops generating): a slow caller holds back its own request, not the frontend's memory.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from starlette.routing import Route
 
 from rlfleet.protocol.engine import (
     MAGIC,
+    WINDOW,
     Cancelled,
     CancelRequest,
     Done,
@@ -374,7 +377,30 @@ class FrameReader:
         return frames
 
 
+class _Window:
+    """How many more events of one stream the worker may send (see WINDOW)."""
+
+    __slots__ = ("credit", "_waiter")
+
+    def __init__(self) -> None:
+        self.credit = WINDOW
+        self._waiter: asyncio.Future | None = None
+
+    def grant(self, n: int) -> None:
+        if not 0 < n <= 1 << 20:
+            raise ValueError(f"a credit of {n} events is out of range")
+        self.credit += n
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def opened(self) -> None:
+        while self.credit <= 0:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+
 _generate = msgspec.msgpack.Decoder(GenerateRequest)
+_credit = msgspec.msgpack.Decoder(int)
 _tokenize = msgspec.msgpack.Decoder(TokenizeRequest)
 _cancel = msgspec.msgpack.Decoder(CancelRequest)
 
@@ -385,6 +411,7 @@ class _FrontendLink(asyncio.Protocol):
     def __init__(self, server: StreamServer) -> None:
         self.server, self.plane = server, server.plane
         self.tasks: dict[int, asyncio.Task] = {}
+        self.windows: dict[int, _Window] = {}
         self.reader = FrameReader()
         self._greeted = False
         self._paused = False
@@ -451,7 +478,15 @@ class _FrontendLink(asyncio.Protocol):
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
                 self._error(sid, 400, _decode_error(e))
                 return
+            self.windows[sid] = _Window()
             self.tasks[sid] = asyncio.ensure_future(self._generate(sid, req))
+        elif kind == Frame.CREDIT:
+            window = self.windows.get(sid)
+            if window is not None:
+                try:
+                    window.grant(_credit.decode(body))
+                except (msgspec.DecodeError, ValueError) as e:
+                    self._error(sid, 400, _decode_error(e))
         elif kind == Frame.CLOSE:
             task = self.tasks.get(sid)
             if task is not None:
@@ -477,6 +512,7 @@ class _FrontendLink(asyncio.Protocol):
 
     async def _generate(self, sid: int, req: GenerateRequest) -> None:
         put = self.writer.put
+        window = self.windows[sid]
         try:
             try:
                 opened = await self.plane.open(req)
@@ -485,7 +521,12 @@ class _FrontendLink(asyncio.Protocol):
                 return
             try:
                 put(Frame.HEAD, sid, opened.head)
+                window.credit -= 1
                 async for kind, ev in self.plane.rest(opened):
+                    if kind is Frame.STEP:
+                        if window.credit <= 0:
+                            await window.opened()
+                        window.credit -= 1
                     if self._paused:
                         await self._writable()
                     put(kind, sid, ev)
@@ -498,6 +539,7 @@ class _FrontendLink(asyncio.Protocol):
             pass  # CLOSE, or the frontend went away: the engine has aborted the request
         finally:
             del self.tasks[sid]
+            del self.windows[sid]
 
 
 # ================================================================== frontend side
@@ -524,15 +566,27 @@ class WorkerStream:
     WorkerError for an error event, a lost connection or a stalled stream. Closing it
     before the end aborts the request in the worker's engine."""
 
-    __slots__ = ("link", "sid", "_queue", "_waiter", "_error", "last", "ended")
+    __slots__ = ("link", "sid", "_queue", "_waiter", "_error", "last", "ended", "paced",
+                 "_taken")
 
-    def __init__(self, link: WorkerLink, sid: int) -> None:
+    def __init__(self, link: WorkerLink, sid: int, paced: bool = False) -> None:
         self.link, self.sid = link, sid
         self._queue: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._error: WorkerError | None = None
         self.last = time.monotonic()  # when the worker last sent something for it
         self.ended = False
+        # paced: the caller reports what it has passed on (`taken`), which moves the
+        # worker's window; otherwise every event read from here counts as taken
+        self.paced = paced
+        self._taken = 0
+
+    def taken(self, n: int) -> None:
+        """The caller has passed on `n` more events: let the worker send as many more."""
+        self._taken += n
+        if self._taken >= WINDOW // 2 and not self.ended and self.link.open:
+            self.link.writer.put(Frame.CREDIT, self.sid, self._taken)
+            self._taken = 0
 
     def _push(self, item: Any) -> None:
         self._queue.append(item)
@@ -560,6 +614,8 @@ class WorkerStream:
             if self._error is not None:
                 raise self._error
             raise StopAsyncIteration
+        if not self.paced:
+            self.taken(1)
         return item
 
     async def aclose(self) -> None:
@@ -681,9 +737,9 @@ class WorkerLink(asyncio.Protocol):
             self._next = (self._next + 1) & 0xFFFFFFFF
         return self._next
 
-    def generate(self, req: GenerateRequest) -> WorkerStream:
+    def generate(self, req: GenerateRequest, paced: bool = False) -> WorkerStream:
         sid = self._sid()
-        stream = WorkerStream(self, sid)
+        stream = WorkerStream(self, sid, paced)
         try:
             self.writer.put(Frame.GENERATE, sid, req)
         except (OverflowError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
@@ -787,9 +843,11 @@ class WorkerClient:
                               retryable=True) from e
         return link
 
-    async def generate(self, address: str, req: GenerateRequest) -> WorkerStream:
-        """Start `req` on the worker; iterate the returned stream for its events."""
-        return (await self.link(address)).generate(req)
+    async def generate(self, address: str, req: GenerateRequest, paced: bool = False
+                       ) -> WorkerStream:
+        """Start `req` on the worker; iterate the returned stream for its events. With
+        `paced`, the caller moves the worker's window itself (`WorkerStream.taken`)."""
+        return (await self.link(address)).generate(req, paced)
 
     async def cancel(self, address: str, request_id: str) -> bool:
         """The engine's abort: the request ends now with its partial output."""
