@@ -386,3 +386,23 @@ async def test_a_paced_stream_holds_its_request_in_the_engine_until_taken() -> N
             got.append(ev)
             held.taken(1)
         assert merged(got) == await tokens_of(engine, held_req) and type(got[-1]) is Done
+
+
+async def test_a_worker_shutting_down_refuses_new_requests_as_retryable() -> None:
+    engine = MockEngine(token_delay=0.005)
+    server = await WorkerPlane(engine).serve(bind_socket("127.0.0.1", 0))
+    addr = f"127.0.0.1:{server.port}"
+    client = WorkerClient()
+    try:
+        running = await client.generate(addr, request(max_tokens=30))
+        await anext(running)
+        stopping = asyncio.ensure_future(server.stop(grace=60))
+        await asyncio.sleep(0.05)
+        with pytest.raises(WorkerError) as e:  # refused before it reached the engine
+            async for _ in await client.generate(addr, request(max_tokens=3)):
+                pass
+        assert e.value.status == 503 and e.value.retryable
+        assert len(merged([ev async for ev in running])[0]) == 30  # the running one finishes
+        await stopping
+    finally:
+        await client.close()

@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
+
 from rlfleet.frontend.router import Worker, WorkerPool
 from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step, WeightSpan
 from rlfleet.protocol.openai import Usage
@@ -78,9 +80,13 @@ class Result:
         self.weight: dict[str, Any] = {}
         self.choices = [Choice(i, keep_output) for i in range(n)]
 
-    def apply(self, ev: Event) -> list[Delta]:
-        """Fold one worker event in; return its choice deltas (for streaming)."""
+    def apply(self, ev: Event | dict) -> list[Delta]:
+        """Fold one worker event in (typed, or a plain dict of the same shape); return its
+        choice deltas (for streaming)."""
         kind = type(ev)
+        if kind is dict:
+            ev = _typed(ev)  # type: ignore[arg-type]
+            kind = type(ev)
         if kind is Step:
             deltas = ev.choices  # type: ignore[union-attr]
             if self.first_token is None and deltas:
@@ -130,6 +136,20 @@ class Result:
         if self.first_token is not None:
             out["ttft_ms"] = round((self.first_token - self.received) * 1000, 3)
         return out
+
+
+def _typed(ev: dict) -> Event:
+    """A worker event given as a plain dict (as the HTTP request plane writes it)."""
+    if "choices" in ev:
+        return msgspec.convert(ev, Step)
+    if "prompt_token_ids" in ev:
+        head = msgspec.convert({k: v for k, v in ev.items() if k != "_worker"}, Head)
+        if ev.get("_worker") is not None:
+            head.worker_id = ev["_worker"]
+        return head
+    if "done" in ev:
+        return msgspec.convert(ev, Done)
+    raise ValueError(f"not a request-plane event: {sorted(ev)}")
 
 
 def merge_deltas(deltas: list[Delta]) -> list[Delta]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
@@ -72,7 +73,7 @@ async def completions(request: Request) -> Response:
     res = Result(rid, req.n, keep_output=not req.stream)
     f = await follow(request, req.model, greq, res)
     if not req.stream:
-        return await f.unary(lambda: completion_response(req, res))
+        return await f.unary(lambda: completion_body(req, res, req.model))
 
     async def chunks() -> AsyncIterator[bytes]:
         offsets = [0] * req.n
@@ -84,10 +85,10 @@ async def completions(request: Request) -> Response:
             if deltas:
                 out = []
                 for d in deltas:
-                    out.append(sse(completion_chunk(req, res, d, offsets[d.index])))
+                    out.append(sse(completion_chunk_body(req, res, req.model, d, offsets[d.index])))
                     offsets[d.index] += len(d.text)
                 yield b"".join(out)
-        last = final_chunk(req, res)
+        last = final_chunk_body(req, res, req.model)
         if last is not None:
             yield sse(last)
     return f.stream(chunks())
@@ -107,7 +108,7 @@ async def chat(request: Request) -> Response:
     res = Result(rid, req.n, keep_output=not req.stream)
     f = await follow(request, req.model, greq, res)
     if not req.stream:
-        return await f.unary(lambda: chat_response(req, res))
+        return await f.unary(lambda: chat_body(req, res, req.model))
 
     async def chunks() -> AsyncIterator[bytes]:
         first = [True] * req.n
@@ -115,10 +116,10 @@ async def chat(request: Request) -> Response:
             if deltas:
                 out = []
                 for d in deltas:
-                    out.append(sse(chat_chunk(req, res, d, first[d.index])))
+                    out.append(sse(chat_chunk_body(req, res, req.model, d, first[d.index])))
                     first[d.index] = False
                 yield b"".join(out)
-        last = final_chunk(req, res)
+        last = final_chunk_body(req, res, req.model)
         if last is not None:
             yield sse(last)
     return f.stream(chunks())
@@ -199,7 +200,8 @@ def _unary_nvext(req: Req, res: Result) -> NvExtResponse | None:
     return nv
 
 
-def final_chunk(req: Req, res: Result) -> CompletionResponse | ChatCompletionChunk | None:
+def final_chunk_body(req: Req, res: Result, model: str, obj: str | None = None
+                     ) -> CompletionResponse | ChatCompletionChunk | None:
     """The last chunk of a stream: `completion_token_ids: []` plus the final-only nvext
     fields, and usage when asked for."""
     nv = nvext_body(req, res, None, final=True)
@@ -208,8 +210,9 @@ def final_chunk(req: Req, res: Result) -> CompletionResponse | ChatCompletionChu
         nv.completion_token_ids = []
     if nv is None and not req.include_usage:
         return None
-    cls = CompletionResponse if isinstance(req, CompletionRequest) else ChatCompletionChunk
-    chunk = cls(id=res.request_id, created=int(res.received), model=req.model, choices=[])
+    completion = obj == "text_completion" if obj else isinstance(req, CompletionRequest)
+    cls = CompletionResponse if completion else ChatCompletionChunk
+    chunk = cls(id=res.request_id, created=int(res.received), model=model, choices=[])
     if nv is not None:
         chunk.nvext = nv
     if req.include_usage:
@@ -266,7 +269,7 @@ def _echo_prompt(res: Result, as_ids: bool) -> list[tuple[int, str, tuple[float,
     return out
 
 
-def completion_response(req: CompletionRequest, res: Result) -> CompletionResponse:
+def completion_body(req: CompletionRequest, res: Result, model: str) -> CompletionResponse:
     as_ids = req.return_tokens_as_token_ids
     choices = []
     for c in res.choices:
@@ -278,7 +281,7 @@ def completion_response(req: CompletionRequest, res: Result) -> CompletionRespon
         if req.prompt_logprobs is not None:
             ch.prompt_logprobs = res.prompt_logprobs
         choices.append(ch)
-    body = CompletionResponse(id=res.request_id, created=int(res.received), model=req.model,
+    body = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
                               choices=choices, usage=res.usage())
     nv = _unary_nvext(req, res)
     if nv is not None:
@@ -286,13 +289,13 @@ def completion_response(req: CompletionRequest, res: Result) -> CompletionRespon
     return body
 
 
-def completion_chunk(req: CompletionRequest, res: Result, d: Delta, text_offset: int
-                     ) -> CompletionResponse:
+def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: Delta,
+                          text_offset: int) -> CompletionResponse:
     c = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
                          stop_reason=d.stop_reason)
     if req.logprobs is not None and d.logprobs is not None:
         c.logprobs = _completion_logprobs(d.logprobs, req.return_tokens_as_token_ids, text_offset)
-    chunk = CompletionResponse(id=res.request_id, created=int(res.received), model=req.model,
+    chunk = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                choices=[c])
     nv = nvext_body(req, res, d, final=False)
     if nv is not None:
@@ -312,7 +315,7 @@ def _chat_logprobs(lps: list[TokenLogprob], as_ids: bool) -> ChatLogprobs:
         for lp in lps])
 
 
-def chat_response(req: ChatCompletionRequest, res: Result) -> ChatCompletionResponse:
+def chat_body(req: ChatCompletionRequest, res: Result, model: str) -> ChatCompletionResponse:
     choices = []
     for c in res.choices:
         ch = ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
@@ -320,7 +323,7 @@ def chat_response(req: ChatCompletionRequest, res: Result) -> ChatCompletionResp
         if req.logprobs and c.logprobs is not None:
             ch.logprobs = _chat_logprobs(c.logprobs, req.return_tokens_as_token_ids)
         choices.append(ch)
-    body = ChatCompletionResponse(id=res.request_id, created=int(res.received), model=req.model,
+    body = ChatCompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                   choices=choices, usage=res.usage())
     if req.prompt_logprobs is not None:
         body.prompt_logprobs = res.prompt_logprobs
@@ -330,15 +333,43 @@ def chat_response(req: ChatCompletionRequest, res: Result) -> ChatCompletionResp
     return body
 
 
-def chat_chunk(req: ChatCompletionRequest, res: Result, d: Delta, first: bool
-               ) -> ChatCompletionChunk:
+def chat_chunk_body(req: ChatCompletionRequest, res: Result, model: str, d: Delta,
+                    first: bool) -> ChatCompletionChunk:
     delta = ChatDelta(role="assistant", content=d.text) if first else ChatDelta(content=d.text)
     c = ChatChunkChoice(index=d.index, delta=delta, finish_reason=d.finish_reason)
     if req.logprobs and d.logprobs is not None:
         c.logprobs = _chat_logprobs(d.logprobs, req.return_tokens_as_token_ids)
-    chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=req.model,
+    chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
                                 choices=[c])
     nv = nvext_body(req, res, d, final=False)
     if nv is not None:
         chunk.nvext = nv
     return chunk
+
+
+# ------------------------------------------------------------------------ as plain data
+# The same renderings as JSON-ready dicts, for code that builds responses without a
+# frontend (test fakes of a frontend, tools).
+
+
+def completion_response(req: CompletionRequest, res: Result, model: str) -> dict:
+    return msgspec.to_builtins(completion_body(req, res, model))
+
+
+def completion_chunk(req: CompletionRequest, res: Result, model: str, d: Delta,
+                     text_offset: int) -> dict:
+    return msgspec.to_builtins(completion_chunk_body(req, res, model, d, text_offset))
+
+
+def final_chunk(req: Req, res: Result, model: str, obj: str | None = None) -> dict | None:
+    last = final_chunk_body(req, res, model, obj)
+    return None if last is None else msgspec.to_builtins(last)
+
+
+def chat_response(req: ChatCompletionRequest, res: Result, model: str) -> dict:
+    return msgspec.to_builtins(chat_body(req, res, model))
+
+
+def chat_chunk(req: ChatCompletionRequest, res: Result, model: str, d: Delta, first: bool
+               ) -> dict:
+    return msgspec.to_builtins(chat_chunk_body(req, res, model, d, first))

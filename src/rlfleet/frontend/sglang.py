@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
@@ -32,7 +33,7 @@ def _finish(reason: str | None, stop_reason, length: int) -> dict | None:
     return {"type": "stop", "matched": stop_reason}
 
 
-def generate_body(req: SglangGenerateRequest, res: Result) -> GenerateResponse:
+def generate_response(req: SglangGenerateRequest, res: Result) -> GenerateResponse:
     c = res.choices[0]
     meta = MetaInfo(id=res.request_id,
                     finish_reason=_finish(c.finish_reason, c.stop_reason, len(c.token_ids)),
@@ -43,14 +44,14 @@ def generate_body(req: SglangGenerateRequest, res: Result) -> GenerateResponse:
         meta.weight_versions = res.spans(c)
     if req.return_logprob:
         lps = c.logprobs or []
-        meta.output_token_logprobs = [(lp.logprob, lp.token_id, None) for lp in lps]
+        meta.output_token_logprobs = [[lp.logprob, lp.token_id, None] for lp in lps]
         if req.top_logprobs_num > 0:
-            meta.output_top_logprobs = [[(v, t, None) for t, v, _ in lp.top] for lp in lps]
+            meta.output_top_logprobs = [[[v, t, None] for t, v, _ in lp.top] for lp in lps]
         if req.logprob_start_len >= 0 and res.prompt_logprobs is not None:
             start = req.logprob_start_len
             ids = res.prompt_token_ids
             meta.input_token_logprobs = [
-                (None if e is None else e[str(ids[i])].logprob, ids[i], None)
+                [None if e is None else e[str(ids[i])].logprob, ids[i], None]
                 for i, e in enumerate(res.prompt_logprobs) if i >= start]
     return GenerateResponse(text=c.text, output_ids=list(c.token_ids), meta_info=meta)
 
@@ -71,14 +72,20 @@ async def generate(request: Request) -> Response:
     res = Result(rid, 1)
     f = await follow(request, model, greq, res)
     if not req.stream:
-        return await f.unary(lambda: generate_body(req, res))
+        return await f.unary(lambda: generate_response(req, res))
 
     async def chunks() -> AsyncIterator[bytes]:
         async for deltas, done in f.batches():
             # the last event adds the input logprobs
             if deltas or (done and res.prompt_logprobs is not None):
-                yield sse(generate_body(req, res))
+                yield sse(generate_response(req, res))
     return f.stream(chunks())
 
 
 router = Router(routes=[Route("/generate", generate, methods=["POST"])])
+
+
+def generate_body(req: SglangGenerateRequest, res: Result) -> dict:
+    """The same rendering as a JSON-ready dict (for code that builds responses without a
+    frontend: test fakes, tools)."""
+    return msgspec.to_builtins(generate_response(req, res))

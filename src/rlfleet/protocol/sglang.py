@@ -75,7 +75,7 @@ class SglangGenerateRequest(BaseModel):
 
 # ------------------------------------------------------------------------ responses
 
-LogprobEntry = tuple[float | None, int, None]  # [logprob, token_id, decoded text: never sent]
+LogprobEntry = list[float | int | None]  # [logprob, token_id, decoded text: never sent (null)]
 
 
 class MetaInfo(Struct, kw_only=True):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
 import time
 from collections import deque
@@ -106,6 +107,25 @@ def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
 
 def _decode_error(e: Exception) -> str:
     return str(e) or type(e).__name__
+
+
+def keep_alive(transport: asyncio.BaseTransport) -> None:
+    """A peer that vanishes without closing (host down, network cut) is noticed within
+    about 25 s of silence, and unacknowledged writes fail after 30 s, instead of the
+    connection hanging until the kernel gives up (minutes)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    opts = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", 30_000)):
+        if hasattr(socket, name):
+            opts.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, opt, value in opts:
+        try:
+            sock.setsockopt(level, opt, value)
+        except OSError:  # not on this platform
+            pass
 
 
 # ================================================================== worker side
@@ -299,6 +319,7 @@ class StreamServer:
         self.plane = plane
         self.server: asyncio.Server | None = None
         self.links: set[_FrontendLink] = set()
+        self.closing = False
 
     @property
     def port(self) -> int:
@@ -306,7 +327,9 @@ class StreamServer:
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Stop accepting, give running requests `grace` seconds, then abort the rest."""
+        """Stop accepting (new requests are refused as retryable elsewhere), give running
+        requests `grace` seconds, then abort the rest."""
+        self.closing = True
         if self.server is not None:
             self.server.close()
         deadline = time.monotonic() + grace
@@ -421,6 +444,7 @@ class _FrontendLink(asyncio.Protocol):
         self.transport = transport
         self.writer = FrameWriter(transport)
         self.server.links.add(self)
+        keep_alive(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.links.discard(self)
@@ -477,6 +501,9 @@ class _FrontendLink(asyncio.Protocol):
             except (msgspec.DecodeError, ValueError) as e:
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
                 self._error(sid, 400, _decode_error(e))
+                return
+            if self.server.closing:  # nothing reached the engine: the frontend tries another
+                self._error(sid, 503, "this worker is shutting down")
                 return
             self.windows[sid] = _Window()
             self.tasks[sid] = asyncio.ensure_future(self._generate(sid, req))
@@ -657,6 +684,7 @@ class WorkerLink(asyncio.Protocol):
         self.transport = transport
         self.writer = FrameWriter(transport)
         transport.write(MAGIC)
+        keep_alive(transport)
         self.open = True
         self._sweeper = asyncio.ensure_future(self._sweep())
 
@@ -702,7 +730,8 @@ class WorkerLink(asyncio.Protocol):
                 elif kind == Frame.ERROR:
                     del streams[sid]
                     e = _error.decode(body)
-                    err = WorkerError(e.message, e.code, type_=e.type)
+                    # 503: the worker refused it before it reached the engine (shutting down)
+                    err = WorkerError(e.message, e.code, type_=e.type, retryable=e.code == 503)
                     if isinstance(item, WorkerStream):
                         item.ended = True
                         item._fail(err)
