@@ -406,3 +406,24 @@ async def test_a_worker_shutting_down_refuses_new_requests_as_retryable() -> Non
         await stopping
     finally:
         await client.close()
+
+
+async def test_an_event_that_cannot_be_sent_fails_its_stream_only() -> None:
+    async with worker() as (engine, addr, client):
+        real = engine.generate
+
+        async def broken(req: GenerateRequest, ids: list[int]):
+            if req.request_id.startswith("bad"):
+                yield {"choices": [{"index": 0, "token_ids": [1], "text": object()}]}
+            else:
+                async for ev in real(req, ids):
+                    yield ev
+
+        engine.generate = broken  # type: ignore[method-assign]
+        other = await client.generate(addr, request(max_tokens=3))
+        with pytest.raises(WorkerError) as e:
+            async for _ in await client.generate(addr, GenerateRequest(
+                    request_id="bad-1", prompt_token_ids=PROMPT)):
+                pass
+        assert e.value.status == 500 and "worker failed" in e.value.message
+        assert len(merged([ev async for ev in other])[0]) == 3  # the connection serves on

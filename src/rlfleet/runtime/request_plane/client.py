@@ -205,7 +205,7 @@ class WorkerLink(asyncio.Protocol):
                     continue
                 else:
                     raise ValueError(f"unknown frame kind {kind}")
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as e:
                 log.error("worker at %s sent an event this frontend cannot read: %s",
                           self.address, e)
                 streams.pop(sid, None)

@@ -381,7 +381,11 @@ class _FrontendLink(asyncio.Protocol):
             self.transport.close()
             return
         for kind, sid, body in frames:
-            self._on_frame(kind, sid, body)
+            try:
+                self._on_frame(kind, sid, body)
+            except Exception as e:  # one bad request never takes the connection down
+                log.exception("stream-plane frame %s on stream %s failed", kind, sid)
+                self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
 
     def _error(self, sid: int, status: int, message: str) -> None:
         self.writer.put(Frame.ERROR, sid, EngineError(
@@ -397,6 +401,9 @@ class _FrontendLink(asyncio.Protocol):
                 return
             if self.server.closing:  # nothing reached the engine: the frontend tries another
                 self._error(sid, 503, "this worker is shutting down")
+                return
+            if sid in self.tasks:
+                self._error(sid, 400, f"stream {sid} is already running on this connection")
                 return
             self.windows[sid] = _Window()
             self.tasks[sid] = asyncio.ensure_future(self._generate(sid, req))
@@ -427,7 +434,11 @@ class _FrontendLink(asyncio.Protocol):
             self._error(sid, 400, f"unknown frame kind {kind}")
 
     async def _cancel(self, sid: int, rid: str) -> None:
-        await self.plane.engine.abort(rid)
+        try:
+            await self.plane.engine.abort(rid)
+        except Exception as e:  # noqa: BLE001 - the caller hears of it
+            self._error(sid, 500, f"abort failed: {type(e).__name__}: {e}")
+            return
         self.writer.put(Frame.REPLY, sid, Cancelled(status="ok", request_id=rid))
 
     async def _generate(self, sid: int, req: GenerateRequest) -> None:
@@ -457,6 +468,9 @@ class _FrontendLink(asyncio.Protocol):
                 await opened.aclose()
         except asyncio.CancelledError:
             pass  # CLOSE, or the frontend went away: the engine has aborted the request
+        except Exception as e:  # e.g. an engine event that cannot be encoded: say so
+            log.exception("request %s failed on the stream plane", req.request_id)
+            self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
         finally:
             del self.tasks[sid]
             del self.windows[sid]
