@@ -16,7 +16,7 @@ demo: setup
 	$(RUN) $(PY) -m rlfleet.cli demo
 
 test: setup
-	$(RUN) $(PY) -m pytest -q -ra tests
+	$(RUN) $(PY) -m pytest -q -ra --durations=30 tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from rlfleet.mocker.admin import write_mock_checkpoint
+from rlfleet.mocker.engine import write_mock_checkpoint
 
 MODEL = "mock-policy"
 

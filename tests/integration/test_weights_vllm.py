@@ -7,6 +7,7 @@ the version from a peer, with the S3 server down, and is admitted only once veri
 from __future__ import annotations
 
 import asyncio
+import time
 import json
 
 import httpx
@@ -66,7 +67,7 @@ def setup(tmp_path_factory, tiny_model, s3_server, policies):
         wait_for_workers(fleet.url, MODEL, 2)
         coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged",
                                     journal=Journal(work / "journal.sqlite"),
-                                    probe_prompt=PROMPT, probe_tokens=N, probe_tolerance=1e-4,
+                                    probe_tokens=N, probe_tolerance=1e-4,
                                     timeout=300)
         yield {"fleet": fleet, "catalog": catalog, "coordinator": coordinator, "flags": flags}
 
@@ -176,7 +177,12 @@ def test_a_new_worker_takes_the_version_from_a_peer(setup, policies, s3_server):
         iid = int(late.ready["instance_id"])
         listed = {w["instance_id"]: w for w in httpx.get(
             f"{fleet.rl_url}/v1/rl/workers", timeout=10).json()["workers"]}
-        health = httpx.get(f"{fleet.url}/health", timeout=10).json()["workers"]
+        deadline = time.monotonic() + 30  # the frontend learns of it on its next poll
+        while True:
+            health = httpx.get(f"{fleet.url}/health", timeout=10).json()["workers"]
+            if any(w["instance_id"] == iid for w in health) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert [w["usable"] for w in health if w["instance_id"] == iid] == [False]  # gated
         assert iid in listed
         result = asyncio.run(coordinator.admit_new_workers())
