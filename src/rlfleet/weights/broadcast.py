@@ -33,11 +33,13 @@ class TrainerGroup:
         self.host, self.port, self.world_size = host, port, world_size
         self.backend, self.timeout = backend, timeout
         self.group = None
+        # imported here, not in connect: importing vLLM takes seconds, and connect runs
+        # while the workers already wait in the rendezvous under their own deadline
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+        self._init_group = stateless_init_torch_distributed_process_group
 
     def connect(self) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        self.group = stateless_init_torch_distributed_process_group(
+        self.group = self._init_group(
             self.host, self.port, rank=0, world_size=self.world_size, backend=self.backend,
             timeout=timedelta(seconds=self.timeout))
 
