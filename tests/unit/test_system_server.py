@@ -210,6 +210,12 @@ async def test_fault_zero_times_disarms(client) -> None:
     assert (await client.post("/engine/echo", json={})).json()["status"] == "ok"
 
 
+async def test_fault_delay_runs_the_route_after_the_delay(client) -> None:
+    await arm(client, route="echo", mode="delay", hang_seconds=0.05)
+    assert (await client.post("/engine/echo", json={"a": 1})).json() == \
+        {"status": "ok", "body": {"a": 1}}
+
+
 @pytest.mark.parametrize(("body", "words"), [
     ({}, "route is required"),
     ({"route": ""}, "route is required"),

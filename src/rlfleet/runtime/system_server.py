@@ -106,8 +106,9 @@ class FleetFence:
 
 
 # error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
-# exit: the process dies; respond: answer with the given `body` instead of running the route
-FAULT_MODES = ("error", "http500", "hang", "exit", "respond")
+# exit: the process dies; respond: answer with the given `body` instead of running the route;
+# delay: sleep hang_seconds, then run the route as usual
+FAULT_MODES = ("error", "http500", "hang", "exit", "respond", "delay")
 
 
 @dataclass
@@ -148,6 +149,9 @@ class FaultInjector:
         log.warning("injecting fault %s into %s", f["mode"], route)
         if f["mode"] == "exit":
             os._exit(17)
+        if f["mode"] == "delay":
+            await asyncio.sleep(f["hang_seconds"])
+            return None
         if f["mode"] == "hang":
             await asyncio.sleep(f["hang_seconds"])
         if f["mode"] == "http500":
