@@ -252,6 +252,8 @@ class Fleet:
             self._loop.close()
             if self._own_ledger:
                 self.ledger.close()
+            if self.coordinator is not None:
+                self.coordinator.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

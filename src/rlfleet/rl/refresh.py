@@ -120,7 +120,7 @@ _STOP = frozenset({_S.HELD, _S.FENCED})  # any live state may end here
 TRANSITIONS: dict[RefreshState, frozenset[RefreshState]] = {
     _S.STARTED: frozenset({_S.GATED, _S.RESOLVED}) | _STOP,  # rolling: no fleet gate
     _S.GATED: frozenset({_S.RESOLVED}) | _STOP,
-    _S.RESOLVED: frozenset({_S.PAUSED}) | _STOP,
+    _S.RESOLVED: frozenset({_S.PAUSED, _S.REOPENED}) | _STOP,  # rolling: all there already
     _S.PAUSED: frozenset({_S.APPLIED, _S.ROLLING_BACK}) | _STOP,
     _S.APPLIED: frozenset({_S.CACHE_RESET, _S.ROLLING_BACK}) | _STOP,
     _S.CACHE_RESET: frozenset({_S.VERIFIED, _S.ROLLING_BACK}) | _STOP,
@@ -380,6 +380,10 @@ class PolicyRefresh:
         return VllmControl(rl_url, model, distributed=path is UpdatePath.VLLM_DISTRIBUTED,
                            backend=backend, master_address=master_address,
                            master_port=master_port)
+
+    def close(self) -> None:
+        """Release the journal's store."""
+        self.journal.close()
 
     # ------------------------------------------------------------------ public API
 
