@@ -75,10 +75,6 @@ from rlfleet.runtime.request_plane import WorkerClient, WorkerError
 
 log = logging.getLogger("rlfleet.refresh")
 
-__all__ = ["FleetFenced", "OnFailure", "Policy", "PolicyRefresh", "RefreshHeld", "RefreshMode",
-           "RefreshResult", "RefreshState", "SglangWorker", "UpdatePath"]
-
-
 class UpdatePath(enum.StrEnum):
     VLLM_DISK = "vllm-disk"
     VLLM_DISTRIBUTED = "vllm-distributed"
