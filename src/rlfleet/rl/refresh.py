@@ -71,7 +71,7 @@ from rlfleet.rl.probe import (
     reference_probe,
     tolerance,
 )
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import WorkerError, generate_over_http
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -229,7 +229,7 @@ class _Tx:
     state and timed steps."""
 
     def __init__(self, owner: PolicyRefresh, kind: str, refresh_id: int, epoch: int,
-                 ch: Channel, requests: WorkerClient) -> None:
+                 ch: Channel, requests: httpx.AsyncClient) -> None:
         self.owner, self.kind, self.id, self.epoch = owner, kind, refresh_id, epoch
         self.ch, self.requests = ch, requests
         self.state = RefreshState.STARTED
@@ -516,7 +516,7 @@ class PolicyRefresh:
                           f"{target.step}), fleet epoch {epoch}")
             tx = _Tx(self, kind, refresh_id, epoch,
                      Channel(http, self.timeout, self.admin_token, epoch),
-                     WorkerClient(read_timeout=self.timeout))
+                     httpx.AsyncClient())  # the workers' HTTP request planes (probes)
             try:
                 served, decision, reason = await lifecycle(tx)
                 if kind == "admit":
@@ -538,7 +538,7 @@ class PolicyRefresh:
                 decision, reason = "held", f"coordinator error: {e!r}"
                 log.exception("policy refresh %s failed", refresh_id)
             finally:
-                await tx.requests.close()
+                await tx.requests.aclose()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in tx.workers.values()]
         await asyncio.to_thread(
@@ -822,7 +822,7 @@ class PolicyRefresh:
             raise RefreshHeld(why)
         return answers
 
-    async def _probe_one(self, requests: WorkerClient, w: FleetWorker,
+    async def _probe_one(self, requests: httpx.AsyncClient, w: FleetWorker,
                          target: Policy) -> Answer | None:
         """One worker's probe answer, straight from its request plane (None: excluded).
         An expected probe is teacher-forced: the worker prefills prompt + expected[:-1]
@@ -844,7 +844,7 @@ class PolicyRefresh:
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
         try:
-            events = [ev async for ev in requests.generate(w.request_url, req)]
+            events = await generate_over_http(requests, w.request_url, req, self.timeout)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
             w.exclude(f"post-update generation failed: HTTP {e.status} {e}")
