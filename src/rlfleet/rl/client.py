@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from rlfleet.protocol.engine import STALE_POLICY
 from rlfleet.rl import telemetry
 from rlfleet.rl.admission import (
     AdmissionError,
@@ -73,7 +74,6 @@ from rlfleet.rl.response import (
 )
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
-    STALE_POLICY,
     AdmittedSample,
     Chat,
     Completion,

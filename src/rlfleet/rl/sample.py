@@ -41,7 +41,6 @@ def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
     return ids
 
 
-STALE_POLICY = "stale_policy"  # the detailed finish reason of a request aborted as stale
 ON_STALE = ("abort", "finish")
 
 
