@@ -77,7 +77,8 @@ def main() -> None:
                     bare.append(await bare_reload(urls, ckpt[name], f"bare-{i}"))
                     other = "A" if name == "B" else "B"
                     await bare_reload(urls, ckpt[other], f"back-{i}")
-                    res = await coordinator._run(targets[name], step=i, fleet_wide=True)
+                    res = await coordinator.refresh(ckpt[name], name,
+                                                    digest=targets[name].digest, step=i)
                     assert res.ok, res.reason
                     full.append(res.seconds)
                     steps.append(res.step_seconds())

@@ -74,12 +74,43 @@ def default_journal() -> Path:
     return Path(os.environ.get("RLFLEET_JOURNAL", base / "rlfleet" / "journal.sqlite"))
 
 
-def _refresh(args: argparse.Namespace) -> int:
-    import asyncio
-
+def _coordinator(args: argparse.Namespace):
     from rlfleet.rl.refresh import PolicyRefresh, SglangWorker
 
     sglang = [SglangWorker(*pair.split(",", 1)) for pair in args.sglang_worker]
+    return PolicyRefresh(
+        args.rl_url, model=args.model,
+        path="vllm-staged" if getattr(args, "staged", False) else args.path,
+        sglang_workers=sglang,
+        journal=args.journal, on_failure=args.on_failure, retries=args.retries,
+        pause_mode=args.pause_mode, probe_tokens=args.probe_tokens,
+        probe_tolerance=args.probe_tolerance, probe_from_checkpoint=args.probe_from_checkpoint,
+        transfer_backend=args.transfer_backend, master_address=args.master_address,
+        master_port=args.master_port, admin_token=args.admin_token,
+        mode=getattr(args, "mode", "sync"), max_lag=getattr(args, "max_lag", 1),
+        min_serving=getattr(args, "min_serving", 1), wave_size=getattr(args, "wave_size", None),
+        on_event=lambda msg: print(msg, flush=True))
+
+
+def _report(result, journal: str) -> int:
+    """Print how a transaction ended; the exit status: 0 reopened on its target, 1 not
+    (held, rolled back), 3 fenced (another coordinator owns the fleet)."""
+    print(f"decision: {result.decision} ({result.reason})")
+    for s in result.steps:
+        wave = f" (wave {s['wave']})" if s.get("wave") else ""
+        print(f"  {s['name'] + wave:<20} {s['seconds']:8.3f} s")
+    for w in result.workers:
+        print(f"  worker {w['instance_id']}: {w['status']}" + (f" ({w['reason']})" if w["reason"] else ""))
+    print(f"journal: {journal} (refresh {result.refresh_id}, fleet epoch {result.epoch})")
+    if result.decision == "fenced":
+        print(f"rlfleet: this coordinator was fenced: {result.reason}", file=sys.stderr)
+        return 3
+    return 0 if result.ok else 1
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    import asyncio
+
     source = None
     if args.staged:
         from rlfleet.rl.staged import source_from_uri
@@ -90,45 +121,48 @@ def _refresh(args: argparse.Namespace) -> int:
         source = source_from_uri(args.source, args.s3_endpoint_url) if args.source else None
     elif not args.checkpoint:
         raise ValueError("--checkpoint is required (or --staged --source URI)")
-    coordinator = PolicyRefresh(
-        args.rl_url, model=args.model, path="vllm-staged" if args.staged else args.path,
-        sglang_workers=sglang,
-        journal=args.journal, on_failure=args.on_failure, retries=args.retries,
-        pause_mode=args.pause_mode, probe_tokens=args.probe_tokens,
-        probe_tolerance=args.probe_tolerance, probe_from_checkpoint=args.probe_from_checkpoint,
-        transfer_backend=args.transfer_backend, master_address=args.master_address,
-        master_port=args.master_port, admin_token=args.admin_token,
-        on_event=lambda msg: print(msg, flush=True))
+    coordinator = _coordinator(args)
     result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
                                              step=args.step, source=source))
-    print(f"decision: {result.decision} ({result.reason})")
-    for s in result.steps:
-        print(f"  {s['name']:<12} {s['seconds']:8.3f} s")
-    for w in result.workers:
-        print(f"  worker {w['instance_id']}: {w['status']}" + (f" ({w['reason']})" if w["reason"] else ""))
-    print(f"journal: {args.journal} (refresh {result.refresh_id})")
-    return 0 if result.ok else 1
+    return _report(result, args.journal)
+
+
+def _recover(args: argparse.Namespace) -> int:
+    import asyncio
+
+    result = asyncio.run(_coordinator(args).recover())
+    if result is None:
+        print(f"nothing to recover: every transaction in {args.journal} finished")
+        return 0
+    return _report(result, args.journal)
 
 
 def _journal(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from rlfleet.rl.journal import Journal
+    from rlfleet.rl.journal import open_journal
 
-    if not Path(args.journal).exists():
+    if "://" not in args.journal and not Path(args.journal).exists():
         print(f"no journal at {args.journal}")
         return 0
-    for r in Journal(args.journal).recent(args.limit):
+    journal = open_journal(args.journal)
+    try:
+        rows = journal.recent(args.limit)
+    finally:
+        journal.close()
+    for r in rows:
         if args.json:
             print(json.dumps(r))
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
         total = sum(s["seconds"] for s in r["steps"] or [])
         serves = f" serves {r['served_version']}" if r.get("served_version") else ""
-        print(f"#{r['id']} {when} step={r['framework_step']} {r['update_path']} "
-              f"{r['previous_version']} -> {r['target_version']} [{r['decision']}]{serves} "
-              f"{total:.2f}s: {r['reason']}")
+        kind = f" {r['kind']}" if r.get("kind") not in (None, "refresh") else ""
+        state = f" after {r['state']}" if r.get("state") and not r.get("decision") else ""
+        print(f"#{r['id']} {when} epoch={r.get('fleet_epoch')} step={r['framework_step']}"
+              f"{kind} {r['update_path']} {r['previous_version']} -> {r['target_version']} "
+              f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s: {r['reason']}")
     return 0
 
 
@@ -277,17 +311,52 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cast floating-point tensors before publishing")
     pb.set_defaults(func=_publish)
 
+    journal_help = ("the refresh journal: a SQLite file, or etcd://host:port[/name] for "
+                    "coordinators on several hosts; every coordinator of one fleet uses the same "
+                    "one (it holds the fleet's epochs; a refresh started on it recovers an "
+                    "unfinished one and knows the last verified policy, what --on-failure "
+                    "rollback returns to)")
+
+    def coordinator_args(cp: argparse.ArgumentParser) -> None:
+        cp.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL",
+                                                           "http://127.0.0.1:8001"),
+                        help="the frontend's RL listener")
+        cp.add_argument("--model", default=None, help="only workers serving this model")
+        cp.add_argument("--path", default="vllm-disk",
+                        choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
+        cp.add_argument("--sglang-worker", action="append", default=[],
+                        metavar="SYSTEM_URL,REQUEST_URL")
+        cp.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
+        cp.add_argument("--retries", type=int, default=1)
+        cp.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
+        cp.add_argument("--probe-tokens", type=int, default=8,
+                        help="tokens each worker generates in the post-update probe")
+        cp.add_argument("--probe-tolerance", type=float, default=None,
+                        help="max logprob difference in the probe (default: by the dtype each "
+                             "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
+        cp.add_argument("--probe-from-checkpoint", action="store_true",
+                        help="check every worker against a transformers forward pass of the "
+                             "checkpoint (loads the whole model here); default: the workers "
+                             "must agree with each other on a prompt their tokenizer makes")
+        cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
+                        help="process-group backend of --path vllm-distributed (nccl needs "
+                             "CUDA here)")
+        cp.add_argument("--master-address", default=None,
+                        help="address the workers reach this host at for --path "
+                             "vllm-distributed (default: this host's address on the route to "
+                             "the workers)")
+        cp.add_argument("--master-port", type=int, default=None,
+                        help="rendezvous port for --path vllm-distributed (default: a free "
+                             "port)")
+        cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
+        cp.add_argument("--journal", default=str(default_journal()), help=journal_help)
+
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
     rf.add_argument("--checkpoint", default=None,
                     help="checkpoint directory the workers can read (required unless --staged "
                          "--source)")
     rf.add_argument("--version", required=True, help="the version to declare")
     rf.add_argument("--digest", default=None, help="target digest (default: computed from the checkpoint)")
-    rf.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL", "http://127.0.0.1:8001"),
-                    help="the frontend's RL listener")
-    rf.add_argument("--model", default=None, help="only workers serving this model")
-    rf.add_argument("--path", default="vllm-disk", choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
-    rf.add_argument("--sglang-worker", action="append", default=[], metavar="SYSTEM_URL,REQUEST_URL")
     rf.add_argument("--staged", action="store_true",
                     help="workers pull the version while they serve (stage_weights); the fleet "
                          "is gated only to install it")
@@ -296,34 +365,34 @@ def build_parser() -> argparse.ArgumentParser:
                          "trainer publisher's http://host:port")
     rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
                                                             "(default: boto3's own)")
-    rf.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
-    rf.add_argument("--retries", type=int, default=1)
-    rf.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
-    rf.add_argument("--probe-tokens", type=int, default=8,
-                    help="tokens each worker generates in the post-update probe")
-    rf.add_argument("--probe-tolerance", type=float, default=None,
-                    help="max logprob difference in the probe (default: by the dtype each "
-                         "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
-    rf.add_argument("--probe-from-checkpoint", action="store_true",
-                    help="check every worker against a transformers forward pass of the "
-                         "checkpoint (loads the whole model here); default: the workers must "
-                         "agree with each other on a prompt their tokenizer makes")
-    rf.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
-                    help="process-group backend of --path vllm-distributed (nccl needs CUDA here)")
-    rf.add_argument("--master-address", default=None,
-                    help="address the workers reach this host at for --path vllm-distributed "
-                         "(default: this host's address on the route to the workers)")
-    rf.add_argument("--master-port", type=int, default=None,
-                    help="rendezvous port for --path vllm-distributed (default: a free port)")
-    rf.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
-    rf.add_argument("--step", type=int, default=None, help="framework step, for the journal")
-    rf.add_argument("--journal", default=str(default_journal()),
-                    help="SQLite journal; a refresh started on an existing journal knows the "
-                         "fleet's last verified policy (what --on-failure rollback returns to)")
+    rf.add_argument("--step", type=int, default=None,
+                    help="the policy's fleet step (workers stamp it on every token; steps only "
+                         "increase; default: one above the step the fleet serves)")
+    rf.add_argument("--mode", default="sync", choices=["sync", "rolling"],
+                    help="sync: the whole fleet gated while it changes; rolling: workers "
+                         "updated in waves while the rest serve")
+    rf.add_argument("--max-lag", type=int, default=1,
+                    help="rolling: refuse a target more than this many steps ahead of a "
+                         "serving worker")
+    rf.add_argument("--min-serving", type=int, default=1,
+                    help="rolling: never fewer workers serving than this")
+    rf.add_argument("--wave-size", type=int, default=None,
+                    help="rolling: workers updated at once (default: all but --min-serving)")
+    coordinator_args(rf)
     rf.set_defaults(func=_refresh)
 
+    rc = sub.add_parser("recover", help="recover a fleet whose refresh never finished (its "
+                                        "coordinator crashed or was stopped)",
+                        description="Fence and pause every worker, then roll forward when "
+                                    "every worker holds the interrupted target, else back to "
+                                    "the last verified policy; the fleet reopens only on one "
+                                    "verified policy. `rlfleet refresh` does this first too.")
+    coordinator_args(rc)
+    rc.set_defaults(func=_recover)
+
     jn = sub.add_parser("journal", help="show past policy refreshes")
-    jn.add_argument("--journal", default=str(default_journal()))
+    jn.add_argument("--journal", default=str(default_journal()),
+                    help="a SQLite file or etcd://host:port[/name]")
     jn.add_argument("--limit", type=int, default=20)
     jn.add_argument("--json", action="store_true")
     jn.set_defaults(func=_journal)

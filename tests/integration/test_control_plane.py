@@ -386,21 +386,22 @@ def test_weight_versions_span_an_update_under_keep_pause(ctl, weights_root, tiny
     admin(ctl, "pause_generation", {"mode": "keep"})
     try:
         r = admin(ctl, "update_weights_from_disk",
-                  {"model_path": str(weights_root / "B"), "weight_version": "B"})
-        assert r["status"] == "ok"
+                  {"model_path": str(weights_root / "B"), "weight_version": "B", "step": 11})
+        assert r["status"] == "ok" and r["step"] == 11
     finally:
         admin(ctl, "resume_generation")
     s.join()
     try:
         spans = s.spans
         assert [sp["version"] for sp in spans] == [spans[0]["version"], "B"]
-        assert spans[1]["digest"] == checkpoint_digest(tiny_model_b)
+        assert spans[1]["digest"] == checkpoint_digest(tiny_model_b) and spans[1]["step"] == 11
         assert spans[0]["end"] == spans[1]["start"] and spans[1]["end"] == LONG
         out = httpx.post(f"{ctl.url}/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
             "nvext": {"extra_fields": ["weight_versions"]}}).json()
         assert out["nvext"]["weight_versions"] == [
-            {"version": "B", "digest": checkpoint_digest(tiny_model_b), "start": 0, "end": 5}]
+            {"version": "B", "digest": checkpoint_digest(tiny_model_b), "step": 11, "start": 0,
+             "end": 5}]
         gen = httpx.post(f"{ctl.url}/generate", timeout=60, json={
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}}).json()
         assert gen["meta_info"]["weight_versions"][0]["version"] == "B"

@@ -52,9 +52,11 @@ async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) 
         assert "still serving" in out["message"]
         assert engine.identity().digest == checkpoint_digest(a)  # nothing changed
 
-        out = await admin.install_tensors(staged, "B")
+        out = await admin.install_tensors(staged, "B", step=7)
         assert out == {"status": "ok", "version": "B", "version_declared": True,
-                       "weight_digest": checkpoint_digest(tiny_model_b)}
+                       "weight_digest": checkpoint_digest(tiny_model_b), "step": 7}
+        assert engine.weight_identity() == {"weight_version": "B", "weight_step": 7,
+                                            "weight_digest": checkpoint_digest(tiny_model_b)}
         await engine.resume()
         ref = reference_probe(tiny_model_b, PROMPT, 8)
         ids, lps = await greedy(engine)
@@ -77,5 +79,7 @@ async def test_mocker_installs_staged_tensors() -> None:
     out = await admin.install_tensors({"w": torch.zeros(2)}, "v")
     assert out["status"] == "error" and SEED_TENSOR in out["message"]
     assert await admin.install_tensors({SEED_TENSOR: torch.tensor([5])}, "v5") == {
-        "status": "ok", "version": "v5", "version_declared": True, "weight_digest": "mock:5"}
-    assert engine.weight_identity() == {"weight_version": "v5", "weight_digest": "mock:5"}
+        "status": "ok", "version": "v5", "version_declared": True, "weight_digest": "mock:5",
+        "step": None}
+    assert engine.weight_identity() == {"weight_version": "v5", "weight_digest": "mock:5",
+                                        "weight_step": None}

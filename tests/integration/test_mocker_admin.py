@@ -214,40 +214,48 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
     assert head0["weight_digest"] == "mock:0" and head0["weight_version"] is None
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": False,
-                                              "weight_digest": "mock:0"}
+                                              "weight_digest": "mock:0", "step": None,
+                                              "fleet_epoch": 0}
 
     assert call(vw, "pause_generation", {"mode": "wait", "clear_cache": False}) == {
         "status": "ok", "message": "Engine paused", "mode": "wait", "clear_cache": False}
     out = call(vw, "update_weights_from_disk",
-               {"model_path": str(weights["s7"]), "weight_version": "step-42"})
+               {"model_path": str(weights["s7"]), "weight_version": "step-42", "step": 42})
     assert out == {"status": "ok", "version": "step-42", "version_declared": True,
-                   "weight_digest": "mock:7"}
+                   "weight_digest": "mock:7", "step": 42}
     assert call(vw, "get_weight_version") == {"status": "ok", "version": "step-42",
                                               "version_declared": True,
-                                              "weight_digest": "mock:7"}
+                                              "weight_digest": "mock:7", "step": 42,
+                                              "fleet_epoch": 0}
     assert call(vw, "resume_generation") == {"status": "ok", "message": "Engine resumed"}
 
     head1, after, finish = generate(vw)
     assert (head1["weight_digest"], head1["weight_version"]) == ("mock:7", "step-42")
+    assert head1["weight_step"] == 42
     assert len(after) == 8 and finish == "length" and after != before
     health = httpx.get(f"{vw.ready['system_url']}/health", timeout=5).json()
     assert (health["weight_version"], health["weight_digest"]) == ("step-42", "mock:7")
+    assert health["weight_step"] == 42
 
     # an update without a version: "unknown", undeclared; then versions as metadata only
     call(vw, "pause_generation")
     assert call(vw, "update_weights_from_disk", {"model_path": str(weights["s9"])}) == {
         "status": "ok", "version": "unknown", "version_declared": False,
-        "weight_digest": "mock:9"}
+        "weight_digest": "mock:9", "step": None}  # new weights without a step: unknown
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": False,
-                                              "weight_digest": "mock:9"}
-    assert call(vw, "set_weight_version", {"weight_version": "named"}) == \
-        {"status": "ok", "version": "named"}
+                                              "weight_digest": "mock:9", "step": None,
+                                              "fleet_epoch": 0}
+    assert call(vw, "set_weight_version", {"weight_version": "named", "step": 9}) == \
+        {"status": "ok", "version": "named", "step": 9}
     assert call(vw, "set_weight_version", {"weight_version": None}) == \
-        {"status": "ok", "version": None}
+        {"status": "ok", "version": None, "step": 9}  # a relabel keeps the step
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": True,
-                                              "weight_digest": "mock:9"}
+                                              "weight_digest": "mock:9", "step": 9,
+                                              "fleet_epoch": 0}
+    assert call(vw, "set_weight_version", {"weight_version": "x", "step": -1})["message"] \
+        .startswith("step must be a non-negative integer")
     assert call(vw, "set_weight_version", {})["message"].startswith("weight_version is required")
     assert call(vw, "set_weight_version", {"weight_version": 3})["status"] == "error"
     call(vw, "resume_generation")
@@ -354,15 +362,17 @@ def test_vllm_distributed_update(vw) -> None:
     err("update_weights_from_distributed", tensors, "generation is not paused")
 
     call(vw, "pause_generation")
-    assert call(vw, "update_weights_from_distributed", {**tensors, "weight_version": "d-1"}) == {
-        "status": "ok", "version": "d-1", "version_declared": True, "weight_digest": "mock:21"}
+    assert call(vw, "update_weights_from_distributed",
+                {**tensors, "weight_version": "d-1", "step": 5}) == {
+        "status": "ok", "version": "d-1", "version_declared": True, "weight_digest": "mock:21",
+        "step": 5}
     call(vw, "resume_generation")
     assert generate(vw)[0]["weight_digest"] == "mock:21"
     # allow_unpaused without the cache reset: applied while generating
     out = call(vw, "update_weights_from_distributed",
                {**tensors, "mock_seed": 22, "allow_unpaused": True, "reset_prefix_cache": False})
     assert out == {"status": "ok", "version": "unknown", "version_declared": False,
-                   "weight_digest": "mock:22"}
+                   "weight_digest": "mock:22", "step": None}
     assert call(vw, "destroy_weights_update_group") == {
         "status": "ok", "message": "Weight update group destroyed"}
     err("update_weights_from_distributed", tensors, "call init_weights_update_group first")
@@ -447,7 +457,7 @@ async def test_sglang_reference_flow(sw, weights) -> None:
     await until_running(sw, 1)
 
     out = await acall(sw, "control/update_weights_from_disk", {
-        "model_path": str(weights["s7"]), "weight_version": "step-42",
+        "model_path": str(weights["s7"]), "weight_version": "step-42", "step": 42,
         "flush_cache": True, "keep_pause": True})
     assert out == {"success": True, "message": "Succeeded to update model weights. Weight "
                                                "version updated to step-42.",
@@ -456,6 +466,7 @@ async def test_sglang_reference_flow(sw, weights) -> None:
     assert held.head is None  # still paused
     health = httpx.get(f"{sw.ready['system_url']}/health", timeout=5).json()
     assert (health["weight_version"], health["weight_digest"]) == ("step-42", "mock:7")
+    assert health["weight_step"] == 42
 
     assert await acall(sw, "continue_generation", {"torch_empty_cache": False}) == \
         {"status": "ok"}

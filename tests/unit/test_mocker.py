@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.mocker.engine import MockEngine
+from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
 from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.runtime.request_plane import request_plane_app
 
@@ -349,6 +350,28 @@ async def test_pause_keep_continues_as_if_uninterrupted() -> None:
     assert len((await late.result())[0][0]["token_ids"]) == 3
 
 
+async def test_spans_name_the_policy_of_every_token_across_a_keep_pause_swap() -> None:
+    """A request frozen by a keep-pause while the weights change continues on the new
+    ones; its final delta says which tokens came from which policy (version, digest, step)."""
+    engine = MockEngine(token_delay=0.005)
+    await engine.set_version("A", digest="mock:0", step=3)
+    run = Progress(engine, request(stream=True, max_tokens=30, ignore_eos=True))
+    await until(lambda: run.tokens >= 5)
+    await engine.pause("keep")
+    cut = run.tokens
+    digest = await engine.load_path(write_mock_checkpoint(tempfile.mkdtemp(), 9))
+    await engine.set_version("B", digest=digest, step=4)
+    await engine.set_version("B2")  # a relabel keeps the step
+    await engine.resume()
+    await run.result()
+    [final] = [d for ev in run.events for d in ev.get("choices", ()) if d["finish_reason"]]
+    assert final["weight_versions"] == [
+        {"version": "A", "digest": "mock:0", "step": 3, "start": 0, "end": cut},
+        {"version": "B2", "digest": "mock:9", "step": 4, "start": cut, "end": 30}]
+    assert all(d["weight_versions"] is None for ev in run.events
+               for d in ev.get("choices", ()) if not d["finish_reason"])
+
+
 async def test_pause_wait_lets_running_requests_finish() -> None:
     engine = MockEngine(token_delay=0.005)
     run = Progress(engine, request(stream=True, max_tokens=30, ignore_eos=True))
@@ -384,14 +407,16 @@ async def test_pause_abort_ends_running_requests_and_holds_new_ones() -> None:
 
 async def test_set_weights_switches_output_and_needs_pause() -> None:
     engine = MockEngine(seed=3)
-    assert engine.weight_identity() == {"weight_version": None, "weight_digest": "mock:3"}
+    assert engine.weight_identity() == {"weight_version": None, "weight_digest": "mock:3",
+                                        "weight_step": None}
     before = await one(engine, max_tokens=20, ignore_eos=True)
     with pytest.raises(RuntimeError, match="pause generation first"):
         await engine.set_weights(4, "v1")
     await engine.pause("wait")
     await engine.set_weights(4, "v1")
     await engine.resume()
-    assert engine.weight_identity() == {"weight_version": "v1", "weight_digest": "mock:4"}
+    assert engine.weight_identity() == {"weight_version": "v1", "weight_digest": "mock:4",
+                                        "weight_step": None}
     after = await one(engine, max_tokens=20, ignore_eos=True)
     assert after["token_ids"] != before["token_ids"]
     assert after == await one(MockEngine(seed=4), max_tokens=20, ignore_eos=True)

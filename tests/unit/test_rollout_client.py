@@ -25,6 +25,7 @@ from rlfleet.rl import (
     AlreadyAdmitted,
     AttemptState,
     PartialRolloutPolicy,
+    PolicyBound,
     RetryPolicy,
     RolloutClient,
     SampleFailed,
@@ -478,3 +479,61 @@ async def test_no_attempt_starts_while_the_gate_is_closed():
         with pytest.raises(SampleFailed) as info:
             await c.generate("t", PROMPT, deadline=time.monotonic() + 0.1)
     assert info.value.reason == "deadline" and len(fe.requests) == 1
+
+
+# ---------------------------------------------------------------- staleness bounds
+
+def stepped(*parts: tuple[int, int, int]) -> list[dict]:
+    """Spans (step, start, end) of one policy per step."""
+    return [{"version": f"s{st}", "digest": f"d{st}", "step": st, "start": s, "end": e}
+            for st, s, e in parts]
+
+
+async def test_a_bound_is_sent_and_checked_from_the_spans():
+    """The bound goes out as nvext.policy on every attempt; a sample whose spans name a step
+    below min_step is not admitted (outcome policy_bound) and is retried; one within the
+    bound is admitted with the steps of its spans."""
+    fe = FakeFrontend(lambda i, b: Action(spans=stepped((4, 0, 3), (5, 3, 5)) if i else
+                                          stepped((2, 0, 5))))
+    bound = PolicyBound(min_step=4, max_lag=1)
+    async with client(fe, policy=bound, allow_mixed_versions=True) as c:
+        s = await c.generate("s", PROMPT, SamplingSpec(max_tokens=5))
+        assert [r[2]["nvext"]["policy"] for r in fe.requests] == [
+            {"min_step": 4, "max_lag": 1, "on_stale": "abort"}] * 2
+        assert c.ledger.attempt("s", 1).reason == "policy_bound"
+        assert [(w.step, w.start, w.end) for w in s.completion.weight_spans] == [(4, 0, 3),
+                                                                                  (5, 3, 5)]
+        c.bound(PolicyBound(max_lag=0, on_stale="finish"))  # steps 4 and 5 are 1 apart
+        fe.script = lambda i, b: Action(spans=stepped((4, 0, 3), (5, 3, 5)))
+        with pytest.raises(SampleFailed) as info:
+            await c.generate("t", PROMPT, SamplingSpec(max_tokens=5))
+        assert info.value.reason == "policy_bound"
+        assert fe.requests[-1][2]["nvext"]["policy"] == {"max_lag": 0, "on_stale": "finish"}
+        c.bound(None)
+        await c.generate("u", PROMPT, SamplingSpec(max_tokens=5))
+        assert "policy" not in fe.requests[-1][2]["nvext"]
+
+
+async def test_a_sample_the_server_marked_or_aborted_as_stale_is_not_admitted():
+    def mark(event: dict) -> None:
+        event["nvext"]["stale_policy"] = True
+
+    def stale_abort(event: dict) -> None:
+        event["nvext"]["detailed_finish_reason"] = "stale_policy"
+
+    script = [Action(spans=stepped((4, 0, 5)), tamper=mark),
+              Action(abort=2, tamper=stale_abort), Action(spans=stepped((4, 0, 5)))]
+    fe = FakeFrontend(lambda i, b: script[i])
+    async with client(fe, policy=PolicyBound(max_lag=1)) as c:
+        s = await c.generate("s", PROMPT, SamplingSpec(max_tokens=5))
+        assert s.attempt == 3
+        assert [c.ledger.attempt("s", k).reason for k in (1, 2)] == ["policy_bound",
+                                                                       "stale_policy"]
+        assert c.ledger.attempt("s", 2).state is AttemptState.CANCELED
+
+
+def test_policy_bound_is_checked_when_made():
+    assert PolicyBound(min_step=3).nvext() == {"min_step": 3, "on_stale": "abort"}
+    for bad in ({}, {"min_step": -1}, {"max_lag": 1.5}, {"max_lag": 1, "on_stale": "x"}):
+        with pytest.raises(ValueError, match="PolicyBound"):
+            PolicyBound(**bad)

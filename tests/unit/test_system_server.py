@@ -12,7 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
+from rlfleet.runtime.system_server import (
+    FaultInjector,
+    FleetFence,
+    Route,
+    failed,
+    ok,
+    system_app,
+)
 
 TOKEN = "s3cret"
 
@@ -203,6 +210,12 @@ async def test_fault_zero_times_disarms(client) -> None:
     assert (await client.post("/engine/echo", json={})).json()["status"] == "ok"
 
 
+async def test_fault_delay_runs_the_route_after_the_delay(client) -> None:
+    await arm(client, route="echo", mode="delay", hang_seconds=0.05)
+    assert (await client.post("/engine/echo", json={"a": 1})).json() == \
+        {"status": "ok", "body": {"a": 1}}
+
+
 @pytest.mark.parametrize(("body", "words"), [
     ({}, "route is required"),
     ({"route": ""}, "route is required"),
@@ -248,3 +261,64 @@ async def test_serialized_routes_run_one_after_the_other() -> None:
     # the non-serialized route ran while the first one held the lock
     assert log.index((first, "start")) < log.index(("free", "start")) \
         < log.index(("free", "end")) < log.index((first, "end"))
+
+
+# ---------------------------------------------------------------- fleet-epoch fencing
+
+
+def epoch(n: int | str) -> dict[str, str]:
+    return {"X-Fleet-Epoch": str(n)}
+
+
+async def test_a_call_from_an_older_epoch_is_refused_naming_both() -> None:
+    fence = FleetFence()
+    changes: list[int] = []
+
+    async def changed() -> None:
+        changes.append(fence.newest)
+
+    routes = [Route("echo", echo), Route("read", echo, mutating=False, serialized=False)]
+    async with client_for(routes, fence=fence, changed=changed) as c:
+        assert (await c.post("/engine/echo", headers=epoch(5))).status_code == 200
+        assert fence.newest == 5 and changes == [5]
+        for route in ("echo", "read"):
+            resp = await c.post(f"/engine/{route}", headers=epoch(4))
+            assert resp.status_code == 409
+            body = resp.json()
+            assert body["error"] == "Stale fleet epoch"
+            assert (body["fleet_epoch"], body["newest_fleet_epoch"]) == (4, 5)
+            assert "epoch 4 is older than epoch 5" in body["message"]
+        # the same epoch and calls without one pass; a read never advances the epoch
+        assert (await c.post("/engine/echo", headers=epoch(5))).status_code == 200
+        assert (await c.post("/engine/echo")).status_code == 200
+        assert (await c.post("/engine/read", headers=epoch(9))).status_code == 200
+        assert fence.newest == 5
+        assert (await c.post("/engine/echo", headers=epoch(6))).status_code == 200
+        assert fence.newest == 6 and changes[-1] == 6
+        for bad in ("-1", "x", "1.5", "9" * 25):
+            resp = await c.post("/engine/echo", headers=epoch(bad))
+            assert resp.status_code == 400 and resp.json()["error"] == "Invalid fleet epoch"
+        assert fence.newest == 6
+
+
+async def test_a_queued_call_is_refused_once_a_newer_epoch_arrived() -> None:
+    """A call from epoch 1 waiting for the control lock behind a slow one does not run
+    after a call from epoch 2 arrived meanwhile: nothing older runs once a newer epoch is
+    seen."""
+    ran: list[str] = []
+
+    async def slow(body: dict) -> dict:
+        ran.append(body["who"])
+        await asyncio.sleep(0.3)
+        return ok()
+
+    async with client_for([Route("slow", slow)]) as c:
+        first = asyncio.create_task(c.post("/engine/slow", json={"who": "a1"}, headers=epoch(1)))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(c.post("/engine/slow", json={"who": "a2"},
+                                            headers=epoch(1)))
+        await asyncio.sleep(0.05)
+        newer = await c.post("/engine/slow", json={"who": "b"}, headers=epoch(2))
+        assert (await first).status_code == 200 and newer.status_code == 200
+        assert (await queued).status_code == 409
+    assert ran == ["a1", "b"]

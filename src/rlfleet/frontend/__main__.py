@@ -42,7 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES)
     p.add_argument("--gated-hold", type=float, default=60.0,
                    help="seconds a request waits while every worker of its model is gated "
-                        "(a policy refresh); then 503")
+                        "(a policy refresh), or while none serves a policy within its "
+                        "nvext.policy; then 503 (409 for the policy bound)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds to wait for a worker's next event before failing the request")
     p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),

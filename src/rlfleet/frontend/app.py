@@ -35,7 +35,7 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     workers = [{"instance_id": w.instance_id, "model": w.model, "url": w.url,
-                "usable": w.usable, "inflight": w.inflight}
+                "usable": w.usable, "inflight": w.inflight, "step": w.step}
                for w in frontend_of(request).pool.workers.values()]
     return json_response({"status": "healthy" if workers else "no_workers", "workers": workers})
 

@@ -3,19 +3,22 @@ and collect its events into per-choice results that the route renderers read."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 
-from rlfleet.frontend.router import Worker, WorkerPool
+from rlfleet.frontend.router import Worker, WorkerPool, newest_step
 from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step, WeightSpan
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.openai import Usage
 from rlfleet.runtime import metrics
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerStream
 
 MAX_ATTEMPTS = 3
+log = logging.getLogger("rlfleet.dispatch")
 
 
 class Choice:
@@ -23,7 +26,7 @@ class Choice:
     has rendered each delta needs no copy of them)."""
 
     __slots__ = ("index", "keep", "count", "token_ids", "_text", "logprobs", "finish_reason",
-                 "stop_reason", "weight_versions")
+                 "stop_reason", "weight_versions", "stale_policy")
 
     def __init__(self, index: int, keep: bool = True) -> None:
         self.index = index
@@ -35,6 +38,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.weight_versions: list[WeightSpan] | None = None
+        self.stale_policy = False  # it left the request's staleness bound (nvext.policy)
 
     @property
     def text(self) -> str:
@@ -58,6 +62,8 @@ class Choice:
             self.stop_reason = d.stop_reason
         if d.weight_versions is not None:
             self.weight_versions = d.weight_versions
+        if d.stale_policy is True:
+            self.stale_policy = True
 
 
 class Result:
@@ -103,7 +109,8 @@ class Result:
             h: Head = ev  # type: ignore[assignment]
             self.prompt_token_ids = h.prompt_token_ids
             self.worker_id = h.worker_id or None
-            self.weight = {"weight_version": h.weight_version, "weight_digest": h.weight_digest}
+            self.weight = {"weight_version": h.weight_version, "weight_digest": h.weight_digest,
+                           "weight_step": h.weight_step}
             if h.prompt_text:
                 self.prompt_text = h.prompt_text
             if h.prompt_token_strs:
@@ -118,7 +125,7 @@ class Result:
         track versions per token, one span from the weights the worker reported."""
         return choice.weight_versions or [WeightSpan(
             version=self.weight.get("weight_version"), digest=self.weight.get("weight_digest"),
-            start=0, end=choice.count)]
+            step=self.weight.get("weight_step"), start=0, end=choice.count)]
 
     @property
     def completion_tokens(self) -> int:
@@ -170,7 +177,8 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
             m = by[i] = Delta(index=i, token_ids=list(m.token_ids), text=m.text,
                               logprobs=None if m.logprobs is None else list(m.logprobs),
                               finish_reason=m.finish_reason, stop_reason=m.stop_reason,
-                              weight_versions=m.weight_versions)
+                              weight_versions=m.weight_versions,
+                              stale_policy=m.stale_policy)
         m.token_ids += d.token_ids
         m.text += d.text
         if d.logprobs is not None:
@@ -181,21 +189,70 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
             m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
         if d.weight_versions is not None:
             m.weight_versions = d.weight_versions
+        if d.stale_policy is True:
+            m.stale_policy = True
     return list(by.values())
+
+
+class Staleness:
+    """One run's staleness bound (nvext.policy) after routing: its choices' tokens must all
+    come from steps at or above `floor` and at most `max_lag` apart. Watches the worker's
+    step as discovery reports it (a keep-pause update moves it mid-generation): with
+    on_stale "abort" the run is aborted on the worker as soon as the worker leaves the
+    bound; either way each final delta is checked against its spans, and a choice outside
+    the bound is marked stale (on_stale "abort": also finished as abort)."""
+
+    __slots__ = ("bound", "floor", "first", "aborted")
+
+    def __init__(self, bound: PolicyBound, w: Worker, newest: int | None) -> None:
+        self.bound = bound
+        self.floor = bound.floor(newest)
+        self.first: int | None = w.step  # the step of the first token (the Head's)
+        self.aborted = False
+
+    def allows(self, steps: list[int | None]) -> bool:
+        """Whether tokens from these steps are within the bound (an unknown step is not)."""
+        if not self.bound.allows(steps):
+            return False
+        return self.floor is None or all(s >= self.floor for s in steps)  # type: ignore[operator]
+
+    def left(self, w: Worker) -> bool:
+        """Whether the worker's current policy takes the run out of its bound."""
+        steps = [s for s in (self.first, w.step) if s is not None]
+        return bool(steps) and not self.allows(steps)
+
+    def final(self, d: Delta, head_step: int | None) -> Delta:
+        """`d` (a final delta) as it is sent on: marked, or aborted and marked, when its
+        tokens left the bound; never changed in place (events are replayed)."""
+        steps = [s.step for s in d.weight_versions] if d.weight_versions else [head_step]
+        if self.allows(steps) and not self.aborted:
+            return d
+        out = msgspec.structs.replace(d, stale_policy=True)
+        if self.bound.on_stale == "abort" and out.finish_reason != "abort":
+            out.finish_reason, out.stop_reason = "abort", None
+        return out
 
 
 async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: GenerateRequest,
                    on_pick: Callable[[Worker], None] | None = None,
                    on_stream: Callable[[WorkerStream], None] | None = None,
-                   paced: bool = False) -> AsyncIterator[Event]:
+                   paced: bool = False, bound: PolicyBound | None = None
+                   ) -> AsyncIterator[Event]:
     """Yield the events of `req` served by one worker of `model`. The Head carries the
     instance ID of the worker (`worker_id`); `on_pick` hears of each worker tried and
     `on_stream` of each stream opened (paced: its caller moves the worker's window, see
-    WorkerStream.taken). Raises NoWorker or WorkerError."""
+    WorkerStream.taken). With a staleness `bound` (nvext.policy) only a worker within it
+    serves it (held while none is, see WorkerPool.acquire) and its final deltas say whether
+    it stayed within (see Staleness). Raises NoWorker or WorkerError."""
     tried: set[int] = set()
+    if bound is not None and bound.on_stale == "abort" and not req.stream:
+        # step by step from the worker, so that a worker leaving the bound is seen mid-run
+        req = msgspec.structs.replace(req, stream=True)
     for attempt in range(MAX_ATTEMPTS):
-        w = await pool.acquire(model, tried)
+        w = await pool.acquire(model, tried, bound)
         tried.add(w.instance_id)
+        stale = None if bound is None else \
+            Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable]))
         if on_pick is not None:
             on_pick(w)
         w.inflight += 1
@@ -205,11 +262,28 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             stream = await client.generate(w.address, req, paced)
             if on_stream is not None:
                 on_stream(stream)
+            head_step = None
             async for ev in stream:
                 if not started:
                     started = True
                     if type(ev) is Head:
                         ev.worker_id = w.instance_id
+                        head_step = ev.weight_step
+                        if stale is not None:
+                            stale.first = head_step
+                if stale is not None and type(ev) is Step:
+                    if not stale.aborted and stale.bound.on_stale == "abort" and stale.left(w):
+                        stale.aborted = True  # ends with the partial output, then checked
+                        log.info("request %s: worker %s moved to step %s, out of nvext.policy "
+                                 "(%s) from step %s; aborting it", req.request_id,
+                                 w.instance_id, w.step, bound.describe(), stale.first)
+                        if not await client.cancel(w.address, req.request_id):
+                            log.warning("request %s: the abort did not reach worker %s",
+                                        req.request_id, w.instance_id)
+                    if any(d.finish_reason is not None for d in ev.choices):
+                        ev = Step(choices=[stale.final(d, head_step)
+                                           if d.finish_reason is not None else d
+                                           for d in ev.choices])
                 yield ev
             return
         except WorkerError as e:

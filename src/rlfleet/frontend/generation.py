@@ -19,6 +19,7 @@ from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import RequestIdConflict, Run, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
@@ -180,9 +181,11 @@ class Follower:
                               {"Cache-Control": "no-cache"}, on_end=self.end)
 
 
-async def follow(request: Request, model: str, greq: GenerateRequest, res: Result) -> Follower:
+async def follow(request: Request, model: str, greq: GenerateRequest, res: Result,
+                 bound: PolicyBound | None = None) -> Follower:
     """Start the request (or rejoin the run of a reused X-Request-Id) and wait for the
-    worker's first event; fail before any byte is sent if no worker takes it."""
+    worker's first event; fail before any byte is sent if no worker takes it. `bound`: the
+    request's staleness bound (nvext.policy), see dispatch."""
     fe = frontend_of(request)
     keep = REQUEST_ID_HEADER in request.headers
 
@@ -190,7 +193,8 @@ async def follow(request: Request, model: str, greq: GenerateRequest, res: Resul
         # a run only this caller follows moves at the caller's pace; a kept run is read to
         # its end whoever listens, so that a retry finds it whole
         return dispatch(fe.pool, fe.client, model, greq, lambda w: setattr(run, "worker", w),
-                        None if keep else lambda s: setattr(run, "stream", s), paced=not keep)
+                        None if keep else lambda s: setattr(run, "stream", s), paced=not keep,
+                        bound=bound)
 
     try:
         run, _ = fe.runs.start(greq.request_id, await request.body(), keep, source)

@@ -72,7 +72,7 @@ async def completions(request: Request) -> Response:
 
     greq = engine_request(build)
     res = Result(rid, req.n, keep_output=not req.stream)
-    f = await follow(request, req.model, greq, res)
+    f = await follow(request, req.model, greq, res, req.nvext.policy)
     if not req.stream:
         return await f.unary(lambda: completion_body(req, res, req.model))
 
@@ -107,7 +107,7 @@ async def chat(request: Request) -> Response:
         chat_template_kwargs=req.chat_template_kwargs,
         sampling=req.sampling(req.token_budget, logprobs), stream=req.stream))
     res = Result(rid, req.n, keep_output=not req.stream)
-    f = await follow(request, req.model, greq, res)
+    f = await follow(request, req.model, greq, res, req.nvext.policy)
     if not req.stream:
         return await f.unary(lambda: chat_body(req, res, req.model))
 
@@ -176,15 +176,18 @@ def nvext_body(req: Req, res: Result, choice: Choice | Delta | None, final: bool
             out.completion_token_ids = list(choice.token_ids)
         if choice.finish_reason:
             if "detailed_finish_reason" in wanted:
-                out.detailed_finish_reason = detailed_finish_reason(choice.finish_reason,
-                                                                    choice.stop_reason)
+                out.detailed_finish_reason = detailed_finish_reason(
+                    choice.finish_reason, choice.stop_reason, choice.stale_policy)
+            if choice.stale_policy:
+                out.stale_policy = True
             if "stop_reason" in wanted:
                 out.stop_reason = choice.stop_reason
             if "weight_versions" in wanted:  # whole, also when streamed
                 out.weight_versions = res.spans(res.choices[choice.index])
     if "engine_data" in wanted:  # on every chunk: a broken stream still names its policy
         out.engine_data = {"weight_version": res.weight.get("weight_version"),
-                           "weight_digest": res.weight.get("weight_digest")}
+                           "weight_digest": res.weight.get("weight_digest"),
+                           "weight_step": res.weight.get("weight_step")}
     if final:
         if "prompt_token_ids" in wanted:
             out.prompt_token_ids = res.prompt_token_ids

@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime import metrics
 from rlfleet.runtime.discovery import Discovery
 from rlfleet.runtime.http import HttpError
@@ -33,12 +34,38 @@ class Worker:
     def usable(self) -> bool:
         return time.monotonic() >= self.down_until and not self.entry.get("gated", False)
 
+    @property
+    def step(self) -> int | None:
+        """The fleet step of the policy it serves, as its discovery entry says."""
+        s = self.entry.get("weight_step")
+        return s if type(s) is int else None
+
 
 class NoWorker(HttpError):
-    """No live worker serves the model (HTTP 503, or 404 for an unknown model)."""
+    """No live worker serves the model (HTTP 503, or 404 for an unknown model; 409: none
+    serves a policy within the request's staleness bound)."""
 
     def __init__(self, message: str, status: int) -> None:
         super().__init__(status, message, "model_not_found" if status == 404 else None)
+
+
+def newest_step(workers: list[Worker]) -> int | None:
+    """The newest fleet step these workers serve (None: none declares one)."""
+    return max((w.step for w in workers if w.step is not None), default=None)
+
+
+def within(bound: PolicyBound, workers: list[Worker], model: str) -> list[Worker]:
+    """The serving workers whose policy is within `bound` (max_lag counts from the newest
+    step any of them serves); NoWorker 409 naming the steps wanted and served if none."""
+    floor = bound.floor(newest_step(workers))
+    ok = [w for w in workers if w.step is not None and floor is not None and w.step >= floor]
+    if not ok:
+        served = sorted({w.step for w in workers}, key=lambda s: -1 if s is None else s)
+        names = ", ".join("none declared" if s is None else str(s) for s in served)
+        wanted = f"step >= {floor}" if floor is not None else "a declared step"
+        raise NoWorker(f"no worker of {model!r} serves a policy within nvext.policy "
+                       f"({bound.describe()}): wanted {wanted}; steps served: {names}", 409)
+    return ok
 
 
 @dataclass
@@ -119,15 +146,23 @@ class WorkerPool:
     def for_model(self, model: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.model == model]
 
-    def pick(self, model: str, exclude: set[int] = frozenset()) -> Worker:
+    def pick(self, model: str, exclude: set[int] = frozenset(),
+             bound: PolicyBound | None = None) -> Worker:
         all_ = self.for_model(model)
         if not all_:
             known = ", ".join(self.models()) or "none"
             raise NoWorker(f"model {model!r} is not served here (models: {known})", 404)
-        ok = [w for w in all_ if w.usable and w.instance_id not in exclude]
+        serving = [w for w in all_ if w.usable]
+        ok = [w for w in serving if w.instance_id not in exclude]
         if not ok:
             raise NoWorker(f"no live worker can serve {model!r} right now "
                            f"({len(all_)} known, none usable); retry shortly", 503)
+        if bound is not None:  # the newest step counts over every serving worker
+            inside = {w.instance_id for w in within(bound, serving, model)}
+            ok = [w for w in ok if w.instance_id in inside]
+            if not ok:
+                raise NoWorker(f"no live worker of {model!r} within nvext.policy "
+                               f"({bound.describe()}) is left to try", 503)
         if self.mode == "least-loaded":
             low = min(w.inflight for w in ok)
             ok = [w for w in ok if w.inflight == low]
@@ -136,18 +171,20 @@ class WorkerPool:
         ok.sort(key=lambda w: w.instance_id)
         return ok[next(self._rr) % len(ok)]
 
-    async def acquire(self, model: str, exclude: set[int] = frozenset()) -> Worker:
+    async def acquire(self, model: str, exclude: set[int] = frozenset(),
+                      bound: PolicyBound | None = None) -> Worker:
         """pick(), but while the model's only candidates are gated (a policy refresh is
-        under way), wait for one to reopen, up to `gated_hold` seconds."""
+        under way), or while none serves a policy within `bound`, wait for one, up to
+        `gated_hold` seconds."""
         deadline = time.monotonic() + self.gated_hold
         while True:
             try:
-                return self.pick(model, exclude)
+                return self.pick(model, exclude, bound)
             except NoWorker as e:
                 gated = any(w.entry.get("gated") for w in self.for_model(model)
                             if w.instance_id not in exclude)
                 left = deadline - time.monotonic()
-                if e.status != 503 or not gated or left <= 0:
+                if not (e.status == 409 or (e.status == 503 and gated)) or left <= 0:
                     raise
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))

@@ -18,30 +18,34 @@ from rlfleet.frontend.generation import (
     request_id,
     sse,
 )
-from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.engine import STALE_POLICY, GenerateRequest
 from rlfleet.protocol.sglang import GenerateResponse, MetaInfo, SglangGenerateRequest
 from rlfleet.runtime.http import HttpError
 
 
-def _finish(reason: str | None, stop_reason, length: int) -> dict | None:
+def _finish(reason: str | None, stop_reason, length: int, stale: bool = False) -> dict | None:
     if reason is None:
         return None
     if reason == "length":
         return {"type": "length", "length": length}
     if reason == "abort":
-        return {"type": "abort", "message": "request aborted"}
+        return {"type": "abort", "message": STALE_POLICY if stale else "request aborted"}
     return {"type": "stop", "matched": stop_reason}
 
 
 def generate_response(req: SglangGenerateRequest, res: Result) -> GenerateResponse:
     c = res.choices[0]
     meta = MetaInfo(id=res.request_id,
-                    finish_reason=_finish(c.finish_reason, c.stop_reason, len(c.token_ids)),
+                    finish_reason=_finish(c.finish_reason, c.stop_reason, len(c.token_ids),
+                                          c.stale_policy),
                     prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(c.token_ids),
                     weight_version=res.weight.get("weight_version"),
-                    weight_digest=res.weight.get("weight_digest"))
+                    weight_digest=res.weight.get("weight_digest"),
+                    weight_step=res.weight.get("weight_step"))
     if c.finish_reason is not None:
         meta.weight_versions = res.spans(c)
+        if c.stale_policy:
+            meta.stale_policy = True
     if req.return_logprob:
         lps = c.logprobs or []
         meta.output_token_logprobs = [[lp.logprob, lp.token_id, None] for lp in lps]
@@ -70,7 +74,7 @@ async def generate(request: Request) -> Response:
         request_id=rid, prompt_token_ids=req.input_ids, sampling=req.sampling(),
         stream=req.stream))
     res = Result(rid, 1)
-    f = await follow(request, model, greq, res)
+    f = await follow(request, model, greq, res, req.policy)
     if not req.stream:
         return await f.unary(lambda: generate_response(req, res))
 

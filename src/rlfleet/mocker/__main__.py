@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
-    run_worker(engine, args, admin.routes, staging=staging)
+    run_worker(engine, args, admin.routes, staging=staging, fence=admin.fence)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ SGLang ``control/update_weights_from_disk`` in the mocker, step by step:
   3. if generation is not paused, pause it, letting running requests finish (SGLang's
      update lock waits for them);
   4. load the weights (``weight_version`` replaces the version when given, else the previous
-     one stays, as in SGLang); ``flush_cache`` (default true) flushes the cache;
+     one stays, as in SGLang; rlfleet's ``step`` is the new policy's fleet step);
+     ``flush_cache`` (default true) flushes the cache;
   5. resume, unless generation was paused before the call or ``keep_pause`` is true.
   ``num_paused_requests`` = requests held in the engine by the pause while the weights changed.
 """
@@ -106,14 +107,15 @@ class MockAdmin:
 
     def __init__(self, engine: MockEngine, allowed_roots: list[str] | None = None,
                  schema: str = "vllm", engine_routes: str | None = None,
-                 staging=None) -> None:
+                 staging=None, fence=None) -> None:
         if schema not in SCHEMAS:
             raise ValueError(f"admin schema must be one of {', '.join(SCHEMAS)}, not {schema!r}")
         self.engine = engine
         self.schema = schema
         # owns the checkpoint checks too; with `staging`, the staged-weights routes over the
         # simulated weights (one tensor holding the seed, rlfleet.mocker.engine)
-        self.vllm = EngineAdmin(engine, allowed_roots, staging=staging)
+        self.vllm = EngineAdmin(engine, allowed_roots, staging=staging, fence=fence)
+        self.fence = self.vllm.fence  # the worker's fleet epoch, whichever the flavour
         self.native: list[tuple[EngineRoute, Callable[..., Awaitable[Any]]]] = []
         if schema == "sglang":
             methods = self._native_methods()
@@ -166,6 +168,7 @@ class MockAdmin:
                  for k in ("flush_cache", "keep_pause", "abort_all_requests")}
         try:
             version = admin.weight_version(body)
+            step = admin.policy_step(body)
             bad = [k for k, v in flags.items() if not isinstance(v, bool)]
             if bad:
                 raise admin.AdminRequestError(f"{bad[0]} must be a boolean")
@@ -180,9 +183,11 @@ class MockAdmin:
             await engine.pause("wait")
         held = engine.num_running()
         try:
-            await engine.load_path(path)
-            if version is not None:  # else the previous version stays, as in SGLang
-                await engine.set_version(version)
+            digest = await engine.load_path(path)
+            ident = engine.identity()  # without weight_version the previous one stays (SGLang)
+            await engine.set_version(version if version is not None else ident.version,
+                                     declared=version is not None or ident.declared,
+                                     digest=digest, step=step)
             if flags["flush_cache"]:
                 await engine.reset_cache()
         finally:

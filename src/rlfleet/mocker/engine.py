@@ -17,6 +17,10 @@ penalties are accepted and ignored.
 Detokenisation: token `1000 + b` is byte `b` (ASCII as itself, the rest as `<0xNN>`),
 the EOS token is `<|im_end|>`, every other token ID `t` reads `<t>`.
 
+Every generated token is stamped with the policy that produced it (version, digest, fleet
+step): a choice's final delta carries `weight_versions`, one span per run of tokens from one
+policy, as the vLLM engine reports them (a keep-pause across a weight swap shows two).
+
 The simulated weights are one number, the seed of the token distribution. As a checkpoint
 they are a directory holding ``mock_weights.json`` = ``{"seed": <int>}`` (see
 `write_mock_checkpoint`); as tensors, ``{"mock.seed": <one integer>}``; their digest is
@@ -120,6 +124,7 @@ class MockWeights:
 
     seed: int
     version: str | None = None
+    step: int | None = None  # the policy's fleet step, when declared
 
 
 @dataclass(eq=False)
@@ -147,6 +152,18 @@ class _Choice:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
+    # the policy of each run of tokens: [{"version", "digest", "step", "start", "end"}]
+    spans: list[dict] = field(default_factory=list)
+
+    def stamp(self, policy: tuple) -> None:
+        """Record that the token just appended came from `policy` (version, digest, step)."""
+        end = len(self.token_ids)
+        last = self.spans[-1] if self.spans else None
+        if last is not None and (last["version"], last["digest"], last["step"]) == policy:
+            last["end"] = end
+        else:
+            self.spans.append({"version": policy[0], "digest": policy[1], "step": policy[2],
+                               "start": end - 1, "end": end})
 
 
 def _hash(key: tuple) -> tuple[float, int]:
@@ -313,8 +330,7 @@ class MockEngine(Engine, EngineControl):
     # ------------------------------------------------------------ generation
 
     def weight_identity(self) -> dict[str, Any]:
-        ident = self.identity()
-        return {"weight_version": ident.version, "weight_digest": ident.digest}
+        return self.identity().stamped()
 
     def num_running(self) -> int:
         return len(self._runs)
@@ -388,6 +404,7 @@ class MockEngine(Engine, EngineControl):
         base, t = self._sample((self.weights.seed, seed, ch.index, i, ch.prev),
                                eos_ok=can_stop and not s.ignore_eos, banned=banned)
         ch.token_ids.append(t)
+        ch.stamp((self.weights.version, f"mock:{self.weights.seed}", self.weights.step))
         ch.prev = t
         if s.logprobs is not None:
             ch.logprobs.append(self._logprob_entry(base, t, s.logprobs))
@@ -424,7 +441,8 @@ class MockEngine(Engine, EngineControl):
         delta = {"index": ch.index, "token_ids": ch.token_ids[ch.sent_tokens:],
                  "text": ch.text[ch.sent_text:end],
                  "logprobs": ch.logprobs[ch.sent_tokens:] if want_lp else None,
-                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                 "weight_versions": [dict(s) for s in ch.spans] if ch.finish_reason else None}
         ch.sent_tokens, ch.sent_text = len(ch.token_ids), end
         return delta
 
@@ -537,18 +555,21 @@ class MockEngine(Engine, EngineControl):
         self.weights = MockWeights(seed, version)
 
     def _swap(self, seed: int) -> str:
-        """New weights now (running requests continue on them); the version label stays."""
-        self.weights = MockWeights(seed, self.weights.version)
+        """New weights now (running requests continue on them); the version label and step
+        stay until `set_version` records the new ones."""
+        self.weights = MockWeights(seed, self.weights.version, self.weights.step)
         return self.identity().digest or ""
 
     def identity(self) -> WeightIdentity:
         return WeightIdentity(self.weights.version, self.version_declared,
-                              f"mock:{self.weights.seed}")
+                              f"mock:{self.weights.seed}", step=self.weights.step)
 
     async def set_version(self, version: str | None, declared: bool = True,
-                          digest: str | None = None) -> None:
+                          digest: str | None = None, step: int | None = None) -> None:
         # the digest is a function of the seed, already swapped by the load
-        self.weights = MockWeights(self.weights.seed, version)
+        keep = digest is None and step is None  # a relabel keeps the step
+        self.weights = MockWeights(self.weights.seed, version,
+                                   self.weights.step if keep else step)
         self.version_declared = declared
 
     def checkpoint_mismatch(self, path: Path) -> str | None:

@@ -40,6 +40,7 @@ class DistributedRequest:
     version: str | None
     reset_prefix_cache: bool
     allow_unpaused: bool
+    step: int | None = None  # the policy's fleet step (rlfleet)
     # fields this contract does not define, for an engine that reads its own (the mocker's
     # simulated `mock_seed`)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -69,6 +70,16 @@ def weight_version(body: dict[str, Any]) -> str | None:
     if v is not None and not isinstance(v, str):
         raise AdminRequestError("weight_version must be a string")
     return v
+
+
+def policy_step(body: dict[str, Any]) -> int | None:
+    """The optional fleet `step` of the policy being installed (or relabelled): a
+    non-negative integer that the refresh coordinator increases with every policy."""
+    step = body.get("step")
+    if step is not None and (type(step) is not int or step < 0):
+        raise AdminRequestError(f"step must be a non-negative integer (the policy's fleet "
+                                f"step), not {step!r}")
+    return step
 
 
 def declared_version(body: dict[str, Any]) -> str | None:
@@ -114,11 +125,12 @@ def distributed_request(body: dict[str, Any]) -> DistributedRequest:
         raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
                                 "send reset_prefix_cache: false, or pause first")
     extra = {k: v for k, v in body.items() if k not in _DISTRIBUTED_FIELDS}
-    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused, extra)
+    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused,
+                              policy_step(body), extra)
 
 
 _DISTRIBUTED_FIELDS = frozenset({"names", "dtypes", "shapes", "weight_version",
-                                 "reset_prefix_cache", "allow_unpaused"})
+                                 "reset_prefix_cache", "allow_unpaused", "step"})
 
 
 def weights_path(raw: Any, roots: list[Path]) -> Path:

@@ -147,6 +147,7 @@ class Head(Struct, kw_only=True, omit_defaults=True):
     prompt_token_ids: list[int]
     weight_version: Any  # caller-declared label, or null
     weight_digest: str | None
+    weight_step: int | None = None  # the policy's fleet step, when declared
     prompt_text: str | UnsetType = UNSET  # with echo
     prompt_token_strs: list[str] | UnsetType = UNSET  # with echo
     worker_id: int | UnsetType = UNSET  # set by the frontend: the instance that served it
@@ -163,10 +164,12 @@ class TokenLogprob(Struct, kw_only=True):
 
 
 class WeightSpan(Struct, kw_only=True):
-    """Half-open span [start, end) of a choice's output tokens generated under one policy."""
+    """Half-open span [start, end) of a choice's output tokens generated under one policy
+    (version, digest, fleet step)."""
 
     version: Any
     digest: str | None
+    step: int | None = None
     start: int
     end: int
 
@@ -186,6 +189,9 @@ class Delta(Struct, kw_only=True):
     stop_reason: int | str | None = None
     # with the final delta, from an engine that tracks policies per token
     weight_versions: list[WeightSpan] | None = None
+    # set by the frontend on a final delta: the choice left the request's staleness bound
+    # (nvext.policy) while it was generated
+    stale_policy: bool | UnsetType = UNSET
 
 
 class Step(Struct, kw_only=True):
@@ -239,10 +245,17 @@ class Frame(enum.IntEnum):
     REPLY = 14
 
 
-def detailed_finish_reason(finish_reason: str | None, stop_reason: int | str | None) -> str | None:
-    """Map the engine's finish reason to nvext's detailed_finish_reason."""
+STALE_POLICY = "stale_policy"  # detailed finish reason of a choice aborted as stale
+
+
+def detailed_finish_reason(finish_reason: str | None, stop_reason: int | str | None,
+                           stale: bool = False) -> str | None:
+    """Map the engine's finish reason to nvext's detailed_finish_reason (`stale`: the
+    frontend ended it for leaving the request's staleness bound)."""
     if finish_reason is None:
         return None
+    if stale and finish_reason == "abort":
+        return STALE_POLICY
     if finish_reason == "stop":
         return "eos" if stop_reason is None else "stop"
     if finish_reason == "abort":

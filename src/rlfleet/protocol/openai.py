@@ -231,6 +231,7 @@ class NvExtResponse(Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
     worker_id: dict[str, int | None] | UnsetType = UNSET
     timing: dict[str, float] | UnsetType = UNSET
+    stale_policy: bool | UnsetType = UNSET  # the choice left the request's nvext.policy
     choices: list[NvExtResponse] | UnsetType = UNSET  # unary with n > 1: per choice
 
 

@@ -23,6 +23,13 @@ class RlWorker(BaseModel):
     model: str | None = None
     world_size: int | None = Field(None, gt=0)
     error: str | None = None
+    # rlfleet extensions, from the worker's own entry: the policy it applied and the newest
+    # fleet epoch it has seen (what a refresh coordinator starts from), its admission flag
+    weight_version: str | None = None
+    weight_digest: str | None = None
+    weight_step: int | None = Field(None, ge=0)
+    fleet_epoch: int | None = Field(None, ge=0)
+    gated: bool | None = None
 
     @field_validator("transport")
     @classmethod

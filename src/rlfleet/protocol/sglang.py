@@ -9,6 +9,7 @@ from msgspec import UNSET, Struct, UnsetType
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rlfleet.protocol.engine import MAX_LOGPROBS, SamplingOptions, WeightSpan
+from rlfleet.protocol.nvext import PolicyBound
 
 
 class SglangSamplingParams(BaseModel):
@@ -49,6 +50,7 @@ class SglangGenerateRequest(BaseModel):
     logprob_start_len: int = -1
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
     rid: str | None = Field(None, min_length=1, max_length=256)
+    policy: PolicyBound | None = None  # rlfleet: a staleness bound (as nvext.policy)
 
     @field_validator("input_ids")
     @classmethod
@@ -86,7 +88,9 @@ class MetaInfo(Struct, kw_only=True):
     cached_tokens: int = 0
     weight_version: Any = None
     weight_digest: str | None = None
+    weight_step: int | None = None
     weight_versions: list[WeightSpan] | UnsetType = UNSET  # once finished
+    stale_policy: bool | UnsetType = UNSET  # the request left its policy bound
     output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_top_logprobs: list[list[LogprobEntry]] | UnsetType = UNSET
     input_token_logprobs: list[LogprobEntry] | UnsetType = UNSET

@@ -12,21 +12,24 @@ from rlfleet.rl.admission import (
     MixedPolicy,
     NotTerminal,
     PromptLogprobsShifted,
+    StalePolicy,
     TokenIdsMissing,
 )
 from rlfleet.rl.attempt import AttemptState, IllegalTransition
 from rlfleet.rl.client import RolloutClient, TokenizeFailed
 from rlfleet.rl.fleet import Fleet, FleetHeld
 from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import EtcdJournal, Journal, open_journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
 from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import (
+    FleetFenced,
     OnFailure,
     Policy,
     PolicyRefresh,
     Probe,
+    RefreshMode,
     RefreshResult,
     RefreshState,
     SglangWorker,
@@ -38,6 +41,7 @@ from rlfleet.rl.sample import (
     Chat,
     Completion,
     NextTurn,
+    PolicyBound,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,

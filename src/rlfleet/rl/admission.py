@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.rl.response import Generation
-from rlfleet.rl.sample import WeightSpan
+from rlfleet.rl.sample import PolicyBound, WeightSpan
 
 LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
 
@@ -26,13 +26,16 @@ class AdmissionRules:
     `expected_version` / `expected_digest`: the policy the worker must report (None: no
     expectation); `finish_reasons`: terminal states the framework recognises ("abort" is
     left to the partial-rollout policy); `allow_mixed_versions`: admit samples whose
-    tokens come from more than one policy version (their spans come with the sample)."""
+    tokens come from more than one policy version (their spans come with the sample);
+    `policy`: the staleness bound requests carry (nvext.policy) and admitted samples' spans
+    must satisfy."""
 
     model: str
     expected_version: Any = None
     expected_digest: Any = None
     finish_reasons: frozenset[str] = frozenset({"length", "stop"})
     allow_mixed_versions: bool = False
+    policy: PolicyBound | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ class IdentityMismatch(AdmissionError):
 
 class MixedPolicy(AdmissionError):
     check = "single_policy"
+
+
+class StalePolicy(AdmissionError):
+    check = "policy_bound"
 
 
 def _all_token_ids(ids: list[Any]) -> bool:
@@ -203,7 +210,7 @@ def verify(gen: Generation, exp: Expectation) -> None:
 
 
 def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
-    """nvext.weight_versions ([{"version","digest","start","end"}, ...]) as WeightSpans,
+    """nvext.weight_versions ([{"version","digest","step","start","end"}, ...]) as WeightSpans,
     checked to cover the generated positions [0, length) in order without gaps."""
     if not isinstance(raw, list):
         raise MixedPolicy(f"weight_versions is {type(raw).__name__}, not a list")
@@ -215,7 +222,7 @@ def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
         if not (isinstance(start, int) and isinstance(end, int)) or start != pos or end < start:
             raise MixedPolicy(f"weight_versions[{i}] covers [{start!r}, {end!r}); expected a span "
                               f"starting at {pos}")
-        spans.append(WeightSpan(s.get("version"), s.get("digest"), start, end))
+        spans.append(WeightSpan(s.get("version"), s.get("digest"), start, end, s.get("step")))
         pos = end
     if pos != length:
         raise MixedPolicy(f"weight_versions cover {pos} of {length} generated tokens")
@@ -231,3 +238,29 @@ def single_policy(spans: list[WeightSpan] | None, rules: AdmissionRules) -> None
         names = ", ".join(f"{v!r}/{d!r}" for v, d in sorted(policies, key=repr))
         raise MixedPolicy(f"tokens come from {len(policies)} policies ({names}); "
                           f"set allow_mixed_versions=True to admit such samples")
+
+
+def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: AdmissionRules) -> None:
+    """With a staleness bound, every token's policy is within it, as its spans say (every
+    span names a step at or above `min_step`; the steps of one choice are at most `max_lag`
+    apart), and the server did not mark the sample stale (its worker left the bound while
+    it ran, under on_stale "finish")."""
+    bound = rules.policy
+    if bound is None:
+        return
+    for c, choice_spans in zip(gen.choices, spans, strict=True):
+        if c.stale_policy:
+            raise StalePolicy(f"choice {c.index}: the server marked it stale: its worker left "
+                              f"the bound {bound.nvext()} while it was generated")
+        steps = [s.step for s in choice_spans]
+        if any(type(t) is not int for t in steps):
+            raise StalePolicy(f"choice {c.index}: a span names no fleet step ({steps}); the "
+                              f"bound {bound.nvext()} cannot be checked")
+        if not steps:
+            continue
+        if bound.min_step is not None and min(steps) < bound.min_step:
+            raise StalePolicy(f"choice {c.index}: tokens from step {min(steps)}, below "
+                              f"min_step {bound.min_step}")
+        if bound.max_lag is not None and max(steps) - min(steps) > bound.max_lag:
+            raise StalePolicy(f"choice {c.index}: tokens from steps {min(steps)} to "
+                              f"{max(steps)}, more than max_lag {bound.max_lag} apart")

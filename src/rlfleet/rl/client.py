@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from rlfleet.protocol.engine import STALE_POLICY
 from rlfleet.rl import telemetry
 from rlfleet.rl.admission import (
     AdmissionError,
@@ -54,6 +55,7 @@ from rlfleet.rl.admission import (
     TokenIdsMissing,
     identity,
     logprobs_aligned,
+    policy_bound,
     single_policy,
     token_ids_present,
     verify,
@@ -76,6 +78,7 @@ from rlfleet.rl.sample import (
     Chat,
     Completion,
     NextTurn,
+    PolicyBound,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,
@@ -104,15 +107,20 @@ log = telemetry.log
 
 
 def request_body(route: str, prompt: list[int] | str | Chat, spec: SamplingSpec, n: int,
-                 stream: bool, model: str, request_id: str) -> tuple[str, bytes]:
+                 stream: bool, model: str, request_id: str,
+                 policy: PolicyBound | None = None) -> tuple[str, bytes]:
     """(path, JSON body) of one attempt: OpenAI completions (token IDs or text) or chat
     completions (`Chat`), with the generated token IDs, sampled-token logprobs as
     `token_id:<id>` and the nvext fields the checks need; or native SGLang /generate (token
-    IDs only) with logprobs and `rid`."""
+    IDs only) with logprobs and `rid`. A staleness bound goes as `nvext.policy` (SGLang:
+    `policy`)."""
     if route == "openai":
         fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
+        nvext: dict[str, Any] = {"extra_fields": fields}
+        if policy is not None:
+            nvext["policy"] = policy.nvext()
         common = {"model": model, "n": n, "stream": stream, "return_tokens_as_token_ids": True,
-                  **spec.openai_fields(), "nvext": {"extra_fields": fields}}
+                  **spec.openai_fields(), "nvext": nvext}
         if isinstance(prompt, Chat):
             body = {"messages": prompt.messages, "add_generation_prompt": prompt.add_generation_prompt,
                     "logprobs": True, "top_logprobs": 0, **common}
@@ -127,6 +135,8 @@ def request_body(route: str, prompt: list[int] | str | Chat, spec: SamplingSpec,
     body = {"input_ids": prompt, "model": model, "sampling_params": spec.sglang_params(),
             "stream": stream, "return_logprob": True, "rid": request_id,
             "logprob_start_len": 0 if spec.prompt_logprobs else -1}
+    if policy is not None:
+        body["policy"] = policy.nvext()
     return "/generate", json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -176,13 +186,14 @@ class RolloutClient:
                  allow_mixed_versions: bool = False,
                  finish_reasons: Iterable[str] = ("length", "stop"),
                  route: str = "openai", stream: bool = False, gate: RolloutGate | None = None,
+                 policy: PolicyBound | None = None,
                  max_connections: int = 1024, connect_timeout: float = 10.0,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         self.base_url = base_url.rstrip("/")
         self.rules = AdmissionRules(model, expected_version, expected_digest,
-                                    frozenset(finish_reasons), allow_mixed_versions)
+                                    frozenset(finish_reasons), allow_mixed_versions, policy)
         self._own_ledger = ledger is None  # the caller closes a ledger it passed in
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.retry = retry or RetryPolicy()
@@ -212,6 +223,11 @@ class RolloutClient:
     def expect(self, version: Any = None, digest: Any = None) -> None:
         """Admit only samples from this policy from now on (after a policy refresh)."""
         self.rules = replace(self.rules, expected_version=version, expected_digest=digest)
+
+    def bound(self, policy: PolicyBound | None) -> None:
+        """From now on, ask for this staleness bound (nvext.policy) and admit only samples
+        whose spans satisfy it (None: no bound)."""
+        self.rules = replace(self.rules, policy=policy)
 
     # ------------------------------------------------------------ one sample
 
@@ -326,7 +342,8 @@ class RolloutClient:
                 c = gen.choices[0]
                 out = PartialOutput(a.sample_id, a.number, end.reason, list(c.token_ids or ()),
                                     list(c.logprobs or ()), gen.weight_version, gen.weight_digest,
-                                    sampling.max_tokens - len(prefix) - len(c.token_ids or ()))
+                                    sampling.max_tokens - len(prefix) - len(c.token_ids or ()),
+                                    gen.weight_step)
                 action = self.partial.decide(out)
                 if action is PartialAction.RESUME:
                     spans = None
@@ -353,7 +370,8 @@ class RolloutClient:
             sent = prompt.ids + prefix.token_ids
             spec = replace(sampling, max_tokens=sampling.max_tokens - len(prefix),
                            min_tokens=max(0, sampling.min_tokens - len(prefix)))
-        path, body = request_body(route, sent, spec, n, stream, rules.model, a.request_id)
+        path, body = request_body(route, sent, spec, n, stream, rules.model, a.request_id,
+                                  rules.policy)
         url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
                    "traceparent": telemetry.traceparent(trace, a.span_id)}
@@ -411,10 +429,13 @@ class RolloutClient:
                      for c in gen.choices]
             for s in spans:
                 single_policy(s, rules)
+            policy_bound(gen, spans, rules)
         except NotTerminal as e:
             telemetry.REJECTIONS.labels(e.check).inc()
             if e.finish_reason == "abort":  # the server canceled it: a partial attempt
-                return self._close(a, trace, AttemptState.CANCELED, _End("aborted", partial=gen))
+                stale = any(c.detailed_finish_reason == STALE_POLICY for c in gen.choices)
+                return self._close(a, trace, AttemptState.CANCELED,
+                                   _End(STALE_POLICY if stale else "aborted", partial=gen))
             prefix.clear()
             return self._close(a, trace, AttemptState.FAILED, _End(e.check))
         except AdmissionError as e:
@@ -522,10 +543,9 @@ class RolloutClient:
         """The choice's weight spans, prefix included: the server's nvext.weight_versions
         when it sends them, else one span per attempt from its engine_data."""
         own = weight_spans(raw, length) if raw is not None else \
-            [WeightSpan(gen.weight_version, gen.weight_digest, 0, length)]
+            [WeightSpan(gen.weight_version, gen.weight_digest, 0, length, gen.weight_step)]
         base = len(prefix)
-        return prefix.spans + [WeightSpan(s.version, s.digest, s.start + base, s.end + base)
-                               for s in own]
+        return prefix.spans + [s.moved(base) for s in own]
 
     def _close(self, a: Attempt, trace: str, state: AttemptState, end: _End) -> _End:
         a.move(state, end.reason)

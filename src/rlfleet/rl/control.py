@@ -3,7 +3,9 @@ flavour (vLLM from disk, vLLM from the trainer's process group, SGLang from disk
 lifecycle in `rlfleet.rl.refresh` calls these steps and never asks which flavour it has.
 
 Every call goes to the worker's system server (`POST {system_url}/engine/<route>`) with a
-deadline, and is recorded on the worker for the journal."""
+deadline and the transaction's fleet epoch (`X-Fleet-Epoch`), and is recorded on the worker
+for the journal. A worker that has seen a newer epoch refuses the call (409): the
+coordinator has been taken over and stops (`FleetFenced`)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rlfleet.protocol.rl import PROTOCOL_VERSION
+from rlfleet.runtime.system_server import EPOCH_HEADER, STALE_EPOCH
 
 if TYPE_CHECKING:
     from rlfleet.rl.refresh import Policy
@@ -27,8 +30,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlfleet.refresh")
 
 
+async def gather_all(coros) -> list[Any]:
+    """Run `coros` at once; the first one that raises cancels the others (a fenced
+    coordinator makes no further calls) and its exception is raised as it is."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class RefreshHeld(Exception):
     """The refresh stops here; the fleet stays gated."""
+
+
+class FleetFenced(Exception):
+    """Another coordinator has taken the fleet over (a worker refused this transaction's
+    epoch, or the journal shows it recovered): stop at once, touch nothing more."""
+
+
+def stale_epoch(status: int | None, data: Any) -> bool:
+    """Whether a reply is a worker's refusal of an older fleet epoch."""
+    return status == 409 and isinstance(data, dict) and data.get("error") == STALE_EPOCH
 
 
 @dataclass
@@ -51,7 +77,8 @@ class FleetWorker:
     status: str = "selected"  # selected | excluded | missing | verified
     reason: str | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
-    holds: dict[str, Any] | None = None  # the last identity it reported {version, digest}
+    # the last identity it reported {version, digest, step}
+    holds: dict[str, Any] | None = None
     dtype: str | None = None  # the dtype it serves in, when it says
 
     def record(self, step: str, route: str, http_status: int | None, body: Any) -> None:
@@ -75,15 +102,20 @@ class FleetWorker:
 
 @dataclass
 class Channel:
-    """The coordinator's HTTP client for control calls, with its token and deadline."""
+    """The coordinator's HTTP client for control calls, with its token, deadline and the
+    transaction's fleet epoch."""
 
     http: httpx.AsyncClient
     timeout: float
     admin_token: str | None = None
+    epoch: int | None = None
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        out = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        if self.epoch is not None:
+            out[EPOCH_HEADER] = str(self.epoch)
+        return out
 
     async def call(self, w: FleetWorker, step: str, route: str,
                    body: dict[str, Any] | None = None, timeout: float | None = None
@@ -101,6 +133,8 @@ class Channel:
             w.record(step, route, None, {"error": repr(e)})
             return False, {"unreachable": True, "message": repr(e)}
         w.record(step, route, status, data)
+        if stale_epoch(status, data):
+            raise FleetFenced(f"worker {w.instance_id} refused {route}: {data.get('message')}")
         good = status == 200 and isinstance(data, dict) and (
             data.get("status") == "ok" or data.get("success") is True)
         return good, data if isinstance(data, dict) else {"body": data}
@@ -108,6 +142,15 @@ class Channel:
 
 def _message(data: dict[str, Any]) -> Any:
     return data.get("message", data)
+
+
+def held(reply: dict[str, Any]) -> dict[str, Any]:
+    """The identity an install or version reply reports: {version, digest, step}. An
+    install without a declared version reports "unknown" (the version is null then)."""
+    version = reply.get("version")
+    if version == "unknown" and reply.get("version_declared") is False:
+        version = None
+    return {"version": version, "digest": reply.get("weight_digest"), "step": reply.get("step")}
 
 
 def address_toward(url: str) -> str:
@@ -161,6 +204,16 @@ class WorkerControl(abc.ABC):
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
         """The current workers, by instance ID; unusable ones already excluded."""
 
+    async def newest_epoch(self, ch: Channel) -> int:
+        """The newest fleet epoch the workers report (0 when they do not say): a
+        transaction's epoch is taken above it."""
+        return 0
+
+    async def inspect(self, ch: Channel, w: FleetWorker) -> dict[str, Any] | None:
+        """What the worker holds now ({version, digest, step}, also kept in `w.holds`);
+        None when this flavour cannot tell."""
+        return None
+
     async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:  # noqa: B027
         """Before the gate closes: move `target` onto the workers (but `skip`) while they
         serve (rlfleet.rl.staged); `transfer` then only installs it."""
@@ -205,13 +258,13 @@ class WorkerControl(abc.ABC):
             ok, data = await ch.call(w, "apply", route, body)
             if ok:
                 if data.get("weight_digest"):
-                    w.holds = {"version": data.get("version"), "digest": data["weight_digest"]}
+                    w.holds = held(data)
             elif data.get("unreachable"):
                 w.exclude(f"unreachable at transfer: {data.get('message')}", "missing")
             else:
                 w.reason = f"transfer failed: {_message(data)}"
                 failed.append(w)
-        await asyncio.gather(*(one(w) for w in ws))
+        await gather_all(one(w) for w in ws)
         return failed
 
 
@@ -258,7 +311,8 @@ class VllmControl(WorkerControl):
             raise RefreshHeld(f"unsupported discovery protocol_version "
                               f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
         out = {}
-        for e in body.get("workers", []):
+        self.listed = body.get("workers", [])
+        for e in self.listed:
             if self.model is not None and e.get("model") != self.model:
                 continue
             w = FleetWorker(int(e["instance_id"]), e.get("system_url", ""),
@@ -274,6 +328,19 @@ class VllmControl(WorkerControl):
             out[w.instance_id] = w
         return out
 
+    async def newest_epoch(self, ch: Channel) -> int:
+        await self.discover(ch)
+        return max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
+
+    async def inspect(self, ch: Channel, w: FleetWorker) -> dict[str, Any] | None:
+        ok, v = await ch.call(w, "inspect", "get_weight_version")
+        if not ok:
+            w.exclude(f"version check failed: {_message(v)}",
+                      "missing" if v.get("unreachable") else "excluded")
+            return None
+        w.holds, w.dtype = held(v), v.get("dtype")
+        return w.holds
+
     async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None:
         ok, data = await ch.call(w, "pause", "pause_generation",
                                  {"mode": mode, "clear_cache": False})
@@ -285,7 +352,8 @@ class VllmControl(WorkerControl):
                        ) -> list[FleetWorker]:
         if not self.distributed:
             return await self._transfer_each(ch, ws, "update_weights_from_disk", {
-                "model_path": target.path, "weight_version": target.version})
+                "model_path": target.path, "weight_version": target.version,
+                "step": target.step})
         from rlfleet.weights.broadcast import TransferError, free_port, push_weights
 
         tensors = await asyncio.to_thread(_tensors_of, target)
@@ -296,11 +364,13 @@ class VllmControl(WorkerControl):
         try:
             results = await push_weights([w.system_url for w in ws], tensors, target.version,
                                          host=host, port=port, backend=self.backend,
-                                         timeout=ch.timeout, admin_token=ch.admin_token)
+                                         timeout=ch.timeout, admin_token=ch.admin_token,
+                                         epoch=ch.epoch, step=target.step)
         except TransferError as e:
             for w, r in zip(ws, e.results or [{}] * len(ws), strict=False):
                 w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
                 w.reason = f"transfer failed: {e}"
+            self._raise_if_fenced(ws, e.results or [])
             return list(ws)
         failed = []
         for w, r in zip(ws, results, strict=True):
@@ -309,8 +379,16 @@ class VllmControl(WorkerControl):
                 w.reason = f"transfer failed: {r.get('message')}"
                 failed.append(w)
             else:
-                w.holds = {"version": r.get("version"), "digest": r.get("weight_digest")}
+                w.holds = held(r)
+        self._raise_if_fenced(ws, results)
         return failed
+
+    @staticmethod
+    def _raise_if_fenced(ws: list[FleetWorker], results: list[dict[str, Any]]) -> None:
+        for w, r in zip(ws, results, strict=False):
+            if stale_epoch(r.get("http_status"), r):
+                raise FleetFenced(f"worker {w.instance_id} refused the weight transfer: "
+                                  f"{r.get('message')}")
 
     async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:
         ok, data = await ch.call(w, "reset_cache", "flush_cache")
@@ -318,14 +396,13 @@ class VllmControl(WorkerControl):
             w.exclude(f"cache reset failed: {_message(data)}")
 
     async def verify(self, ch: Channel, w: FleetWorker, target: Policy) -> str | None:
-        (ok, v), (alive, live) = await asyncio.gather(
+        (ok, v), (alive, live) = await gather_all((
             ch.call(w, "verify", "get_weight_version"),
-            ch.call(w, "verify", "liveness_probe"))
+            ch.call(w, "verify", "liveness_probe")))
         if not ok:
             w.exclude(f"version check failed: {_message(v)}")
             return None
-        w.holds = {"version": v.get("version"), "digest": v.get("weight_digest")}
-        w.dtype = v.get("dtype")
+        w.holds, w.dtype = held(v), v.get("dtype")
         if v.get("version") != target.version or v.get("weight_digest") != target.digest:
             w.exclude("version or digest differs from the target")
             return f"{w.instance_id} reports {v.get('version')!r} / {v.get('weight_digest')}"
@@ -373,7 +450,7 @@ class SglangControl(WorkerControl):
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
         return await self._transfer_each(ch, ws, "control/update_weights_from_disk", {
-            "model_path": target.path, "weight_version": target.version,
+            "model_path": target.path, "weight_version": target.version, "step": target.step,
             "flush_cache": True, "keep_pause": True})
 
     async def resume(self, ch: Channel, w: FleetWorker) -> None:

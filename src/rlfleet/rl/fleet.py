@@ -18,6 +18,12 @@ After a refresh that reopens the fleet on its target (or rolls it back), the fle
 only samples of the policy it now serves (`expect` is called for you). A refresh that
 holds the fleet leaves it gated: `rollout` then raises `FleetHeld` until a later refresh
 reopens it. `RefreshResult.fleet_moved` says whether every selected worker moved.
+
+With `mode="rolling"` (and `max_lag`, `min_serving`: see `PolicyRefresh`) the fleet keeps
+serving while it moves, and admits by staleness instead: from the start of a refresh to
+step N, samples ask for (and are checked against) `PolicyBound(min_step=N - max_lag,
+max_lag=max_lag)`; samples whose tokens span two steps (an update under a keep-pause) need
+`allow_mixed_versions=True`.
 """
 
 from __future__ import annotations
@@ -35,9 +41,16 @@ from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.ledger import SampleLedger
 from rlfleet.rl.partial import PartialRolloutPolicy
-from rlfleet.rl.refresh import PolicyRefresh, Probe, RefreshResult
+from rlfleet.rl.refresh import PolicyRefresh, Probe, RefreshMode, RefreshResult
 from rlfleet.rl.retry import RetryPolicy
-from rlfleet.rl.sample import AdmittedSample, Chat, RolloutOutcome, SampleRequest, SamplingSpec
+from rlfleet.rl.sample import (
+    AdmittedSample,
+    Chat,
+    PolicyBound,
+    RolloutOutcome,
+    SampleRequest,
+    SamplingSpec,
+)
 
 T = TypeVar("T")
 
@@ -204,6 +217,12 @@ class Fleet:
             raise RuntimeError("this Fleet has no rl_url (the frontend's RL listener): it "
                                "cannot refresh the fleet's policy")
         async with self._refresh_lock:
+            rolling = self.coordinator.mode is RefreshMode.ROLLING
+            if rolling:  # the bound moves before the first wave serves the new step
+                step = self.coordinator.next_step(step)
+                lag = self.coordinator.max_lag
+                self.client.expect(None, None)
+                self.client.bound(PolicyBound(min_step=max(0, step - lag), max_lag=lag))
             self._refreshing += 1
             try:
                 result = await self.coordinator.refresh(checkpoint, version, digest=digest,
@@ -211,7 +230,9 @@ class Fleet:
             finally:
                 self._refreshing -= 1
             self.last_refresh = result
-            if result.decision in ("reopened", "rolled_back"):
+            if rolling:
+                self.held = result if result.decision == "fenced" else None
+            elif result.decision in ("reopened", "rolled_back"):
                 # the policy the fleet serves now, whichever it is, and nothing else
                 self.client.expect(result.policy.version, result.policy.digest)
                 self.held = None
@@ -252,6 +273,8 @@ class Fleet:
             self._loop.close()
             if self._own_ledger:
                 self.ledger.close()
+            if self.coordinator is not None:
+                self.coordinator.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

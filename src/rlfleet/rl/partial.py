@@ -37,6 +37,7 @@ class PartialOutput:
     weight_version: Any
     weight_digest: Any
     tokens_left: int  # of the sample's max_tokens, after these
+    weight_step: Any = None
 
 
 class PartialRolloutPolicy:
@@ -73,8 +74,9 @@ class ResumedPrefix:
         self.logprobs += partial.logprobs
         self.token_attempts += [partial.attempt] * n
         if spans is None:
-            spans = [WeightSpan(partial.weight_version, partial.weight_digest, 0, n)] if n else []
-        self.spans += [WeightSpan(s.version, s.digest, s.start + base, s.end + base) for s in spans]
+            spans = [WeightSpan(partial.weight_version, partial.weight_digest, 0, n,
+                                partial.weight_step)] if n else []
+        self.spans += [s.moved(base) for s in spans]
 
     def clear(self) -> None:
         self.token_ids, self.logprobs, self.token_attempts, self.spans = [], [], [], []

@@ -7,20 +7,41 @@ Failure handling follows the reference table (distribute-and-update-rollout-weig
 a worker whose pause, cache reset, resume or probe fails is excluded and stays gated; a
 worker gone from discovery is dropped; a transfer that fails after peers succeeded leaves
 the fleet gated and is handled by one explicit policy (retry | rollback | hold); a version
-or digest that differs keeps a synchronous fleet closed. Every refresh is journaled.
+or digest that differs keeps a synchronous fleet closed.
+
+Every refresh is a fleet transaction, recorded in the journal (rlfleet.rl.journal), which
+is the source of truth:
+- **epoch**: it takes the fleet's next epoch from the journal's store with a
+  compare-and-set and sends it on every control call (`X-Fleet-Epoch`). A worker refuses
+  calls from an epoch older than the newest it has seen, so a coordinator that another one
+  has taken over (it was paused, partitioned, or started at the same time) stops at its
+  next call with `decision: fenced` and changes nothing more.
+- **recovery**: a coordinator that finds a transaction of its fleet that was begun and
+  never finished (its coordinator crashed, or is being taken over) recovers it first, as a
+  transaction of its own: it closes and pauses every worker (which fences the old one),
+  rolls forward when every worker holds the interrupted target, else back to the last
+  verified policy, and reopens the fleet only on one verified policy (`recover`).
+- **steps**: every policy carries a fleet step (the refresh's `step`; default one above the
+  step the fleet serves; steps only increase) that workers record, publish in discovery and
+  stamp on every token they generate.
+
+Two modes: "sync" (the whole fleet gated while it changes) and "rolling" (workers updated in
+waves while the rest serve: a worker that serves is never more than `max_lag` steps behind
+the target, and never fewer than `min_serving` workers serve).
 
 The lifecycle calls one `WorkerControl` per worker flavour (rlfleet.rl.control) and judges
-the post-update probe with rlfleet.rl.probe. A coordinator started on an existing journal
-resumes from it: the fleet's last verified policy is what it rolls back to."""
+the post-update probe with rlfleet.rl.probe."""
 
 from __future__ import annotations
 
 import asyncio
 import enum
 import logging
+import os
+import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,15 +51,17 @@ import httpx
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.rl.control import (
     Channel,
+    FleetFenced,
     FleetWorker,
     RefreshHeld,
     SglangControl,
     SglangWorker,
     VllmControl,
     WorkerControl,
+    gather_all,
 )
 from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import RefreshJournal, open_journal
 from rlfleet.rl.probe import (
     PROBE_TEXT,
     Answer,
@@ -51,7 +74,6 @@ from rlfleet.rl.probe import (
 from rlfleet.runtime.request_plane import WorkerError, generate_over_http
 
 log = logging.getLogger("rlfleet.refresh")
-
 
 class UpdatePath(enum.StrEnum):
     VLLM_DISK = "vllm-disk"
@@ -66,6 +88,11 @@ class OnFailure(enum.StrEnum):
     HOLD = "hold"  # keep the fleet gated for an operator
 
 
+class RefreshMode(enum.StrEnum):
+    SYNC = "sync"  # the whole fleet gated while it changes
+    ROLLING = "rolling"  # in waves, the rest serving, within max_lag steps
+
+
 class RefreshState(enum.StrEnum):
     STARTED = "started"
     GATED = "gated"
@@ -76,27 +103,32 @@ class RefreshState(enum.StrEnum):
     VERIFIED = "verified"
     RESUMED = "resumed"
     PROBED = "probed"
+    WAVE_REOPENED = "wave_reopened"  # rolling: one wave serves the target again
     REOPENED = "reopened"  # terminal: verified workers serve the target
     ROLLING_BACK = "rolling_back"
     ROLLED_BACK = "rolled_back"  # terminal: the fleet serves the previous policy, verified
     HELD = "held"  # terminal: the fleet stays gated; the journal says why
+    FENCED = "fenced"  # terminal: another coordinator took the fleet over; nothing touched since
 
 
 _S = RefreshState
+_STOP = frozenset({_S.HELD, _S.FENCED})  # any live state may end here
 TRANSITIONS: dict[RefreshState, frozenset[RefreshState]] = {
-    _S.STARTED: frozenset({_S.GATED, _S.HELD}),
-    _S.GATED: frozenset({_S.RESOLVED, _S.HELD}),
-    _S.RESOLVED: frozenset({_S.PAUSED, _S.HELD}),
-    _S.PAUSED: frozenset({_S.APPLIED, _S.ROLLING_BACK, _S.HELD}),
-    _S.APPLIED: frozenset({_S.CACHE_RESET, _S.ROLLING_BACK, _S.HELD}),
-    _S.CACHE_RESET: frozenset({_S.VERIFIED, _S.ROLLING_BACK, _S.HELD}),
-    _S.VERIFIED: frozenset({_S.RESUMED, _S.ROLLING_BACK, _S.HELD}),
-    _S.RESUMED: frozenset({_S.PROBED, _S.ROLLING_BACK, _S.HELD}),
-    _S.PROBED: frozenset({_S.REOPENED, _S.ROLLING_BACK, _S.HELD}),
-    _S.ROLLING_BACK: frozenset({_S.ROLLED_BACK, _S.HELD}),
+    _S.STARTED: frozenset({_S.GATED, _S.RESOLVED}) | _STOP,  # rolling: no fleet gate
+    _S.GATED: frozenset({_S.RESOLVED}) | _STOP,
+    _S.RESOLVED: frozenset({_S.PAUSED, _S.REOPENED}) | _STOP,  # rolling: all there already
+    _S.PAUSED: frozenset({_S.APPLIED, _S.ROLLING_BACK}) | _STOP,
+    _S.APPLIED: frozenset({_S.CACHE_RESET, _S.ROLLING_BACK}) | _STOP,
+    _S.CACHE_RESET: frozenset({_S.VERIFIED, _S.ROLLING_BACK}) | _STOP,
+    _S.VERIFIED: frozenset({_S.RESUMED, _S.ROLLING_BACK}) | _STOP,
+    _S.RESUMED: frozenset({_S.PROBED, _S.ROLLING_BACK}) | _STOP,
+    _S.PROBED: frozenset({_S.REOPENED, _S.WAVE_REOPENED, _S.ROLLING_BACK}) | _STOP,
+    _S.WAVE_REOPENED: frozenset({_S.PAUSED, _S.REOPENED}) | _STOP,
+    _S.ROLLING_BACK: frozenset({_S.ROLLED_BACK}) | _STOP,
     _S.REOPENED: frozenset(),
     _S.ROLLED_BACK: frozenset(),
     _S.HELD: frozenset(),
+    _S.FENCED: frozenset(),
 }
 
 
@@ -110,9 +142,29 @@ def check_transition(old: RefreshState, new: RefreshState) -> RefreshState:
     return new
 
 
+# Tests only: RLFLEET_TEST_REFRESH_HOOK=<point>=kill|stop makes this coordinator process
+# SIGKILL or SIGSTOP itself when a refresh reaches <point>, so that a test can interrupt a
+# coordinator at a named step of its lifecycle deterministically. Never set it otherwise.
+TEST_HOOK = "RLFLEET_TEST_REFRESH_HOOK"
+TEST_HOOK_POINTS = ("gated", "paused", "apply_half", "verified", "before_reopen")
+
+
+def _test_hook_wants(point: str) -> str | None:
+    where, _, action = os.environ.get(TEST_HOOK, "").partition("=")
+    return action if where == point and action in ("kill", "stop") else None
+
+
+def _test_hook(point: str) -> None:
+    action = _test_hook_wants(point)
+    if action is None:
+        return
+    print(f"RLFLEET_TEST_HOOK {point} {action}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGSTOP)
+
+
 @dataclass
 class Policy:
-    """One target policy: where it is, what it is called, what it is."""
+    """One target policy: where it is, what it is called, what it is, its fleet step."""
 
     version: str
     digest: str
@@ -120,17 +172,30 @@ class Policy:
     probe: Probe | None = None
     tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None  # for the distributed path
     source: dict[str, Any] | None = None  # where workers stage it from (the staged path)
+    step: int | None = None
+
+    def held_by(self, w: FleetWorker) -> bool:
+        """Whether the worker last reported holding this policy."""
+        h = w.holds or {}
+        return (h.get("version"), h.get("digest")) == (self.version, self.digest) and (
+            self.step is None or h.get("step") == self.step)
+
+    @property
+    def sendable(self) -> bool:
+        return self.path is not None or self.tensors is not None or self.source is not None
 
 
 @dataclass
 class RefreshResult:
     refresh_id: int
-    decision: str  # reopened | rolled_back | held
+    decision: str  # reopened | rolled_back | held | fenced
     reason: str
     state: RefreshState
     workers: list[dict[str, Any]]
     steps: list[dict[str, Any]]
     policy: Policy
+    epoch: int = 0  # the transaction's fleet epoch
+    kind: str = "refresh"  # refresh | admit | recovery
 
     @property
     def ok(self) -> bool:
@@ -148,21 +213,74 @@ class RefreshResult:
         return sum(s["seconds"] for s in self.steps)
 
     def step_seconds(self) -> dict[str, float]:
-        return {s["name"]: s["seconds"] for s in self.steps}
+        """Seconds per lifecycle step (summed over the waves of a rolling refresh)."""
+        out: dict[str, float] = {}
+        for s in self.steps:
+            out[s["name"]] = out.get(s["name"], 0.0) + s["seconds"]
+        return out
 
 
 class _Rollback(Exception):
     """The failure policy asks for a rollback."""
 
 
+class _Tx:
+    """One transaction in progress: its journal record, epoch, control channel, workers,
+    state and timed steps."""
+
+    def __init__(self, owner: PolicyRefresh, kind: str, refresh_id: int, epoch: int,
+                 ch: Channel, requests: httpx.AsyncClient) -> None:
+        self.owner, self.kind, self.id, self.epoch = owner, kind, refresh_id, epoch
+        self.ch, self.requests = ch, requests
+        self.state = RefreshState.STARTED
+        self.steps: list[dict[str, Any]] = []
+        self.workers: dict[int, FleetWorker] = {}
+        self.wave: int | None = None  # rolling: the wave in progress (1-based)
+        self.reference: list[Answer] = []  # rolling: the probe answers of earlier waves
+
+    def active(self, among: Sequence[FleetWorker] | None = None) -> list[FleetWorker]:
+        return [w for w in (self.workers.values() if among is None else among) if w.active]
+
+    async def record(self, **fields: Any) -> None:
+        """Write to this transaction's record, unless another coordinator ended it (it
+        recovered this transaction: this coordinator has been taken over)."""
+        j = self.owner.journal
+        if not await asyncio.to_thread(j.update, self.id, only_open=True, **fields):
+            raise FleetFenced(f"refresh {self.id} (epoch {self.epoch}) was taken over: the "
+                              f"journal {j.path} shows it ended by another coordinator")
+
+    async def move(self, new: RefreshState) -> None:
+        self.state = check_transition(self.state, new)
+        await self.record(state=new.value)
+
+    async def timed(self, name: str, coro: Awaitable[Any]) -> Any:
+        t0 = time.perf_counter()
+        label = f"[refresh {self.id}]" + (f" wave {self.wave}:" if self.wave else "")
+        self.owner.on_event(f"{label} {name} ...")
+        ok = False
+        try:
+            out = await coro
+            ok = True
+            return out
+        finally:
+            secs = time.perf_counter() - t0
+            self.steps.append({"name": name, "seconds": secs,
+                               **({"wave": self.wave} if self.wave else {})})
+            self.owner.on_event(f"{label} {name} done in {secs:.3f}s")
+            if ok:
+                await self.record(steps=self.steps)
+
+
 class PolicyRefresh:
     """Refreshes one fleet's policy. Keep one instance per fleet: it remembers the policy the
-    fleet is on (for rollback and for admitting replacement workers)."""
+    fleet is on (for rollback and for admitting replacement workers), and takes it again
+    from the journal before every transaction (the journal is the source of truth)."""
 
     def __init__(self, rl_url: str | None = None, *, model: str | None = None,
                  path: UpdatePath | str = UpdatePath.VLLM_DISK,
                  sglang_workers: Sequence[SglangWorker] = (),
-                 journal: Journal | str | Path = ":memory:", gate: RolloutGate | None = None,
+                 journal: RefreshJournal | str | Path = ":memory:",
+                 gate: RolloutGate | None = None,
                  on_failure: OnFailure | str = OnFailure.HOLD, retries: int = 1,
                  pause_mode: str = "wait", probe_text: str = PROBE_TEXT,
                  probe_tokens: int = 8, probe_tolerance: float | None = None,
@@ -170,24 +288,44 @@ class PolicyRefresh:
                  master_address: str | None = None, master_port: int | None = None,
                  min_workers: int = 1, timeout: float = 120.0, admin_token: str | None = None,
                  on_event: Callable[[str], None] | None = None,
-                 current: Policy | None = None) -> None:
+                 current: Policy | None = None, mode: RefreshMode | str = RefreshMode.SYNC,
+                 max_lag: int = 1, min_serving: int = 1,
+                 wave_size: int | None = None) -> None:
         """`probe_tolerance`: max logprob difference in the post-update probe (default: by
         the dtype each worker serves in, see rlfleet.rl.probe). `probe_from_checkpoint`:
         without a trainer's probe, compute the expected one from the checkpoint with
         transformers (loads the whole model here); else the workers must agree with each
         other on `probe_text`. `transfer_backend`, `master_address` (default: this host's
-        address toward the workers), `master_port`: the distributed path's process group."""
+        address toward the workers), `master_port`: the distributed path's process group.
+        `journal`: a path, `:memory:`, ``etcd://host:port[/name]`` or an open journal; every
+        coordinator of one fleet must use the same one. `mode` "rolling": update `wave_size`
+        workers at a time (default: as many as keeps `min_serving` serving) while the rest
+        serve, refusing a target more than `max_lag` steps ahead of a serving worker."""
         self.path = UpdatePath(path)
+        self.mode = RefreshMode(mode)
         if pause_mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause_mode must be keep, wait or abort, not {pause_mode!r}")
         if probe_tokens < 1:
             raise ValueError("probe_tokens must be at least 1")
+        if type(max_lag) is not int or max_lag < 0:
+            raise ValueError(f"max_lag must be a non-negative integer (steps), not {max_lag!r}")
+        if type(min_serving) is not int or min_serving < 1:
+            raise ValueError("min_serving must be at least 1")
+        if wave_size is not None and (type(wave_size) is not int or wave_size < 1):
+            raise ValueError("wave_size must be at least 1")
+        self.on_failure = OnFailure(on_failure)
+        if self.mode is RefreshMode.ROLLING:
+            if self.path is UpdatePath.SGLANG_DISK:
+                raise ValueError("a rolling refresh needs workers that leave and rejoin "
+                                 "routing (set_admission in discovery): use a vLLM path")
+            if self.on_failure is OnFailure.ROLLBACK:
+                raise ValueError("a rolling refresh does not roll back: workers that fail stay "
+                                 "out and the rest keep serving (on_failure hold or retry)")
         self.control = self._control(self.path, rl_url, model, sglang_workers,
                                      transfer_backend, master_address, master_port)
         self.model = model
-        self.journal = journal if isinstance(journal, Journal) else Journal(journal)
+        self.journal = open_journal(journal)
         self.gate = gate or RolloutGate()
-        self.on_failure = OnFailure(on_failure)
         self.retries = retries
         self.pause_mode = pause_mode
         self.probe_text = probe_text
@@ -195,29 +333,33 @@ class PolicyRefresh:
         self.tolerance = probe_tolerance
         self.probe_from_checkpoint = probe_from_checkpoint
         self.min_workers = min_workers
+        self.max_lag, self.min_serving, self.wave_size = max_lag, min_serving, wave_size
         self.timeout = timeout
         self.admin_token = admin_token
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         self.current = current
         self.verified: set[int] = set()  # workers verified on self.current
-        if current is None:
-            self._resume_from_journal()
-        # what each worker was last seen holding ({version, digest}), kept in the journal
-        self.holdings = self.journal.holdings(self.control.fleet, self.model)
+        # what each worker was last seen holding ({version, digest, step}), kept in the journal
+        self.holdings: dict[int, dict[str, Any]] = {}
+        self._from_journal(announce=True)
 
-    def _resume_from_journal(self) -> None:
-        """A coordinator started on an existing journal (a new process, after a crash or a
-        held refresh) takes the fleet's last verified policy from it: the policy a rollback
-        returns to and replacement workers are admitted on."""
+    def _from_journal(self, announce: bool = False) -> None:
+        """Take the fleet's last verified policy from the journal (a new process, after a
+        crash or a held refresh, or another coordinator's refresh since): the policy a
+        rollback returns to and replacement workers are admitted on."""
         row = self.journal.last_served(self.control.fleet, self.model)
+        self.holdings = self.journal.holdings(self.control.fleet, self.model)
         if row is None:
             return
         self.current = Policy(version=row["served_version"], digest=row["served_digest"],
-                              path=row["served_path"])
+                              path=row["served_path"], source=row.get("served_source"),
+                              step=row.get("served_step"))
         self.verified = set(row["verified_workers"] or [])
-        self.on_event(f"journal {self.journal.path}: last verified policy "
-                      f"{self.current.version} ({self.current.digest}) on "
-                      f"{len(self.verified)} worker(s), refresh {row['id']}")
+        if announce:
+            self.on_event(f"journal {self.journal.path}: last verified policy "
+                          f"{self.current.version} ({self.current.digest}, step "
+                          f"{self.current.step}) on {len(self.verified)} worker(s), "
+                          f"refresh {row['id']}")
 
     @staticmethod
     def _control(path: UpdatePath, rl_url: str | None, model: str | None,
@@ -235,24 +377,84 @@ class PolicyRefresh:
                            backend=backend, master_address=master_address,
                            master_port=master_port)
 
+    def close(self) -> None:
+        """Release the journal's store."""
+        self.journal.close()
+
     # ------------------------------------------------------------------ public API
+
+    def next_step(self, step: int | None = None) -> int:
+        """The fleet step a refresh to a new policy takes: `step` (checked: steps only
+        increase), else one above the step the fleet serves."""
+        served = self.current.step if self.current is not None else None
+        if step is None:
+            return (served if served is not None else -1) + 1
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative integer, not {step!r}")
+        if served is not None and step <= served:
+            raise ValueError(f"fleet steps only increase: the fleet serves step {served} "
+                             f"({self.current.version}); give a step above it")
+        return step
 
     async def refresh(self, checkpoint: str | Path | None, version: str, *,
                       digest: str | None = None, probe: Probe | None = None,
                       tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None,
                       step: int | None = None, source: dict[str, Any] | None = None
                       ) -> RefreshResult:
-        """Move every worker to the checkpoint at `checkpoint` (declared `version`); on the
-        staged path, to the version workers stage from `source` (a stage_weights source)."""
+        """Move every worker to the checkpoint at `checkpoint` (declared `version`, fleet
+        `step`); on the staged path, to the version workers stage from `source` (a
+        stage_weights source). An unfinished transaction of the fleet is recovered first."""
         target = await self._policy(checkpoint, version, digest, probe, tensors, source)
-        return await self._run(target, step=step, fleet_wide=True)
+        await self.recover()
+        target.step = self.next_step(step)
+        if self.mode is RefreshMode.ROLLING:
+            return await self._transaction("refresh", target,
+                                           lambda tx: self._rolling(tx, target))
+        return await self._transaction(
+            "refresh", target, lambda tx: self._sync(tx, target, fleet_wide=True))
 
-    async def admit_new_workers(self, step: int | None = None) -> RefreshResult:
+    async def admit_new_workers(self) -> RefreshResult:
         """Bring workers that joined (or restarted) onto the current policy and open them;
         the rest of the fleet keeps serving."""
+        await self.recover()
         if self.current is None:
             raise RuntimeError("no current policy yet: run refresh() first")
-        return await self._run(self.current, step=step, fleet_wide=False)
+        current = self.current
+        return await self._transaction(
+            "admit", current, lambda tx: self._sync(tx, current, fleet_wide=False))
+
+    async def recover(self) -> RefreshResult | None:
+        """Recover the fleet's unfinished transactions (their coordinator crashed, or is
+        taken over now): fence and pause every worker, roll forward when every worker holds
+        the interrupted target, else back to the last verified policy; reopen only on one
+        verified policy. None when there is nothing to recover."""
+        await asyncio.to_thread(self._from_journal)
+        found = await asyncio.to_thread(self.journal.unfinished, self.control.fleet,
+                                        self.model, 1 << 62)
+        if not found:
+            return None
+        last = found[-1]
+        target = Policy(version=last["target_version"], digest=last["target_digest"],
+                        path=last["target_path"], source=last.get("target_source"),
+                        step=last.get("framework_step"))
+        self.on_event(f"journal {self.journal.path}: refresh {last['id']} (epoch "
+                      f"{last['fleet_epoch']}) to {target.version} never finished (state "
+                      f"{last['state']}): recovering it")
+        result = await self._transaction(
+            "recovery", target, lambda tx: self._sync(tx, target, fleet_wide=True,
+                                                      interrupted=found),
+            recovery_of=last["id"])
+        if result.decision != "fenced":
+            what = (f"recovered by refresh {result.refresh_id} (epoch {result.epoch}): "
+                    f"{result.reason}" if result.ok else
+                    f"recovery {result.refresh_id} (epoch {result.epoch}) held the fleet: "
+                    f"{result.reason}")
+            for rec in found:
+                await asyncio.to_thread(
+                    self.journal.update, rec["id"], only_open=True, ended_at=time.time(),
+                    decision="recovered" if result.ok else "abandoned",
+                    reason=f"interrupted after state {rec['state']}; {what}")
+        return result
 
     # ------------------------------------------------------------------ building blocks
 
@@ -282,134 +484,269 @@ class PolicyRefresh:
         return Policy(version=version, digest=digest, path=path, probe=probe, tensors=tensors,
                       source=source)
 
-    async def _each(self, workers: list[FleetWorker], fn) -> None:
-        await asyncio.gather(*(fn(w) for w in workers))
+    async def _each(self, workers: Sequence[FleetWorker], fn) -> None:
+        await gather_all(fn(w) for w in workers)
 
-    # ------------------------------------------------------------------ the lifecycle
+    # ------------------------------------------------------------------ a transaction
 
-    async def _run(self, target: Policy, *, step: int | None, fleet_wide: bool) -> RefreshResult:
-        previous = self.current
-        control = self.control
-        steps: list[dict[str, Any]] = []
-        workers: dict[int, FleetWorker] = {}
-        state = RefreshState.STARTED
-        refresh_id = self.journal.begin(
-            framework_step=step, fleet=control.fleet, model=self.model,
-            update_path=control.path, target_path=target.path,
-            target_version=target.version, target_digest=target.digest,
-            previous_version=previous.version if previous else None,
-            previous_digest=previous.digest if previous else None)
-
-        def move(new: RefreshState) -> None:
-            nonlocal state
-            state = check_transition(state, new)
-
-        async def timed(name: str, coro):
-            t0 = time.perf_counter()
-            self.on_event(f"[refresh {refresh_id}] {name} ...")
-            try:
-                return await coro
-            finally:
-                secs = time.perf_counter() - t0
-                steps.append({"name": name, "seconds": secs})
-                self.on_event(f"[refresh {refresh_id}] {name} done in {secs:.3f}s")
-
-        def active() -> list[FleetWorker]:
-            return [w for w in workers.values() if w.active]
-
-        decision, reason = "held", ""
-        requests = httpx.AsyncClient()  # the workers' HTTP request planes (probes)
+    async def _transaction(self, kind: str, target: Policy,
+                           lifecycle: Callable[[_Tx], Awaitable[tuple[Policy, str, str]]],
+                           recovery_of: int | None = None) -> RefreshResult:
+        """Take the next epoch, run `lifecycle` (it returns the policy the fleet serves
+        verified, the decision and the reason; it raises RefreshHeld to hold the fleet),
+        and record how it ended."""
+        await asyncio.to_thread(self._from_journal)
+        previous, control = self.current, self.control
+        decision, reason, served = "held", "", None
         async with httpx.AsyncClient() as http:
-            ch = Channel(http, self.timeout, self.admin_token)
-            gate_reason = f"policy refresh to {target.version}"
+            try:  # a store behind the fleet (a new in-memory journal) catches up with it
+                floor = await control.newest_epoch(Channel(http, self.timeout, self.admin_token))
+            except (RefreshHeld, httpx.HTTPError, ValueError) as e:
+                log.warning("could not read the workers' fleet epochs: %r", e)
+                floor = 0
+            refresh_id, epoch = await asyncio.to_thread(
+                self.journal.open_transaction, fleet=control.fleet, floor_epoch=floor,
+                kind=kind, framework_step=target.step, model=self.model,
+                update_path=control.path, target_path=target.path,
+                target_version=target.version, target_digest=target.digest,
+                target_source=target.source, recovery_of=recovery_of,
+                previous_version=previous.version if previous else None,
+                previous_digest=previous.digest if previous else None)
+            self.on_event(f"[refresh {refresh_id}] {kind} to {target.version} (step "
+                          f"{target.step}), fleet epoch {epoch}")
+            tx = _Tx(self, kind, refresh_id, epoch,
+                     Channel(http, self.timeout, self.admin_token, epoch),
+                     httpx.AsyncClient())  # the workers' HTTP request planes (probes)
             try:
-                if control.stages:  # pulled while the fleet serves: the gate is still open
-                    await timed("stage", control.prepare(
-                        ch, target, set() if fleet_wide else set(self.verified)))
-                if fleet_wide:
-                    self.gate.close(gate_reason)
-                move(RefreshState.GATED)
-                found = await timed("resolve", control.discover(ch))
-                workers.update(found if fleet_wide else
-                               {i: w for i, w in found.items() if i not in self.verified})
-                self.journal.update(refresh_id, intended_workers=sorted(workers))
-                if not active():
-                    raise RefreshHeld("no worker to refresh" if fleet_wide
-                                      else "no new worker to admit")
-                move(RefreshState.RESOLVED)
-                await timed("gate", self._each(list(workers.values()),
-                                               lambda w: control.close(ch, w, gate_reason)))
-                await timed("pause", self._each(
-                    active(), lambda w: control.pause(ch, w, self.pause_mode)))
-                await self._membership(ch, workers, gate_reason)
-                move(RefreshState.PAUSED)
-                try:
-                    await timed("apply", self._apply_with_policy(ch, active(), target))
-                    if control.transfer_detail:
-                        steps[-1]["transfer"] = control.transfer_detail
-                    move(RefreshState.APPLIED)
-                    await timed("reset_cache", self._each(
-                        active(), lambda w: control.reset_cache(ch, w)))
-                    move(RefreshState.CACHE_RESET)
-                    await timed("verify", self._verify_all(ch, active(), target))
-                    move(RefreshState.VERIFIED)
-                    await timed("resume", self._each(active(), lambda w: control.resume(ch, w)))
-                    move(RefreshState.RESUMED)
-                    await timed("probe", self._probe_all(requests, active(), target))
-                    move(RefreshState.PROBED)
-                except _Rollback as e:
-                    if previous is None:
-                        raise RefreshHeld(f"{e}; no previous policy to roll back to (none "
-                                          f"verified in the journal {self.journal.path})") from e
-                    if previous.path is None and previous.tensors is None:
-                        raise RefreshHeld(f"{e}; the previous policy {previous.version} came "
-                                          "from memory and cannot be sent again") from e
-                    move(RefreshState.ROLLING_BACK)
-                    await timed("rollback", self._rollback(ch, requests, workers, previous,
-                                                           str(e)))
-                    target = previous
-                    move(RefreshState.ROLLED_BACK)
-                    decision, reason = "rolled_back", f"{e}; rolled back to {previous.version}"
-                ok_workers = active()
-                if len(ok_workers) < self.min_workers:
-                    raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
-                                      f"{target.version}; need {self.min_workers}")
-                await timed("reopen", self._each(ok_workers, lambda w: control.open(ch, w)))
-                ok_workers = active()  # a worker whose reopen failed stays out
-                for w in ok_workers:
-                    w.status = "verified"
-                if state is not RefreshState.ROLLED_BACK:
-                    move(RefreshState.REOPENED)
-                    out = [w for w in workers.values() if not w.active]
-                    decision = "reopened"
-                    reason = (f"{len(ok_workers)} worker(s) verified on {target.version}"
-                              + (f"; kept out: {', '.join(f'{w.instance_id} ({w.reason})' for w in out)}"
-                                 if out else ""))
-                self.current = target
-                if fleet_wide:
-                    self.verified = {w.instance_id for w in ok_workers}
+                served, decision, reason = await lifecycle(tx)
+                if kind == "admit":
+                    self.verified |= {w.instance_id for w in tx.active()}
                 else:
-                    self.verified |= {w.instance_id for w in ok_workers}
+                    self.verified = {w.instance_id for w in tx.active()}
+                self.current = served
                 self.gate.open()
             except RefreshHeld as e:
-                state = RefreshState.HELD
+                tx.state = RefreshState.HELD
                 decision, reason = "held", str(e)
+            except FleetFenced as e:
+                tx.state = RefreshState.FENCED
+                decision, reason = "fenced", (f"fleet epoch {epoch} was fenced: {e}; another "
+                                              "coordinator owns the fleet, nothing more was "
+                                              "changed")
             except Exception as e:
-                state = RefreshState.HELD
+                tx.state = RefreshState.HELD
                 decision, reason = "held", f"coordinator error: {e!r}"
                 log.exception("policy refresh %s failed", refresh_id)
-        await requests.aclose()
+            finally:
+                await tx.requests.aclose()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
-        summaries = [w.summary() for w in workers.values()]
-        served = target if decision != "held" else None
-        self.journal.update(refresh_id, ended_at=time.time(), decision=decision, reason=reason,
-                            steps=steps, workers={str(w["instance_id"]): w for w in summaries},
-                            served_version=served.version if served else None,
-                            served_digest=served.digest if served else None,
-                            served_path=served.path if served else None,
-                            verified_workers=sorted(self.verified) if served else [])
-        self.holdings.update({w.instance_id: w.holds for w in workers.values() if w.holds})
-        return RefreshResult(refresh_id, decision, reason, state, summaries, steps, target)
+        summaries = [w.summary() for w in tx.workers.values()]
+        await asyncio.to_thread(
+            self.journal.update, refresh_id, only_open=True, ended_at=time.time(),
+            state=tx.state.value, decision=decision, reason=reason, steps=tx.steps,
+            workers={str(w["instance_id"]): w for w in summaries},
+            served_version=served.version if served else None,
+            served_digest=served.digest if served else None,
+            served_path=served.path if served else None,
+            served_source=served.source if served else None,
+            served_step=served.step if served else None,
+            verified_workers=sorted(self.verified) if served else [])
+        if decision != "fenced":
+            self.holdings.update({w.instance_id: w.holds for w in tx.workers.values()
+                                  if w.holds})
+        return RefreshResult(refresh_id, decision, reason, tx.state, summaries, tx.steps,
+                             served or target, epoch, kind)
+
+    # ------------------------------------------------------------------ synchronous
+
+    async def _sync(self, tx: _Tx, target: Policy, *, fleet_wide: bool,
+                    interrupted: list[dict[str, Any]] | None = None
+                    ) -> tuple[Policy, str, str]:
+        """The whole selected fleet gated while it moves to `target`. A recovery
+        (`interrupted`: the unfinished transactions) decides after the pause which policy
+        the fleet reopens on, from what the workers hold."""
+        control, ch = self.control, tx.ch
+        previous = self.current
+        gate_reason = (f"recovering an interrupted refresh to {target.version}" if interrupted
+                       else f"policy refresh to {target.version}")
+        if control.stages and not interrupted:  # pulled while the fleet serves
+            await tx.timed("stage", control.prepare(
+                ch, target, set() if fleet_wide else set(self.verified)))
+        if fleet_wide:
+            self.gate.close(gate_reason)
+        await tx.move(RefreshState.GATED)
+        found = await tx.timed("resolve", control.discover(ch))
+        tx.workers.update(found if fleet_wide else
+                          {i: w for i, w in found.items() if i not in self.verified})
+        await tx.record(intended_workers=sorted(tx.workers))
+        if not tx.active():
+            raise RefreshHeld("no worker to refresh" if fleet_wide else "no new worker to admit")
+        await tx.move(RefreshState.RESOLVED)
+        await tx.timed("gate", self._each(list(tx.workers.values()),
+                                          lambda w: control.close(ch, w, gate_reason)))
+        self._hook(tx, "gated")
+        await tx.timed("pause", self._each(tx.active(),
+                                           lambda w: control.pause(ch, w, self.pause_mode)))
+        await self._membership(ch, tx.workers, gate_reason)
+        await tx.move(RefreshState.PAUSED)
+        self._hook(tx, "paused")
+        decision, why = "reopened", ""
+        to_apply = tx.active()
+        if interrupted:
+            target, to_apply, why = await self._choose(tx, target, previous, interrupted)
+        try:
+            await tx.timed("apply", self._apply_with_policy(tx, to_apply, target))
+            if control.transfer_detail:
+                tx.steps[-1]["transfer"] = control.transfer_detail
+            await tx.move(RefreshState.APPLIED)
+            await self._settle(tx, tx.active(), target)
+            self._hook(tx, "before_reopen")
+        except _Rollback as e:
+            if previous is None:
+                raise RefreshHeld(f"{e}; no previous policy to roll back to (none "
+                                  f"verified in the journal {self.journal.path})") from e
+            if not previous.sendable:
+                raise RefreshHeld(f"{e}; the previous policy {previous.version} came "
+                                  "from memory and cannot be sent again") from e
+            await tx.move(RefreshState.ROLLING_BACK)
+            await tx.timed("rollback", self._rollback(tx, previous, str(e)))
+            target = previous
+            await tx.move(RefreshState.ROLLED_BACK)
+            decision, why = "rolled_back", f"{e}; rolled back to {previous.version}"
+        ok_workers = tx.active()
+        if len(ok_workers) < self.min_workers:
+            raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
+                              f"{target.version}; need {self.min_workers}")
+        await tx.timed("reopen", self._each(ok_workers, lambda w: control.open(ch, w)))
+        ok_workers = tx.active()  # a worker whose reopen failed stays out
+        for w in ok_workers:
+            w.status = "verified"
+        if decision == "reopened":
+            await tx.move(RefreshState.REOPENED)
+            out = [w for w in tx.workers.values() if not w.active]
+            why = ((why + "; ") if why else "") + (
+                f"{len(ok_workers)} worker(s) verified on {target.version}"
+                + (f"; kept out: {', '.join(f'{w.instance_id} ({w.reason})' for w in out)}"
+                   if out else ""))
+        return target, decision, why
+
+    async def _settle(self, tx: _Tx, ws: list[FleetWorker], target: Policy) -> None:
+        """After the transfer: reset the cache, verify, resume, probe (each step excludes
+        the workers that fail it)."""
+        control, ch = self.control, tx.ch
+        await tx.timed("reset_cache", self._each(ws, lambda w: control.reset_cache(ch, w)))
+        await tx.move(RefreshState.CACHE_RESET)
+        await tx.timed("verify", self._verify_all(tx, tx.active(ws), target))
+        await tx.move(RefreshState.VERIFIED)
+        self._hook(tx, "verified")
+        await tx.timed("resume", self._each(tx.active(ws), lambda w: control.resume(ch, w)))
+        await tx.move(RefreshState.RESUMED)
+        answers = await tx.timed("probe", self._probe_all(tx, tx.active(ws), target))
+        tx.reference += answers
+        await tx.move(RefreshState.PROBED)
+
+    def _hook(self, tx: _Tx, point: str) -> None:
+        if tx.kind == "refresh":
+            _test_hook(point)
+
+    async def _choose(self, tx: _Tx, interrupted_target: Policy, previous: Policy | None,
+                      interrupted: list[dict[str, Any]]
+                      ) -> tuple[Policy, list[FleetWorker], str]:
+        """A recovery's decision, with every worker fenced and paused: forward to the
+        interrupted target when every worker holds it, else back to the last verified
+        policy (forward by finishing the transfer when there is none); which workers still
+        need it; and why, for the journal."""
+        await tx.timed("inspect", self._each(tx.active(),
+                                             lambda w: self.control.inspect(tx.ch, w)))
+        ws = tx.active()
+        last = interrupted[-1]
+        was = (f"refresh {last['id']} (epoch {last['fleet_epoch']}) to "
+               f"{interrupted_target.version}, interrupted after state {last['state']}")
+        held = ", ".join(f"{w.instance_id} holds {(w.holds or {}).get('version')}" for w in ws)
+        if ws and all(interrupted_target.held_by(w) for w in ws):
+            chosen, how = interrupted_target, "rolled forward: every worker holds it"
+        elif previous is not None and previous.sendable:
+            chosen, how = previous, f"rolled back to {previous.version} ({held})"
+        elif interrupted_target.sendable:
+            chosen, how = interrupted_target, (f"rolled forward (no verified policy to return "
+                                               f"to; {held})")
+        else:
+            raise RefreshHeld(f"recovering {was}: the workers differ ({held}) and neither the "
+                              "target nor a verified policy can be sent again")
+        self.on_event(f"[refresh {tx.id}] recovering {was}: {how}")
+        await tx.record(reason=f"recovering {was}: {how}")
+        return chosen, [w for w in ws if not chosen.held_by(w)], f"recovered {was}: {how}"
+
+    # ------------------------------------------------------------------ rolling
+
+    async def _rolling(self, tx: _Tx, target: Policy) -> tuple[Policy, str, str]:
+        """Waves of workers leave routing, move to the target and come back while the
+        others serve. Refused before anything changes when a serving worker would lag the
+        target by more than max_lag steps, or when a wave would leave fewer than
+        min_serving workers serving."""
+        control, ch = self.control, tx.ch
+        if control.stages:
+            await tx.timed("stage", control.prepare(ch, target, set()))
+        found = await tx.timed("resolve", control.discover(ch))
+        tx.workers.update(found)
+        await tx.record(intended_workers=sorted(tx.workers))
+        if not tx.active():
+            raise RefreshHeld("no worker to refresh")
+        await tx.move(RefreshState.RESOLVED)
+        await tx.timed("inspect", self._each(tx.active(), lambda w: control.inspect(ch, w)))
+        ws = tx.active()
+        unknown = [w.instance_id for w in ws if (w.holds or {}).get("step") is None]
+        if unknown:
+            raise RefreshHeld(f"a rolling refresh needs each serving worker's fleet step; "
+                              f"worker(s) {unknown} report none: refresh the fleet "
+                              "synchronously once")
+        lag = target.step - min(w.holds["step"] for w in ws)
+        if lag > self.max_lag:
+            raise RefreshHeld(f"step {target.step} is {lag} steps ahead of a serving worker; "
+                              f"a rolling refresh keeps every serving worker within "
+                              f"max_lag={self.max_lag}: refresh synchronously, or in smaller "
+                              "steps")
+        pending = [w for w in ws if not target.held_by(w)]
+        gate_reason = f"rolling refresh to {target.version}"
+        waves = 0
+        while pending:
+            room = len(tx.active()) - self.min_serving
+            size = min(room, self.wave_size or room, len(pending))
+            if size < 1:
+                raise RefreshHeld(f"{len(tx.active())} worker(s) serve; taking one out would "
+                                  f"leave fewer than min_serving={self.min_serving} "
+                                  f"({len(pending)} not updated)")
+            batch, pending = pending[:size], pending[size:]
+            waves += 1
+            tx.wave = waves
+            await tx.timed("gate", self._each(batch,
+                                              lambda w: control.close(ch, w, gate_reason)))
+            await tx.timed("pause", self._each(tx.active(batch),
+                                               lambda w: control.pause(ch, w, self.pause_mode)))
+            await tx.move(RefreshState.PAUSED)
+            await tx.timed("apply", self._apply_with_policy(tx, tx.active(batch), target))
+            await tx.move(RefreshState.APPLIED)
+            await self._settle(tx, tx.active(batch), target)
+            await tx.timed("reopen", self._each(tx.active(batch),
+                                                lambda w: control.open(ch, w)))
+            for w in tx.active(batch):
+                w.status = "verified"
+            await tx.move(RefreshState.WAVE_REOPENED)
+            pending = tx.active(pending)
+        tx.wave = None
+        ok_workers = tx.active()
+        if len(ok_workers) < self.min_workers:
+            raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
+                              f"{target.version}; need {self.min_workers}")
+        for w in ok_workers:
+            w.status = "verified"
+        await tx.move(RefreshState.REOPENED)
+        out = [w for w in tx.workers.values() if not w.active]
+        return target, "reopened", (
+            f"{len(ok_workers)} worker(s) verified on {target.version} in {waves} wave(s) "
+            f"(max_lag {self.max_lag}, min_serving {self.min_serving})"
+            + (f"; kept out: {', '.join(f'{w.instance_id} ({w.reason})' for w in out)}"
+               if out else ""))
 
     # ------------------------------------------------------------------ fleet-level steps
 
@@ -429,9 +766,18 @@ class PolicyRefresh:
                 await self.control.pause(ch, w, self.pause_mode)
                 self.on_event(f"worker {iid} joined during the refresh: included")
 
-    async def _apply_with_policy(self, ch: Channel, ws: list[FleetWorker],
-                                 target: Policy) -> None:
-        failed = await self.control.transfer(ch, ws, target)
+    async def _apply_with_policy(self, tx: _Tx, ws: list[FleetWorker], target: Policy) -> None:
+        if not ws:
+            return
+        ch = tx.ch
+        if _test_hook_wants("apply_half") and tx.kind == "refresh" and len(ws) > 1:
+            # tests only: half the workers get the target, then the hook stops this process
+            half = len(ws) // 2
+            failed = await self.control.transfer(ch, ws[:half], target)
+            self._hook(tx, "apply_half")
+            failed += await self.control.transfer(ch, ws[half:], target)
+        else:
+            failed = await self.control.transfer(ch, ws, target)
         tries = 0
         while failed and self.on_failure is OnFailure.RETRY and tries < self.retries:
             tries += 1
@@ -442,33 +788,39 @@ class PolicyRefresh:
             return
         why = (f"transfer failed on {len(failed)} of {len(ws)} worker(s): "
                + "; ".join(f"{w.instance_id}: {w.reason}" for w in failed))
-        if self.on_failure is OnFailure.ROLLBACK:
+        if self.on_failure is OnFailure.ROLLBACK and tx.kind == "refresh":
             raise _Rollback(why)
+        if self.mode is RefreshMode.ROLLING and tx.kind == "refresh":
+            for w in failed:
+                w.exclude(w.reason or "transfer failed")
+            raise RefreshHeld(why + "; the rolling refresh stops here: those workers stay out, "
+                              "the others keep serving")
         raise RefreshHeld(why + f" (policy {self.on_failure.value}: the fleet stays gated)")
 
-    async def _verify_all(self, ch: Channel, ws: list[FleetWorker], target: Policy) -> None:
-        found = await asyncio.gather(*(self.control.verify(ch, w, target) for w in ws))
+    async def _verify_all(self, tx: _Tx, ws: list[FleetWorker], target: Policy) -> None:
+        found = await gather_all(self.control.verify(tx.ch, w, target) for w in ws)
         mismatched = [m for m in found if m]
         if mismatched:
             raise RefreshHeld(f"version check differs on {', '.join(mismatched)}: a synchronous "
                               f"fleet does not reopen (target {target.version} / {target.digest})")
 
-    async def _probe_all(self, requests: httpx.AsyncClient, ws: list[FleetWorker],
-                         target: Policy) -> None:
+    async def _probe_all(self, tx: _Tx, ws: list[FleetWorker], target: Policy) -> list[Answer]:
         """Post-update generation on every worker (see rlfleet.rl.probe): each must
-        reproduce the expected probe, or, without one, all must agree with each other."""
-        answers = [a for a in await asyncio.gather(
-            *(self._probe_one(requests, w, target) for w in ws)) if a is not None]
+        reproduce the expected probe, or, without one, all must agree with each other (and
+        with the workers of earlier waves). The answers of the workers that passed."""
+        answers = [a for a in await gather_all(
+            self._probe_one(tx.requests, w, target) for w in ws) if a is not None]
         if target.probe is not None:
             by_id = {w.instance_id: w for w in ws}
             for a in answers:
                 why = check_expected(a, target.probe)
                 if why:
                     by_id[a.worker].exclude(why)
-            return
-        why = disagreement(answers)
+            return [a for a in answers if by_id[a.worker].active]
+        why = disagreement(answers + tx.reference)
         if why:
             raise RefreshHeld(why)
+        return answers
 
     async def _probe_one(self, requests: httpx.AsyncClient, w: FleetWorker,
                          target: Policy) -> Answer | None:
@@ -522,20 +874,17 @@ class PolicyRefresh:
         prompt = head.get("prompt_token_ids") or list(req.prompt_token_ids or [])
         return Answer(w.instance_id, prompt, tokens, tolerance(w.dtype, self.tolerance))
 
-    async def _rollback(self, ch: Channel, requests: httpx.AsyncClient,
-                        workers: dict[int, FleetWorker], previous: Policy, why: str) -> None:
+    async def _rollback(self, tx: _Tx, previous: Policy, why: str) -> None:
         """Reapply the previous policy to every worker still in the set and verify it the
         same way; a worker that fails any step stays out."""
-        control = self.control
-        ws = [w for w in workers.values() if w.active]
+        control, ch = self.control, tx.ch
+        ws = tx.active()
         self.on_event(f"rolling back {len(ws)} worker(s) to {previous.version}: {why}")
         failed = await control.transfer(ch, ws, previous)
         for w in failed:
             w.exclude(f"rollback transfer failed: {w.reason}")
-
-        def active() -> list[FleetWorker]:
-            return [w for w in ws if w.active]
-        await self._each(active(), lambda w: control.reset_cache(ch, w))
-        await self._verify_all(ch, active(), previous)
-        await self._each(active(), lambda w: control.resume(ch, w))
-        await self._probe_all(requests, active(), previous)
+        await self._each(tx.active(ws), lambda w: control.reset_cache(ch, w))
+        await self._verify_all(tx, tx.active(ws), previous)
+        await self._each(tx.active(ws), lambda w: control.resume(ch, w))
+        tx.reference = []
+        await self._probe_all(tx, tx.active(ws), previous)

@@ -28,6 +28,7 @@ class GeneratedChoice:
     finish_reason: str | None = None
     detailed_finish_reason: str | None = None
     weight_spans: list[Any] | None = None  # nvext.weight_versions, raw
+    stale_policy: bool = False  # the server marked it: its worker left the request's bound
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Generation:
     prompt_token_ids: list[int] | None = None  # what the engine says it was prompted with
     # one entry per prompt position: None or {"<token_id>": {"logprob": f, ...}, ...}
     prompt_logprobs: list[Any] | None = None
-    engine_data: dict[str, Any] | None = None  # {"weight_version", "weight_digest"}
+    engine_data: dict[str, Any] | None = None  # {"weight_version", "weight_digest", "weight_step"}
     worker_id: int | None = None
 
     @property
@@ -50,6 +51,10 @@ class Generation:
     @property
     def weight_digest(self) -> Any:
         return (self.engine_data or {}).get("weight_digest")
+
+    @property
+    def weight_step(self) -> Any:
+        return (self.engine_data or {}).get("weight_step")
 
     def token_count(self) -> int:
         return sum(len(c.token_ids or ()) for c in self.choices)
@@ -113,7 +118,8 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
             index=index, token_ids=_list(cnv.get("completion_token_ids")), logprobs=values,
             logprob_token_ids=tokens, finish_reason=raw.get("finish_reason"),
             detailed_finish_reason=cnv.get("detailed_finish_reason"),
-            weight_spans=_list(cnv.get("weight_versions"))))
+            weight_spans=_list(cnv.get("weight_versions")),
+            stale_policy=cnv.get("stale_policy") is True))
     gen.choices.sort(key=lambda c: c.index if isinstance(c.index, int) else -1)
     return gen
 
@@ -155,6 +161,7 @@ class OpenAIStream:
             if raw.get("finish_reason") is not None:
                 c.finish_reason = raw["finish_reason"]
                 c.detailed_finish_reason = nv.get("detailed_finish_reason")
+                c.stale_policy = nv.get("stale_policy") is True
             if "weight_versions" in nv:
                 c.weight_spans = _list(nv["weight_versions"])
         for key in ("prompt_token_ids", "prompt_logprobs"):
@@ -203,11 +210,15 @@ def parse_sglang(body: Any, echoed_request_id: str | None = None) -> Generation:
         values = [r[0] for r in rows]
         tokens = [r[1] if isinstance(r[1], int) else None for r in rows]
     finish = meta.get("finish_reason")
-    engine = {k: meta[k] for k in ("weight_version", "weight_digest") if k in meta}
+    engine = {k: meta[k] for k in ("weight_version", "weight_digest", "weight_step")
+              if k in meta}
     choice = GeneratedChoice(0, token_ids=_list(body.get("output_ids")), logprobs=values,
                              logprob_token_ids=tokens,
                              finish_reason=_dict(finish).get("type") if finish is not None else None,
-                             weight_spans=_list(meta.get("weight_versions")))
+                             detailed_finish_reason=_dict(finish).get("message")
+                             if _dict(finish).get("message") == "stale_policy" else None,
+                             weight_spans=_list(meta.get("weight_versions")),
+                             stale_policy=meta.get("stale_policy") is True)
     return Generation("sglang", echoed_request_id, meta.get("id"), meta.get("model"),
                       choices=[choice] if body else [],
                       prompt_logprobs=_sglang_prompt_logprobs(meta.get("input_token_logprobs")),

@@ -19,6 +19,8 @@ from rlfleet.rl.control import (
     RefreshHeld,
     VllmControl,
     _message,
+    gather_all,
+    held,
 )
 
 if TYPE_CHECKING:
@@ -124,7 +126,7 @@ class VllmStagedControl(VllmControl):
         self.staged = {}
         found = await self.discover(ch)
         ws = [w for i, w in found.items() if w.active and i not in skip]
-        results = await asyncio.gather(*(self._stage(ch, w, target) for w in ws))
+        results = await gather_all(self._stage(ch, w, target) for w in ws)
         if ws and not any(r.get("state") == "READY" for r in results):
             raise RefreshHeld(
                 f"staging {target.version} failed on every worker, nothing was gated and the "
@@ -152,9 +154,10 @@ class VllmStagedControl(VllmControl):
                     failed.append(w)
                 return
             ok, data = await ch.call(w, "apply", "apply_staged_weights", {
-                "handle": summary["handle"], "weight_version": target.version})
+                "handle": summary["handle"], "weight_version": target.version,
+                "step": target.step})
             if ok:
-                w.holds = {"version": data.get("version"), "digest": data.get("weight_digest")}
+                w.holds = held(data)
                 urls = self.holders.setdefault(target.version, [])
                 if w.system_url not in urls:
                     urls.append(w.system_url)
@@ -163,7 +166,7 @@ class VllmStagedControl(VllmControl):
             else:
                 w.reason = f"transfer failed: {_message(data)}"
                 failed.append(w)
-        await asyncio.gather(*(one(w) for w in ws))
+        await gather_all(one(w) for w in ws)
         return failed
 
     async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:

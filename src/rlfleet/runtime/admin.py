@@ -1,7 +1,11 @@
 """The vLLM-flavoured /engine routes of a worker, written once over the engine-control
 interface (`rlfleet.runtime.engine.EngineControl`) that the vLLM engine and the mocker both
 implement: pause/resume, cache, weight updates from disk or from a trainer's process group,
-versions and digests. Shapes: shared/spec/CONTRACT.md; bodies: rlfleet.protocol.admin."""
+versions and digests. Shapes: shared/spec/CONTRACT.md; bodies: rlfleet.protocol.admin.
+
+rlfleet extensions: every install takes the policy's fleet `step` (optional) and replies
+with it; `get_weight_version` also reports `step` and `fleet_epoch` (the newest epoch the
+worker's system server has seen, `rlfleet.runtime.system_server.FleetFence`)."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.protocol import admin
 from rlfleet.runtime.engine import EngineControl, WeightLoadError
-from rlfleet.runtime.system_server import Route, failed, ok
+from rlfleet.runtime.system_server import FleetFence, Route, failed, ok
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
@@ -29,8 +33,9 @@ class EngineAdmin:
     the engine's; the admin owns only whether a trainer's weight-update group is open."""
 
     def __init__(self, engine: EngineControl, allowed_roots: list[str] | None = None,
-                 staging: StagingArea | None = None) -> None:
+                 staging: StagingArea | None = None, fence: FleetFence | None = None) -> None:
         self.engine = engine
+        self.fence = fence if fence is not None else FleetFence()  # give it to system_app
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.group: admin.GroupRequest | None = None  # the trainer's group, once joined
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
@@ -92,33 +97,38 @@ class EngineAdmin:
         ident = self.engine.identity()
         served = {"dtype": ident.dtype} if ident.dtype else {}  # what the probe tolerance needs
         return ok(version=ident.version, version_declared=ident.declared,
-                  weight_digest=ident.digest, **served)
+                  weight_digest=ident.digest, step=ident.step, fleet_epoch=self.fence.newest,
+                  **served)
 
     async def set_weight_version(self, body: dict) -> dict:
         v = admin.declared_version(body)
-        await self.engine.set_version(v, declared=True)
-        return ok(version=v)
+        await self.engine.set_version(v, declared=True, step=admin.policy_step(body))
+        return ok(version=v, step=self.engine.identity().step)
 
     # ---------------------------------------------------------------- installing weights
 
     async def _install(self, load: Callable[[], Awaitable[str]], version: str | None, *,
-                       what: str, reset_cache: bool = True, staged: bool = False) -> dict:
-        """Run `load` (new weights live when it returns their digest), record the identity,
-        drop KV computed under the old weights; the route's reply."""
+                       what: str, step: int | None = None, reset_cache: bool = True,
+                       staged: bool = False) -> dict:
+        """Run `load` (new weights live when it returns their digest), record the identity
+        (with the policy's fleet `step`), drop KV computed under the old weights; the
+        route's reply."""
         try:
             digest = await load()
         except WeightLoadError as e:
             return failed(f"{what} failed: {e}")
         if self.staging is not None and not staged:  # the resident staged copy is stale now
             await self.staging.weights_replaced()
-        await self.engine.set_version(version, declared=version is not None, digest=digest)
+        await self.engine.set_version(version, declared=version is not None, digest=digest,
+                                      step=step)
         if reset_cache and not await self.engine.reset_cache(running=True):
             return failed("weights were applied but the prefix cache could not be reset; "
                           "do not admit this worker", weight_digest=digest)
         return ok(version=version if version is not None else "unknown",
-                  version_declared=version is not None, weight_digest=digest)
+                  version_declared=version is not None, weight_digest=digest, step=step)
 
-    async def install_tensors(self, tensors: Mapping[str, Any], version: str | None) -> dict:
+    async def install_tensors(self, tensors: Mapping[str, Any], version: str | None,
+                              step: int | None = None) -> dict:
         """Install tensors staged in host memory (only while paused); the reply has the shape
         of update_weights_from_disk's. For routes that apply staged weights."""
         if not await self.engine.is_paused():
@@ -129,7 +139,7 @@ class EngineAdmin:
                 return await self.engine.apply_tensors(tensors)
             except ValueError as e:  # they do not fit: nothing was changed
                 raise WeightLoadError(f"{e}; the previous weights are still serving") from e
-        return await self._install(load, version, what="applying staged weights")
+        return await self._install(load, version, what="applying staged weights", step=step)
 
     # ---------------------------------------------------------------- staged weights
 
@@ -156,12 +166,14 @@ class EngineAdmin:
         (version, weight_digest). `weight_version` defaults to the staged version's name."""
         handle = admin.staging_handle(body)
         version = admin.weight_version(body)
+        step = admin.policy_step(body)
         h, staged = self.staging.ready(handle)
         if not await self.engine.is_paused():
             return failed(NOT_PAUSED)
         version = h.version if version is None else version
         reply = await self._install(lambda: self.engine.load_staged(staged.dir, staged.digest),
-                                    version, what=f"applying staged {h.version}", staged=True)
+                                    version, what=f"applying staged {h.version}", step=step,
+                                    staged=True)
         if reply.get("status") == "ok":
             await self.staging.applied(handle, reply.get("weight_digest"))
         return {**reply, "handle": handle, "staged_digest": staged.digest}
@@ -186,11 +198,12 @@ class EngineAdmin:
 
     async def update_weights_from_disk(self, body: dict) -> dict:
         version = admin.weight_version(body)
+        step = admin.policy_step(body)
         if not await self.engine.is_paused():
             return failed(NOT_PAUSED)
         path = self.checkpoint_path(body.get("model_path"))
         return await self._install(lambda: self.engine.load_path(path), version,
-                                   what=f"loading {path}")
+                                   what=f"loading {path}", step=step)
 
     # ---------------------------------------------------------------- from a trainer
 
@@ -219,7 +232,7 @@ class EngineAdmin:
             return failed(f"weight transfer failed: {e!r}; the previous weights are still serving")
         log.info("received %d tensors (%d bytes) from the trainer", len(d.names), received)
         return await self._install(self.engine.apply_received, d.version,
-                                   what="applying received weights",
+                                   what="applying received weights", step=d.step,
                                    reset_cache=d.reset_prefix_cache)
 
     async def destroy_weights_update_group(self, body: dict) -> dict:

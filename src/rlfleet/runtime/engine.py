@@ -60,7 +60,8 @@ class Engine(abc.ABC):
         """End a running request now, with its partial output and finish reason `abort`."""
 
     def weight_identity(self) -> dict[str, Any]:
-        """The weight version and digest currently applied (stamped on every response)."""
+        """The weight version, digest and fleet step currently applied (stamped on every
+        response): `{"weight_version", "weight_digest", "weight_step"}`."""
         return {}
 
     async def start(self) -> None:  # noqa: B027 - optional hook
@@ -89,6 +90,24 @@ class WeightIdentity:
     declared: bool  # whether a caller declared `version` (an explicit null counts)
     digest: str | None  # content digest of the applied weights (rlfleet.weights.digest)
     dtype: str | None = None  # the dtype the engine computes in ("bfloat16"), when known
+    step: int | None = None  # the policy's fleet step, when a coordinator declared one
+
+    def stamped(self) -> dict[str, Any]:
+        """The identity as responses and discovery entries carry it."""
+        return {"weight_version": self.version, "weight_digest": self.digest,
+                "weight_step": self.step}
+
+    def span_label(self) -> str:
+        """The label an engine that tracks policies per token stamps on its tokens:
+        "<version>|<digest>|<step>" (empty for null); `from_span_label` reads it back."""
+        return f"{self.version or ''}|{self.digest or ''}|{'' if self.step is None else self.step}"
+
+    @staticmethod
+    def from_span_label(label: str) -> dict[str, Any]:
+        """{"version", "digest", "step"} of a span label (older two-part labels too)."""
+        version, digest, step = (label.rsplit("|", 2) + ["", ""])[:3]
+        return {"version": version or None, "digest": digest or None,
+                "step": int(step) if step.isdigit() else None}
 
 
 class EngineControl(abc.ABC):
@@ -133,8 +152,10 @@ class EngineControl(abc.ABC):
 
     @abc.abstractmethod
     async def set_version(self, version: str | None, declared: bool = True,
-                          digest: str | None = None) -> None:
-        """Record the label of the weights served (and, after a load, their digest)."""
+                          digest: str | None = None, step: int | None = None) -> None:
+        """Record the label of the weights served. After a load (`digest` given: what was
+        loaded) `step` is the new policy's fleet step (None: unknown); without a digest
+        (a relabel) the recorded step stays unless `step` is given."""
 
     # ---- loading
 

@@ -1,7 +1,14 @@
 """A worker's system server: /health (and /live), /metrics and POST /engine/<route>, with the
 contract's shared HTTP behaviour, bearer-token auth on mutating routes, per-worker
-serialisation of control calls, and (tests only) fault injection. The route table is data:
-each engine flavour hands in its `Route`s.
+serialisation of control calls, fleet-epoch fencing, and (tests only) fault injection. The
+route table is data: each engine flavour hands in its `Route`s.
+
+Fencing (an rlfleet extension): a refresh coordinator sends its fleet epoch in
+`X-Fleet-Epoch` on every call. The worker remembers the newest epoch a mutating call
+brought and refuses any call from an older one with HTTP 409
+`{"error": "Stale fleet epoch", "message", "fleet_epoch", "newest_fleet_epoch"}`, so a
+coordinator that was paused or partitioned cannot act on a fleet another one has taken
+over. Calls without the header (an operator, a test) are not fenced.
 
 /health answers as Dynamo's workers do: HTTP 200 `{"status": "ready", ...}` once the worker
 serves, HTTP 503 `{"status": "notready", ...}` before and while it shuts down, with
@@ -29,6 +36,9 @@ log = logging.getLogger("rlfleet.system")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
+EPOCH_HEADER = "X-Fleet-Epoch"
+STALE_EPOCH = "Stale fleet epoch"  # the 409's `error`
+
 
 @dataclass(frozen=True)
 class Route:
@@ -51,9 +61,54 @@ class InjectedFault(Exception):
     pass
 
 
+class StaleEpoch(Exception):
+    """A call from an older fleet epoch than the newest the worker has seen."""
+
+    def __init__(self, epoch: int, newest: int) -> None:
+        super().__init__(f"fleet epoch {epoch} is older than epoch {newest}, the newest this "
+                         "worker has seen: another refresh coordinator has taken over the "
+                         "fleet; this one must stop (its calls are refused)")
+        self.epoch, self.newest = epoch, newest
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": STALE_EPOCH, "message": str(self),
+                             "fleet_epoch": self.epoch, "newest_fleet_epoch": self.newest},
+                            status_code=409)
+
+
+@dataclass
+class FleetFence:
+    """The newest fleet epoch this worker has seen; one per worker, shared by its system
+    server (which enforces it) and whatever reports it (get_weight_version, discovery)."""
+
+    newest: int = 0
+
+    @staticmethod
+    def parse(raw: str | None) -> int | None:
+        """The header's epoch; ValueError says what is wrong with it."""
+        if raw is None:
+            return None
+        text = raw.strip()
+        if not text.isdigit() or len(text) > 19:
+            raise ValueError(f"{EPOCH_HEADER} must be a non-negative integer, not {raw!r}")
+        return int(text)
+
+    def check(self, epoch: int | None, *, advance: bool) -> None:
+        """Refuse an epoch older than the newest seen (StaleEpoch); with `advance` (a
+        mutating call), a newer one becomes the newest."""
+        if epoch is None:
+            return
+        if epoch < self.newest:
+            raise StaleEpoch(epoch, self.newest)
+        if advance and epoch > self.newest:
+            log.info("fleet epoch %d (was %d)", epoch, self.newest)
+            self.newest = epoch
+
+
 # error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
-# exit: the process dies; respond: answer with the given `body` instead of running the route
-FAULT_MODES = ("error", "http500", "hang", "exit", "respond")
+# exit: the process dies; respond: answer with the given `body` instead of running the route;
+# delay: sleep hang_seconds, then run the route as usual
+FAULT_MODES = ("error", "http500", "hang", "exit", "respond", "delay")
 
 
 @dataclass
@@ -94,6 +149,9 @@ class FaultInjector:
         log.warning("injecting fault %s into %s", f["mode"], route)
         if f["mode"] == "exit":
             os._exit(17)
+        if f["mode"] == "delay":
+            await asyncio.sleep(f["hang_seconds"])
+            return None
         if f["mode"] == "hang":
             await asyncio.sleep(f["hang_seconds"])
         if f["mode"] == "http500":
@@ -106,10 +164,15 @@ class FaultInjector:
 def system_app(routes: list[Route], *, admin_token: str | None = None,
                faults: FaultInjector | None = None,
                health: Callable[[], dict[str, Any]] | None = None,
-               ready: Callable[[], bool] | None = None) -> FastAPI:
+               ready: Callable[[], bool] | None = None,
+               fence: FleetFence | None = None,
+               changed: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     """`health` adds fields to /health; `ready` says whether the worker serves (default:
-    always, once this app answers)."""
+    always, once this app answers); `fence`: the worker's fleet epoch (default: one of this
+    app's own); `changed` is awaited after every mutating call (under the control lock for
+    serialized routes), for a worker that publishes its state (discovery)."""
     table = {r.name: r for r in routes}
+    fence = fence if fence is not None else FleetFence()
     started = time.monotonic_ns()
     lock = asyncio.Lock()
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
@@ -167,15 +230,33 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
             body = {}
         if not isinstance(body, dict):
             return failed("request body must be a JSON object")
+        fenced = route.name != "fault_injection"
         try:
-            if faults is not None and route.name != "fault_injection":
+            epoch = FleetFence.parse(request.headers.get(EPOCH_HEADER)) if fenced else None
+        except ValueError as e:
+            return JSONResponse({"error": "Invalid fleet epoch", "message": str(e)},
+                                status_code=400)
+
+        async def run() -> dict[str, Any]:
+            fence.check(epoch, advance=route.mutating)  # again: a newer one may have come
+            try:
+                return await route.handler(body)
+            finally:
+                if route.mutating and changed is not None and fenced:
+                    await changed()
+        try:
+            fence.check(epoch, advance=route.mutating)
+            if faults is not None and fenced:
                 injected = await faults.check(route.name)
                 if injected is not None:
                     return injected
             if route.serialized:
                 async with lock:
-                    return await route.handler(body)
-            return await route.handler(body)
+                    return await run()
+            return await run()
+        except StaleEpoch as e:
+            log.warning("refused %s: %s", name, e)
+            return e.response()
         except AdminRequestError as e:  # a bad body: the contract's expected failure
             return failed(str(e))
         except Exception as e:  # the contract's 500: the handler raised

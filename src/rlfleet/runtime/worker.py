@@ -19,7 +19,14 @@ from rlfleet.runtime.discovery import Registration, new_instance_id, open_discov
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import WorkerPlane
-from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
+from rlfleet.runtime.system_server import (
+    FaultInjector,
+    FleetFence,
+    Route,
+    failed,
+    ok,
+    system_app,
+)
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -91,17 +98,21 @@ def staging_area(args: argparse.Namespace):
 
 
 def run_worker(engine: Engine, args: argparse.Namespace,
-               admin_routes: Callable[[], list[Route]] | None = None, staging=None) -> None:
+               admin_routes: Callable[[], list[Route]] | None = None, staging=None,
+               fence: FleetFence | None = None) -> None:
     """serve_worker on uvloop (the worker's event loop carries every request's events)."""
-    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging))
+    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, fence=fence))
 
 
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None,
-                       staging=None) -> None:
+                       staging=None, fence: FleetFence | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
     `staging` area, the system server also serves the applied version's files to peers
-    (GET /weights/<version>/<file>)."""
+    (GET /weights/<version>/<file>). `fence`: the fleet epoch the admin routes report
+    (EngineAdmin.fence). The discovery entry carries the applied policy (weight_version,
+    weight_digest, weight_step), the newest fleet epoch and the admission flag, and is
+    republished whenever a control call changes them."""
     level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -128,6 +139,27 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     regs: list[Registration] = []
     admission = Admission(gated=args.start_gated)
     serving = asyncio.Event()  # set once registered; /health says "ready" from then on
+    fence = fence if fence is not None else FleetFence()
+    publishing = asyncio.Lock()  # one entry write at a time, each from the current state
+
+    def live_fields() -> dict[str, Any]:
+        """What the entry says about this worker's state now."""
+        return {"gated": admission.gated, "gate_reason": admission.reason,
+                **engine.weight_identity(), "fleet_epoch": fence.newest}
+
+    async def publish() -> None:
+        """Write the entries again if the state they describe changed."""
+        async with publishing:
+            for reg in regs:
+                entry = {**reg.entry, **live_fields()}
+                if entry != reg.entry:
+                    await reg.update(entry)
+
+    async def changed() -> None:
+        try:
+            await publish()
+        except Exception as e:  # noqa: BLE001 - the keep-alive publishes it once it can
+            log.warning("could not publish this worker's new state in discovery: %r", e)
 
     async def set_admission(body: dict) -> dict:
         """Open or close this worker to rollout traffic: the flag lives in its own discovery
@@ -137,9 +169,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             return failed("open (boolean) is required")
         reason = body.get("reason")
         admission.gated, admission.reason = not open_, reason if not open_ else None
-        for reg in regs:
-            await reg.update({**reg.entry, "gated": admission.gated,
-                              "gate_reason": admission.reason})
+        await publish()
         return ok(open=open_, reason=admission.reason)
 
     if args.system_port is not None:
@@ -150,10 +180,10 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             state = "ready" if serving.is_set() else "notready"
             return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
                     "model": engine.info.served_model_name, "gated": admission.gated,
-                    **engine.weight_identity()}
+                    **engine.weight_identity(), "fleet_epoch": fence.newest}
 
         app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
-                         ready=serving.is_set)
+                         ready=serving.is_set, fence=fence, changed=changed)
         system_host = args.system_host or args.host
         ss = AppServer(app, bind_socket(system_host, args.system_port))
         await ss.start()
@@ -177,7 +207,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     if system_url:
         base["system_url"] = system_url
     if admission.gated:
-        base["gated"], base["gate_reason"] = True, "started gated: not yet verified"
+        admission.reason = "started gated: not yet verified"
+    base.update(live_fields())
     discovery = open_discovery(args.discovery)
     regs.append(await discovery.register(
         {**base, "endpoint": "generate",

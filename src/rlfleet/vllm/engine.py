@@ -87,10 +87,9 @@ def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs) -> list[dict | None
 
 
 def _span(w) -> dict:
-    """vLLM's WeightVersionSpan (labelled "<version>|<digest>" by set_version) → the
-    response shape {"version", "digest", "start", "end"}."""
-    version, _, digest = w.version.rpartition("|")
-    return {"version": version or None, "digest": digest or None, "start": w.start, "end": w.end}
+    """vLLM's WeightVersionSpan (labelled "<version>|<digest>|<step>" by set_version) → the
+    response shape {"version", "digest", "step", "start", "end"}."""
+    return {**WeightIdentity.from_span_label(w.version), "start": w.start, "end": w.end}
 
 
 class VllmEngine(Engine, EngineControl):
@@ -106,6 +105,7 @@ class VllmEngine(Engine, EngineControl):
         self.version: str | None = None  # caller-declared weight version
         self.version_declared = False
         self.digest: str | None = None  # content digest of the weights applied
+        self.step: int | None = None  # the policy's fleet step, when declared
         self.weights_path: str | None = None  # where the live weights were read from
         self.signature: dict = {}  # tensor name -> (dtype, shape) the model accepts
         self.on_gpu = False
@@ -139,7 +139,8 @@ class VllmEngine(Engine, EngineControl):
             await self._warmup()
 
     def weight_identity(self) -> dict:
-        return {"weight_version": self.version, "weight_digest": self.digest}
+        return {"weight_version": self.version, "weight_digest": self.digest,
+                "weight_step": self.step}
 
     async def _warmup(self) -> None:
         """The first request that asks for logprobs compiles a kernel: pay for it now."""
@@ -256,15 +257,17 @@ class VllmEngine(Engine, EngineControl):
 
     def identity(self) -> WeightIdentity:
         dtype = str(self.llm.model_config.dtype).removeprefix("torch.") if self.llm else None
-        return WeightIdentity(self.version, self.version_declared, self.digest, dtype)
+        return WeightIdentity(self.version, self.version_declared, self.digest, dtype, self.step)
 
     async def set_version(self, version: str | None, declared: bool = True,
-                          digest: str | None = None) -> None:
+                          digest: str | None = None, step: int | None = None) -> None:
         """Record the weight identity; the engine stamps it on the tokens it samples."""
         self.version, self.version_declared = version, declared
         if digest is not None:
-            self.digest = digest
-        await self.llm.update_weight_version(f"{version or ''}|{self.digest or ''}")
+            self.digest, self.step = digest, step
+        elif step is not None:
+            self.step = step
+        await self.llm.update_weight_version(self.identity().span_label())
 
     def checkpoint_mismatch(self, path: Path) -> str | None:
         return signature_mismatch(self.signature, checkpoint_signature(path))

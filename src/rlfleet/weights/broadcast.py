@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import torch
 
+from rlfleet.runtime.system_server import EPOCH_HEADER
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -90,11 +92,15 @@ def _ok(res: dict[str, Any]) -> bool:
 async def push_weights(system_urls: Sequence[str], tensors: Sequence[tuple[str, torch.Tensor]],
                        version: str | None, *, host: str = "127.0.0.1", port: int | None = None,
                        backend: str = "gloo", timeout: float = 60.0,
-                       admin_token: str | None = None) -> list[dict[str, Any]]:
+                       admin_token: str | None = None, epoch: int | None = None,
+                       step: int | None = None) -> list[dict[str, Any]]:
     """Broadcast `tensors` to the workers at `system_urls` (already paused) and return each
-    worker's update response. Raises TransferError when the group cannot be formed."""
+    worker's update response. Raises TransferError when the group cannot be formed.
+    `epoch`: the refresh's fleet epoch (X-Fleet-Epoch); `step`: the policy's fleet step."""
     port = port or free_port(host)
     headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    if epoch is not None:
+        headers[EPOCH_HEADER] = str(epoch)
     group = TrainerGroup(host, port, 1 + len(system_urls), backend, timeout)
     async with httpx.AsyncClient() as http:
         joins = [_post(http, f"{u}/engine/init_weights_update_group",
@@ -108,7 +114,8 @@ async def push_weights(system_urls: Sequence[str], tensors: Sequence[tuple[str, 
             if isinstance(connected, BaseException) or not all(_ok(r) for r in inits):
                 raise TransferError(f"weight update group not formed: {connected!r}", inits)
             meta = {"names": [n for n, _ in tensors], "dtypes": [dtype_name(t) for _, t in tensors],
-                    "shapes": [list(t.shape) for _, t in tensors], "weight_version": version}
+                    "shapes": [list(t.shape) for _, t in tensors], "weight_version": version,
+                    **({"step": step} if step is not None else {})}
             updates = [asyncio.create_task(
                 _post(http, f"{u}/engine/update_weights_from_distributed", meta,
                       timeout * (len(tensors) + 2), headers)) for u in system_urls]

@@ -154,7 +154,7 @@ class WorkerPlane:
         # the weights that produced the first token (a pause may have swapped them)
         wid = engine.weight_identity()
         head = Head(prompt_token_ids=ids, weight_version=wid.get("weight_version"),
-                    weight_digest=wid.get("weight_digest"))
+                    weight_digest=wid.get("weight_digest"), weight_step=wid.get("weight_step"))
         if req.echo:
             head.prompt_text = req.prompt if req.prompt is not None else engine.detokenize(ids)
             head.prompt_token_strs = engine.token_strs(ids)
