@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -20,7 +20,7 @@ class PolicyBound(BaseModel):
     "abort" ends the choice (finish reason abort, detailed_finish_reason "stale_policy"),
     "finish" completes it, marked (nvext.stale_policy)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
     min_step: int | None = Field(None, ge=0)
     max_lag: int | None = Field(None, ge=0)
@@ -45,6 +45,10 @@ class PolicyBound(BaseModel):
         if self.min_step is not None and min(steps, default=self.min_step) < self.min_step:
             return False
         return self.max_lag is None or not steps or max(steps) - min(steps) <= self.max_lag
+
+    def nvext(self) -> dict[str, Any]:
+        """As a request's `nvext.policy` (what the rollout client sends)."""
+        return self.model_dump(exclude_none=True)
 
     def describe(self) -> str:
         parts = [f"min_step {self.min_step}" if self.min_step is not None else "",

@@ -4,6 +4,7 @@ partial-rollout policies; prompts as token IDs, text, chat or a next turn) and f
 refresh (PolicyRefresh, its journal, and the RolloutGate between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.admission import (
     AdmissionError,
     AdmissionRules,
@@ -41,7 +42,6 @@ from rlfleet.rl.sample import (
     Chat,
     Completion,
     NextTurn,
-    PolicyBound,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,

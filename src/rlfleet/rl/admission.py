@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.response import Generation
-from rlfleet.rl.sample import PolicyBound, WeightSpan
+from rlfleet.rl.sample import WeightSpan
 
 LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
 
@@ -256,11 +257,6 @@ def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: Admissio
         if any(type(t) is not int for t in steps):
             raise StalePolicy(f"choice {c.index}: a span names no fleet step ({steps}); the "
                               f"bound {bound.nvext()} cannot be checked")
-        if not steps:
-            continue
-        if bound.min_step is not None and min(steps) < bound.min_step:
-            raise StalePolicy(f"choice {c.index}: tokens from step {min(steps)}, below "
-                              f"min_step {bound.min_step}")
-        if bound.max_lag is not None and max(steps) - min(steps) > bound.max_lag:
+        if not bound.allows(steps):
             raise StalePolicy(f"choice {c.index}: tokens from steps {min(steps)} to "
-                              f"{max(steps)}, more than max_lag {bound.max_lag} apart")
+                              f"{max(steps)}, outside the bound {bound.describe()}")

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from rlfleet.protocol.engine import STALE_POLICY
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl import telemetry
 from rlfleet.rl.admission import (
     AdmissionError,
@@ -78,7 +79,6 @@ from rlfleet.rl.sample import (
     Chat,
     Completion,
     NextTurn,
-    PolicyBound,
     RolloutOutcome,
     SampleFailed,
     SampleRequest,

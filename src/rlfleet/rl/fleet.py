@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.ledger import SampleLedger
@@ -46,7 +47,6 @@ from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
     Chat,
-    PolicyBound,
     RolloutOutcome,
     SampleRequest,
     SamplingSpec,

@@ -41,45 +41,6 @@ def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
     return ids
 
 
-ON_STALE = ("abort", "finish")
-
-
-@dataclass(frozen=True)
-class PolicyBound:
-    """Which policies may serve a sample (sent as `nvext.policy`; the frontend routes it only
-    to workers within the bound and holds it while none is): `min_step`, a fleet step the
-    policy must be at or above, and/or `max_lag`, how many steps behind the newest step any
-    worker of the model serves it may be. `on_stale`: when the worker moves out of the bound
-    while the sample is generated (an update under a keep-pause), "abort" ends it (finish
-    reason abort, nvext.detailed_finish_reason "stale_policy"), "finish" completes it marked
-    stale (nvext.stale_policy). The client also checks every admitted sample's per-token
-    spans against the bound itself."""
-
-    min_step: int | None = None
-    max_lag: int | None = None
-    on_stale: str = "abort"
-
-    def __post_init__(self) -> None:
-        if self.min_step is None and self.max_lag is None:
-            raise ValueError("PolicyBound needs min_step and/or max_lag")
-        for name in ("min_step", "max_lag"):
-            v = getattr(self, name)
-            if v is not None and (type(v) is not int or v < 0):
-                raise ValueError(f"PolicyBound.{name} must be a non-negative integer, not {v!r}")
-        if self.on_stale not in ON_STALE:
-            raise ValueError(f"PolicyBound.on_stale must be abort or finish, not "
-                             f"{self.on_stale!r}")
-
-    def nvext(self) -> dict[str, Any]:
-        """The request's `nvext.policy`."""
-        out: dict[str, Any] = {"on_stale": self.on_stale}
-        if self.min_step is not None:
-            out["min_step"] = self.min_step
-        if self.max_lag is not None:
-            out["max_lag"] = self.max_lag
-        return out
-
-
 @dataclass(frozen=True)
 class SamplingSpec:
     """Sampling parameters of one sample, in vLLM's terms, each checked here and each
