@@ -122,6 +122,11 @@ class VllmEngine(Engine, EngineControl):
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rlfleet.runtime.launch import children_die_with_this_process
+
+        if not children_die_with_this_process():
+            log.warning("setpriv (util-linux) not found: if this worker is killed, its engine "
+                        "process may outlive it")
         self.llm = AsyncLLM.from_engine_args(self.engine_args())
         mc = self.llm.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
