@@ -168,7 +168,8 @@ class RolloutClient:
     `model` (and `expected_version` / `expected_digest` when set) and recording attempts
     in `ledger` (default: in memory). `route` ("openai" or "sglang") and `stream` are
     defaults that each `generate` call may override. With a `gate` (the policy refresh's
-    RolloutGate), no attempt starts while the gate is closed. `transport` is for tests."""
+    RolloutGate), no attempt starts while the gate is closed, and a reopen on a policy makes
+    it the expected one before any attempt starts. `transport` is for tests."""
 
     def __init__(self, base_url: str, model: str, *, ledger: SampleLedger | None = None,
                  retry: RetryPolicy | None = None, partial: PartialRolloutPolicy | None = None,
@@ -188,6 +189,8 @@ class RolloutClient:
         self.retry = retry or RetryPolicy()
         self.partial = partial or PartialRolloutPolicy()
         self.route, self.stream, self.gate = route, stream, gate
+        if gate is not None:  # a refresh that reopens the gate names the policy to expect
+            gate.subscribe(self.expect)
         self._background: set[asyncio.Task] = set()  # remote cancels in flight
         self._frames: dict[str, tuple[list[int], list[int]]] = {}  # see _turn_frame
         self._http = httpx.AsyncClient(

@@ -390,7 +390,7 @@ class PolicyRefresh:
                     self.verified = {w.instance_id for w in ok_workers}
                 else:
                     self.verified |= {w.instance_id for w in ok_workers}
-                self.gate.open()
+                self.gate.open((target.version, target.digest))  # expected before it opens
             except RefreshHeld as e:
                 state = RefreshState.HELD
                 decision, reason = "held", str(e)

@@ -9,15 +9,15 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
-from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
+from rlfleet.runtime.admission import Admission
+from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import request_plane_app
-from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
+from rlfleet.runtime.system_server import FaultInjector, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -56,8 +56,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add("--system-port", type=int,
         default=int(os.environ["DYN_SYSTEM_PORT"]) if os.environ.get("DYN_SYSTEM_PORT") else None,
         help="system-server port (default: $DYN_SYSTEM_PORT; unset: no system server)")
-    add("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"),
-        help="require `Authorization: Bearer <token>` on mutating admin routes")
+    add("--admin-token", default=None,
+        help="require `Authorization: Bearer <token>` on mutating admin routes (other users "
+             "of the host can read a command line: prefer --admin-token-file or "
+             "$RLFLEET_ADMIN_TOKEN)")
+    add("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
+        help="read the admin token from this file (default: $RLFLEET_ADMIN_TOKEN_FILE, else "
+             "$RLFLEET_ADMIN_TOKEN)")
     add("--allowed-weights-root", action="append", default=[],
         help="update_weights_from_disk reads only under these directories")
     add("--enable-fault-injection", action="store_true",
@@ -74,10 +79,29 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="where staged versions are held (default: a directory in /dev/shm)")
 
 
-@dataclass
-class Admission:
-    gated: bool
-    reason: str | None = None
+def settle_worker_args(args: argparse.Namespace) -> None:
+    """Checks and resolutions of the worker flags; ValueError says what to change. The admin
+    token ends in `args.admin_token`, from --admin-token, --admin-token-file or
+    $RLFLEET_ADMIN_TOKEN (one of them)."""
+    given = [n for n, v in (("--admin-token", args.admin_token),
+                            ("--admin-token-file", args.admin_token_file)) if v]
+    if len(given) > 1:
+        raise ValueError("give the admin token one way: --admin-token or --admin-token-file")
+    if args.admin_token_file:
+        try:
+            token = open(args.admin_token_file, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--admin-token-file {args.admin_token_file}: cannot read it ({e})") \
+                from e
+        if not token:
+            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
+        args.admin_token = token
+    elif args.admin_token:
+        log.warning("--admin-token on the command line is visible to every user of this host "
+                    "(ps, /proc): prefer --admin-token-file or $RLFLEET_ADMIN_TOKEN")
+    else:
+        args.admin_token = os.environ.get("RLFLEET_ADMIN_TOKEN") or None
+    args.admin_token_file = None
 
 
 def staging_area(args: argparse.Namespace):
@@ -88,12 +112,51 @@ def staging_area(args: argparse.Namespace):
                        allowed_roots=args.allowed_weights_root, admin_token=args.admin_token)
 
 
+async def joins_controlled_fleet(discovery: Discovery, namespace: str, model: str) -> str | None:
+    """Why a worker joining now must start gated: a controller (a policy-refresh coordinator,
+    an operator) manages the admission of this model's workers, so the weights this one
+    starts with are not the fleet's verified policy until the controller says so. None
+    when no worker of the model is controlled (or the store cannot tell: then as before)."""
+    try:
+        entries = await asyncio.wait_for(discovery.list(namespace, COMPONENT, "generate"), 10)
+    except Exception as e:  # registration will say whether the store works
+        log.warning("cannot tell whether the fleet is controlled: %r", e)
+        return None
+    peers = [e for e in entries if e.get("model") == model and e.get("controlled")]
+    if not peers:
+        return None
+    policies = sorted({f"{p['fleet_policy'].get('version')} ({p['fleet_policy'].get('digest')})"
+                       for p in peers if isinstance(p.get("fleet_policy"), dict)})
+    return ("joined a fleet whose admission a coordinator controls"
+            + (f" (serving {', '.join(policies)})" if policies else "")
+            + ": gated until it verifies this worker")
+
+
+ENGINE_WATCH_INTERVAL = 2.0
+
+
+async def _watch_engine(engine: Engine, admission: Admission) -> None:
+    """A dead engine closes the worker to rollouts at once (its entry says why), whether or
+    not anyone probes its liveness."""
+    check = getattr(engine, "check_health", None)
+    if check is None:
+        return
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+        try:
+            await check()
+        except Exception as e:
+            await admission.hold(f"the engine is not healthy: {e!r}")
+            return
+
+
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None,
-                       staging=None) -> None:
+                       staging=None, admission: Admission | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
     `staging` area, the system server also serves the applied version's files to peers
-    (GET /weights/<version>/<file>)."""
+    (GET /weights/<version>/<file>). `admission`: the one the admin routes share (they
+    hold the worker closed while its weights are uncertain)."""
     level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -114,30 +177,21 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     request_url = http_url(host, rp.port)
     system_url = None
     regs: list[Registration] = []
-    admission = Admission(gated=args.start_gated)
+    admission = admission or Admission()
+    if args.start_gated:
+        admission.gate_reason = "started gated: not yet verified"
     serving = asyncio.Event()  # set once registered; /health says "ready" from then on
 
-    async def set_admission(body: dict) -> dict:
-        """Open or close this worker to rollout traffic: the flag lives in its own discovery
-        entry, so every frontend stops (or starts) routing to it."""
-        open_ = body.get("open")
-        if not isinstance(open_, bool):
-            return failed("open (boolean) is required")
-        reason = body.get("reason")
-        admission.gated, admission.reason = not open_, reason if not open_ else None
-        for reg in regs:
-            await reg.update({**reg.entry, "gated": admission.gated,
-                              "gate_reason": admission.reason})
-        return ok(open=open_, reason=admission.reason)
-
     if args.system_port is not None:
-        routes = (admin_routes() if admin_routes else []) + [Route("set_admission", set_admission)]
+        # never behind a long control call: a worker can always be taken out of rotation
+        routes = (admin_routes() if admin_routes else []) + [
+            Route("set_admission", admission.set_admission, serialized=False)]
         endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
 
         def health() -> dict[str, Any]:
             state = "ready" if serving.is_set() else "notready"
             return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
-                    "model": engine.info.served_model_name, "gated": admission.gated,
+                    "model": engine.info.served_model_name, **admission.fields(),
                     **engine.weight_identity()}
 
         app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
@@ -163,9 +217,13 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     }
     if system_url:
         base["system_url"] = system_url
-    if admission.gated:
-        base["gated"], base["gate_reason"] = True, "started gated: not yet verified"
     discovery = open_discovery(args.discovery)
+    if not admission.gated:
+        why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
+        if why:
+            log.warning("%s", why)
+            admission.gate_reason = why
+    base.update(admission.fields())
     regs.append(await discovery.register(
         {**base, "endpoint": "generate",
          "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.generate"}, ttl=args.lease_ttl))
@@ -173,7 +231,9 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         regs.append(await discovery.register(
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
             ttl=args.lease_ttl))
+    await admission.attach(regs)
     serving.set()
+    watch = asyncio.create_task(_watch_engine(engine, admission), name="engine-watch")
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
           f"system_url={system_url or ''} model={info.served_model_name}", flush=True)
@@ -184,6 +244,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     finally:
         log.info("shutting down worker %s", instance_id)
         serving.clear()
+        watch.cancel()
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)
