@@ -98,7 +98,7 @@ class EngineAdmin:
         if self.check_pending:
             extra["self_check"] = "pending"
         why = self.admission.hold_reason
-        if why:
+        if why and why != PENDING:  # a pending self-check is no fault: it runs on resume
             return failed(f"this worker holds itself closed: {why}", alive=not problem,
                           weights_uncertain=why, **extra)
         return ok(alive=True, **extra)
@@ -123,7 +123,8 @@ class EngineAdmin:
     async def self_check(self) -> str | None:
         """The worker's own check of the weights it serves, run after every install: the
         model can run on them, and a one-token greedy generation gives a token of the
-        vocabulary with a finite logprob. Why not, or None. Needs generation running."""
+        vocabulary with finite logprobs that are not all equal (NaN logits can come out as
+        a flat distribution). Why not, or None. Needs generation running."""
         problem = await self.engine.weights_problem()
         if problem:
             return problem
@@ -131,7 +132,7 @@ class EngineAdmin:
         prompt = [t % vocab for t in (1, 2, 3)] if vocab else [1, 2, 3]
         req = GenerateRequest(request_id=f"self-check-{uuid.uuid4().hex[:12]}",
                               prompt_token_ids=prompt, stream=False,
-                              sampling=SamplingOptions(max_tokens=1, temperature=0.0, logprobs=0,
+                              sampling=SamplingOptions(max_tokens=1, temperature=0.0, logprobs=5,
                                                        ignore_eos=True))
 
         async def run() -> list[dict]:
@@ -151,6 +152,12 @@ class EngineAdmin:
                     "weights produce non-finite values")
         if not isinstance(tid, int) or (vocab and not 0 <= tid < vocab):
             return f"a one-token greedy generation gave token {tid}, outside the vocabulary"
+        top = [t[1] for t in lps[0].get("top") or []]
+        if not all(isinstance(x, float) and math.isfinite(x) for x in top):
+            return f"a one-token greedy generation gave non-finite top logprobs {top}"
+        if len(top) > 1 and max(top) - min(top) < 1e-6:
+            return (f"a one-token greedy generation gave a flat distribution (top logprobs "
+                    f"{top[0]:.4f}): the weights produce non-finite values")
         return None
 
     async def vouch(self) -> str | None:

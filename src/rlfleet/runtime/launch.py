@@ -101,6 +101,7 @@ def _die_with_parent() -> None:
 
 # exec'd by multiprocessing instead of the interpreter: `setpriv --pdeathsig KILL` then python
 CHILD_WRAPPER = Path(__file__).with_name("die_with_parent.sh")
+_children_die: bool | None = None  # set once per process
 
 
 def children_die_with_this_process() -> bool:
@@ -117,8 +118,12 @@ def children_die_with_this_process() -> bool:
     import shutil
     from multiprocessing import resource_tracker, spawn
 
+    global _children_die
+    if _children_die is not None:
+        return _children_die
     os.register_at_fork(after_in_child=_die_with_parent)
-    if shutil.which("setpriv") is None or not os.access(CHILD_WRAPPER, os.X_OK):
+    _children_die = shutil.which("setpriv") is not None and os.access(CHILD_WRAPPER, os.X_OK)
+    if not _children_die:
         return False
     resource_tracker.ensure_running()
     os.environ["RLFLEET_CHILD_PYTHON"] = os.fsdecode(spawn.get_executable())
