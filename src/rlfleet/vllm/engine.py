@@ -95,6 +95,23 @@ def _span(w) -> dict:
     return {"version": version or None, "digest": digest or None, "start": w.start, "end": w.end}
 
 
+async def _until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once host:port accepts a TCP connection (closed at once); TimeoutError at the
+    deadline, saying what did not answer."""
+    last: Exception | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+        except (OSError, TimeoutError) as e:
+            last = e
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
+        writer.close()
+        return
+    raise TimeoutError(f"the trainer's rendezvous at {host}:{port} accepted no connection in "
+                       f"time ({last!r})")
+
+
 class VllmEngine(Engine, EngineControl):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -383,8 +400,15 @@ class VllmEngine(Engine, EngineControl):
         return f"the announced tensors do not fit the served model: {why}" if why else None
 
     async def join_group(self, g: GroupRequest) -> None:
-        await self._rpc("rlfleet_init_group", g.timeout + 5, g.master_address, g.master_port,
-                        g.rank_offset, g.world_size, g.backend, g.timeout)
+        """Within `g.timeout`: torch's rendezvous takes about twice its timeout to give up
+        on a port nobody listens on, and blocks the engine's loop all along. So wait here
+        (the engine serving meanwhile) until the trainer's rendezvous accepts connections,
+        then join with the time left."""
+        deadline = time.monotonic() + g.timeout
+        await _until_listening(g.master_address, g.master_port, deadline)
+        left = max(1.0, deadline - time.monotonic())
+        await self._rpc("rlfleet_init_group", left + 5, g.master_address, g.master_port,
+                        g.rank_offset, g.world_size, g.backend, left)
 
     async def receive(self, d: DistributedRequest, timeout: float) -> int:
         return await self._rpc("rlfleet_receive", timeout * len(d.names) + 5, d.names, d.dtypes,
