@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import json
 import os
 import threading
@@ -144,13 +143,11 @@ def test_refresh_over_the_network_disk_path(net: Net) -> None:
 def test_refresh_over_the_network_distributed_path(net: Net,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The trainer broadcasts over gloo from its own host to the workers' hosts."""
-    accepted = inspect.signature(PolicyRefresh).parameters
-    if "master_address" not in accepted:
-        pytest.skip("PolicyRefresh has no master_address yet (issue 13 item 5, another change)")
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     with net.trn.entered():
         coordinator = PolicyRefresh(net.fleet.rl_url, model=MODEL, path="vllm-distributed",
-                                    master_address=net.trn.ip, backend="gloo", timeout=60)
+                                    master_address=net.trn.ip, transfer_backend="gloo",
+                                    timeout=60)
         result = _refresh(coordinator, net.ckpt["A"], "net-dist-1")
         assert result.ok, (result.reason, result.workers)
         assert {w["status"] for w in result.workers} == {"verified"}

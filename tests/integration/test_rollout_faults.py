@@ -45,8 +45,11 @@ WORKER_FLAGS = ("--token-delay", "0.004", "--token-delay-jitter", "0.012")
 def fleet(tmp_path):
     with Fleet(tmp_path / "fleet", lease_ttl=2) as f:
         f.start_frontend()
-        for _ in range(3):
-            f.start_worker(*WORKER_FLAGS, kind="mocker")
+        for i in range(3):
+            # worker 0 is killed mid-run: its slower tokens keep several streams on it then
+            # (a fast frontend leaves a worker of this fleet idle most of the time)
+            slow = ("--token-delay", "0.02") if i == 0 else ()
+            f.start_worker(*WORKER_FLAGS, *slow, kind="mocker")
         wait_for_workers(f.url, MODEL, 3)
         yield f
 

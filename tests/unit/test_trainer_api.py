@@ -18,7 +18,7 @@ import pytest
 
 from rlfleet.frontend import openai as render
 from rlfleet.frontend.dispatch import Result
-from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, TokenizeRouteRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.rl import (
     AdmittedSample,
@@ -75,10 +75,10 @@ class Frontend:
         with self.lock:
             self.requests.append((request.url.path, body))
         if request.url.path == "/tokenize":
-            req = TokenizeRequest.model_validate(body)
-            w = req.worker_body()
-            ids = tokenize(w["prompt"]) if "prompt" in w else \
-                tokenize(chatml(w["messages"], w["add_generation_prompt"]))
+            req = TokenizeRouteRequest.model_validate(body)
+            w = req.engine_request()
+            ids = tokenize(w.prompt) if w.prompt is not None else \
+                tokenize(chatml(w.messages, w.add_generation_prompt))
             return httpx.Response(200, json={"count": len(ids), "tokens": ids})
         if request.url.path.endswith("/cancel"):
             return httpx.Response(200, json={})

@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 
+import uvloop
+
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
@@ -60,7 +62,7 @@ async def serve(args: argparse.Namespace) -> None:
     discovery = open_discovery(args.discovery)
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
                       gated_hold=args.gated_hold)
-    client = WorkerClient(read_timeout=args.request_timeout)
+    client = WorkerClient(request_timeout=args.request_timeout)
     await pool.start()
     servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port))]
     if args.enable_rl:
@@ -87,7 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    asyncio.run(serve(parse_args(argv)))
+    uvloop.run(serve(parse_args(argv)))
 
 
 if __name__ == "__main__":

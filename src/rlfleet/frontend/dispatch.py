@@ -5,94 +5,129 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from rlfleet.frontend.router import Worker, WorkerPool
-from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step, WeightSpan
+from rlfleet.protocol.openai import Usage
 from rlfleet.runtime import metrics
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerStream
 
 MAX_ATTEMPTS = 3
 
 
-@dataclass
 class Choice:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    weight_versions: list[dict] | None = None
+    """One choice's output so far (with `keep` false, only how many tokens: a stream that
+    has rendered each delta needs no copy of them)."""
 
-    def add(self, delta: dict) -> None:
-        self.token_ids.extend(delta.get("token_ids", ()))
-        self.text += delta.get("text", "")
-        if delta.get("logprobs") is not None:
-            self.logprobs = (self.logprobs or []) + delta["logprobs"]
-        if delta.get("finish_reason") is not None:
-            self.finish_reason = delta["finish_reason"]
-            self.stop_reason = delta.get("stop_reason")
-        if delta.get("weight_versions") is not None:
-            self.weight_versions = delta["weight_versions"]
+    __slots__ = ("index", "keep", "count", "token_ids", "_text", "logprobs", "finish_reason",
+                 "stop_reason", "weight_versions")
+
+    def __init__(self, index: int, keep: bool = True) -> None:
+        self.index = index
+        self.keep = keep
+        self.count = 0
+        self.token_ids: list[int] = []
+        self._text: list[str] = []
+        self.logprobs: list | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.weight_versions: list[WeightSpan] | None = None
+
+    @property
+    def text(self) -> str:
+        parts = self._text
+        if len(parts) > 1:
+            parts[:] = ["".join(parts)]
+        return parts[0] if parts else ""
+
+    def add(self, d: Delta) -> None:
+        self.count += len(d.token_ids)
+        if self.keep:
+            self.token_ids += d.token_ids
+            if d.text:
+                self._text.append(d.text)
+            if d.logprobs is not None:
+                if self.logprobs is None:
+                    self.logprobs = []
+                self.logprobs += d.logprobs
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+        if d.weight_versions is not None:
+            self.weight_versions = d.weight_versions
 
 
-@dataclass
 class Result:
     """Everything a request produced, filled as events arrive."""
 
-    request_id: str
-    n: int
-    received: float = field(default_factory=time.time)
-    first_token: float | None = None
-    finished: float | None = None
-    worker_id: int | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list | None = None
-    prompt_text: str = ""  # with echo
-    prompt_token_strs: list[str] | None = None  # with echo
-    weight: dict[str, Any] = field(default_factory=dict)
-    choices: list[Choice] = field(default_factory=list)
+    __slots__ = ("request_id", "n", "received", "first_token", "finished", "worker_id",
+                 "prompt_token_ids", "prompt_logprobs", "prompt_text", "prompt_token_strs",
+                 "weight", "choices")
 
-    def __post_init__(self) -> None:
-        self.choices = [Choice(i) for i in range(self.n)]
+    def __init__(self, request_id: str, n: int, keep_output: bool = True) -> None:
+        self.request_id, self.n = request_id, n
+        self.received = time.time()
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.worker_id: int | None = None
+        self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: list | None = None
+        self.prompt_text = ""  # with echo
+        self.prompt_token_strs: list[str] | None = None  # with echo
+        self.weight: dict[str, Any] = {}
+        self.choices = [Choice(i, keep_output) for i in range(n)]
 
-    def apply(self, ev: dict) -> list[dict]:
-        """Fold one worker event in; return its choice deltas (for streaming)."""
-        if "prompt_token_ids" in ev:
-            self.prompt_token_ids = ev["prompt_token_ids"]
-            self.worker_id = ev.get("_worker")
-            self.weight = {k: v for k, v in ev.items() if k.startswith("weight_")}
-            self.prompt_text = ev.get("prompt_text", "")
-            self.prompt_token_strs = ev.get("prompt_token_strs")
-        deltas = ev.get("choices") or []
-        if deltas and self.first_token is None:
-            self.first_token = time.time()
-            metrics.FRONTEND_TTFT.observe(self.first_token - self.received)
-        for d in deltas:
-            self.choices[d["index"]].add(d)
-            metrics.FRONTEND_GENERATED_TOKENS.inc(len(d.get("token_ids", ())))
-        if ev.get("done"):
-            self.prompt_logprobs = ev.get("prompt_logprobs")
+    def apply(self, ev: Event | dict) -> list[Delta]:
+        """Fold one worker event in (typed, or a plain dict of the same shape); return its
+        choice deltas (for streaming)."""
+        kind = type(ev)
+        if kind is dict:
+            ev = _typed(ev)  # type: ignore[arg-type]
+            kind = type(ev)
+        if kind is Step:
+            deltas = ev.choices  # type: ignore[union-attr]
+            if self.first_token is None and deltas:
+                self.first_token = time.time()
+                metrics.FRONTEND_TTFT.observe(self.first_token - self.received)
+            tokens = 0
+            for d in deltas:
+                self.choices[d.index].add(d)
+                tokens += len(d.token_ids)
+            if tokens:
+                metrics.FRONTEND_GENERATED_TOKENS.inc(tokens)
+            return deltas
+        if kind is Head:
+            h: Head = ev  # type: ignore[assignment]
+            self.prompt_token_ids = h.prompt_token_ids
+            self.worker_id = h.worker_id or None
+            self.weight = {"weight_version": h.weight_version, "weight_digest": h.weight_digest}
+            if h.prompt_text:
+                self.prompt_text = h.prompt_text
+            if h.prompt_token_strs:
+                self.prompt_token_strs = h.prompt_token_strs
+        elif kind is Done:
+            self.prompt_logprobs = ev.prompt_logprobs  # type: ignore[union-attr]
             self.finished = time.time()
-        return deltas
+        return []
 
-    def spans(self, choice: Choice) -> list[dict]:
+    def spans(self, choice: Choice) -> list[WeightSpan]:
         """The weight-version spans of a finished choice; from an engine that does not
         track versions per token, one span from the weights the worker reported."""
-        return choice.weight_versions or [
-            {"version": self.weight.get("weight_version"),
-             "digest": self.weight.get("weight_digest"), "start": 0, "end": len(choice.token_ids)}]
+        return choice.weight_versions or [WeightSpan(
+            version=self.weight.get("weight_version"), digest=self.weight.get("weight_digest"),
+            start=0, end=choice.count)]
 
     @property
     def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+        return sum(c.count for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> Usage:
         p = len(self.prompt_token_ids)
-        return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
-                "total_tokens": p + self.completion_tokens}
+        c = self.completion_tokens
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
     def timing(self) -> dict[str, float]:
         end = self.finished or time.time()
@@ -103,11 +138,60 @@ class Result:
         return out
 
 
+def _typed(ev: dict) -> Event:
+    """A worker event given as a plain dict (as the HTTP request plane writes it)."""
+    if "choices" in ev:
+        return msgspec.convert(ev, Step)
+    if "prompt_token_ids" in ev:
+        head = msgspec.convert({k: v for k, v in ev.items() if k != "_worker"}, Head)
+        if ev.get("_worker") is not None:
+            head.worker_id = ev["_worker"]
+        return head
+    if "done" in ev:
+        return msgspec.convert(ev, Done)
+    raise ValueError(f"not a request-plane event: {sorted(ev)}")
+
+
+def merge_deltas(deltas: list[Delta]) -> list[Delta]:
+    """Deltas of several steps as one delta per choice, in first-seen order (what a
+    client that reads slower than the engine writes gets: fewer, larger chunks)."""
+    if len(deltas) < 2:
+        return deltas
+    by: dict[int, Delta] = {}
+    copied: set[int] = set()
+    for d in deltas:
+        i = d.index
+        m = by.get(i)
+        if m is None:
+            by[i] = d
+            continue
+        if i not in copied:  # never change an event: it may be replayed to another caller
+            copied.add(i)
+            m = by[i] = Delta(index=i, token_ids=list(m.token_ids), text=m.text,
+                              logprobs=None if m.logprobs is None else list(m.logprobs),
+                              finish_reason=m.finish_reason, stop_reason=m.stop_reason,
+                              weight_versions=m.weight_versions)
+        m.token_ids += d.token_ids
+        m.text += d.text
+        if d.logprobs is not None:
+            if m.logprobs is None:
+                m.logprobs = []
+            m.logprobs += d.logprobs
+        if d.finish_reason is not None:
+            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
+        if d.weight_versions is not None:
+            m.weight_versions = d.weight_versions
+    return list(by.values())
+
+
 async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: GenerateRequest,
-                   on_pick: Callable[[Worker], None] | None = None) -> AsyncIterator[dict]:
-    """Yield the events of `req` served by one worker of `model`. The first event carries
-    `_worker` (the instance ID); `on_pick` hears of each worker tried. Raises NoWorker or
-    WorkerError."""
+                   on_pick: Callable[[Worker], None] | None = None,
+                   on_stream: Callable[[WorkerStream], None] | None = None,
+                   paced: bool = False) -> AsyncIterator[Event]:
+    """Yield the events of `req` served by one worker of `model`. The Head carries the
+    instance ID of the worker (`worker_id`); `on_pick` hears of each worker tried and
+    `on_stream` of each stream opened (paced: its caller moves the worker's window, see
+    WorkerStream.taken). Raises NoWorker or WorkerError."""
     tried: set[int] = set()
     for attempt in range(MAX_ATTEMPTS):
         w = await pool.acquire(model, tried)
@@ -116,11 +200,16 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             on_pick(w)
         w.inflight += 1
         started = False
+        stream = None
         try:
-            async for ev in client.generate(w.url, req):
+            stream = await client.generate(w.address, req, paced)
+            if on_stream is not None:
+                on_stream(stream)
+            async for ev in stream:
                 if not started:
-                    ev["_worker"] = w.instance_id
                     started = True
+                    if type(ev) is Head:
+                        ev.worker_id = w.instance_id
                 yield ev
             return
         except WorkerError as e:
@@ -133,3 +222,5 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             raise
         finally:
             w.inflight -= 1
+            if stream is not None:
+                await stream.aclose()

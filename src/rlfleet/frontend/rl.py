@@ -7,12 +7,15 @@ import os
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from rlfleet.protocol.rl import PROTOCOL_VERSION, RlWorker
 from rlfleet.runtime.discovery import Discovery, DiscoveryError, entry_key
+from rlfleet.runtime.http import ERROR_HANDLERS, json_response
 
 
 def _brief(e: Exception) -> str:
@@ -33,10 +36,9 @@ async def probe_routes(http: httpx.AsyncClient, system_url: str, timeout: float)
     return sorted(set(routes))
 
 
-def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
+def rl_app(discovery: Discovery, namespace: str) -> Starlette:
     timeout = float(os.environ.get("DYN_RL_REQUEST_TIMEOUT_SECS", 30))
     limit = asyncio.Semaphore(max(1, int(os.environ.get("DYN_RL_MAX_CONCURRENT_PROBES", 32))))
-    app = FastAPI(title="rlfleet RL listener", docs_url=None, redoc_url=None)
     http = httpx.AsyncClient()
 
     async def describe(entry: dict[str, Any]) -> dict[str, Any]:
@@ -51,12 +53,11 @@ def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
                 w.error = f"route probe of {w.system_url} failed: {e!r}"
         return w.dump()
 
-    @app.get("/v1/rl/workers")
-    async def workers():
+    async def workers(request: Request) -> Response:
         try:
             found = await discovery.listing(namespace=namespace, endpoint="rl")
         except DiscoveryError as e:
-            return JSONResponse({"error": "discovery_failed", "message": str(e)}, status_code=500)
+            return json_response({"error": "discovery_failed", "message": str(e)}, 500)
         # one bad entry is reported beside the others, never a failed listing
         skipped = [s.dump() for s in found.skipped]
         valid = []
@@ -74,6 +75,7 @@ def rl_app(discovery: Discovery, namespace: str) -> FastAPI:
                                 "workers": sorted(listed, key=lambda w: w["instance_id"])}
         if skipped:
             body["skipped"] = skipped
-        return body
+        return json_response(body)
 
-    return app
+    return Starlette(routes=[Route("/v1/rl/workers", workers, methods=["GET"])],
+                     exception_handlers=ERROR_HANDLERS)

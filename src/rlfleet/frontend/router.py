@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from rlfleet.runtime import metrics
 from rlfleet.runtime.discovery import Discovery
+from rlfleet.runtime.http import HttpError
 
 log = logging.getLogger("rlfleet.router")
 
@@ -22,7 +23,8 @@ ROUTER_MODES = ("round-robin", "least-loaded", "random")
 class Worker:
     instance_id: int
     model: str
-    url: str
+    url: str  # its HTTP request plane (what discovery's `transport` names)
+    address: str  # its stream plane, host:port: what this frontend sends requests over
     entry: dict
     inflight: int = 0
     down_until: float = 0.0  # set when a request found it unreachable or broken
@@ -32,12 +34,11 @@ class Worker:
         return time.monotonic() >= self.down_until and not self.entry.get("gated", False)
 
 
-class NoWorker(Exception):
+class NoWorker(HttpError):
     """No live worker serves the model (HTTP 503, or 404 for an unknown model)."""
 
     def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
+        super().__init__(status, message, "model_not_found" if status == 404 else None)
 
 
 @dataclass
@@ -92,13 +93,16 @@ class WorkerPool:
         for e in entries:
             transport = e.get("transport")
             url = transport.get("http") if isinstance(transport, dict) else None
-            if not isinstance(url, str) or not isinstance(e.get("model"), str):
+            address = e.get("stream_plane")
+            if not isinstance(url, str) or not isinstance(address, str) \
+                    or not isinstance(e.get("model"), str):
                 continue
             iid = int(e["instance_id"])
             w = self.workers.get(iid)
-            if w is None or w.url != url:
-                w = Worker(iid, e["model"], url, e)
-                log.info("worker %s joined: %s at %s", iid, w.model, url)
+            if w is None or w.address != address:
+                w = Worker(iid, e["model"], url, address, e)
+                log.info("worker %s joined: %s at %s (stream plane %s)", iid, w.model, url,
+                         address)
             else:
                 w.entry = e
             fresh[iid] = w

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import Counter
 
@@ -33,32 +34,68 @@ class Run:
     request_id: str
     fingerprint: str
     keep: bool  # outlives its callers (it has a caller-chosen request ID)
+    # events from number `base` on: a run that nobody else can join drops what its one
+    # caller has read (`release`); a kept run keeps them all for retries
     events: list[dict] = field(default_factory=list)
+    base: int = 0
     error: BaseException | None = None
     done: bool = False
     ended_at: float | None = None
     followers: int = 0
-    worker_url: str | None = None  # set once a worker took it
+    worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
+    stream: Any = None  # its paced stream, for a run that nobody else can join
     task: asyncio.Task | None = None
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _waiters: list[asyncio.Future] = field(default_factory=list)
     _orphan_timer: asyncio.TimerHandle | None = None
 
     def _publish(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        """Wake every follower waiting for news (each waits on its own future, so that a
+        follower that leaves cancels nobody else's wait)."""
+        waiters = self._waiters
+        if waiters:
+            self._waiters = []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
+
+    @property
+    def produced(self) -> int:
+        """How many events the run has produced so far."""
+        return self.base + len(self.events)
+
+    def since(self, i: int) -> list:
+        """The events from number `i` on."""
+        return self.events[i - self.base:]
+
+    def release(self, upto: int) -> None:
+        """Its caller has read the events before number `upto`: a run that nobody else can
+        join forgets them."""
+        if not self.keep and upto > self.base:
+            n = upto - self.base
+            del self.events[:n]
+            self.base = upto
+            if self.stream is not None:  # the worker may send as many more
+                self.stream.taken(n)
+
+    async def wait_past(self, i: int) -> None:
+        """Until the run has more than `i` events or has ended."""
+        while self.base + len(self.events) <= i and not self.done:
+            w = asyncio.get_running_loop().create_future()
+            self._waiters.append(w)
+            await w
 
     async def follow(self) -> AsyncIterator[dict]:
         """Every event of the run from the start, then new ones as they come."""
-        i = 0
+        i = self.base
         while True:
-            while i < len(self.events):
-                yield self.events[i]
+            while i < self.produced:
+                yield self.events[i - self.base]
                 i += 1
             if self.done:
                 if self.error is not None:
                     raise self.error
                 return
-            await self._changed.wait()
+            await self.wait_past(i)
 
 
 @dataclass
@@ -100,10 +137,12 @@ class RunRegistry:
         return run, False
 
     async def _pump(self, run: Run, events: AsyncIterator[dict]) -> None:
+        append = run.events.append
         try:
             async for ev in events:
-                run.events.append(ev)
-                run._publish()
+                append(ev)
+                if run._waiters:
+                    run._publish()
         except asyncio.CancelledError:
             run.error = WorkerError("the request was cancelled before it finished", 499)
         except BaseException as e:  # noqa: BLE001 - handed to every follower

@@ -1,9 +1,26 @@
-"""Rendering of native SGLang `/generate` responses (cumulative, as SGLang streams them)."""
+"""The native SGLang API: POST /generate (unary, or streamed cumulatively as SGLang does)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route, Router
+
 from rlfleet.frontend.dispatch import Result
-from rlfleet.protocol.sglang import SglangGenerateRequest
+from rlfleet.frontend.generation import (
+    engine_request,
+    follow,
+    frontend_of,
+    parse_body,
+    request_id,
+    sse,
+)
+from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.sglang import GenerateResponse, MetaInfo, SglangGenerateRequest
+from rlfleet.runtime.http import HttpError
 
 
 def _finish(reason: str | None, stop_reason, length: int) -> dict | None:
@@ -16,28 +33,59 @@ def _finish(reason: str | None, stop_reason, length: int) -> dict | None:
     return {"type": "stop", "matched": stop_reason}
 
 
-def generate_body(req: SglangGenerateRequest, res: Result) -> dict:
+def generate_response(req: SglangGenerateRequest, res: Result) -> GenerateResponse:
     c = res.choices[0]
-    meta = {
-        "id": res.request_id,
-        "finish_reason": _finish(c.finish_reason, c.stop_reason, len(c.token_ids)),
-        "prompt_tokens": len(res.prompt_token_ids),
-        "completion_tokens": len(c.token_ids),
-        "cached_tokens": 0,
-    }
-    for k, v in res.weight.items():
-        meta[k] = v
+    meta = MetaInfo(id=res.request_id,
+                    finish_reason=_finish(c.finish_reason, c.stop_reason, len(c.token_ids)),
+                    prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(c.token_ids),
+                    weight_version=res.weight.get("weight_version"),
+                    weight_digest=res.weight.get("weight_digest"))
     if c.finish_reason is not None:
-        meta["weight_versions"] = res.spans(c)
+        meta.weight_versions = res.spans(c)
     if req.return_logprob:
         lps = c.logprobs or []
-        meta["output_token_logprobs"] = [[lp["logprob"], lp["token_id"], None] for lp in lps]
+        meta.output_token_logprobs = [[lp.logprob, lp.token_id, None] for lp in lps]
         if req.top_logprobs_num > 0:
-            meta["output_top_logprobs"] = [[[v, t, None] for t, v, _ in lp["top"]] for lp in lps]
+            meta.output_top_logprobs = [[[v, t, None] for t, v, _ in lp.top] for lp in lps]
         if req.logprob_start_len >= 0 and res.prompt_logprobs is not None:
             start = req.logprob_start_len
             ids = res.prompt_token_ids
-            meta["input_token_logprobs"] = [
-                [None if e is None else e[str(ids[i])]["logprob"], ids[i], None]
+            meta.input_token_logprobs = [
+                [None if e is None else e[str(ids[i])].logprob, ids[i], None]
                 for i, e in enumerate(res.prompt_logprobs) if i >= start]
-    return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta}
+    return GenerateResponse(text=c.text, output_ids=list(c.token_ids), meta_info=meta)
+
+
+async def generate(request: Request) -> Response:
+    req: SglangGenerateRequest = await parse_body(request, SglangGenerateRequest)
+    model = req.model
+    if model is None:
+        models = frontend_of(request).pool.models()
+        if len(models) != 1:
+            raise HttpError(400, f"model is required: this frontend serves {len(models)} "
+                                 f"models ({', '.join(models) or 'none'})")
+        model = models[0]
+    rid = req.rid or request_id(request, "gen")
+    greq = engine_request(lambda: GenerateRequest(
+        request_id=rid, prompt_token_ids=req.input_ids, sampling=req.sampling(),
+        stream=req.stream))
+    res = Result(rid, 1)
+    f = await follow(request, model, greq, res)
+    if not req.stream:
+        return await f.unary(lambda: generate_response(req, res))
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for deltas, done in f.batches():
+            # the last event adds the input logprobs
+            if deltas or (done and res.prompt_logprobs is not None):
+                yield sse(generate_response(req, res))
+    return f.stream(chunks())
+
+
+router = Router(routes=[Route("/generate", generate, methods=["POST"])])
+
+
+def generate_body(req: SglangGenerateRequest, res: Result) -> dict:
+    """The same rendering as a JSON-ready dict (for code that builds responses without a
+    frontend: test fakes, tools)."""
+    return msgspec.to_builtins(generate_response(req, res))

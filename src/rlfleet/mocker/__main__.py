@@ -8,13 +8,12 @@ pseudo-random tokens. Never use it as a stand-in for the real engine."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 
 from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
-from rlfleet.runtime.worker import add_worker_args, serve_worker, settle_worker_args, staging_area
+from rlfleet.runtime.worker import add_worker_args, run_worker, settle_worker_args, staging_area
 
 log = logging.getLogger("rlfleet.mocker")
 
@@ -42,8 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
-    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging,
-                             admission=admin.vllm.admission))
+    run_worker(engine, args, admin.routes, staging=staging, admission=admin.vllm.admission)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,22 @@
-"""OpenAI-compatible request schemas (with vLLM's sampling extensions and nvext)."""
+"""OpenAI-compatible schemas: requests (pydantic, with vLLM's sampling extensions and
+nvext) and the responses the frontend renders (msgspec structs: fields set to UNSET are
+left out of the JSON, every other field is always there, null included)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+from msgspec import UNSET, Struct, UnsetType
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from rlfleet.protocol.engine import MAX_LOGPROBS, MAX_N, SamplingOptions
+from rlfleet.protocol.engine import (
+    MAX_LOGPROBS,
+    MAX_N,
+    PromptLogprob,
+    SamplingOptions,
+    TokenizeRequest,
+    WeightSpan,
+)
 from rlfleet.protocol.nvext import NvExt
 
 
@@ -146,7 +156,7 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRouteRequest(BaseModel):
     """POST /tokenize (vLLM's route): the IDs the served model's tokenizer makes of `prompt`,
     or of `messages` rendered with its chat template."""
 
@@ -159,19 +169,19 @@ class TokenizeRequest(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> TokenizeRequest:
+    def _check(self) -> TokenizeRouteRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt, messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages is empty: send at least one message")
         return self
 
-    def worker_body(self) -> dict[str, Any]:
+    def engine_request(self) -> TokenizeRequest:
         if self.prompt is not None:
-            return {"prompt": self.prompt}
-        return {"messages": [m.plain() for m in self.messages or ()],
-                "add_generation_prompt": self.add_generation_prompt,
-                "chat_template_kwargs": self.chat_template_kwargs}
+            return TokenizeRequest(prompt=self.prompt)
+        return TokenizeRequest(messages=[m.plain() for m in self.messages or ()],
+                               add_generation_prompt=self.add_generation_prompt,
+                               chat_template_kwargs=self.chat_template_kwargs)
 
 
 class InputTokensRequest(BaseModel):
@@ -195,3 +205,138 @@ class InputTokensRequest(BaseModel):
                 content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
             msgs.append({"role": item.get("role", "user"), "content": str(content)})
         return msgs
+
+
+# ------------------------------------------------------------------------ responses
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+class NvExtResponse(Struct, kw_only=True):
+    """The response's top-level "nvext": only the fields the request asked for."""
+
+    completion_token_ids: list[int] | UnsetType = UNSET
+    detailed_finish_reason: str | None | UnsetType = UNSET
+    stop_reason: int | str | None | UnsetType = UNSET
+    weight_versions: list[WeightSpan] | UnsetType = UNSET
+    engine_data: dict[str, Any] | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    worker_id: dict[str, int | None] | UnsetType = UNSET
+    timing: dict[str, float] | UnsetType = UNSET
+    choices: list[NvExtResponse] | UnsetType = UNSET  # unary with n > 1: per choice
+
+
+class CompletionLogprobs(Struct, kw_only=True):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+
+
+class CompletionResponse(Struct, kw_only=True):
+    """A unary completion, and (with `usage` unset or set) each chunk of a stream."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | UnsetType = UNSET
+    nvext: NvExtResponse | UnsetType = UNSET
+
+
+class ChatTopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(Struct, kw_only=True):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(Struct, kw_only=True):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    nvext: NvExtResponse | UnsetType = UNSET
+
+
+class ChatDelta(Struct, kw_only=True):
+    role: str | UnsetType = UNSET  # in each choice's first chunk
+    content: str
+
+
+class ChatChunkChoice(Struct, kw_only=True):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | UnsetType = UNSET
+    nvext: NvExtResponse | UnsetType = UNSET
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int = 0
+    owned_by: str = "rlfleet"
+
+
+class ModelList(Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class InputTokens(Struct, kw_only=True):
+    object: str = "response.input_tokens"
+    input_tokens: int

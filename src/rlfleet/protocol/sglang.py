@@ -1,10 +1,14 @@
-"""Native SGLang `/generate` request schema."""
+"""Native SGLang `/generate`: the request schema (pydantic) and the response the frontend
+renders (msgspec structs; UNSET fields are left out of the JSON)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from msgspec import UNSET, Struct, UnsetType
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from rlfleet.protocol.engine import MAX_LOGPROBS, SamplingOptions
+from rlfleet.protocol.engine import MAX_LOGPROBS, SamplingOptions, WeightSpan
 
 
 class SglangSamplingParams(BaseModel):
@@ -67,3 +71,31 @@ class SglangGenerateRequest(BaseModel):
             prompt_logprobs=self.top_logprobs_num
             if self.return_logprob and self.logprob_start_len >= 0 else None,
         )
+
+
+# ------------------------------------------------------------------------ responses
+
+LogprobEntry = list[float | int | None]  # [logprob, token_id, decoded text: never sent (null)]
+
+
+class MetaInfo(Struct, kw_only=True):
+    id: str
+    finish_reason: dict[str, Any] | None  # {"type": "length"|"stop"|"abort", ...}
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: Any = None
+    weight_digest: str | None = None
+    weight_versions: list[WeightSpan] | UnsetType = UNSET  # once finished
+    output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
+    output_top_logprobs: list[list[LogprobEntry]] | UnsetType = UNSET
+    input_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
+
+
+class GenerateResponse(Struct, kw_only=True):
+    """The whole output so far: the unary answer, and each event of a stream (SGLang
+    streams cumulatively: the last event's output_ids is the whole completion)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo

@@ -48,7 +48,7 @@ from rlfleet.rl.probe import (
     reference_probe,
     tolerance,
 )
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import WorkerError, generate_over_http
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -318,7 +318,7 @@ class PolicyRefresh:
             return [w for w in workers.values() if w.active]
 
         decision, reason = "held", ""
-        requests = WorkerClient(read_timeout=self.timeout)
+        requests = httpx.AsyncClient()  # the workers' HTTP request planes (probes)
         async with httpx.AsyncClient() as http:
             ch = Channel(http, self.timeout, self.admin_token)
             gate_reason = f"policy refresh to {target.version}"
@@ -398,7 +398,7 @@ class PolicyRefresh:
                 state = RefreshState.HELD
                 decision, reason = "held", f"coordinator error: {e!r}"
                 log.exception("policy refresh %s failed", refresh_id)
-        await requests.close()
+        await requests.aclose()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in workers.values()]
         served = target if decision != "held" else None
@@ -453,7 +453,7 @@ class PolicyRefresh:
             raise RefreshHeld(f"version check differs on {', '.join(mismatched)}: a synchronous "
                               f"fleet does not reopen (target {target.version} / {target.digest})")
 
-    async def _probe_all(self, requests: WorkerClient, ws: list[FleetWorker],
+    async def _probe_all(self, requests: httpx.AsyncClient, ws: list[FleetWorker],
                          target: Policy) -> None:
         """Post-update generation on every worker (see rlfleet.rl.probe): each must
         reproduce the expected probe, or, without one, all must agree with each other."""
@@ -470,7 +470,7 @@ class PolicyRefresh:
         if why:
             raise RefreshHeld(why)
 
-    async def _probe_one(self, requests: WorkerClient, w: FleetWorker,
+    async def _probe_one(self, requests: httpx.AsyncClient, w: FleetWorker,
                          target: Policy) -> Answer | None:
         """One worker's probe answer, straight from its request plane (None: excluded).
         An expected probe is teacher-forced: the worker prefills prompt + expected[:-1]
@@ -492,7 +492,7 @@ class PolicyRefresh:
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
         try:
-            events = [ev async for ev in requests.generate(w.request_url, req)]
+            events = await generate_over_http(requests, w.request_url, req, self.timeout)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
             w.exclude(f"post-update generation failed: HTTP {e.status} {e}")
@@ -522,7 +522,7 @@ class PolicyRefresh:
         prompt = head.get("prompt_token_ids") or list(req.prompt_token_ids or [])
         return Answer(w.instance_id, prompt, tokens, tolerance(w.dtype, self.tolerance))
 
-    async def _rollback(self, ch: Channel, requests: WorkerClient,
+    async def _rollback(self, ch: Channel, requests: httpx.AsyncClient,
                         workers: dict[int, FleetWorker], previous: Policy, why: str) -> None:
         """Reapply the previous policy to every worker still in the set and verify it the
         same way; a worker that fails any step stays out."""

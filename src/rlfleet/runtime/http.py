@@ -1,17 +1,21 @@
-"""HTTP pieces every rlfleet server shares: OpenAI-shaped errors, binding, serving
-several apps in one process, and ending work when the caller goes away."""
+"""HTTP pieces every rlfleet server shares: the error type and its OpenAI-shaped body,
+fast JSON responses, binding, serving several apps in one process, and noticing that the
+caller went away (one watcher per request, nothing per streamed event)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import uvicorn
-from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -22,10 +26,13 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_closed_request",
     502: "worker_error",
     503: "service_unavailable",
     504: "timeout_error",
 }
+
+_json = msgspec.json.Encoder()
 
 
 def error_body(status: int, message: str, type_: str | None = None,
@@ -35,9 +42,50 @@ def error_body(status: int, message: str, type_: str | None = None,
                       "param": param, "code": status}}
 
 
+class HttpError(Exception):
+    """A request failed with an HTTP status; servers render it once, as `error_body`
+    (a JSON response, or the last event of a stream)."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None,
+                 param: str | None = None, body: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.body = body or error_body(status, message, type_, param)
+
+    def response(self) -> Response:
+        return json_response(self.body, self.status)
+
+
+def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None
+                  ) -> Response:
+    """A JSON response encoded with msgspec (dicts, lists or msgspec Structs; NaN and
+    infinities become null)."""
+    return Response(_json.encode(content), status, headers, media_type="application/json")
+
+
 def error_response(status: int, message: str, type_: str | None = None,
-                   param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, type_, param), status_code=status)
+                   param: str | None = None) -> Response:
+    return json_response(error_body(status, message, type_, param), status)
+
+
+async def _render_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HttpError)
+    return exc.response()
+
+
+async def _render_starlette_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        message = f"{request.url.path} is not a route of this server"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(exc.detail)
+    return error_response(exc.status_code, message)
+
+
+# Starlette exception handlers: HttpError and Starlette's own 404/405 as error_body JSON
+ERROR_HANDLERS = {HttpError: _render_http_error, StarletteHTTPException: _render_starlette_error}
 
 
 def validation_message(exc: Exception) -> str:
@@ -54,12 +102,15 @@ def validation_message(exc: Exception) -> str:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; port 0 picks a free one (read it back with getsockname)."""
+    """A listening TCP socket; port 0 picks a free one (read it back with getsockname).
+    Connections accepted on it send small writes at once (TCP_NODELAY): a response head
+    and its body in two writes must not wait for the client's delayed ACK (~40 ms)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(1024)
+    sock.listen(4096)
     sock.setblocking(False)
     return sock
 
@@ -80,7 +131,7 @@ class AppServer:
         self.host, self.port = host, port
         self._server = _Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
                                               access_log=False, timeout_keep_alive=30,
-                                              timeout_graceful_shutdown=5))
+                                              timeout_graceful_shutdown=5, http="httptools"))
         self._task: asyncio.Task | None = None
 
     @property
@@ -102,63 +153,73 @@ class AppServer:
                 await self._task
 
 
-async def until_disconnected(request: Request) -> None:
-    """Return when the client closes its connection (the body must already be read)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+class ClientWatch:
+    """Notices when the caller of one HTTP request closes its connection, and then cancels
+    the task serving it (which aborts whatever that task waits on). One watcher task per
+    request, started once the request body has been read; nothing per streamed event.
+
+    The serving task catches that cancellation with `gone_on(exc)`. Call `finish()` before
+    the last byte of the response is sent: from then on a closed connection is not a
+    caller going away."""
+
+    __slots__ = ("gone", "_done", "_task", "_target")
+
+    def __init__(self, request: Request) -> None:
+        self.gone = False
+        self._done = False
+        self._target = asyncio.current_task()
+        self._task = asyncio.ensure_future(self._watch(request.receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._done:
+            self.gone = True
+            if self._target is not None:
+                self._target.cancel()
+
+    def finish(self) -> None:
+        self._done = True
+
+    def gone_on(self, exc: BaseException) -> bool:
+        """True when `exc` is this watcher's cancellation (then it is cleared, so that the
+        task can finish its clean-up normally)."""
+        if self.gone and isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                task.uncancel()
+            return True
+        return False
 
 
-class ClientGone(Exception):
-    """The caller closed its connection."""
+class StreamResponse(Response):
+    """A streamed response (SSE or NDJSON) written chunk by chunk from `chunks`; when the
+    caller goes away (the `watch` cancels this task), `chunks` is closed, which ends the
+    work behind it, and nothing more is written."""
 
+    def __init__(self, chunks: AsyncIterator[bytes], watch: ClientWatch, media_type: str,
+                 headers: dict[str, str] | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
+        self.chunks, self.watch, self.on_end = chunks, watch, on_end
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
 
-async def first_or_gone(request: Request, items: AsyncIterator[Any]) -> Any:
-    """The first item of `items`, unless the caller leaves first (then ClientGone, and the
-    pending step is cancelled). StopAsyncIteration passes through."""
-    first = asyncio.ensure_future(anext(items))
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        await asyncio.wait((first, gone), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this task was cancelled: leave nothing running behind
-        first.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if not first.done():
-        first.cancel()
-        with contextlib.suppress(BaseException):
-            await first
-        raise ClientGone()
-    return first.result()
-
-
-async def stop_on_disconnect(request: Request, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """Relay `items` until the client goes away; then close `items` (which aborts the
-    work behind it) and stop."""
-    watcher = asyncio.ensure_future(until_disconnected(request))
-    it = items.__aiter__()
-    nxt: asyncio.Future | None = None
-    try:
-        while True:
-            nxt = asyncio.ensure_future(it.__anext__())
-            await asyncio.wait((nxt, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(BaseException):
-                    await nxt
-                return
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        watcher.cancel()
-        if nxt is not None and not nxt.done():  # this task was cancelled mid-wait
-            nxt.cancel()
-        aclose = getattr(items, "aclose", None)
-        if aclose is not None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.watch.finish()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except BaseException as e:
+            if not self.watch.gone_on(e):
+                raise
+        finally:
+            self.watch.finish()
             with contextlib.suppress(Exception):
-                await aclose()
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+            if self.on_end is not None:
+                self.on_end()

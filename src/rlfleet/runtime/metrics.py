@@ -33,7 +33,12 @@ FRONTEND_GENERATED_TOKENS = Counter("rlfleet_frontend_generated_tokens_total",
                                     "Completion tokens returned to clients")
 
 
+def metrics_response() -> Response:
+    """The Prometheus text exposition of this process's metrics."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
 def mount_metrics(app: FastAPI) -> None:
     @app.get("/metrics")
     async def _metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response()

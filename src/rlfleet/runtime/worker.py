@@ -11,12 +11,14 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import uvloop
+
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.admission import Admission
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
-from rlfleet.runtime.request_plane import request_plane_app
+from rlfleet.runtime.request_plane import WorkerPlane
 from rlfleet.runtime.system_server import FaultInjector, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
@@ -150,6 +152,13 @@ async def _watch_engine(engine: Engine, admission: Admission) -> None:
             return
 
 
+def run_worker(engine: Engine, args: argparse.Namespace,
+               admin_routes: Callable[[], list[Route]] | None = None, staging=None,
+               admission: Admission | None = None) -> None:
+    """serve_worker on uvloop (the worker's event loop carries every request's events)."""
+    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, admission=admission))
+
+
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None,
                        staging=None, admission: Admission | None = None) -> None:
@@ -168,13 +177,17 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
-    rp = AppServer(request_plane_app(engine, faults), bind_socket(args.host, args.port))
+    plane = WorkerPlane(engine, faults)
+    rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]
     toward = discovery_peer(args.discovery)
     host = advertised_host(args.host, args.advertise_host, toward)
     warn_if_unreachable("this worker", host, args.discovery)
     request_url = http_url(host, rp.port)
+    # the stream plane (what frontends use) on a free port beside the HTTP request plane
+    stream = await plane.serve(bind_socket(args.host, 0))
+    stream_address = f"[{host}]:{stream.port}" if ":" in host else f"{host}:{stream.port}"
     system_url = None
     regs: list[Registration] = []
     admission = admission or Admission()
@@ -211,7 +224,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     info = engine.info
     base: dict[str, Any] = {
         "namespace": args.namespace, "component": COMPONENT, "instance_id": instance_id,
-        "transport": {"http": request_url}, "model": info.served_model_name,
+        "transport": {"http": request_url}, "stream_plane": stream_address,
+        "model": info.served_model_name,
         "model_path": info.model_path, "vocab_size": info.vocab_size,
         "max_model_len": info.max_model_len, "pid": os.getpid(),
     }
@@ -236,7 +250,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     watch = asyncio.create_task(_watch_engine(engine, admission), name="engine-watch")
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
-          f"system_url={system_url or ''} model={info.served_model_name}", flush=True)
+          f"system_url={system_url or ''} model={info.served_model_name} "
+          f"stream={stream_address}", flush=True)
     log.info("worker %s serving %s at %s (system server: %s, discovery: %s)", instance_id,
              info.served_model_name, request_url, system_url, discovery.url)
     try:
@@ -251,6 +266,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             except Exception as e:  # the lease will expire anyway
                 log.warning("deregistration failed: %r", e)
         await discovery.close()
+        await stream.stop()
         for s in servers:
             await s.stop()
         if staging is not None:

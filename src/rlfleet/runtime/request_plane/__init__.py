@@ -1,0 +1,42 @@
+"""The request plane: the worker's side (one core, two transports) and the frontend's client.
+
+Messages and events: rlfleet.protocol.engine. The frontend talks to each worker over one
+persistent TCP connection (the stream plane), every request a numbered stream on it:
+no HTTP request per generation and no JSON line per token. The worker writes an event
+per engine step and the frames of one event-loop turn in one write; the frontend reads
+whole batches of frames per wake-up. The worker also serves the same requests over HTTP
+(`POST /generate`, newline-delimited JSON) for direct callers.
+
+Guarantees on the stream plane:
+- the caller leaving (`WorkerStream.aclose()` before the end) aborts the request in the
+  engine (a CLOSE frame; the worker cancels the request's task);
+- a worker that dies (its connection closes, even between two coalesced events) ends
+  every stream on it at once with a 502 error; a worker that sends nothing on a stream
+  for `request_timeout` seconds ends that stream with a 504;
+- back-pressure, per stream and per connection: a worker sends at most WINDOW events of
+  a stream that the frontend has not taken yet (CREDIT frames move the window), and stops
+  altogether while the frontend does not read its connection. The worker then stops
+  pulling from the engine for that request (vLLM merges the deltas it holds; the mocker
+  stops generating): a slow caller holds back its own request, not the frontend's memory.
+"""
+
+from rlfleet.runtime.request_plane.client import (
+    WorkerClient,
+    WorkerError,
+    WorkerLink,
+    WorkerStream,
+    generate_over_http,
+)
+from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
+from rlfleet.runtime.request_plane.worker import (
+    Opened,
+    StreamServer,
+    WorkerPlane,
+    check_prompt,
+    request_plane_app,
+)
+
+__all__ = ["FrameReader", "FrameWriter", "Opened", "StreamServer", "WorkerClient", "WorkerError",
+           "WorkerLink", "WorkerPlane", "WorkerStream", "check_prompt", "generate_over_http",
+           "request_plane_app",
+           "split_address"]

@@ -1,0 +1,395 @@
+"""The frontend's side of the request plane: one persistent stream-plane connection per
+worker (`WorkerLink`), every request a `WorkerStream` on it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from rlfleet.protocol.engine import (
+    MAGIC,
+    WINDOW,
+    Cancelled,
+    CancelRequest,
+    Done,
+    EngineError,
+    Event,
+    Frame,
+    GenerateRequest,
+    Head,
+    Step,
+    TokenizeRequest,
+    Tokens,
+)
+from rlfleet.runtime.http import HttpError
+from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive, split_address
+
+log = logging.getLogger("rlfleet.request_plane")
+
+
+class WorkerError(HttpError):
+    """A worker could not serve a request. `status` is the HTTP status to report;
+    `retryable` is true when the request never reached the engine; `broken` when the
+    worker itself looks unhealthy (it is then avoided for a while)."""
+
+    def __init__(self, message: str, status: int = 502, retryable: bool = False,
+                 body: dict[str, Any] | None = None, broken: bool = False,
+                 type_: str | None = None) -> None:
+        super().__init__(status, message, type_, body=body)
+        self.retryable = retryable
+        self.broken = broken or retryable
+
+
+_END = object()  # a stream's end marker in its queue
+
+
+class WorkerStream:
+    """The events of one request from one worker, in order: Head, Step..., Done. Raises
+    WorkerError for an error event, a lost connection or a stalled stream. Closing it
+    before the end aborts the request in the worker's engine."""
+
+    __slots__ = ("link", "sid", "_queue", "_waiter", "_error", "last", "ended", "paced",
+                 "_taken")
+
+    def __init__(self, link: WorkerLink, sid: int, paced: bool = False) -> None:
+        self.link, self.sid = link, sid
+        self._queue: deque = deque()
+        self._waiter: asyncio.Future | None = None
+        self._error: WorkerError | None = None
+        self.last = time.monotonic()  # when the worker last sent something for it
+        self.ended = False
+        # paced: the caller reports what it has passed on (`taken`), which moves the
+        # worker's window; otherwise every event read from here counts as taken
+        self.paced = paced
+        self._taken = 0
+
+    def taken(self, n: int) -> None:
+        """The caller has passed on `n` more events: let the worker send as many more."""
+        self._taken += n
+        if self._taken >= WINDOW // 2 and not self.ended and self.link.open:
+            self.link.writer.put(Frame.CREDIT, self.sid, self._taken)
+            self._taken = 0
+
+    def _push(self, item: Any) -> None:
+        self._queue.append(item)
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    def _fail(self, error: WorkerError) -> None:
+        self._error = error
+        self._push(_END)
+
+    def __aiter__(self) -> WorkerStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        q = self._queue
+        while not q:
+            self._waiter = self.link.loop.create_future()
+            await self._waiter
+        item = q.popleft()
+        if item is _END:
+            q.appendleft(item)
+            if self._error is not None:
+                raise self._error
+            raise StopAsyncIteration
+        if not self.paced:
+            self.taken(1)
+        return item
+
+    async def aclose(self) -> None:
+        if not self.ended:
+            self.link.close_stream(self.sid)
+
+
+class _Reply:
+    """A pending unary call (tokenize, cancel)."""
+
+    __slots__ = ("future", "decoder")
+
+    def __init__(self, future: asyncio.Future, decoder: msgspec.msgpack.Decoder) -> None:
+        self.future, self.decoder = future, decoder
+
+
+_head = msgspec.msgpack.Decoder(Head)
+_step = msgspec.msgpack.Decoder(Step)
+_done = msgspec.msgpack.Decoder(Done)
+_error = msgspec.msgpack.Decoder(EngineError)
+
+
+class WorkerLink(asyncio.Protocol):
+    """The frontend's persistent stream-plane connection to one worker."""
+
+    def __init__(self, address: str, request_timeout: float) -> None:
+        self.address = address
+        self.request_timeout = request_timeout
+        self.loop = asyncio.get_running_loop()
+        self.streams: dict[int, WorkerStream | _Reply] = {}
+        self.reader = FrameReader()
+        self.open = False
+        self._next = 0
+        self._sweeper: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self.writer = FrameWriter(transport)
+        transport.write(MAGIC)
+        keep_alive(transport)
+        self.open = True
+        self._sweeper = asyncio.ensure_future(self._sweep())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        why = f" ({exc!r})" if exc is not None else ""
+        for item in self.streams.values():
+            err = WorkerError(f"worker at {self.address} failed mid-request: the connection "
+                              f"was lost{why}", 502, broken=True)
+            if isinstance(item, WorkerStream):
+                item._fail(err)
+            elif not item.future.done():
+                item.future.set_exception(err)
+        self.streams.clear()
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            frames = self.reader.feed(data)
+        except ValueError as e:
+            log.error("worker at %s sent a bad frame: %s", self.address, e)
+            self.transport.close()
+            return
+        now = time.monotonic()
+        streams = self.streams
+        for kind, sid, body in frames:
+            item = streams.get(sid)
+            if item is None:
+                continue  # a stream we closed already
+            if kind <= Frame.DONE and not isinstance(item, WorkerStream):
+                kind = 0  # an event on a unary call: malformed
+            try:
+                if kind == Frame.STEP:
+                    item._push(_step.decode(body))  # type: ignore[union-attr]
+                elif kind == Frame.HEAD:
+                    item._push(_head.decode(body))  # type: ignore[union-attr]
+                elif kind == Frame.DONE:
+                    del streams[sid]
+                    item.ended = True  # type: ignore[union-attr]
+                    item._push(_done.decode(body))  # type: ignore[union-attr]
+                    item._push(_END)  # type: ignore[union-attr]
+                elif kind == Frame.ERROR:
+                    del streams[sid]
+                    e = _error.decode(body)
+                    # 503: the worker refused it before it reached the engine (shutting down)
+                    err = WorkerError(e.message, e.code, type_=e.type, retryable=e.code == 503)
+                    if isinstance(item, WorkerStream):
+                        item.ended = True
+                        item._fail(err)
+                    elif not item.future.done():
+                        item.future.set_exception(err)
+                    continue
+                elif kind == Frame.REPLY:
+                    del streams[sid]
+                    if not item.future.done():  # type: ignore[union-attr]
+                        item.future.set_result(item.decoder.decode(body))  # type: ignore[union-attr]
+                    continue
+                else:
+                    raise ValueError(f"unknown frame kind {kind}")
+            except (msgspec.DecodeError, ValueError, TypeError, AttributeError) as e:
+                log.error("worker at %s sent an event this frontend cannot read: %s",
+                          self.address, e)
+                streams.pop(sid, None)
+                err = WorkerError(f"worker at {self.address} sent a malformed event: {e}", 502)
+                if isinstance(item, WorkerStream):
+                    item.ended = True
+                    item._fail(err)
+                elif not item.future.done():
+                    item.future.set_exception(err)
+                continue
+            item.last = now  # type: ignore[union-attr]
+
+    # ---------------------------------------------------------------- streams
+
+    def _sid(self) -> int:
+        self._next = (self._next + 1) & 0xFFFFFFFF
+        while self._next in self.streams or self._next == 0:
+            self._next = (self._next + 1) & 0xFFFFFFFF
+        return self._next
+
+    def generate(self, req: GenerateRequest, paced: bool = False) -> WorkerStream:
+        sid = self._sid()
+        stream = WorkerStream(self, sid, paced)
+        try:
+            self.writer.put(Frame.GENERATE, sid, req)
+        except (OverflowError, msgspec.EncodeError) as e:  # e.g. an integer beyond 64 bits
+            raise WorkerError(f"the request cannot be sent as given: {e}", 400) from e
+        self.streams[sid] = stream
+        return stream
+
+    def close_stream(self, sid: int) -> None:
+        """The caller left: the worker aborts the request."""
+        item = self.streams.pop(sid, None)
+        if item is not None and self.open:
+            self.writer.put(Frame.CLOSE, sid, None)
+
+    async def call(self, kind: Frame, body: Any, reply: msgspec.msgpack.Decoder,
+                   timeout: float) -> Any:
+        sid = self._sid()
+        fut = self.loop.create_future()
+        self.streams[sid] = _Reply(fut, reply)
+        self.writer.put(kind, sid, body)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError as e:
+            raise WorkerError(f"worker at {self.address} timed out after {timeout:g} s", 504,
+                              broken=True) from e
+        finally:
+            self.streams.pop(sid, None)
+
+    async def _sweep(self) -> None:
+        """End streams the worker has sent nothing on for `request_timeout` seconds."""
+        timeout = self.request_timeout
+        interval = min(1.0, max(0.05, timeout / 8))
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            stale = [s for s in self.streams.values()
+                     if isinstance(s, WorkerStream) and now - s.last > timeout]
+            for s in stale:
+                self.streams.pop(s.sid, None)
+                if self.open:
+                    self.writer.put(Frame.CLOSE, s.sid, None)
+                s.ended = True
+                s._fail(WorkerError(f"worker at {self.address} timed out: no event for "
+                                    f"{timeout:g} s", 504, broken=True))
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+_tokens = msgspec.msgpack.Decoder(Tokens)
+_cancelled = msgspec.msgpack.Decoder(Cancelled)
+
+
+class WorkerClient:
+    """The frontend's side of the request plane: one stream-plane connection per worker,
+    opened on first use and kept."""
+
+    def __init__(self, connect_timeout: float = 5.0, request_timeout: float = 600.0) -> None:
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self._links: dict[str, WorkerLink] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+
+    async def link(self, address: str) -> WorkerLink:
+        link = self._links.get(address)
+        if link is not None and link.open:
+            return link
+        pending = self._connecting.get(address)
+        if pending is not None:  # another request is connecting already
+            return await asyncio.shield(pending)
+        fut = asyncio.get_running_loop().create_future()
+        self._connecting[address] = fut
+        try:
+            link = await self._connect(address)
+            self._links[address] = link
+            fut.set_result(link)
+            return link
+        except BaseException as e:
+            fut.set_exception(e)
+            fut.exception()  # retrieved: no "never retrieved" warning when nobody waits
+            raise
+        finally:
+            del self._connecting[address]
+
+    async def _connect(self, address: str) -> WorkerLink:
+        loop = asyncio.get_running_loop()
+        try:
+            host, port = split_address(address)
+            _, link = await asyncio.wait_for(loop.create_connection(
+                lambda: WorkerLink(address, self.request_timeout), host, port),
+                self.connect_timeout)
+        except (OSError, TimeoutError, ValueError) as e:
+            raise WorkerError(f"worker at {address} is unreachable: {e!r}", 503,
+                              retryable=True) from e
+        return link
+
+    async def generate(self, address: str, req: GenerateRequest, paced: bool = False
+                       ) -> WorkerStream:
+        """Start `req` on the worker; iterate the returned stream for its events. With
+        `paced`, the caller moves the worker's window itself (`WorkerStream.taken`)."""
+        return (await self.link(address)).generate(req, paced)
+
+    async def cancel(self, address: str, request_id: str) -> bool:
+        """The engine's abort: the request ends now with its partial output."""
+        try:
+            link = await self.link(address)
+            out = await link.call(Frame.CANCEL, CancelRequest(request_id=request_id), _cancelled,
+                                  10.0)
+        except WorkerError:
+            return False
+        return out.status == "ok"
+
+    async def tokenize(self, address: str, req: TokenizeRequest) -> Tokens:
+        link = await self.link(address)
+        return await link.call(Frame.TOKENIZE, req, _tokens, 30.0)
+
+    async def close(self) -> None:
+        for link in self._links.values():
+            if link.open:
+                link.close()
+        self._links.clear()
+
+
+async def generate_over_http(http: Any, base_url: str, req: GenerateRequest,
+                             timeout: float) -> list[dict[str, Any]]:
+    """A direct caller's request on a worker's HTTP request plane (`POST /generate`,
+    newline-delimited JSON): every event as a plain dict, the last one `done`. `http` is an
+    httpx.AsyncClient. Raises WorkerError for a refusal, an unreachable worker, a broken or
+    unfinished stream."""
+    import httpx
+
+    events: list[dict[str, Any]] = []
+    try:
+        async with http.stream("POST", f"{base_url}/generate", content=_json.encode(req),
+                               headers={"content-type": "application/json"},
+                               timeout=timeout) as resp:
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    body = msgspec.json.decode(raw)
+                    msg = body["error"]["message"]
+                except (msgspec.DecodeError, KeyError, TypeError):
+                    body, msg = None, raw.decode(errors="replace")[:500]
+                raise WorkerError(msg, resp.status_code, body=body)
+            async for line in resp.aiter_lines():
+                if not line:
+                    continue
+                ev = msgspec.json.decode(line)
+                if "error" in ev:
+                    raise WorkerError(ev["error"].get("message", "worker error"),
+                                      ev["error"].get("code", 502))
+                events.append(ev)
+                if ev.get("done"):
+                    return events
+    except httpx.ConnectError as e:
+        raise WorkerError(f"worker at {base_url} is unreachable: {e!r}", 503,
+                          retryable=True) from e
+    except httpx.HTTPError as e:
+        raise WorkerError(f"worker at {base_url} failed mid-request: {e!r}", 502,
+                          broken=True) from e
+    raise WorkerError(f"worker at {base_url} closed the stream before the request finished",
+                      502, broken=True)
+
+
+_json = msgspec.json.Encoder()

@@ -1,0 +1,479 @@
+"""The worker's side of the request plane: one core (`WorkerPlane.open` / `rest`) served
+over two transports, the stream plane for frontends and HTTP `POST /generate`
+(newline-delimited JSON events) for direct callers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from rlfleet.protocol.engine import (
+    MAGIC,
+    WINDOW,
+    Cancelled,
+    CancelRequest,
+    EngineError,
+    ErrorEvent,
+    Frame,
+    GenerateRequest,
+    Head,
+    TokenizeRequest,
+    Tokens,
+)
+from rlfleet.runtime import metrics
+from rlfleet.runtime.engine import BadRequest, Engine
+from rlfleet.runtime.http import (
+    ERROR_HANDLERS,
+    ClientWatch,
+    HttpError,
+    StreamResponse,
+    error_body,
+    error_response,
+    json_response,
+)
+from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
+from rlfleet.runtime.system_server import FaultInjector, InjectedFault
+
+log = logging.getLogger("rlfleet.request_plane")
+
+_json = msgspec.json.Encoder()
+
+
+def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
+    """Tokenise if needed and check the prompt and budget against the model; BadRequest says what to fix."""
+    info = engine.info
+    if req.prompt_token_ids is not None:
+        ids = req.prompt_token_ids
+    else:
+        ids = engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
+                              req.chat_template_kwargs)
+        if not ids:
+            raise BadRequest("the prompt tokenises to zero tokens: send a non-empty prompt")
+    vocab = info.vocab_size
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise BadRequest(f"prompt token ID {bad} is outside the vocabulary "
+                         f"[0, {vocab}) of model {info.served_model_name!r}")
+    bad = [t for t in req.sampling.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {vocab})")
+    bad = [t for t in req.sampling.logit_bias or () if not 0 <= t < vocab]
+    if bad:
+        raise BadRequest(f"logit_bias token ID {bad[0]} is outside the vocabulary [0, {vocab})")
+    room = info.max_model_len - len(ids)
+    if room <= 0:
+        raise BadRequest(f"the prompt has {len(ids)} tokens, but the context length of "
+                         f"{info.served_model_name!r} is {info.max_model_len}: shorten the prompt")
+    mt = req.sampling.max_tokens
+    if mt is not None and mt > room:
+        raise BadRequest(f"max_tokens is {mt}, but the prompt ({len(ids)} tokens) leaves room for "
+                         f"at most {room} in the context of {info.max_model_len}: lower max_tokens")
+    if req.sampling.min_tokens > room:
+        raise BadRequest(f"min_tokens is {req.sampling.min_tokens}, but at most {room} tokens fit")
+    return ids
+
+
+def _decode_error(e: Exception) -> str:
+    return str(e) or type(e).__name__
+
+
+class Opened:
+    """A request the engine accepted: its Head, the first engine event (None when the
+    engine ended it without one), and the rest. Whoever opened it closes it (`aclose`),
+    which aborts the request in the engine if it has not ended."""
+
+    __slots__ = ("head", "first", "events", "started", "outcome", "closed")
+
+    def __init__(self, head: Head, first: dict | None, events: AsyncIterator[dict]) -> None:
+        self.head, self.first, self.events = head, first, events
+        self.started = time.monotonic()
+        self.outcome = "error"
+        self.closed = False
+
+    def left(self) -> None:
+        """The caller went away before the end (counted as `abandoned`)."""
+        if self.outcome == "error":
+            self.outcome = "abandoned"
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self.events.aclose()  # type: ignore[attr-defined]
+            metrics.WORKER_REQUESTS.labels(self.outcome).inc()
+            metrics.WORKER_REQUEST_SECONDS.observe(time.monotonic() - self.started)
+
+
+class WorkerPlane:
+    """A worker's request plane: one engine, served on the stream plane (`serve`) and over
+    HTTP (`http_app`). Both go through `open` and `rest`, so they behave the same."""
+
+    def __init__(self, engine: Engine, faults: FaultInjector | None = None) -> None:
+        self.engine, self.faults = engine, faults
+
+    async def open(self, req: GenerateRequest) -> Opened:
+        """Check the request, start it and pull its first event, so that a request the
+        engine refuses gets an error status instead of a stream that breaks. Raises
+        HttpError (400: refused as given, 500: injected or engine failure)."""
+        if self.faults is not None:
+            try:
+                injected = await self.faults.check("generate")
+            except InjectedFault as e:
+                raise HttpError(500, str(e)) from e
+            if injected is not None:
+                raise HttpError(500, injected.get("message", "injected failure"))
+        engine = self.engine
+        try:
+            ids = check_prompt(engine, req)
+        except BadRequest as e:
+            metrics.WORKER_REQUESTS.labels("rejected").inc()
+            raise HttpError(400, str(e)) from e
+        events = engine.generate(req, ids)
+        try:
+            first = await anext(events)
+        except StopAsyncIteration:
+            first = None
+        except BadRequest as e:
+            metrics.WORKER_REQUESTS.labels("rejected").inc()
+            raise HttpError(400, str(e)) from e
+        except asyncio.CancelledError:  # the caller left before the first event
+            await events.aclose()
+            metrics.WORKER_REQUESTS.labels("abandoned").inc()
+            raise
+        except Exception as e:  # the engine failed on this request: say so, keep serving
+            metrics.WORKER_REQUESTS.labels("error").inc()
+            raise HttpError(500, f"engine failed: {type(e).__name__}: {e}") from e
+        # the weights that produced the first token (a pause may have swapped them)
+        wid = engine.weight_identity()
+        head = Head(prompt_token_ids=ids, weight_version=wid.get("weight_version"),
+                    weight_digest=wid.get("weight_digest"))
+        if req.echo:
+            head.prompt_text = req.prompt if req.prompt is not None else engine.detokenize(ids)
+            head.prompt_token_strs = engine.token_strs(ids)
+        return Opened(head, first, events)
+
+    @staticmethod
+    async def rest(opened: Opened) -> AsyncIterator[tuple[Frame, Any]]:
+        """(kind, event) after the Head, to the end; an engine failure becomes an ERROR
+        event. The caller closes `opened` when it stops, whether or not this ended."""
+        events = opened.events
+        try:
+            ev = opened.first
+            while ev is not None:
+                if "done" in ev:
+                    opened.outcome = "ok"
+                    yield Frame.DONE, ev
+                    return
+                yield Frame.STEP, ev
+                ev = await anext(events, None)
+        except Exception as e:  # the engine failed mid-request: tell the caller, keep serving
+            yield Frame.ERROR, EngineError(message=f"engine failed: {type(e).__name__}: {e}")
+
+    # ---------------------------------------------------------------- HTTP transport
+
+    def http_app(self) -> Starlette:
+        """POST /generate (NDJSON events), POST /abort, POST /tokenize, GET /health, /metrics."""
+
+        async def generate(request: Request) -> Response:
+            try:
+                req = msgspec.json.decode(await request.body(), type=GenerateRequest)
+            except (msgspec.DecodeError, ValueError) as e:
+                metrics.WORKER_REQUESTS.labels("rejected").inc()
+                return error_response(400, _decode_error(e))
+            watch = ClientWatch(request)
+            try:
+                opened = await self.open(req)
+            except HttpError as e:
+                watch.finish()
+                return e.response()
+            except asyncio.CancelledError as e:
+                watch.finish()
+                if watch.gone_on(e):
+                    return error_response(499, "the caller went away before the first token")
+                raise
+
+            async def lines() -> AsyncIterator[bytes]:
+                try:
+                    yield _json.encode(opened.head) + b"\n"
+                    async for kind, ev in self.rest(opened):
+                        if kind is Frame.ERROR:
+                            ev = ErrorEvent(error=ev)
+                        yield _json.encode(ev) + b"\n"
+                except (GeneratorExit, asyncio.CancelledError):
+                    opened.left()
+                    raise
+                finally:
+                    await opened.aclose()
+
+            return StreamResponse(lines(), watch, "application/x-ndjson")
+
+        async def abort(request: Request) -> Response:
+            """End a running request now; its stream finishes with its partial output and
+            finish reason `abort`."""
+            try:
+                rid = msgspec.json.decode(await request.body(), type=CancelRequest).request_id
+            except (msgspec.DecodeError, ValueError):
+                return error_response(400, "request_id is required")
+            await self.engine.abort(rid)
+            return json_response(Cancelled(status="ok", request_id=rid))
+
+        async def tokenize(request: Request) -> Response:
+            try:
+                req = msgspec.json.decode(await request.body(), type=TokenizeRequest)
+                return json_response(self.tokenize(req))
+            except (msgspec.DecodeError, ValueError) as e:
+                return error_response(400, _decode_error(e))
+
+        async def health(request: Request) -> Response:
+            return json_response({"status": "ok", "model": self.engine.info.served_model_name})
+
+        async def metrics_route(request: Request) -> Response:
+            return metrics.metrics_response()
+
+        return Starlette(routes=[
+            Route("/generate", generate, methods=["POST"]),
+            Route("/abort", abort, methods=["POST"]),
+            Route("/tokenize", tokenize, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics_route, methods=["GET"]),
+        ], exception_handlers=ERROR_HANDLERS)
+
+    def tokenize(self, req: TokenizeRequest) -> Tokens:
+        """Raises BadRequest (a ValueError) for messages the template cannot render."""
+        ids = self.engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
+                                   req.chat_template_kwargs)
+        return Tokens(token_ids=ids, count=len(ids))
+
+    # ---------------------------------------------------------------- stream transport
+
+    async def serve(self, sock) -> StreamServer:
+        """Serve the stream plane on a bound, listening socket."""
+        loop = asyncio.get_running_loop()
+        server = StreamServer(self)
+        server.server = await loop.create_server(lambda: _FrontendLink(server), sock=sock)
+        return server
+
+
+def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> Starlette:
+    """The worker's HTTP request plane for `engine` (see WorkerPlane.http_app)."""
+    return WorkerPlane(engine, faults).http_app()
+
+
+class StreamServer:
+    """The worker's listener for frontends' stream-plane connections."""
+
+    def __init__(self, plane: WorkerPlane) -> None:
+        self.plane = plane
+        self.server: asyncio.Server | None = None
+        self.links: set[_FrontendLink] = set()
+        self.closing = False
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.sockets[0].getsockname()[1]
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting (new requests are refused as retryable elsewhere), give running
+        requests `grace` seconds, then abort the rest."""
+        self.closing = True
+        if self.server is not None:
+            self.server.close()
+        deadline = time.monotonic() + grace
+        while any(link.tasks for link in self.links) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for link in list(self.links):
+            link.transport.close()
+            for task in list(link.tasks.values()):
+                task.cancel()
+
+
+class _Window:
+    """How many more events of one stream the worker may send (see WINDOW)."""
+
+    __slots__ = ("credit", "_waiter")
+
+    def __init__(self) -> None:
+        self.credit = WINDOW
+        self._waiter: asyncio.Future | None = None
+
+    def grant(self, n: int) -> None:
+        if not 0 < n <= 1 << 20:
+            raise ValueError(f"a credit of {n} events is out of range")
+        self.credit += n
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def opened(self) -> None:
+        while self.credit <= 0:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+
+
+_generate = msgspec.msgpack.Decoder(GenerateRequest)
+_credit = msgspec.msgpack.Decoder(int)
+_tokenize = msgspec.msgpack.Decoder(TokenizeRequest)
+_cancel = msgspec.msgpack.Decoder(CancelRequest)
+
+
+class _FrontendLink(asyncio.Protocol):
+    """One frontend's connection to this worker: a task per running request."""
+
+    def __init__(self, server: StreamServer) -> None:
+        self.server, self.plane = server, server.plane
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.windows: dict[int, _Window] = {}
+        self.reader = FrameReader()
+        self._greeted = False
+        self._paused = False
+        self._resumed: asyncio.Future | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self.transport = transport
+        self.writer = FrameWriter(transport)
+        self.server.links.add(self)
+        keep_alive(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.links.discard(self)
+        for task in self.tasks.values():  # nobody reads these any more: abort them
+            task.cancel()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self._resumed = None
+
+    async def _writable(self) -> None:
+        """Until the frontend has read enough of what was sent (back-pressure)."""
+        while self._paused:
+            if self._resumed is None:
+                self._resumed = asyncio.get_running_loop().create_future()
+            await self._resumed
+
+    def data_received(self, data: bytes) -> None:
+        if not self._greeted:
+            data = self.reader._rest + data
+            if len(data) < len(MAGIC):
+                self.reader._rest = data
+                return
+            if not data.startswith(MAGIC):
+                log.warning("closing a connection that does not speak the stream plane")
+                self.transport.close()
+                return
+            self._greeted = True
+            self.reader._rest = b""
+            data = data[len(MAGIC):]
+        try:
+            frames = self.reader.feed(data)
+        except ValueError as e:
+            log.warning("closing a stream-plane connection: %s", e)
+            self.transport.close()
+            return
+        for kind, sid, body in frames:
+            try:
+                self._on_frame(kind, sid, body)
+            except Exception as e:  # one bad request never takes the connection down
+                log.exception("stream-plane frame %s on stream %s failed", kind, sid)
+                self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
+
+    def _error(self, sid: int, status: int, message: str) -> None:
+        self.writer.put(Frame.ERROR, sid, EngineError(
+            message=message, type=error_body(status, message)["error"]["type"], code=status))
+
+    def _on_frame(self, kind: int, sid: int, body: memoryview) -> None:
+        if kind == Frame.GENERATE:
+            try:
+                req = _generate.decode(body)
+            except (msgspec.DecodeError, ValueError) as e:
+                metrics.WORKER_REQUESTS.labels("rejected").inc()
+                self._error(sid, 400, _decode_error(e))
+                return
+            if self.server.closing:  # nothing reached the engine: the frontend tries another
+                self._error(sid, 503, "this worker is shutting down")
+                return
+            if sid in self.tasks:
+                self._error(sid, 400, f"stream {sid} is already running on this connection")
+                return
+            self.windows[sid] = _Window()
+            self.tasks[sid] = asyncio.ensure_future(self._generate(sid, req))
+        elif kind == Frame.CREDIT:
+            window = self.windows.get(sid)
+            if window is not None:
+                try:
+                    window.grant(_credit.decode(body))
+                except (msgspec.DecodeError, ValueError) as e:
+                    self._error(sid, 400, _decode_error(e))
+        elif kind == Frame.CLOSE:
+            task = self.tasks.get(sid)
+            if task is not None:
+                task.cancel()
+        elif kind == Frame.TOKENIZE:
+            try:
+                self.writer.put(Frame.REPLY, sid, self.plane.tokenize(_tokenize.decode(body)))
+            except (msgspec.DecodeError, ValueError) as e:
+                self._error(sid, 400, _decode_error(e))
+        elif kind == Frame.CANCEL:
+            try:
+                rid = _cancel.decode(body).request_id
+            except (msgspec.DecodeError, ValueError) as e:
+                self._error(sid, 400, _decode_error(e))
+                return
+            asyncio.ensure_future(self._cancel(sid, rid))
+        else:
+            self._error(sid, 400, f"unknown frame kind {kind}")
+
+    async def _cancel(self, sid: int, rid: str) -> None:
+        try:
+            await self.plane.engine.abort(rid)
+        except Exception as e:  # noqa: BLE001 - the caller hears of it
+            self._error(sid, 500, f"abort failed: {type(e).__name__}: {e}")
+            return
+        self.writer.put(Frame.REPLY, sid, Cancelled(status="ok", request_id=rid))
+
+    async def _generate(self, sid: int, req: GenerateRequest) -> None:
+        put = self.writer.put
+        window = self.windows[sid]
+        try:
+            try:
+                opened = await self.plane.open(req)
+            except HttpError as e:
+                self._error(sid, e.status, e.message)
+                return
+            try:
+                put(Frame.HEAD, sid, opened.head)
+                window.credit -= 1
+                async for kind, ev in self.plane.rest(opened):
+                    if kind is Frame.STEP:
+                        if window.credit <= 0:
+                            await window.opened()
+                        window.credit -= 1
+                    if self._paused:
+                        await self._writable()
+                    put(kind, sid, ev)
+            except asyncio.CancelledError:
+                opened.left()
+                raise
+            finally:
+                await opened.aclose()
+        except asyncio.CancelledError:
+            pass  # CLOSE, or the frontend went away: the engine has aborted the request
+        except Exception as e:  # e.g. an engine event that cannot be encoded: say so
+            log.exception("request %s failed on the stream plane", req.request_id)
+            self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
+        finally:
+            del self.tasks[sid]
+            del self.windows[sid]
