@@ -15,6 +15,7 @@ from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.request_plane import WorkerClient
 
 log = logging.getLogger("rlfleet.frontend")
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
     p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
     p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    ServerLimits.add_args(p)
     return p.parse_args(argv)
 
 
@@ -64,12 +66,14 @@ async def serve(args: argparse.Namespace) -> None:
                       gated_hold=args.gated_hold)
     client = WorkerClient(request_timeout=args.request_timeout)
     await pool.start()
-    servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port))]
+    limits = ServerLimits.from_args(args)
+    servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port),
+                         limits=limits)]
     if args.enable_rl:
         from rlfleet.frontend.rl import rl_app
 
         servers.append(AppServer(rl_app(discovery, args.namespace),
-                                 bind_socket(args.http_host, args.rl_port)))
+                                 bind_socket(args.http_host, args.rl_port), limits=limits))
     for s in servers:
         await s.start()
     host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))
