@@ -67,6 +67,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
              "$RLFLEET_ADMIN_TOKEN)")
     add("--allowed-weights-root", action="append", default=[],
         help="update_weights_from_disk reads only under these directories")
+    add("--trust-request-chat-template", action="store_true",
+        help="render chat templates that clients send (chat_template_kwargs.chat_template); "
+             "off by default: a template is code the worker runs")
     add("--enable-fault-injection", action="store_true",
         help="accept POST /engine/fault_injection (tests only)")
     add("--start-gated", action="store_true",
@@ -177,7 +180,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
-    plane = WorkerPlane(engine, faults)
+    plane = WorkerPlane(engine, faults, args.trust_request_chat_template)
     rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -48,14 +49,52 @@ log = logging.getLogger("rlfleet.request_plane")
 _json = msgspec.json.Encoder()
 
 
-def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
+# No token is longer than this many UTF-8 bytes in any vocabulary we serve: a text longer
+# than max_model_len times this cannot fit and is refused before it is tokenised.
+MAX_BYTES_PER_TOKEN = 64
+
+
+def _text_bytes(req: GenerateRequest | TokenizeRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt.encode("utf-8", "surrogatepass"))
+    return len(_json.encode(req.messages or []))
+
+
+def check_template(req: GenerateRequest | TokenizeRequest, trust_request_template: bool) -> None:
+    """A chat template sent by the client is code the worker would run (Jinja): refused
+    unless the operator started the worker with --trust-request-chat-template."""
+    kwargs = req.chat_template_kwargs or {}
+    if "chat_template" in kwargs and not trust_request_template:
+        raise BadRequest("chat_template_kwargs.chat_template: this worker does not render "
+                         "chat templates sent by clients (the operator can allow it with "
+                         "--trust-request-chat-template); drop it to use the model's template")
+
+
+async def tokenize_off_loop(plane: WorkerPlane, req: GenerateRequest | TokenizeRequest,
+                            max_model_len: int | None) -> list[int]:
+    """Tokenise (and render the chat template) in the plane's tokeniser thread, never on
+    the event loop; a text that cannot fit `max_model_len` is refused before that."""
+    check_template(req, plane.trust_request_chat_template)
+    if max_model_len is not None:
+        size = _text_bytes(req)
+        if size > max_model_len * MAX_BYTES_PER_TOKEN:
+            raise BadRequest(f"the prompt is {size} bytes of text: more than the context length "
+                             f"of {max_model_len} tokens can hold; shorten the prompt")
+    return await asyncio.get_running_loop().run_in_executor(
+        plane.tokenizer_thread, plane.engine.tokenize, req.prompt, req.messages,
+        req.add_generation_prompt, req.chat_template_kwargs)
+
+
+async def check_prompt(plane: WorkerPlane, req: GenerateRequest) -> list[int]:
     """Tokenise if needed and check the prompt and budget against the model; BadRequest says what to fix."""
+    engine = plane.engine
     info = engine.info
     if req.prompt_token_ids is not None:
         ids = req.prompt_token_ids
+        if not ids:
+            raise BadRequest("prompt_token_ids is empty: send at least one token")
     else:
-        ids = engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
-                              req.chat_template_kwargs)
+        ids = await tokenize_off_loop(plane, req, info.max_model_len)
         if not ids:
             raise BadRequest("the prompt tokenises to zero tokens: send a non-empty prompt")
     vocab = info.vocab_size
@@ -116,8 +155,13 @@ class WorkerPlane:
     """A worker's request plane: one engine, served on the stream plane (`serve`) and over
     HTTP (`http_app`). Both go through `open` and `rest`, so they behave the same."""
 
-    def __init__(self, engine: Engine, faults: FaultInjector | None = None) -> None:
+    def __init__(self, engine: Engine, faults: FaultInjector | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         self.engine, self.faults = engine, faults
+        self.trust_request_chat_template = trust_request_chat_template
+        # one thread renders templates and tokenises, off the event loop (a tokeniser is
+        # not safe to share between threads)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
@@ -132,7 +176,7 @@ class WorkerPlane:
                 raise HttpError(500, injected.get("message", "injected failure"))
         engine = self.engine
         try:
-            ids = check_prompt(engine, req)
+            ids = await check_prompt(self, req)
         except BadRequest as e:
             metrics.WORKER_REQUESTS.labels("rejected").inc()
             raise HttpError(400, str(e)) from e
@@ -228,7 +272,7 @@ class WorkerPlane:
         async def tokenize(request: Request) -> Response:
             try:
                 req = msgspec.json.decode(await request.body(), type=TokenizeRequest)
-                return json_response(self.tokenize(req))
+                return json_response(await self.tokenize(req))
             except (msgspec.DecodeError, ValueError) as e:
                 return error_response(400, _decode_error(e))
 
@@ -246,10 +290,9 @@ class WorkerPlane:
             Route("/metrics", metrics_route, methods=["GET"]),
         ], exception_handlers=ERROR_HANDLERS)
 
-    def tokenize(self, req: TokenizeRequest) -> Tokens:
+    async def tokenize(self, req: TokenizeRequest) -> Tokens:
         """Raises BadRequest (a ValueError) for messages the template cannot render."""
-        ids = self.engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+        ids = await tokenize_off_loop(self, req, self.engine.info.max_model_len)
         return Tokens(token_ids=ids, count=len(ids))
 
     # ---------------------------------------------------------------- stream transport
@@ -423,9 +466,11 @@ class _FrontendLink(asyncio.Protocol):
                 task.cancel()
         elif kind == Frame.TOKENIZE:
             try:
-                self.writer.put(Frame.REPLY, sid, self.plane.tokenize(_tokenize.decode(body)))
+                req = _tokenize.decode(body)
             except (msgspec.DecodeError, ValueError) as e:
                 self._error(sid, 400, _decode_error(e))
+                return
+            asyncio.ensure_future(self._tokenize(sid, req))
         elif kind == Frame.CANCEL:
             try:
                 rid = _cancel.decode(body).request_id
@@ -435,6 +480,14 @@ class _FrontendLink(asyncio.Protocol):
             asyncio.ensure_future(self._cancel(sid, rid))
         else:
             self._error(sid, 400, f"unknown frame kind {kind}")
+
+    async def _tokenize(self, sid: int, req: TokenizeRequest) -> None:
+        try:
+            self.writer.put(Frame.REPLY, sid, await self.plane.tokenize(req))
+        except ValueError as e:
+            self._error(sid, 400, _decode_error(e))
+        except Exception as e:  # noqa: BLE001 - the caller hears of it
+            self._error(sid, 500, f"tokenize failed: {type(e).__name__}: {e}")
 
     async def _cancel(self, sid: int, rid: str) -> None:
         try:
