@@ -196,7 +196,12 @@ def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts
 
     odd = fleet.start_worker(*mock_args(ckpts["root"]), "--served-model-name", "mock-4k",
                              "--vocab-size", "4097", kind="mocker")
-    wait_for_workers(fleet.url, "mock-4k", 3)
+    # it joins a coordinator-controlled fleet, so it starts gated (finding 8): known, not usable
+    deadline = time.monotonic() + 30
+    while len([w for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
+               if w["model"] == "mock-4k"]) < 3:
+        assert time.monotonic() < deadline, "the third worker never joined"
+        time.sleep(0.2)
     res = asyncio.run(r.refresh(ckpts["A"], "A", digest="mock:1"))
     assert res.decision == "held" and not res.fleet_moved, res.reason
     assert res.reason.startswith("workers disagree on the post-update probe: worker "

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -192,6 +193,8 @@ class RolloutClient:
         if gate is not None:  # a refresh that reopens the gate names the policy to expect
             gate.subscribe(self.expect)
         self._background: set[asyncio.Task] = set()  # remote cancels in flight
+        # sent with every request: the frontend lets only its holder cancel those runs
+        self._cancel_token = secrets.token_urlsafe(24)
         self._frames: dict[str, tuple[list[int], list[int]]] = {}  # see _turn_frame
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
@@ -359,6 +362,7 @@ class RolloutClient:
         path, body = request_body(route, sent, spec, n, stream, rules.model, a.request_id)
         url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
+                   "x-cancel-token": self._cancel_token,
                    "traceparent": telemetry.traceparent(trace, a.span_id)}
         if log.isEnabledFor(logging.DEBUG):
             log.debug("attempt sent", extra=telemetry.fields(a, trace))
@@ -550,6 +554,7 @@ class RolloutClient:
     async def _post_cancel(self, request_id: str) -> None:
         try:
             await self._http.post(self.base_url + CANCEL_PATH.format(request_id),
+                                  headers={"x-cancel-token": self._cancel_token},
                                   timeout=CANCEL_TIMEOUT)
         except httpx.HTTPError as e:
             log.info("could not cancel request %s: %r", request_id, e,

@@ -492,7 +492,8 @@ class PolicyRefresh:
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
         try:
-            events = await generate_over_http(requests, w.request_url, req, self.timeout)
+            events = await generate_over_http(requests, w.request_url, req, self.timeout,
+                                              self.admin_token)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
             w.exclude(f"post-update generation failed: HTTP {e.status} {e}")

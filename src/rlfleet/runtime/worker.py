@@ -59,7 +59,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         default=int(os.environ["DYN_SYSTEM_PORT"]) if os.environ.get("DYN_SYSTEM_PORT") else None,
         help="system-server port (default: $DYN_SYSTEM_PORT; unset: no system server)")
     add("--admin-token", default=None,
-        help="require `Authorization: Bearer <token>` on mutating admin routes (other users "
+        help="require `Authorization: Bearer <token>` on mutating admin routes and on the "
+             "request plane (/generate, /abort, /tokenize, the stream plane; frontends then "
+             "need the same token) (other users "
              "of the host can read a command line: prefer --admin-token-file or "
              "$RLFLEET_ADMIN_TOKEN)")
     add("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
@@ -85,9 +87,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 
 def settle_worker_args(args: argparse.Namespace) -> None:
-    """Checks and resolutions of the worker flags; ValueError says what to change. The admin
-    token ends in `args.admin_token`, from --admin-token, --admin-token-file or
-    $RLFLEET_ADMIN_TOKEN (one of them)."""
+    """Checks and resolutions of the worker flags; ValueError says what to change."""
+    settle_admin_token(args)
+
+
+def settle_admin_token(args: argparse.Namespace) -> None:
+    """The admin token ends in `args.admin_token`, from --admin-token, --admin-token-file or
+    $RLFLEET_ADMIN_TOKEN (one of them); ValueError says what to change."""
     given = [n for n, v in (("--admin-token", args.admin_token),
                             ("--admin-token-file", args.admin_token_file)) if v]
     if len(given) > 1:
@@ -180,7 +186,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
-    plane = WorkerPlane(engine, faults, args.trust_request_chat_template)
+    plane = WorkerPlane(engine, faults, args.trust_request_chat_template, args.admin_token)
     rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]

@@ -5,6 +5,7 @@ over two transports, the stream plane for frontends and HTTP `POST /generate`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -156,8 +157,11 @@ class WorkerPlane:
     HTTP (`http_app`). Both go through `open` and `rest`, so they behave the same."""
 
     def __init__(self, engine: Engine, faults: FaultInjector | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 admin_token: str | None = None) -> None:
         self.engine, self.faults = engine, faults
+        # with a token, the request plane (stream plane and HTTP) serves only its holders
+        self.admin_token = admin_token
         self.trust_request_chat_template = trust_request_chat_template
         # one thread renders templates and tokenises, off the event loop (a tokeniser is
         # not safe to share between threads)
@@ -282,6 +286,19 @@ class WorkerPlane:
         async def metrics_route(request: Request) -> Response:
             return metrics.metrics_response()
 
+        def authenticated(route):
+            if not self.admin_token:
+                return route
+
+            async def checked(request: Request) -> Response:
+                auth = request.headers.get("authorization", "")
+                if not (auth[:7].lower() == "bearer " and _same(auth[7:], self.admin_token)):
+                    return error_response(401, "this worker's request plane requires "
+                                               "Authorization: Bearer <its admin token>")
+                return await route(request)
+            return checked
+
+        generate, abort, tokenize = map(authenticated, (generate, abort, tokenize))
         return Starlette(routes=[
             Route("/generate", generate, methods=["POST"]),
             Route("/abort", abort, methods=["POST"]),
@@ -365,6 +382,12 @@ _generate = msgspec.msgpack.Decoder(GenerateRequest)
 _credit = msgspec.msgpack.Decoder(int)
 _tokenize = msgspec.msgpack.Decoder(TokenizeRequest)
 _cancel = msgspec.msgpack.Decoder(CancelRequest)
+_auth = msgspec.msgpack.Decoder(str)
+
+
+def _same(given: str | None, token: str) -> bool:
+    return given is not None and hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
 class _FrontendLink(asyncio.Protocol):
@@ -376,6 +399,7 @@ class _FrontendLink(asyncio.Protocol):
         self.windows: dict[int, _Window] = {}
         self.reader = FrameReader()
         self._greeted = False
+        self._authed = False
         self._paused = False
         self._resumed: asyncio.Future | None = None
 
@@ -427,17 +451,42 @@ class _FrontendLink(asyncio.Protocol):
             self.transport.close()
             return
         for kind, sid, body in frames:
+            if self.transport.is_closing():
+                return
             try:
                 self._on_frame(kind, sid, body)
             except Exception as e:  # one bad request never takes the connection down
                 log.exception("stream-plane frame %s on stream %s failed", kind, sid)
                 self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
 
+    def _refuse(self, message: str) -> None:
+        log.warning("closing a stream-plane connection: %s", message)
+        self._error(0, 401, message)
+        self.writer.flush()
+        self.transport.close()
+
     def _error(self, sid: int, status: int, message: str) -> None:
         self.writer.put(Frame.ERROR, sid, EngineError(
             message=message, type=error_body(status, message)["error"]["type"], code=status))
 
     def _on_frame(self, kind: int, sid: int, body: memoryview) -> None:
+        token = self.plane.admin_token
+        if kind == Frame.PING:
+            self.writer.put(Frame.PONG, 0, None)
+            return
+        if kind == Frame.AUTH:
+            try:
+                given = _auth.decode(body)
+            except (msgspec.DecodeError, ValueError):
+                given = ""
+            if token and not _same(given, token):
+                self._refuse("the admin token sent on the stream plane is wrong")
+            self._authed = True
+            return
+        if token and not self._authed:
+            self._refuse("this worker requires its admin token on the stream plane "
+                         "(start the frontend with the same --admin-token)")
+            return
         if kind == Frame.GENERATE:
             try:
                 req = _generate.decode(body)
