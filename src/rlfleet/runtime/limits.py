@@ -24,7 +24,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from rlfleet.runtime.http import HttpError
+from rlfleet.runtime.http import HttpError, json_response
 
 log = logging.getLogger("rlfleet.limits")
 
@@ -103,8 +103,10 @@ class BodyLimit:
                         size = int(value)
                     except ValueError:
                         size = 0  # the HTTP parser refuses a malformed length itself
-                    if size > limit:
-                        await HttpError(413, _too_large(limit)).response()(scope, receive, send)
+                    if size > limit:  # answered at once; the connection then closes
+                        err = HttpError(413, _too_large(limit))
+                        await json_response(err.body, 413, {"connection": "close"})(
+                            scope, receive, send)
                         return
                     break
         received = 0
