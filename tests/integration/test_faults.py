@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
 from tests.conftest import wait_for_workers
 
@@ -37,15 +39,24 @@ WORKER = ("--served-model-name", MODEL, "--seed", "7", "--token-delay", "0.005",
           "--max-model-len", "4096")
 
 
+def worker_args(fleet) -> tuple[str, ...]:
+    return (*WORKER, "--enable-rl", "--system-port", "0", "--enable-fault-injection",
+            "--allowed-weights-root", str(fleet.ckpts))
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    env = {"RLFLEET_ADMIN_TOKEN": TOKEN}
-    with Fleet(tmp_path_factory.mktemp("faults"), lease_ttl=3) as f:
+    env = {"RLFLEET_ADMIN_TOKEN": TOKEN, "DYN_RL_REQUEST_TIMEOUT_SECS": "2"}
+    base = tmp_path_factory.mktemp("faults")
+    with Fleet(base, lease_ttl=3) as f:
+        f.ckpts = base / "weights"
+        write_mock_checkpoint(f.ckpts / "B", 8)
         f.start_frontend("--max-body-bytes", str(MAX_BODY), "--read-timeout", str(READ_TIMEOUT),
                          "--idle-timeout", "2", "--max-connections", "400",
                          "--stall-timeout", str(STALL), "--max-response-entries", "200000",
-                         env=env)
-        procs = [f.start_worker(*WORKER, kind="mocker", env=env, wait=False) for _ in range(2)]
+                         enable_rl=True, env=env)
+        procs = [f.start_worker(*worker_args(f), kind="mocker", env=env, wait=False)
+                 for _ in range(2)]
         for p in procs:
             p.wait_ready(60)
         wait_for_workers(f.url, MODEL, 2)
@@ -309,7 +320,8 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
 
 
 def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
-    victim = fleet.start_worker(*WORKER, kind="mocker", env={"RLFLEET_ADMIN_TOKEN": TOKEN})
+    victim = fleet.start_worker(*worker_args(fleet), kind="mocker",
+                                env={"RLFLEET_ADMIN_TOKEN": TOKEN})
     iid = int(victim.ready["instance_id"])
     deadline = time.monotonic() + 30
     while iid not in usable(fleet):
@@ -327,6 +339,60 @@ def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
     final = {rid: out if out[0] == "ok" else streamed(fleet, rid)
              for rid, out in zip(ids, first, strict=True)}
     assert all(out == ("ok", reference) for out in final.values()), final
+
+
+def test_a_worker_stopped_mid_refresh_is_never_routed_on_uncertain_weights(fleet, tmp_path):
+    """SIGSTOP a worker while it loads the new policy: the coordinator leaves it out and
+    reopens on the other; under load meanwhile every answer comes from a verified worker,
+    and once it wakes up the stopped worker stays out of rotation (its weights were never
+    verified)."""
+    stopped, other = fleet.workers[0], fleet.workers[1]
+    r = httpx.post(f"{stopped.ready['system_url']}/engine/fault_injection", headers=AUTH,
+                   json={"route": "update_weights_from_disk", "mode": "hang",
+                         "hang_seconds": 2}, timeout=5)
+    assert r.json()["status"] == "ok", r.text
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, timeout=4, admin_token=TOKEN,
+                                journal=tmp_path / "journal.sqlite")
+    answers: list[tuple[int, dict]] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=60) as http:
+            while not stop.is_set():
+                out = http.post(f"{fleet.url}/v1/completions", json={
+                    "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4,
+                    "nvext": {"extra_fields": ["weight_versions", "worker_id"]}})
+                answers.append((out.status_code, out.json()))
+
+    async def refresh():
+        task = asyncio.create_task(coordinator.refresh(fleet.ckpts / "B", "B",
+                                                       digest="mock:8"))
+        await asyncio.sleep(1.0)  # it is inside update_weights_from_disk
+        stopped.signal(signal.SIGSTOP)
+        return await task
+
+    loaders = [threading.Thread(target=load) for _ in range(3)]
+    for t in loaders:
+        t.start()
+    try:
+        res = asyncio.run(refresh())
+        time.sleep(1)
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join(60)
+        stopped.signal(signal.SIGCONT)
+    assert res.decision == "reopened", res.reason
+    verdict = {w["instance_id"]: w["status"] for w in res.workers}
+    assert verdict[int(other.ready["instance_id"])] == "verified"
+    assert verdict[int(stopped.ready["instance_id"])] != "verified", verdict
+    assert answers and all(code == 200 for code, _ in answers), \
+        [a for a in answers if a[0] != 200][:3]
+    after = [body for _, body in answers[-5:]]  # the last answers: the new policy, verified
+    assert {s["digest"] for body in after for s in body["nvext"]["weight_versions"]} == {"mock:8"}
+    time.sleep(2)  # it is running again
+    assert int(stopped.ready["instance_id"]) not in usable(fleet)
+    assert usable(fleet) == {int(other.ready["instance_id"])}
 
 
 def test_no_server_grew_past_its_bound(fleet):

@@ -14,6 +14,7 @@ from typing import Any
 import uvloop
 
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
+from rlfleet.runtime.admission import _FIELDS as ADMISSION_FIELDS
 from rlfleet.runtime.admission import Admission
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
@@ -255,6 +256,24 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
             ttl=args.lease_ttl))
     await admission.attach(regs)
+
+    background: set[asyncio.Future] = set()
+
+    async def rejoined(entry: dict[str, Any]) -> dict[str, Any]:
+        """The worker was out of discovery for a while (stopped, cut off): a controlled
+        fleet may have moved on without it, so it re-joins gated, as a new worker would."""
+        if not admission.gated:
+            why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
+            if why:
+                log.warning("re-joined after its lease lapsed: %s", why)
+                admission.gate_reason = f"re-joined after its lease lapsed: {why}"
+                # the other registrations too (each waits for its own keep-alive's lock)
+                background.add(asyncio.ensure_future(admission._publish()))
+        return {**{k: v for k, v in entry.items() if k not in ADMISSION_FIELDS},
+                **admission.fields()}
+
+    for reg in regs:
+        reg.on_lapse = rejoined
     serving.set()
     watch = asyncio.create_task(_watch_engine(engine, admission), name="engine-watch")
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
