@@ -407,3 +407,75 @@ def test_weight_versions_span_an_update_under_keep_pause(ctl, weights_root, tiny
         assert gen["meta_info"]["weight_versions"][0]["version"] == "B"
     finally:
         set_weights(ctl, weights_root / "A", "A")
+
+
+# ------------------------------------------------------------------ refusals (issue 10)
+
+def test_bad_checkpoints_are_refused_with_a_reason(ctl, weights_root, tiny_model_b):
+    """A symlinked file out of the allowed root, a null byte, a truncated file: each a
+    200 `status: error` that says what is wrong; the weights stay."""
+    linked = weights_root / "linked"
+    linked.mkdir(exist_ok=True)
+    for f in (weights_root / "A").iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, linked / f.name)
+    target = tiny_model_b / "model.safetensors"  # outside the allowed root
+    (linked / "model.safetensors").unlink(missing_ok=True)
+    (linked / "model.safetensors").symlink_to(target)
+    truncated = weights_root / "truncated"
+    shutil.copytree(weights_root / "A", truncated, dirs_exist_ok=True)
+    data = (weights_root / "A" / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
+    digest = admin(ctl, "get_weight_version")["weight_digest"]
+    admin(ctl, "pause_generation", {"mode": "wait"})
+    try:
+        for path, words in ((linked, "symlinks that lead outside"),
+                            (f"{weights_root}/A\0/../B", "null byte"),
+                            (truncated, "not readable safetensors")):
+            r = httpx.post(f"{ctl.system_url}/engine/update_weights_from_disk", timeout=60,
+                           json={"model_path": str(path)})
+            assert r.status_code == 200, r.text
+            assert r.json()["status"] == "error" and words in r.json()["message"], r.json()
+    finally:
+        admin(ctl, "resume_generation")
+    assert admin(ctl, "get_weight_version")["weight_digest"] == digest
+
+
+def test_a_trainer_broadcast_of_non_finite_weights_is_refused(ctl, tiny_model_b):
+    tensors = [(n, t.clone()) for n, t in iter_checkpoint_tensors(tiny_model_b)]
+    tensors[-1][1].view(-1)[0] = float("nan")
+    digest = admin(ctl, "get_weight_version")["weight_digest"]
+    admin(ctl, "pause_generation", {"mode": "keep"})
+    try:
+        results = asyncio.run(push_weights([ctl.system_url], tensors, "nan", timeout=30))
+    finally:
+        admin(ctl, "resume_generation")
+    assert results[0]["status"] == "error" and "non-finite" in results[0]["message"], results
+    assert admin(ctl, "get_weight_version")["weight_digest"] == digest
+    assert admin(ctl, "liveness_probe") == {"status": "ok", "alive": True}
+
+
+def test_a_long_control_call_keeps_its_deadline_and_blocks_no_reader(ctl):
+    """A trainer group to a port nobody listens on, with an 8 s deadline, while the liveness
+    probe, the version and the admission answer at once (issue 10 finding 11)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rlfleet.weights.broadcast import free_port
+
+    def timed(route: str, body: dict | None = None) -> tuple[float, dict]:
+        t0 = time.monotonic()
+        out = admin(ctl, route, body, timeout=60)
+        return time.monotonic() - t0, out
+
+    with ThreadPoolExecutor(1) as pool:
+        init = pool.submit(timed, "init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1,
+            "world_size": 2, "timeout": 8})
+        time.sleep(2)  # the engine is running the call now
+        readers = [timed("liveness_probe"), timed("get_weight_version"),
+                   timed("set_admission", {"open": True})]
+        took, out = init.result()
+    assert out["status"] == "error" and "initialisation failed" in out["message"], out
+    assert took < 8 + 6, f"the 8 s deadline took {took:.1f}s"
+    for secs, body in readers:
+        assert body["status"] == "ok" and secs < 2, (secs, body)

@@ -120,13 +120,20 @@ def test_retry_with_the_same_request_id_generates_nothing_new(fleet):
 def test_cancel_by_request_id_returns_partial_output(fleet):
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": True,
             "nvext": {"extra_fields": ["completion_token_ids", "detailed_finish_reason"]}}
-    headers = {"X-Request-Id": "cancel-me-1"}
+    headers = {"X-Request-Id": "cancel-me-1", "X-Cancel-Token": "owner-secret"}
     out: dict = {}
     t = threading.Thread(target=lambda: out.update(httpx.post(
         f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=120).json()))
     t.start()
     time.sleep(0.8)
-    r = httpx.post(f"{fleet.url}/v1/requests/cancel-me-1/cancel", timeout=10).json()
+    # another client knows the request ID, not the token: refused (issue 10 finding 9)
+    for other in ({}, {"X-Cancel-Token": "guess"}):
+        stranger = httpx.post(f"{fleet.url}/v1/requests/cancel-me-1/cancel", headers=other,
+                              timeout=10)
+        assert stranger.status_code == 403, stranger.text
+        assert "X-Cancel-Token" in stranger.json()["error"]["message"]
+    r = httpx.post(f"{fleet.url}/v1/requests/cancel-me-1/cancel",
+                   headers={"X-Cancel-Token": "owner-secret"}, timeout=10).json()
     assert r["cancelled"] is True
     t.join(30)
     assert out["choices"][0]["finish_reason"] == "abort"

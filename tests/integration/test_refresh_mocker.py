@@ -196,7 +196,12 @@ def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts
 
     odd = fleet.start_worker(*mock_args(ckpts["root"]), "--served-model-name", "mock-4k",
                              "--vocab-size", "4097", kind="mocker")
-    wait_for_workers(fleet.url, "mock-4k", 3)
+    # it joins a coordinator-controlled fleet, so it starts gated (finding 8): known, not usable
+    deadline = time.monotonic() + 30
+    while len([w for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
+               if w["model"] == "mock-4k"]) < 3:
+        assert time.monotonic() < deadline, "the third worker never joined"
+        time.sleep(0.2)
     res = asyncio.run(r.refresh(ckpts["A"], "A", digest="mock:1"))
     assert res.decision == "held" and not res.fleet_moved, res.reason
     assert res.reason.startswith("workers disagree on the post-update probe: worker "
@@ -333,3 +338,47 @@ def test_cli_refresh_and_journal(fleet, ckpts, tmp_path):
          "--version", "A", "--digest", "mock:1", "--rl-url", fleet.rl_url, "--journal",
          str(journal)], capture_output=True, text=True, timeout=120)
     assert held.returncode == 1 and "decision: held" in held.stdout
+
+
+def test_a_restarted_worker_stays_out_until_verified_without_start_gated(fleet, ckpts, tmp_path):
+    """A coordinator moved the fleet to B; a worker restarts on its command line (A), with
+    no --start-gated, under continuous load: it reads from its peers' entries that a
+    coordinator controls the fleet and joins gated, so no request is served from A; the
+    coordinator then admits it on B (issue 10 finding 8)."""
+    import threading
+
+    r = coordinator(fleet, tmp_path)
+    assert to(r, ckpts, "B", 2).ok
+    served: list[str | None] = []
+    stop = threading.Event()
+
+    def load() -> None:
+        with httpx.Client(timeout=30) as http:
+            while not stop.is_set():
+                out = http.post(f"{fleet.url}/v1/completions", json={
+                    "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 4,
+                    "nvext": {"extra_fields": ["weight_versions"]}})
+                if out.status_code == 200:
+                    served.extend(s["digest"] for s in out.json()["nvext"]["weight_versions"])
+
+    loaders = [threading.Thread(target=load) for _ in range(4)]
+    for t in loaders:
+        t.start()
+    try:
+        time.sleep(0.5)
+        fleet.workers[1].stop()
+        new = fleet.start_worker(*mock_args(ckpts["root"]), kind="mocker")  # seed 1: A
+        time.sleep(3)  # well past the frontend noticing the new entry
+    finally:
+        stop.set()
+        for t in loaders:
+            t.join()
+    iid = int(new.ready["instance_id"])
+    assert served and set(served) == {"mock:2"}, {d: served.count(d) for d in set(served)}
+    assert iid not in routed(fleet)
+    health = httpx.get(f"{new.ready['system_url']}/health", timeout=5).json()
+    assert health["gated"] and "coordinator" in health["gate_reason"], health
+    res = asyncio.run(r.admit_new_workers())
+    assert res.ok and [w["instance_id"] for w in res.workers] == [iid], res.reason
+    assert versions(fleet)[iid] == ("B", "mock:2")
+    assert iid in routed(fleet, 2)

@@ -7,8 +7,8 @@ the version from a peer, with the S3 server down, and is admitted only once veri
 from __future__ import annotations
 
 import asyncio
-import time
 import json
+import time
 
 import httpx
 import pytest

@@ -537,3 +537,21 @@ def test_policy_bound_is_checked_when_made():
     for bad in ({}, {"min_step": -1}, {"max_lag": 1.5}, {"max_lag": 1, "on_stale": "x"}):
         with pytest.raises(ValueError, match="PolicyBound"):
             PolicyBound(**bad)
+
+
+async def test_a_reopen_hands_the_new_policy_to_waiting_attempts():
+    """PolicyRefresh reopens the gate on the policy it verified: attempts waiting at the
+    gate expect it at once, with nobody calling `expect` (issue 10 finding 11)."""
+    from rlfleet.rl.gate import RolloutGate
+
+    gate = RolloutGate()
+    gate.close("policy refresh")
+    fe = FakeFrontend(lambda i, b: Action(version="v2"))
+    async with client(fe, gate=gate, expected_version="v1") as c:
+        waiting = [asyncio.create_task(c.generate(f"s{k}", PROMPT)) for k in range(4)]
+        await asyncio.sleep(0.1)
+        gate.open(("v2", "d1"))  # what the refresh does once the fleet serves v2
+        samples = await asyncio.gather(*waiting)
+        assert {s.weight_version for s in samples} == {"v2"}
+        assert len(fe.requests) == 4  # no attempt wasted on the old expectation
+        assert c.rules.expected_version == "v2" and c.rules.expected_digest == "d1"

@@ -10,12 +10,17 @@ import signal
 
 import uvloop
 
+from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
+from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
+from rlfleet.frontend.runs import RunRegistry
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.worker import settle_admin_token
 
 log = logging.getLogger("rlfleet.frontend")
 
@@ -50,7 +55,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
     p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
     p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
-    return p.parse_args(argv)
+    p.add_argument("--stall-timeout", type=float, default=30.0,
+                   help="seconds a worker with requests in flight may answer nothing at all "
+                        "(not even a ping) before it is marked down and its requests fail "
+                        "over (not yet started) or fail (0: never)")
+    p.add_argument("--admin-token", default=None,
+                   help="the fleet's admin token: sent to workers (their request plane "
+                        "requires it when they have one) and accepted to cancel any run "
+                        "(prefer --admin-token-file or $RLFLEET_ADMIN_TOKEN)")
+    p.add_argument("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
+                   help="read the admin token from this file (default: "
+                        "$RLFLEET_ADMIN_TOKEN_FILE, else $RLFLEET_ADMIN_TOKEN)")
+    p.add_argument("--max-response-entries", type=int, default=MAX_RESPONSE_ENTRIES,
+                   help="refuse (400) a request whose n x max_tokens x (1 + logprobs) could "
+                        f"exceed this (default {MAX_RESPONSE_ENTRIES}; 0: no limit)")
+    p.add_argument("--max-kept-bytes", type=int, default=2 << 30,
+                   help="about how much memory the events of runs kept for X-Request-Id "
+                        "retries may hold (default 2 GiB); beyond it the oldest finished runs "
+                        "are forgotten, and new ones are refused (429) while runs in flight "
+                        "hold it all")
+    ServerLimits.add_args(p)
+    args = p.parse_args(argv)
+    try:
+        settle_admin_token(args)
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -63,14 +93,19 @@ async def serve(args: argparse.Namespace) -> None:
     discovery = open_discovery(args.discovery)
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
                       gated_hold=args.gated_hold)
-    client = WorkerClient(request_timeout=args.request_timeout)
+    client = WorkerClient(request_timeout=args.request_timeout,
+                          stall_timeout=args.stall_timeout or None, admin_token=args.admin_token)
+    dispatch.MAX_RESPONSE_ENTRIES = args.max_response_entries or None
+    runs = RunRegistry(max_kept_bytes=args.max_kept_bytes, admin_token=args.admin_token)
     await pool.start()
-    servers = [AppServer(build_app(pool, client), bind_socket(args.http_host, args.http_port))]
+    limits = ServerLimits.from_args(args)
+    servers = [AppServer(build_app(pool, client, runs), bind_socket(args.http_host, args.http_port),
+                         limits=limits)]
     if args.enable_rl:
         from rlfleet.frontend.rl import rl_app
 
         servers.append(AppServer(rl_app(discovery, args.namespace),
-                                 bind_socket(args.http_host, args.rl_port)))
+                                 bind_socket(args.http_host, args.rl_port), limits=limits))
     for s in servers:
         await s.start()
     host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))

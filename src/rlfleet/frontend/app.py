@@ -16,10 +16,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from rlfleet.frontend import openai, sglang
 from rlfleet.frontend.generation import Frontend, frontend_of
 from rlfleet.frontend.router import WorkerPool
-from rlfleet.frontend.runs import RunRegistry
+from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry
 from rlfleet.protocol.openai import ModelCard, ModelList
 from rlfleet.runtime import metrics
-from rlfleet.runtime.http import ERROR_HANDLERS, json_response
+from rlfleet.runtime.http import ERROR_HANDLERS, HttpError, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
 log = logging.getLogger("rlfleet.frontend.requests")
@@ -50,6 +50,13 @@ async def cancel(request: Request) -> Response:
     fe = frontend_of(request)
     rid = request.path_params["rid"]
     run = fe.runs.running(rid)
+    if run is not None:
+        auth = request.headers.get("authorization", "")
+        admin = auth[7:] if auth[:7].lower() == "bearer " else None
+        if not fe.runs.may_cancel(run, request.headers.get(CANCEL_TOKEN_HEADER), admin):
+            raise HttpError(403, f"only the owner of request {rid!r} can cancel it: send the "
+                                 "X-Cancel-Token header it was started with (or the frontend's "
+                                 "admin token as Authorization: Bearer)")
     worker = run.worker if run is not None else None
     cancelled = worker is not None and await fe.client.cancel(worker.address, rid)
     return json_response({"request_id": rid, "cancelled": cancelled})

@@ -15,10 +15,34 @@ from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, S
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.openai import Usage
 from rlfleet.runtime import metrics
+from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerStream
 
 MAX_ATTEMPTS = 3
 log = logging.getLogger("rlfleet.dispatch")
+# n x max_tokens x (1 + logprobs) a request may ask for (about 30 bytes of JSON each): one
+# request must not make a response of gigabytes (python -m rlfleet.frontend
+# --max-response-entries; None: no limit)
+MAX_RESPONSE_ENTRIES: int | None = 4_000_000
+
+
+def check_response_size(req: GenerateRequest, max_model_len: Any) -> None:
+    """HttpError 400 when the request could produce more than MAX_RESPONSE_ENTRIES."""
+    limit = MAX_RESPONSE_ENTRIES
+    if limit is None:
+        return
+    s = req.sampling
+    tokens = s.max_tokens
+    if tokens is None:
+        tokens = max_model_len if isinstance(max_model_len, int) and max_model_len > 0 else 0
+    entries = s.n * tokens * (1 + (s.logprobs or 0))
+    if s.prompt_logprobs is not None and isinstance(max_model_len, int):
+        entries += max_model_len * (1 + s.prompt_logprobs)
+    if entries > limit:
+        raise HttpError(400, f"this request could produce {entries} tokens and logprobs (n={s.n}"
+                             f" x max_tokens={tokens} x (1 + logprobs={s.logprobs or 0})); this "
+                             f"frontend answers at most {limit} per request: lower n, "
+                             "max_tokens or logprobs, or split the request")
 
 
 class Choice:
@@ -250,6 +274,8 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         req = msgspec.structs.replace(req, stream=True)
     for attempt in range(MAX_ATTEMPTS):
         w = await pool.acquire(model, tried, bound)
+        if attempt == 0:
+            check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
         stale = None if bound is None else \
             Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable]))
@@ -291,7 +317,10 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                                                   "broken" if e.broken else "refused").inc()
             if e.broken:
                 pool.mark_down(w, str(e))
-            if e.retryable and not started and attempt + 1 < MAX_ATTEMPTS:
+            # nothing of it reached the caller: an unreachable or stalled worker's request
+            # starts again on another one (a stalled worker that wakes up finds its link
+            # gone and aborts it)
+            if (e.retryable or e.stalled) and not started and attempt + 1 < MAX_ATTEMPTS:
                 continue
             raise
         finally:

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
-from rlfleet.frontend.runs import RequestIdConflict, Run, RunRegistry
+from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RequestIdConflict, Run, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, json_response
@@ -197,7 +197,9 @@ async def follow(request: Request, model: str, greq: GenerateRequest, res: Resul
                         bound=bound)
 
     try:
-        run, _ = fe.runs.start(greq.request_id, await request.body(), keep, source)
+        run, _ = fe.runs.start(greq.request_id, await request.body(), keep, source,
+                               route=request.url.path,
+                               cancel_token=request.headers.get(CANCEL_TOKEN_HEADER))
     except RequestIdConflict as e:
         raise HttpError(409, str(e)) from e
     fe.runs.attach(run)

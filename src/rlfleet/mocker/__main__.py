@@ -13,7 +13,7 @@ import os
 
 from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
-from rlfleet.runtime.worker import add_worker_args, run_worker, staging_area
+from rlfleet.runtime.worker import add_worker_args, run_worker, settle_worker_args, staging_area
 
 log = logging.getLogger("rlfleet.mocker")
 
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     add_worker_args(p)
     args = p.parse_args(argv)
     try:
+        settle_worker_args(args)
         engine = MockEngine(args)
         staging = staging_area(args) if args.admin_schema == "vllm" else None
         admin = MockAdmin(engine, args.allowed_weights_root, schema=args.admin_schema,
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
         # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
-    run_worker(engine, args, admin.routes, staging=staging, fence=admin.fence)
+    run_worker(engine, args, admin.routes, staging=staging, admission=admin.vllm.admission,
+               fence=admin.fence)
 
 
 if __name__ == "__main__":

@@ -237,12 +237,15 @@ class Frame(enum.IntEnum):
     CANCEL = 3  # CancelRequest; answered by REPLY (Cancelled) or ERROR
     TOKENIZE = 4  # TokenizeRequest; answered by REPLY (Tokens) or ERROR
     CREDIT = 5  # int: the caller has taken this many more events of the stream
+    PING = 6  # (empty, stream 0) are you there? answered by PONG on the worker's event loop
+    AUTH = 7  # str, stream 0, first frame: the admin token (workers started with one need it)
     # worker -> frontend
     HEAD = 10
     STEP = 11
     DONE = 12
     ERROR = 13  # EngineError
     REPLY = 14
+    PONG = 15  # (empty, stream 0) the answer to PING
 
 
 STALE_POLICY = "stale_policy"  # detailed finish reason of a choice aborted as stale

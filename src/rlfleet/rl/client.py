@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -178,7 +179,8 @@ class RolloutClient:
     `model` (and `expected_version` / `expected_digest` when set) and recording attempts
     in `ledger` (default: in memory). `route` ("openai" or "sglang") and `stream` are
     defaults that each `generate` call may override. With a `gate` (the policy refresh's
-    RolloutGate), no attempt starts while the gate is closed. `transport` is for tests."""
+    RolloutGate), no attempt starts while the gate is closed, and a reopen on a policy makes
+    it the expected one before any attempt starts. `transport` is for tests."""
 
     def __init__(self, base_url: str, model: str, *, ledger: SampleLedger | None = None,
                  retry: RetryPolicy | None = None, partial: PartialRolloutPolicy | None = None,
@@ -199,7 +201,11 @@ class RolloutClient:
         self.retry = retry or RetryPolicy()
         self.partial = partial or PartialRolloutPolicy()
         self.route, self.stream, self.gate = route, stream, gate
+        if gate is not None:  # a refresh that reopens the gate names the policy to expect
+            gate.subscribe(self.expect)
         self._background: set[asyncio.Task] = set()  # remote cancels in flight
+        # sent with every request: the frontend lets only its holder cancel those runs
+        self._cancel_token = secrets.token_urlsafe(24)
         self._frames: dict[str, tuple[list[int], list[int]]] = {}  # see _turn_frame
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
@@ -374,6 +380,7 @@ class RolloutClient:
                                   rules.policy)
         url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
+                   "x-cancel-token": self._cancel_token,
                    "traceparent": telemetry.traceparent(trace, a.span_id)}
         if log.isEnabledFor(logging.DEBUG):
             log.debug("attempt sent", extra=telemetry.fields(a, trace))
@@ -567,6 +574,7 @@ class RolloutClient:
     async def _post_cancel(self, request_id: str) -> None:
         try:
             await self._http.post(self.base_url + CANCEL_PATH.format(request_id),
+                                  headers={"x-cancel-token": self._cancel_token},
                                   timeout=CANCEL_TIMEOUT)
         except httpx.HTTPError as e:
             log.info("could not cancel request %s: %r", request_id, e,

@@ -524,7 +524,8 @@ class PolicyRefresh:
                 else:
                     self.verified = {w.instance_id for w in tx.active()}
                 self.current = served
-                self.gate.open()
+                # waiting attempts expect the reopened policy before the gate opens
+                self.gate.open((served.version, served.digest) if served else None)
             except RefreshHeld as e:
                 tx.state = RefreshState.HELD
                 decision, reason = "held", str(e)
@@ -844,7 +845,8 @@ class PolicyRefresh:
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
         try:
-            events = await generate_over_http(requests, w.request_url, req, self.timeout)
+            events = await generate_over_http(requests, w.request_url, req, self.timeout,
+                                              self.admin_token)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
             w.exclude(f"post-update generation failed: HTTP {e.status} {e}")

@@ -9,13 +9,18 @@ worker's system server has seen, `rlfleet.runtime.system_server.FleetFence`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import os
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlfleet.protocol import admin
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.runtime.admission import Admission
 from rlfleet.runtime.engine import EngineControl, WeightLoadError
 from rlfleet.runtime.system_server import FleetFence, Route, failed, ok
 
@@ -25,12 +30,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("rlfleet.admin")
 
 GROUP_TIMEOUT = float(os.environ.get("RLFLEET_GROUP_TIMEOUT", 60))
+SELF_CHECK_TIMEOUT = float(os.environ.get("RLFLEET_SELF_CHECK_TIMEOUT", 60))
 NOT_PAUSED = "generation is not paused: call pause_generation first"
+PENDING = "new weights installed: their self-check runs when generation resumes"
 
 
 class EngineAdmin:
     """Route handlers over one engine. The weight identity (version, declared, digest) is
-    the engine's; the admin owns only whether a trainer's weight-update group is open."""
+    the engine's; the admin owns whether a trainer's weight-update group is open, and
+    whether the worker vouches for its weights (`admission`'s hold, which the worker's
+    discovery entries publish): after every install the worker's own self-check must pass
+    (`self_check`) before it takes rollouts again, and a load that failed without the
+    previous weights coming back keeps it closed until a load succeeds."""
 
     def __init__(self, engine: EngineControl, allowed_roots: list[str] | None = None,
                  staging: StagingArea | None = None, fence: FleetFence | None = None) -> None:
@@ -39,6 +50,8 @@ class EngineAdmin:
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.group: admin.GroupRequest | None = None  # the trainer's group, once joined
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
+        self.admission = Admission(identity=self._policy)
+        self.check_pending = False  # weights installed since the last self-check
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [
@@ -64,12 +77,36 @@ class EngineAdmin:
 
     # ---------------------------------------------------------------- lifecycle
 
+    def _policy(self) -> dict[str, Any]:
+        ident = self.engine.identity()
+        return {"version": ident.version, "digest": ident.digest}
+
     async def liveness_probe(self, body: dict) -> dict:
+        """The engine answers and its model can run on the weights it holds (both checked
+        each time, cheaply); a worker that holds itself closed says why. While the engine
+        runs a long control call, the answer says so instead of waiting behind it."""
+        busy = self.engine.busy()
         try:
             await self.engine.check_health()
         except Exception as e:
-            return failed(f"engine is not healthy: {e!r}", alive=False)
-        return ok(alive=True)
+            await self.admission.hold(f"the engine is not healthy: {e!r}")
+            return failed(f"engine is not healthy: {e!r}", alive=False,
+                          weights_uncertain=self.admission.hold_reason)
+        try:
+            problem = None if busy else await self.engine.weights_problem()
+        except Exception as e:  # e.g. no answer in time: said, not held against it
+            return failed(f"the engine did not answer a check of its weights: {e!r}",
+                          alive=False)
+        if problem:
+            await self.admission.hold(f"weights uncertain: {problem}")
+        extra: dict[str, Any] = {"busy": busy} if busy else {}
+        if self.check_pending:
+            extra["self_check"] = "pending"
+        why = self.admission.hold_reason
+        if why and why != PENDING:  # a pending self-check is no fault: it runs on resume
+            return failed(f"this worker holds itself closed: {why}", alive=not problem,
+                          weights_uncertain=why, **extra)
+        return ok(alive=True, **extra)
 
     async def pause_generation(self, body: dict) -> dict:
         p = admin.pause_request(body)
@@ -78,7 +115,67 @@ class EngineAdmin:
 
     async def resume_generation(self, body: dict) -> dict:
         await self.engine.resume()
+        if self.check_pending:
+            why = await self.vouch()
+            if why:
+                return failed(f"generation resumed, but {why}; this worker holds itself "
+                              "closed to rollouts until weights that pass are installed",
+                              weights_uncertain=self.admission.hold_reason)
         return ok(message="Engine resumed")
+
+    # ---------------------------------------------------------------- self-check
+
+    async def self_check(self) -> str | None:
+        """The worker's own check of the weights it serves, run after every install: the
+        model can run on them, and a one-token greedy generation gives a token of the
+        vocabulary with finite logprobs that are not all equal (NaN logits can come out as
+        a flat distribution). Why not, or None. Needs generation running."""
+        problem = await self.engine.weights_problem()
+        if problem:
+            return problem
+        vocab = self.engine.info.vocab_size
+        prompt = [t % vocab for t in (1, 2, 3)] if vocab else [1, 2, 3]
+        req = GenerateRequest(request_id=f"self-check-{uuid.uuid4().hex[:12]}",
+                              prompt_token_ids=prompt, stream=False,
+                              sampling=SamplingOptions(max_tokens=1, temperature=0.0, logprobs=5,
+                                                       ignore_eos=True))
+
+        async def run() -> list[dict]:
+            return [lp for ev in [e async for e in self.engine.generate(req, prompt)]
+                    for c in ev.get("choices", []) for lp in c.get("logprobs") or []]
+        try:
+            lps = await asyncio.wait_for(run(), SELF_CHECK_TIMEOUT)
+        except TimeoutError:
+            return f"a one-token greedy generation did not finish within {SELF_CHECK_TIMEOUT:.0f}s"
+        except Exception as e:
+            return f"a one-token greedy generation failed: {e!r}"
+        if len(lps) != 1:
+            return f"a one-token greedy generation gave {len(lps)} tokens"
+        tid, lp = lps[0].get("token_id"), lps[0].get("logprob")
+        if not isinstance(lp, float) or not math.isfinite(lp):
+            return (f"a one-token greedy generation gave logprob {lp} (token {tid}): the "
+                    "weights produce non-finite values")
+        if not isinstance(tid, int) or (vocab and not 0 <= tid < vocab):
+            return f"a one-token greedy generation gave token {tid}, outside the vocabulary"
+        top = [t[1] for t in lps[0].get("top") or []]
+        if not all(isinstance(x, float) and math.isfinite(x) for x in top):
+            return f"a one-token greedy generation gave non-finite top logprobs {top}"
+        if len(top) > 1 and max(top) - min(top) < 1e-6:
+            return (f"a one-token greedy generation gave a flat distribution (top logprobs "
+                    f"{top[0]:.4f}): the weights produce non-finite values")
+        return None
+
+    async def vouch(self) -> str | None:
+        """Run the self-check on what is installed now: lift the worker's hold when it
+        passes, hold it closed (saying why) when it does not. Returns why it failed."""
+        why = await self.self_check()
+        self.check_pending = False
+        if why:
+            why = f"the self-check of the installed weights failed: {why}"
+            await self.admission.hold(why)
+            return why
+        await self.admission.release()
+        return None
 
     async def flush_cache(self, body: dict) -> dict:
         if not await self.engine.reset_cache():
@@ -116,14 +213,29 @@ class EngineAdmin:
         try:
             digest = await load()
         except WeightLoadError as e:
+            if e.uncertain:
+                await self.admission.hold(f"weights uncertain: {what} failed and the previous "
+                                          f"weights could not be put back ({e})")
+                return failed(f"{what} failed: {e}",
+                              weights_uncertain=self.admission.hold_reason)
             return failed(f"{what} failed: {e}")
         if self.staging is not None and not staged:  # the resident staged copy is stale now
             await self.staging.weights_replaced()
         await self.engine.set_version(version, declared=version is not None, digest=digest,
                                       step=step)
+        # closed until the self-check passes: now, or when generation resumes
+        self.check_pending = True
+        await self.admission.hold(PENDING)
         if reset_cache and not await self.engine.reset_cache(running=True):
+            await self.admission.hold("weights were applied but the prefix cache could not be "
+                                      "reset")
             return failed("weights were applied but the prefix cache could not be reset; "
                           "do not admit this worker", weight_digest=digest)
+        if not await self.engine.is_paused():
+            why = await self.vouch()
+            if why:
+                return failed(f"{what}: the weights were applied but {why}",
+                              weight_digest=digest, weights_uncertain=why)
         return ok(version=version if version is not None else "unknown",
                   version_declared=version is not None, weight_digest=digest, step=step)
 

@@ -79,7 +79,12 @@ class Engine(abc.ABC):
 
 class WeightLoadError(RuntimeError):
     """New weights could not be loaded; the message says what failed and whether the
-    previous weights serve again."""
+    previous weights serve again. `uncertain`: they do not, and the model may hold part of
+    each (or nothing): the worker must not serve until a load succeeds."""
+
+    def __init__(self, message: str, uncertain: bool = False) -> None:
+        super().__init__(message)
+        self.uncertain = uncertain
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,17 @@ class EngineControl(abc.ABC):
     # ---- generation
 
     async def check_health(self) -> None:  # noqa: B027 - optional: healthy by default
-        """Raise when the engine cannot serve."""
+        """Raise when the engine cannot serve (its process is gone, its loop is dead)."""
+
+    async def weights_problem(self) -> str | None:
+        """Why the model cannot run on the weights it holds (None when it can), found
+        without running it and cheaply: this answers every liveness probe."""
+        return None
+
+    def busy(self) -> str | None:
+        """The long control call the engine runs now, if any ("init_group running for 3.1s"):
+        a liveness probe answers from what it knows instead of queueing behind it."""
+        return None
 
     @abc.abstractmethod
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:

@@ -125,13 +125,20 @@ class _Server(uvicorn.Server):
 class AppServer:
     """One ASGI app on one bound socket, started and stopped as an asyncio task."""
 
-    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
+                 limits: Any = None) -> None:
+        """`limits`: a `rlfleet.runtime.limits.ServerLimits` (default: its defaults)."""
+        from rlfleet.runtime.limits import BodyLimit, ServerLimits, guarded_protocol
+
+        limits = limits or ServerLimits()
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
-        self._server = _Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                              access_log=False, timeout_keep_alive=30,
-                                              timeout_graceful_shutdown=5, http="httptools"))
+        self._server = _Server(uvicorn.Config(BodyLimit(app, limits), log_level=log_level,
+                                              lifespan="off", access_log=False,
+                                              timeout_keep_alive=limits.idle_timeout,
+                                              timeout_graceful_shutdown=5,
+                                              http=guarded_protocol(limits)))
         self._task: asyncio.Task | None = None
 
     @property

@@ -99,6 +99,38 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# exec'd by multiprocessing instead of the interpreter: `setpriv --pdeathsig KILL` then python
+CHILD_WRAPPER = Path(__file__).with_name("die_with_parent.sh")
+_children_die: bool | None = None  # set once per process
+
+
+def children_die_with_this_process() -> bool:
+    """Every process this one starts from now on through multiprocessing (vLLM's engine core,
+    whatever that starts in turn with `fork`) gets SIGKILL when this process dies, even by
+    SIGKILL: nothing of a worker outlives it, and a GPU's memory is freed with it.
+
+    `spawn` children are exec'd through CHILD_WRAPPER (vLLM wraps its children the same way
+    for numactl); `fork` children set the signal themselves. Multiprocessing's resource
+    tracker is started first, unwrapped: it exits on its own once the last process that
+    holds its pipe is gone, after cleaning up what they leaked. False (and nothing changed
+    for `spawn` children) when `setpriv` (util-linux) is missing."""
+    import multiprocessing
+    import shutil
+    from multiprocessing import resource_tracker, spawn
+
+    global _children_die
+    if _children_die is not None:
+        return _children_die
+    os.register_at_fork(after_in_child=_die_with_parent)
+    _children_die = shutil.which("setpriv") is not None and os.access(CHILD_WRAPPER, os.X_OK)
+    if not _children_die:
+        return False
+    resource_tracker.ensure_running()
+    os.environ["RLFLEET_CHILD_PYTHON"] = os.fsdecode(spawn.get_executable())
+    multiprocessing.set_executable(str(CHILD_WRAPPER))
+    return True
+
+
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
           ready_marker: str = "RLFLEET_", cwd: Path | None = None,
           die_with_parent: bool = False) -> Proc:

@@ -174,7 +174,8 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     table = {r.name: r for r in routes}
     fence = fence if fence is not None else FleetFence()
     started = time.monotonic_ns()
-    lock = asyncio.Lock()
+    lock = asyncio.Lock()  # serialised control calls, one at a time
+    running: list[str] = []  # the one that holds the lock
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
     metrics.mount_metrics(app)
 
@@ -251,8 +252,18 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                 if injected is not None:
                     return injected
             if route.serialized:
-                async with lock:
+                if not await _acquire_unless_gone(lock, request):
+                    log.warning("%s: the caller left while it waited behind %s; not run", name,
+                                running[0] if running else "another call")
+                    return JSONResponse({"error": "Client closed request",
+                                         "message": "the caller left before the call ran"},
+                                        status_code=499)
+                try:
+                    running[:] = [name]
                     return await run()
+                finally:
+                    running.clear()
+                    lock.release()
             return await run()
         except StaleEpoch as e:
             log.warning("refused %s: %s", name, e)
@@ -265,6 +276,31 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                                 status_code=500)
 
     return app
+
+
+async def _acquire_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
+    """Take the lock, unless the caller goes away first (its deadline passed while the call
+    waited behind a long one): a control call nobody waits for must not run later."""
+    if not lock.locked():
+        await lock.acquire()
+        return True
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    take, leave = asyncio.ensure_future(lock.acquire()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((take, leave), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        leave.cancel()
+        if not take.done():
+            take.cancel()
+    if take.done() and not take.cancelled():
+        if leave.done() and not leave.cancelled():  # both at once: the caller is gone anyway
+            lock.release()
+            return False
+        return True
+    return False
 
 
 def _arm(faults: FaultInjector) -> Handler:

@@ -9,24 +9,18 @@ import logging
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import uvloop
 
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
-from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
+from rlfleet.runtime.admission import FIELDS as ADMISSION_FIELDS
+from rlfleet.runtime.admission import Admission
+from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import WorkerPlane
-from rlfleet.runtime.system_server import (
-    FaultInjector,
-    FleetFence,
-    Route,
-    failed,
-    ok,
-    system_app,
-)
+from rlfleet.runtime.system_server import FaultInjector, FleetFence, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -65,10 +59,20 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add("--system-port", type=int,
         default=int(os.environ["DYN_SYSTEM_PORT"]) if os.environ.get("DYN_SYSTEM_PORT") else None,
         help="system-server port (default: $DYN_SYSTEM_PORT; unset: no system server)")
-    add("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"),
-        help="require `Authorization: Bearer <token>` on mutating admin routes")
+    add("--admin-token", default=None,
+        help="require `Authorization: Bearer <token>` on mutating admin routes and on the "
+             "request plane (/generate, /abort, /tokenize, the stream plane; frontends then "
+             "need the same token) (other users "
+             "of the host can read a command line: prefer --admin-token-file or "
+             "$RLFLEET_ADMIN_TOKEN)")
+    add("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
+        help="read the admin token from this file (default: $RLFLEET_ADMIN_TOKEN_FILE, else "
+             "$RLFLEET_ADMIN_TOKEN)")
     add("--allowed-weights-root", action="append", default=[],
         help="update_weights_from_disk reads only under these directories")
+    add("--trust-request-chat-template", action="store_true",
+        help="render chat templates that clients send (chat_template_kwargs.chat_template); "
+             "off by default: a template is code the worker runs")
     add("--enable-fault-injection", action="store_true",
         help="accept POST /engine/fault_injection (tests only)")
     add("--start-gated", action="store_true",
@@ -83,10 +87,33 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
         help="where staged versions are held (default: a directory in /dev/shm)")
 
 
-@dataclass
-class Admission:
-    gated: bool
-    reason: str | None = None
+def settle_worker_args(args: argparse.Namespace) -> None:
+    """Checks and resolutions of the worker flags; ValueError says what to change."""
+    settle_admin_token(args)
+
+
+def settle_admin_token(args: argparse.Namespace) -> None:
+    """The admin token ends in `args.admin_token`, from --admin-token, --admin-token-file or
+    $RLFLEET_ADMIN_TOKEN (one of them); ValueError says what to change."""
+    given = [n for n, v in (("--admin-token", args.admin_token),
+                            ("--admin-token-file", args.admin_token_file)) if v]
+    if len(given) > 1:
+        raise ValueError("give the admin token one way: --admin-token or --admin-token-file")
+    if args.admin_token_file:
+        try:
+            token = open(args.admin_token_file, encoding="utf-8").read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--admin-token-file {args.admin_token_file}: cannot read it ({e})") \
+                from e
+        if not token:
+            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
+        args.admin_token = token
+    elif args.admin_token:
+        log.warning("--admin-token on the command line is visible to every user of this host "
+                    "(ps, /proc): prefer --admin-token-file or $RLFLEET_ADMIN_TOKEN")
+    else:
+        args.admin_token = os.environ.get("RLFLEET_ADMIN_TOKEN") or None
+    args.admin_token_file = None
 
 
 def staging_area(args: argparse.Namespace):
@@ -97,22 +124,63 @@ def staging_area(args: argparse.Namespace):
                        allowed_roots=args.allowed_weights_root, admin_token=args.admin_token)
 
 
+async def joins_controlled_fleet(discovery: Discovery, namespace: str, model: str) -> str | None:
+    """Why a worker joining now must start gated: a controller (a policy-refresh coordinator,
+    an operator) manages the admission of this model's workers, so the weights this one
+    starts with are not the fleet's verified policy until the controller says so. None
+    when no worker of the model is controlled (or the store cannot tell: then as before)."""
+    try:
+        entries = await asyncio.wait_for(discovery.list(namespace, COMPONENT, "generate"), 10)
+    except Exception as e:  # registration will say whether the store works
+        log.warning("cannot tell whether the fleet is controlled: %r", e)
+        return None
+    peers = [e for e in entries if e.get("model") == model and e.get("controlled")]
+    if not peers:
+        return None
+    policies = sorted({f"{p['fleet_policy'].get('version')} ({p['fleet_policy'].get('digest')})"
+                       for p in peers if isinstance(p.get("fleet_policy"), dict)})
+    return ("joined a fleet whose admission a coordinator controls"
+            + (f" (serving {', '.join(policies)})" if policies else "")
+            + ": gated until it verifies this worker")
+
+
+ENGINE_WATCH_INTERVAL = 2.0
+
+
+async def _watch_engine(engine: Engine, admission: Admission) -> None:
+    """A dead engine closes the worker to rollouts at once (its entry says why), whether or
+    not anyone probes its liveness."""
+    check = getattr(engine, "check_health", None)
+    if check is None:
+        return
+    while True:
+        await asyncio.sleep(ENGINE_WATCH_INTERVAL)
+        try:
+            await check()
+        except Exception as e:
+            await admission.hold(f"the engine is not healthy: {e!r}")
+            return
+
+
 def run_worker(engine: Engine, args: argparse.Namespace,
                admin_routes: Callable[[], list[Route]] | None = None, staging=None,
-               fence: FleetFence | None = None) -> None:
+               admission: Admission | None = None, fence: FleetFence | None = None) -> None:
     """serve_worker on uvloop (the worker's event loop carries every request's events)."""
-    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, fence=fence))
+    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, admission=admission,
+                            fence=fence))
 
 
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None,
-                       staging=None, fence: FleetFence | None = None) -> None:
+                       staging=None, admission: Admission | None = None,
+                       fence: FleetFence | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
     `staging` area, the system server also serves the applied version's files to peers
-    (GET /weights/<version>/<file>). `fence`: the fleet epoch the admin routes report
-    (EngineAdmin.fence). The discovery entry carries the applied policy (weight_version,
-    weight_digest, weight_step), the newest fleet epoch and the admission flag, and is
-    republished whenever a control call changes them."""
+    (GET /weights/<version>/<file>). `admission`: the one the admin routes share (they
+    hold the worker closed while its weights are uncertain); `fence`: the fleet epoch the
+    admin routes report (EngineAdmin.fence). The discovery entry carries the admission
+    state, the applied policy (weight_version, weight_digest, weight_step) and the newest
+    fleet epoch, and is republished whenever one of them changes."""
     level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
     logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,7 +192,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
-    plane = WorkerPlane(engine, faults)
+    plane = WorkerPlane(engine, faults, args.trust_request_chat_template, args.admin_token)
     rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
     await rp.start()
     servers = [rp]
@@ -137,21 +205,26 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     stream_address = f"[{host}]:{stream.port}" if ":" in host else f"{host}:{stream.port}"
     system_url = None
     regs: list[Registration] = []
-    admission = Admission(gated=args.start_gated)
+    admission = admission or Admission()
+    if args.start_gated:
+        admission.gate_reason = "started gated: not yet verified"
     serving = asyncio.Event()  # set once registered; /health says "ready" from then on
     fence = fence if fence is not None else FleetFence()
     publishing = asyncio.Lock()  # one entry write at a time, each from the current state
 
     def live_fields() -> dict[str, Any]:
         """What the entry says about this worker's state now."""
-        return {"gated": admission.gated, "gate_reason": admission.reason,
-                **engine.weight_identity(), "fleet_epoch": fence.newest}
+        return {**admission.fields(), **engine.weight_identity(), "fleet_epoch": fence.newest}
+
+    def entry_now(entry: dict[str, Any]) -> dict[str, Any]:
+        return {**{k: v for k, v in entry.items() if k not in ADMISSION_FIELDS},
+                **live_fields()}
 
     async def publish() -> None:
         """Write the entries again if the state they describe changed."""
         async with publishing:
             for reg in regs:
-                entry = {**reg.entry, **live_fields()}
+                entry = entry_now(reg.entry)
                 if entry != reg.entry:
                     await reg.update(entry)
 
@@ -161,26 +234,16 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         except Exception as e:  # noqa: BLE001 - the keep-alive publishes it once it can
             log.warning("could not publish this worker's new state in discovery: %r", e)
 
-    async def set_admission(body: dict) -> dict:
-        """Open or close this worker to rollout traffic: the flag lives in its own discovery
-        entry, so every frontend stops (or starts) routing to it."""
-        open_ = body.get("open")
-        if not isinstance(open_, bool):
-            return failed("open (boolean) is required")
-        reason = body.get("reason")
-        admission.gated, admission.reason = not open_, reason if not open_ else None
-        await publish()
-        return ok(open=open_, reason=admission.reason)
-
     if args.system_port is not None:
-        routes = (admin_routes() if admin_routes else []) + [Route("set_admission", set_admission)]
+        # never behind a long control call: a worker can always be taken out of rotation
+        routes = (admin_routes() if admin_routes else []) + [
+            Route("set_admission", admission.set_admission, serialized=False)]
         endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
 
         def health() -> dict[str, Any]:
             state = "ready" if serving.is_set() else "notready"
             return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
-                    "model": engine.info.served_model_name, "gated": admission.gated,
-                    **engine.weight_identity(), "fleet_epoch": fence.newest}
+                    "model": engine.info.served_model_name, **live_fields()}
 
         app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
                          ready=serving.is_set, fence=fence, changed=changed)
@@ -206,10 +269,13 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     }
     if system_url:
         base["system_url"] = system_url
-    if admission.gated:
-        admission.reason = "started gated: not yet verified"
-    base.update(live_fields())
     discovery = open_discovery(args.discovery)
+    if not admission.gated:
+        why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
+        if why:
+            log.warning("%s", why)
+            admission.gate_reason = why
+    base.update(live_fields())
     regs.append(await discovery.register(
         {**base, "endpoint": "generate",
          "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.generate"}, ttl=args.lease_ttl))
@@ -217,7 +283,26 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         regs.append(await discovery.register(
             {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
             ttl=args.lease_ttl))
+    await admission.attach(publish)
+
+    background: set[asyncio.Future] = set()
+
+    async def rejoined(entry: dict[str, Any]) -> dict[str, Any]:
+        """The worker was out of discovery for a while (stopped, cut off): a controlled
+        fleet may have moved on without it, so it re-joins gated, as a new worker would."""
+        if not admission.gated:
+            why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
+            if why:
+                log.warning("re-joined after its lease lapsed: %s", why)
+                admission.gate_reason = f"re-joined after its lease lapsed: {why}"
+                # the other registrations too (each waits for its own keep-alive's lock)
+                background.add(asyncio.ensure_future(changed()))
+        return entry_now(entry)
+
+    for reg in regs:
+        reg.on_lapse = rejoined
     serving.set()
+    watch = asyncio.create_task(_watch_engine(engine, admission), name="engine-watch")
     # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
     print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
           f"system_url={system_url or ''} model={info.served_model_name} "
@@ -229,6 +314,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     finally:
         log.info("shutting down worker %s", instance_id)
         serving.clear()
+        watch.cancel()
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = VllmEngine(args)
     staging = staging_area(args)
     admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
-    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging, fence=admin.fence))
+    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging,
+                             admission=admin.admission, fence=admin.fence))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from rlfleet.protocol.engine import MAX_LOGPROBS
-from rlfleet.runtime.worker import add_worker_args
+from rlfleet.runtime.worker import add_worker_args, settle_worker_args
 
 EXTENSION = "rlfleet.vllm.extension.WorkerExtension"
 
@@ -88,6 +88,7 @@ def check(args: argparse.Namespace) -> None:
     if args.max_logprobs != -1 and args.max_logprobs < MAX_LOGPROBS:
         raise ValueError(f"--max-logprobs {args.max_logprobs}: the contract allows up to "
                          f"{MAX_LOGPROBS} logprobs per token; use at least {MAX_LOGPROBS} or -1")
+    settle_worker_args(args)
     if args.skip_tokenizer_init:
         raise ValueError("--skip-tokenizer-init: the worker needs the tokenizer (prompts, chat)")
     if args.worker_extension_cls != EXTENSION:

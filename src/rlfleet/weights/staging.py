@@ -121,13 +121,12 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
         if not isinstance(path, str) or not path:
             raise StageRequestError("source.path is required for a disk source (a version "
                                     "directory on this worker's disk)")
-        p = Path(path).resolve()
-        roots = allowed_roots or []
-        if roots and not any(p == r or p.is_relative_to(r) for r in roots):
-            raise StageRequestError(f"source.path {path} is outside the allowed weights roots "
-                                    f"({', '.join(map(str, roots))})")
-        if not p.is_dir():
-            raise StageRequestError(f"source.path {path} does not exist or is not a directory")
+        from rlfleet.protocol.admin import AdminRequestError, weights_path
+
+        try:  # the same checks as update_weights_from_disk's model_path
+            p = weights_path(path, allowed_roots or [])
+        except AdminRequestError as e:
+            raise StageRequestError(f"source.path: {e}") from None
         return Source("disk", str(p.parent), p.name, **common)
     if kind == "s3":
         uri = raw.get("uri")

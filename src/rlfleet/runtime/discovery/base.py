@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -144,6 +144,10 @@ class Registration:
         self._closed = False
         self._lost = False  # the lease is gone: re-register on the next tick
         self._dirty = False  # the last update() did not reach the store
+        # called with the entry when the lease lapsed (lost, or not kept alive for a whole
+        # ttl: a stopped process): returns the entry to publish again (the owner may have
+        # to change it: readers saw it gone, so it re-joins)
+        self.on_lapse: Callable[[Entry], Awaitable[Entry]] | None = None
 
     # backend hooks; all use self.entry / self.ttl
     async def _establish(self) -> None:
@@ -169,10 +173,16 @@ class Registration:
     async def _keepalive(self) -> None:
         period = self.ttl / 3
         failing = False
+        loop = asyncio.get_running_loop()
+        kept = loop.time()  # when the lease was last known to be alive
         while True:
             await asyncio.sleep(period)
             async with self._lock:
                 try:
+                    if self.on_lapse is not None and (self._lost or loop.time() - kept > self.ttl):
+                        log.warning("discovery: the lease for %s lapsed; it re-joins", self.key)
+                        self.entry = _normalize(await self.on_lapse(self.entry))[1]
+                        self._lost = True  # publish the new entry under a fresh lease
                     if self._lost or not await self._refresh():
                         if not self._lost:
                             log.warning("discovery: lease for %s was lost; re-registering",
@@ -184,6 +194,7 @@ class Registration:
                     elif self._dirty:
                         await self._put()
                         self._dirty = False
+                    kept = loop.time()
                     if failing:
                         log.info("discovery: keep-alive for %s recovered", self.key)
                         failing = False

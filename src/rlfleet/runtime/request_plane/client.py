@@ -4,6 +4,7 @@ worker (`WorkerLink`), every request a `WorkerStream` on it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -39,10 +40,12 @@ class WorkerError(HttpError):
 
     def __init__(self, message: str, status: int = 502, retryable: bool = False,
                  body: dict[str, Any] | None = None, broken: bool = False,
-                 type_: str | None = None) -> None:
+                 type_: str | None = None, stalled: bool = False) -> None:
         super().__init__(status, message, type_, body=body)
         self.retryable = retryable
-        self.broken = broken or retryable
+        self.broken = broken or retryable or stalled
+        # the worker answered nothing at all (not even a PING) for the stall deadline
+        self.stalled = stalled
 
 
 _END = object()  # a stream's end marker in its queue
@@ -128,9 +131,15 @@ _error = msgspec.msgpack.Decoder(EngineError)
 class WorkerLink(asyncio.Protocol):
     """The frontend's persistent stream-plane connection to one worker."""
 
-    def __init__(self, address: str, request_timeout: float) -> None:
+    def __init__(self, address: str, request_timeout: float, stall_timeout: float | None = None,
+                 admin_token: str | None = None) -> None:
         self.address = address
         self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout
+        self.admin_token = admin_token
+        self.heard = time.monotonic()  # when the worker last sent anything
+        self._pinged = 0.0
+        self._refused: str | None = None  # the worker's reason for closing the link
         self.loop = asyncio.get_running_loop()
         self.streams: dict[int, WorkerStream | _Reply] = {}
         self.reader = FrameReader()
@@ -144,6 +153,8 @@ class WorkerLink(asyncio.Protocol):
         self.transport = transport
         self.writer = FrameWriter(transport)
         transport.write(MAGIC)
+        if self.admin_token:
+            self.writer.put(Frame.AUTH, 0, self.admin_token)
         keep_alive(transport)
         self.open = True
         self._sweeper = asyncio.ensure_future(self._sweep())
@@ -154,8 +165,12 @@ class WorkerLink(asyncio.Protocol):
             self._sweeper.cancel()
         why = f" ({exc!r})" if exc is not None else ""
         for item in self.streams.values():
-            err = WorkerError(f"worker at {self.address} failed mid-request: the connection "
-                              f"was lost{why}", 502, broken=True)
+            if self._refused:
+                err = WorkerError(f"worker at {self.address} refused this frontend: "
+                                  f"{self._refused}", 502, broken=True)
+            else:
+                err = WorkerError(f"worker at {self.address} failed mid-request: the "
+                                  f"connection was lost{why}", 502, broken=True)
             if isinstance(item, WorkerStream):
                 item._fail(err)
             elif not item.future.done():
@@ -170,11 +185,15 @@ class WorkerLink(asyncio.Protocol):
             self.transport.close()
             return
         now = time.monotonic()
+        self.heard = now
         streams = self.streams
         for kind, sid, body in frames:
             item = streams.get(sid)
             if item is None:
-                continue  # a stream we closed already
+                if sid == 0 and kind == Frame.ERROR:  # about the link itself
+                    with contextlib.suppress(msgspec.DecodeError, ValueError):
+                        self._refused = _error.decode(body).message
+                continue  # a PONG, or a stream we closed already
             if kind <= Frame.DONE and not isinstance(item, WorkerStream):
                 kind = 0  # an event on a unary call: malformed
             try:
@@ -226,7 +245,13 @@ class WorkerLink(asyncio.Protocol):
             self._next = (self._next + 1) & 0xFFFFFFFF
         return self._next
 
+    def _quiet_until_now(self) -> None:
+        """Silence while nothing was asked of the worker is no stall."""
+        if not self.streams:
+            self.heard = time.monotonic()
+
     def generate(self, req: GenerateRequest, paced: bool = False) -> WorkerStream:
+        self._quiet_until_now()
         sid = self._sid()
         stream = WorkerStream(self, sid, paced)
         try:
@@ -244,6 +269,7 @@ class WorkerLink(asyncio.Protocol):
 
     async def call(self, kind: Frame, body: Any, reply: msgspec.msgpack.Decoder,
                    timeout: float) -> Any:
+        self._quiet_until_now()
         sid = self._sid()
         fut = self.loop.create_future()
         self.streams[sid] = _Reply(fut, reply)
@@ -257,12 +283,23 @@ class WorkerLink(asyncio.Protocol):
             self.streams.pop(sid, None)
 
     async def _sweep(self) -> None:
-        """End streams the worker has sent nothing on for `request_timeout` seconds."""
-        timeout = self.request_timeout
-        interval = min(1.0, max(0.05, timeout / 8))
+        """End streams the worker has sent nothing on for `request_timeout` seconds; and
+        while anything is outstanding, PING a worker that has been quiet for a third of
+        `stall_timeout`: one that answers nothing at all for `stall_timeout` (stopped,
+        hung, cut off) fails every stream as stalled and loses the link."""
+        timeout, stall = self.request_timeout, self.stall_timeout
+        interval = min(1.0, max(0.05, timeout / 8), *((max(0.05, stall / 8),) if stall else ()))
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
+            if stall and self.streams:
+                quiet = now - self.heard
+                if quiet > stall:
+                    self._stalled(quiet)
+                    return
+                if quiet > stall / 3 and now - self._pinged > stall / 3 and self.open:
+                    self._pinged = now
+                    self.writer.put(Frame.PING, 0, None)
             stale = [s for s in self.streams.values()
                      if isinstance(s, WorkerStream) and now - s.last > timeout]
             for s in stale:
@@ -272,6 +309,22 @@ class WorkerLink(asyncio.Protocol):
                 s.ended = True
                 s._fail(WorkerError(f"worker at {self.address} timed out: no event for "
                                     f"{timeout:g} s", 504, broken=True))
+
+    def _stalled(self, quiet: float) -> None:
+        log.warning("worker at %s stalled: nothing from it for %.1f s; failing its %d "
+                    "requests", self.address, quiet, len(self.streams))
+        err = WorkerError(f"worker at {self.address} stalled: it answered nothing for "
+                          f"{quiet:.0f} s (the stall deadline is {self.stall_timeout:g} s)",
+                          504, stalled=True)
+        streams, self.streams = list(self.streams.values()), {}
+        for item in streams:
+            if isinstance(item, WorkerStream):
+                item.ended = True
+                item._fail(err)
+            elif not item.future.done():
+                item.future.set_exception(err)
+        self.open = False
+        self.transport.abort()
 
     def close(self) -> None:
         self.transport.close()
@@ -285,9 +338,12 @@ class WorkerClient:
     """The frontend's side of the request plane: one stream-plane connection per worker,
     opened on first use and kept."""
 
-    def __init__(self, connect_timeout: float = 5.0, request_timeout: float = 600.0) -> None:
+    def __init__(self, connect_timeout: float = 5.0, request_timeout: float = 600.0,
+                 stall_timeout: float | None = 30.0, admin_token: str | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout
+        self.admin_token = admin_token
         self._links: dict[str, WorkerLink] = {}
         self._connecting: dict[str, asyncio.Future] = {}
 
@@ -317,7 +373,8 @@ class WorkerClient:
         try:
             host, port = split_address(address)
             _, link = await asyncio.wait_for(loop.create_connection(
-                lambda: WorkerLink(address, self.request_timeout), host, port),
+                lambda: WorkerLink(address, self.request_timeout, self.stall_timeout,
+                                   self.admin_token), host, port),
                 self.connect_timeout)
         except (OSError, TimeoutError, ValueError) as e:
             raise WorkerError(f"worker at {address} is unreachable: {e!r}", 503,
@@ -352,7 +409,8 @@ class WorkerClient:
 
 
 async def generate_over_http(http: Any, base_url: str, req: GenerateRequest,
-                             timeout: float) -> list[dict[str, Any]]:
+                             timeout: float, admin_token: str | None = None
+                             ) -> list[dict[str, Any]]:
     """A direct caller's request on a worker's HTTP request plane (`POST /generate`,
     newline-delimited JSON): every event as a plain dict, the last one `done`. `http` is an
     httpx.AsyncClient. Raises WorkerError for a refusal, an unreachable worker, a broken or
@@ -362,7 +420,9 @@ async def generate_over_http(http: Any, base_url: str, req: GenerateRequest,
     events: list[dict[str, Any]] = []
     try:
         async with http.stream("POST", f"{base_url}/generate", content=_json.encode(req),
-                               headers={"content-type": "application/json"},
+                               headers={"content-type": "application/json",
+                                        **({"authorization": f"Bearer {admin_token}"}
+                                           if admin_token else {})},
                                timeout=timeout) as resp:
             if resp.status_code != 200:
                 raw = await resp.aread()

@@ -5,9 +5,11 @@ over two transports, the stream plane for frontends and HTTP `POST /generate`
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -48,14 +50,52 @@ log = logging.getLogger("rlfleet.request_plane")
 _json = msgspec.json.Encoder()
 
 
-def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
+# No token is longer than this many UTF-8 bytes in any vocabulary we serve: a text longer
+# than max_model_len times this cannot fit and is refused before it is tokenised.
+MAX_BYTES_PER_TOKEN = 64
+
+
+def _text_bytes(req: GenerateRequest | TokenizeRequest) -> int:
+    if req.prompt is not None:
+        return len(req.prompt.encode("utf-8", "surrogatepass"))
+    return len(_json.encode(req.messages or []))
+
+
+def check_template(req: GenerateRequest | TokenizeRequest, trust_request_template: bool) -> None:
+    """A chat template sent by the client is code the worker would run (Jinja): refused
+    unless the operator started the worker with --trust-request-chat-template."""
+    kwargs = req.chat_template_kwargs or {}
+    if "chat_template" in kwargs and not trust_request_template:
+        raise BadRequest("chat_template_kwargs.chat_template: this worker does not render "
+                         "chat templates sent by clients (the operator can allow it with "
+                         "--trust-request-chat-template); drop it to use the model's template")
+
+
+async def tokenize_off_loop(plane: WorkerPlane, req: GenerateRequest | TokenizeRequest,
+                            max_model_len: int | None) -> list[int]:
+    """Tokenise (and render the chat template) in the plane's tokeniser thread, never on
+    the event loop; a text that cannot fit `max_model_len` is refused before that."""
+    check_template(req, plane.trust_request_chat_template)
+    if max_model_len is not None:
+        size = _text_bytes(req)
+        if size > max_model_len * MAX_BYTES_PER_TOKEN:
+            raise BadRequest(f"the prompt is {size} bytes of text: more than the context length "
+                             f"of {max_model_len} tokens can hold; shorten the prompt")
+    return await asyncio.get_running_loop().run_in_executor(
+        plane.tokenizer_thread, plane.engine.tokenize, req.prompt, req.messages,
+        req.add_generation_prompt, req.chat_template_kwargs)
+
+
+async def check_prompt(plane: WorkerPlane, req: GenerateRequest) -> list[int]:
     """Tokenise if needed and check the prompt and budget against the model; BadRequest says what to fix."""
+    engine = plane.engine
     info = engine.info
     if req.prompt_token_ids is not None:
         ids = req.prompt_token_ids
+        if not ids:
+            raise BadRequest("prompt_token_ids is empty: send at least one token")
     else:
-        ids = engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
-                              req.chat_template_kwargs)
+        ids = await tokenize_off_loop(plane, req, info.max_model_len)
         if not ids:
             raise BadRequest("the prompt tokenises to zero tokens: send a non-empty prompt")
     vocab = info.vocab_size
@@ -116,8 +156,16 @@ class WorkerPlane:
     """A worker's request plane: one engine, served on the stream plane (`serve`) and over
     HTTP (`http_app`). Both go through `open` and `rest`, so they behave the same."""
 
-    def __init__(self, engine: Engine, faults: FaultInjector | None = None) -> None:
+    def __init__(self, engine: Engine, faults: FaultInjector | None = None,
+                 trust_request_chat_template: bool = False,
+                 admin_token: str | None = None) -> None:
         self.engine, self.faults = engine, faults
+        # with a token, the request plane (stream plane and HTTP) serves only its holders
+        self.admin_token = admin_token
+        self.trust_request_chat_template = trust_request_chat_template
+        # one thread renders templates and tokenises, off the event loop (a tokeniser is
+        # not safe to share between threads)
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
@@ -132,7 +180,7 @@ class WorkerPlane:
                 raise HttpError(500, injected.get("message", "injected failure"))
         engine = self.engine
         try:
-            ids = check_prompt(engine, req)
+            ids = await check_prompt(self, req)
         except BadRequest as e:
             metrics.WORKER_REQUESTS.labels("rejected").inc()
             raise HttpError(400, str(e)) from e
@@ -228,7 +276,7 @@ class WorkerPlane:
         async def tokenize(request: Request) -> Response:
             try:
                 req = msgspec.json.decode(await request.body(), type=TokenizeRequest)
-                return json_response(self.tokenize(req))
+                return json_response(await self.tokenize(req))
             except (msgspec.DecodeError, ValueError) as e:
                 return error_response(400, _decode_error(e))
 
@@ -238,6 +286,19 @@ class WorkerPlane:
         async def metrics_route(request: Request) -> Response:
             return metrics.metrics_response()
 
+        def authenticated(route):
+            if not self.admin_token:
+                return route
+
+            async def checked(request: Request) -> Response:
+                auth = request.headers.get("authorization", "")
+                if not (auth[:7].lower() == "bearer " and _same(auth[7:], self.admin_token)):
+                    return error_response(401, "this worker's request plane requires "
+                                               "Authorization: Bearer <its admin token>")
+                return await route(request)
+            return checked
+
+        generate, abort, tokenize = map(authenticated, (generate, abort, tokenize))
         return Starlette(routes=[
             Route("/generate", generate, methods=["POST"]),
             Route("/abort", abort, methods=["POST"]),
@@ -246,10 +307,9 @@ class WorkerPlane:
             Route("/metrics", metrics_route, methods=["GET"]),
         ], exception_handlers=ERROR_HANDLERS)
 
-    def tokenize(self, req: TokenizeRequest) -> Tokens:
+    async def tokenize(self, req: TokenizeRequest) -> Tokens:
         """Raises BadRequest (a ValueError) for messages the template cannot render."""
-        ids = self.engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+        ids = await tokenize_off_loop(self, req, self.engine.info.max_model_len)
         return Tokens(token_ids=ids, count=len(ids))
 
     # ---------------------------------------------------------------- stream transport
@@ -322,6 +382,12 @@ _generate = msgspec.msgpack.Decoder(GenerateRequest)
 _credit = msgspec.msgpack.Decoder(int)
 _tokenize = msgspec.msgpack.Decoder(TokenizeRequest)
 _cancel = msgspec.msgpack.Decoder(CancelRequest)
+_auth = msgspec.msgpack.Decoder(str)
+
+
+def _same(given: str | None, token: str) -> bool:
+    return given is not None and hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
 class _FrontendLink(asyncio.Protocol):
@@ -333,6 +399,7 @@ class _FrontendLink(asyncio.Protocol):
         self.windows: dict[int, _Window] = {}
         self.reader = FrameReader()
         self._greeted = False
+        self._authed = False
         self._paused = False
         self._resumed: asyncio.Future | None = None
 
@@ -384,17 +451,42 @@ class _FrontendLink(asyncio.Protocol):
             self.transport.close()
             return
         for kind, sid, body in frames:
+            if self.transport.is_closing():
+                return
             try:
                 self._on_frame(kind, sid, body)
             except Exception as e:  # one bad request never takes the connection down
                 log.exception("stream-plane frame %s on stream %s failed", kind, sid)
                 self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
 
+    def _refuse(self, message: str) -> None:
+        log.warning("closing a stream-plane connection: %s", message)
+        self._error(0, 401, message)
+        self.writer.flush()
+        self.transport.close()
+
     def _error(self, sid: int, status: int, message: str) -> None:
         self.writer.put(Frame.ERROR, sid, EngineError(
             message=message, type=error_body(status, message)["error"]["type"], code=status))
 
     def _on_frame(self, kind: int, sid: int, body: memoryview) -> None:
+        token = self.plane.admin_token
+        if kind == Frame.PING:
+            self.writer.put(Frame.PONG, 0, None)
+            return
+        if kind == Frame.AUTH:
+            try:
+                given = _auth.decode(body)
+            except (msgspec.DecodeError, ValueError):
+                given = ""
+            if token and not _same(given, token):
+                self._refuse("the admin token sent on the stream plane is wrong")
+            self._authed = True
+            return
+        if token and not self._authed:
+            self._refuse("this worker requires its admin token on the stream plane "
+                         "(start the frontend with the same --admin-token)")
+            return
         if kind == Frame.GENERATE:
             try:
                 req = _generate.decode(body)
@@ -423,9 +515,11 @@ class _FrontendLink(asyncio.Protocol):
                 task.cancel()
         elif kind == Frame.TOKENIZE:
             try:
-                self.writer.put(Frame.REPLY, sid, self.plane.tokenize(_tokenize.decode(body)))
+                req = _tokenize.decode(body)
             except (msgspec.DecodeError, ValueError) as e:
                 self._error(sid, 400, _decode_error(e))
+                return
+            asyncio.ensure_future(self._tokenize(sid, req))
         elif kind == Frame.CANCEL:
             try:
                 rid = _cancel.decode(body).request_id
@@ -435,6 +529,14 @@ class _FrontendLink(asyncio.Protocol):
             asyncio.ensure_future(self._cancel(sid, rid))
         else:
             self._error(sid, 400, f"unknown frame kind {kind}")
+
+    async def _tokenize(self, sid: int, req: TokenizeRequest) -> None:
+        try:
+            self.writer.put(Frame.REPLY, sid, await self.plane.tokenize(req))
+        except ValueError as e:
+            self._error(sid, 400, _decode_error(e))
+        except Exception as e:  # noqa: BLE001 - the caller hears of it
+            self._error(sid, 500, f"tokenize failed: {type(e).__name__}: {e}")
 
     async def _cancel(self, sid: int, rid: str) -> None:
         try:

@@ -1,0 +1,64 @@
+"""Nothing of a vLLM worker outlives it: SIGKILL the worker process alone (not its group),
+and its engine core, the engine's own workers and multiprocessing's resource tracker are
+gone within seconds, with the engine core in the worker process's child (the CPU set-up)
+and in a process of its own (multiprocessing on, the GPU default)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from rlfleet.runtime.launch import Fleet
+from tests.conftest import VLLM_FLAGS
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, state) of every process."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(d.name)] = (int(fields[1]), fields[0])
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    procs = _processes()
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, (ppid, _) in procs.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def living(pids: set[int]) -> set[int]:
+    """Those still running (a zombie holds no memory: it only waits to be reaped)."""
+    procs = _processes()
+    return {p for p in pids if p in procs and procs[p][1] != "Z"}
+
+
+@pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["engine-in-child", "mp-on"])
+def test_sigkill_of_a_worker_leaves_no_process_behind(tmp_path, tiny_model, multiprocessing):
+    with Fleet(tmp_path, lease_ttl=3) as fleet:
+        w = fleet.start_worker("--model", str(tiny_model), *VLLM_FLAGS, "--no-warmup",
+                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing},
+                               timeout=600)
+        children = descendants(w.pid)
+        assert children, "a vLLM worker starts an engine-core process"
+        os.kill(w.pid, signal.SIGKILL)  # the worker alone: its group is left to the kernel
+        w.popen.wait(10)
+        deadline = time.monotonic() + 10
+        while living(children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                for p in living(children)}
+        assert not left, f"processes of the killed worker still alive: {left}"

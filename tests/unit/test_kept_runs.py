@@ -1,0 +1,103 @@
+"""Runs kept for X-Request-Id retries (issue 10 findings 5, 7, 9, 11): what a request ID
+stands for (route + body as data), the memory they may hold, the owner's cancel, and a run
+whose worker failed starting anew. The real RunRegistry with scripted event sources."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from rlfleet.frontend.runs import RequestIdConflict, RunRegistry, event_bytes
+from rlfleet.protocol.engine import Delta, Done, Head, Step
+from rlfleet.runtime.http import HttpError
+from rlfleet.runtime.request_plane import WorkerError
+
+BODY = json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 3}).encode()
+
+
+def events(tokens: int, gate: asyncio.Event | None = None, fail: Exception | None = None):
+    def source(run):
+        async def gen():
+            yield Head(prompt_token_ids=[1, 2], weight_version=None, weight_digest=None)
+            for t in range(tokens):
+                yield Step(choices=[Delta(index=0, token_ids=[t])])
+            if gate is not None:
+                await gate.wait()
+            if fail is not None:
+                raise fail
+            yield Done()
+        return gen()
+    return source
+
+
+async def finished(run) -> None:
+    await asyncio.wait_for(run.task, 5)
+
+
+async def test_the_same_request_respaced_replays_another_route_or_body_conflicts() -> None:
+    reg = RunRegistry()
+    run, replayed = reg.start("a", BODY, True, events(3), route="/v1/completions")
+    await finished(run)
+    respaced = json.dumps(json.loads(BODY), indent=4, sort_keys=True).encode()
+    again, replayed = reg.start("a", respaced, True, events(3), route="/v1/completions")
+    assert again is run and replayed
+    with pytest.raises(RequestIdConflict):
+        reg.start("a", BODY, True, events(3), route="/generate")
+    with pytest.raises(RequestIdConflict):
+        reg.start("a", BODY.replace(b"3", b"4"), True, events(3), route="/v1/completions")
+
+
+async def test_kept_runs_are_bounded_in_memory() -> None:
+    one = event_bytes(Step(choices=[Delta(index=0, token_ids=[1])]))
+    reg = RunRegistry(max_kept_bytes=60 * one)
+    done = [reg.start(f"d{i}", BODY, True, events(20))[0] for i in range(2)]
+    for run in done:
+        await finished(run)
+    assert reg.kept_bytes == sum(r.bytes for r in done) > 0
+    gate = asyncio.Event()
+    flying = reg.start("f", BODY, True, events(100, gate))[0]
+    await asyncio.sleep(0.05)  # it has produced its 100 steps and waits
+    with pytest.raises(HttpError) as e:  # the oldest finished ones are forgotten first...
+        reg.start("g", BODY, True, events(1))
+    assert "d0" not in reg.runs and "d1" not in reg.runs
+    assert e.value.status == 429  # ...and one in flight alone holds more: refused for now
+    # a run nobody can rejoin (no X-Request-Id) is not kept, so not refused
+    free = reg.start("h", BODY, False, events(1))[0]
+    await finished(free)
+    gate.set()
+    await finished(flying)
+    reg.window = 0
+    ok = reg.start("i", BODY, True, events(1))[0]  # the finished run is forgotten: room again
+    await finished(ok)
+    assert "f" not in reg.runs
+
+
+async def test_only_the_owner_or_the_admin_cancels() -> None:
+    reg = RunRegistry(admin_token="adm")
+    gate = asyncio.Event()
+    run = reg.start("c", BODY, True, events(1, gate), cancel_token="secret")[0]
+    assert reg.may_cancel(run, "secret", None)
+    assert not reg.may_cancel(run, None, None) and not reg.may_cancel(run, "guess", None)
+    assert reg.may_cancel(run, None, "adm") and not reg.may_cancel(run, None, "nope")
+    anon = reg.start("d", BODY, True, events(1, gate))[0]  # started without a token
+    assert not reg.may_cancel(anon, None, None) and not reg.may_cancel(anon, "", None)
+    assert reg.may_cancel(anon, None, "adm")
+    gate.set()
+
+
+async def test_a_run_whose_worker_failed_starts_anew_on_a_retry() -> None:
+    reg = RunRegistry()
+    stalled = WorkerError("worker stalled", 504, stalled=True)
+    run = reg.start("r", BODY, True, events(2, fail=stalled))[0]
+    await finished(run)
+    assert run.error is stalled
+    again, replayed = reg.start("r", BODY, True, events(2))
+    assert again is not run and not replayed
+    await finished(again)
+    assert again.error is None
+    # a request the engine refused is replayed as refused (it would fail the same way)
+    refused = reg.start("q", BODY, True, events(0, fail=WorkerError("bad", 400)))[0]
+    await finished(refused)
+    assert reg.start("q", BODY, True, events(1)) == (refused, True)
