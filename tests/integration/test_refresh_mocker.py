@@ -208,8 +208,13 @@ def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts
                                  f"{odd.ready['instance_id']} puts token "), res.reason
     assert " first at position " in res.reason and " where worker " in res.reason
     assert not r.gate.is_open
-    usable = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
-              if w["usable"] and w["model"] == "mock-4k"}
+    deadline = time.monotonic() + 10  # the frontend sees the gated entries on its next poll
+    while True:
+        usable = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
+                  if w["usable"] and w["model"] == "mock-4k"}
+        if not usable or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert usable == set()  # none of the three admitted
 
 
