@@ -22,6 +22,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "method_not_allowed_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",

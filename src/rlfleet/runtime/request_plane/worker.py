@@ -26,6 +26,7 @@ from rlfleet.protocol.engine import (
     Frame,
     GenerateRequest,
     Head,
+    PromptLogprob,
     TokenizeRequest,
     Tokens,
 )
@@ -49,36 +50,54 @@ _json = msgspec.json.Encoder()
 
 
 def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
-    """Tokenise if needed and check the prompt and budget against the model; BadRequest says what to fix."""
+    """Tokenise if needed, truncate as asked, and check the prompt and the sampling
+    parameters against the model as vLLM's server does (a `max_tokens` beyond the room the
+    prompt leaves is lowered to it; beyond the context length it is refused). BadRequest
+    says what to fix."""
     info = engine.info
+    s = req.sampling
     if req.prompt_token_ids is not None:
         ids = req.prompt_token_ids
     else:
         ids = engine.tokenize(req.prompt, req.messages, req.add_generation_prompt,
-                              req.chat_template_kwargs)
-        if not ids:
-            raise BadRequest("the prompt tokenises to zero tokens: send a non-empty prompt")
+                              req.chat_template_kwargs, add_special_tokens=req.add_special_tokens)
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        if keep > info.max_model_len:
+            raise BadRequest(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+                             f"= {info.max_model_len}. Please request a smaller truncation size.")
+        if keep < 0:
+            keep = info.max_model_len - 1
+        if keep < len(ids):
+            side = req.truncation_side or engine.truncation_side
+            ids = ids[len(ids) - keep:] if side == "left" else ids[:keep]
+    if not ids:
+        raise BadRequest("the prompt is empty (it tokenises to zero tokens, or was truncated "
+                         "to none): send a non-empty prompt")
     vocab = info.vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise BadRequest(f"prompt token ID {bad} is outside the vocabulary "
                          f"[0, {vocab}) of model {info.served_model_name!r}")
-    bad = [t for t in req.sampling.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise BadRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {vocab})")
-    bad = [t for t in req.sampling.logit_bias or () if not 0 <= t < vocab]
-    if bad:
-        raise BadRequest(f"logit_bias token ID {bad[0]} is outside the vocabulary [0, {vocab})")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        bad = [t for t in getattr(s, name) or () if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token_id(s) {bad[:8]} in {name} contain out-of-vocab token ids. "
+                             f"Vocabulary size: {vocab}")
     room = info.max_model_len - len(ids)
     if room <= 0:
         raise BadRequest(f"the prompt has {len(ids)} tokens, but the context length of "
                          f"{info.served_model_name!r} is {info.max_model_len}: shorten the prompt")
-    mt = req.sampling.max_tokens
+    mt = s.max_tokens
+    if mt is not None and mt > info.max_model_len:
+        raise BadRequest(f"max_tokens={mt} cannot be greater than max_model_len="
+                         f"{info.max_model_len}. Please request fewer output tokens.")
     if mt is not None and mt > room:
-        raise BadRequest(f"max_tokens is {mt}, but the prompt ({len(ids)} tokens) leaves room for "
-                         f"at most {room} in the context of {info.max_model_len}: lower max_tokens")
-    if req.sampling.min_tokens > room:
-        raise BadRequest(f"min_tokens is {req.sampling.min_tokens}, but at most {room} tokens fit")
+        s.max_tokens = mt = room  # as vLLM's server: at most what the context leaves
+    if s.min_tokens > (mt or room):
+        raise BadRequest(f"min_tokens must be less than or equal to max_tokens={mt or room}, "
+                         f"got {s.min_tokens} (the prompt has {len(ids)} tokens of a context "
+                         f"of {info.max_model_len})")
     return ids
 
 
@@ -155,6 +174,10 @@ class WorkerPlane:
         wid = engine.weight_identity()
         head = Head(prompt_token_ids=ids, weight_version=wid.get("weight_version"),
                     weight_digest=wid.get("weight_digest"))
+        if first is not None and "prompt_logprobs" in first and "done" not in first:
+            plps = first.pop("prompt_logprobs")
+            if plps is not None:
+                head.prompt_logprobs = msgspec.convert(plps, list[dict[str, PromptLogprob] | None])
         if req.echo:
             head.prompt_text = req.prompt if req.prompt is not None else engine.detokenize(ids)
             head.prompt_token_strs = engine.token_strs(ids)
