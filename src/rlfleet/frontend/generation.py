@@ -20,7 +20,7 @@ from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import RequestIdConflict, Run, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
-from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, json_response
+from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, bad_json_message, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -48,8 +48,9 @@ async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
         raise HttpError(499, "client closed the request") from None
     try:
         obj = msgspec.json.decode(raw) if raw.strip() else None
-    except msgspec.DecodeError as e:
-        raise HttpError(400, f"the request body is not valid JSON: {e}") from e
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise HttpError(400, f"the request body is not valid JSON: {bad_json_message(e, raw)}"
+                        ) from None
     if not isinstance(obj, dict):
         raise HttpError(400, "the request body must be a JSON object")
     try:

@@ -37,6 +37,7 @@ from rlfleet.runtime.http import (
     ClientWatch,
     HttpError,
     StreamResponse,
+    bad_json_message,
     error_body,
     error_response,
     json_response,
@@ -101,8 +102,8 @@ def check_prompt(engine: Engine, req: GenerateRequest) -> list[int]:
     return ids
 
 
-def _decode_error(e: Exception) -> str:
-    return str(e) or type(e).__name__
+def _decode_error(e: Exception, raw: bytes = b"") -> str:
+    return bad_json_message(e, raw)
 
 
 class Opened:
@@ -206,11 +207,12 @@ class WorkerPlane:
         """POST /generate (NDJSON events), POST /abort, POST /tokenize, GET /health, /metrics."""
 
         async def generate(request: Request) -> Response:
+            raw = await request.body()
             try:
-                req = msgspec.json.decode(await request.body(), type=GenerateRequest)
-            except (msgspec.DecodeError, ValueError) as e:
+                req = msgspec.json.decode(raw, type=GenerateRequest)
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
-                return error_response(400, _decode_error(e))
+                return error_response(400, _decode_error(e, raw))
             watch = ClientWatch(request)
             try:
                 opened = await self.open(req)
@@ -243,17 +245,18 @@ class WorkerPlane:
             finish reason `abort`."""
             try:
                 rid = msgspec.json.decode(await request.body(), type=CancelRequest).request_id
-            except (msgspec.DecodeError, ValueError):
+            except (msgspec.DecodeError, ValueError, RecursionError):
                 return error_response(400, "request_id is required")
             await self.engine.abort(rid)
             return json_response(Cancelled(status="ok", request_id=rid))
 
         async def tokenize(request: Request) -> Response:
+            raw = await request.body()
             try:
-                req = msgspec.json.decode(await request.body(), type=TokenizeRequest)
+                req = msgspec.json.decode(raw, type=TokenizeRequest)
                 return json_response(self.tokenize(req))
-            except (msgspec.DecodeError, ValueError) as e:
-                return error_response(400, _decode_error(e))
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
+                return error_response(400, _decode_error(e, raw))
 
         async def health(request: Request) -> Response:
             return json_response({"status": "ok", "model": self.engine.info.served_model_name})
@@ -421,7 +424,7 @@ class _FrontendLink(asyncio.Protocol):
         if kind == Frame.GENERATE:
             try:
                 req = _generate.decode(body)
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
                 self._error(sid, 400, _decode_error(e))
                 return
@@ -438,7 +441,7 @@ class _FrontendLink(asyncio.Protocol):
             if window is not None:
                 try:
                     window.grant(_credit.decode(body))
-                except (msgspec.DecodeError, ValueError) as e:
+                except (msgspec.DecodeError, ValueError, RecursionError) as e:
                     self._error(sid, 400, _decode_error(e))
         elif kind == Frame.CLOSE:
             task = self.tasks.get(sid)
@@ -447,12 +450,12 @@ class _FrontendLink(asyncio.Protocol):
         elif kind == Frame.TOKENIZE:
             try:
                 self.writer.put(Frame.REPLY, sid, self.plane.tokenize(_tokenize.decode(body)))
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
         elif kind == Frame.CANCEL:
             try:
                 rid = _cancel.decode(body).request_id
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
                 return
             asyncio.ensure_future(self._cancel(sid, rid))
