@@ -19,20 +19,22 @@ import math
 import os
 import string
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from rlfleet.runtime.launch import Fleet, Proc
 from tests.conftest import wait_for_workers
 
 MODEL = "mock"
-FUZZ_EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", 2000))  # per server kind (and
-# per admin schema of the system server)
+FUZZ_EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", 2000))  # per server kind (the
+# system server's split over its two admin schemas)
 DEADLINE = 20.0  # seconds one fuzzed request may take before it counts as a hang
+CONCURRENCY = 8  # fuzzed requests in flight at once
 
 SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck), print_blob=True)
@@ -54,7 +56,7 @@ numbers = st.one_of(ints, st.sampled_from(FLOATS), st.floats(allow_nan=True, all
 scalars = st.one_of(st.none(), st.booleans(), ints, numbers, texts,
                     st.sampled_from(["1", "0.5", "1e3", "true", " 2 "]))  # numeric strings
 anything = st.recursive(scalars, lambda c: st.one_of(
-    st.lists(c, max_size=4), st.dictionaries(texts, c, max_size=4)), max_leaves=12)
+    st.lists(c, max_size=4), st.dictionaries(texts, c, max_size=4)), max_leaves=8)
 token_lists = st.one_of(st.lists(ints, max_size=6), st.lists(st.integers(0, 300), min_size=1,
                                                               max_size=8))
 messages = st.lists(st.fixed_dictionaries({"role": st.one_of(
@@ -302,6 +304,31 @@ def check(r: httpx.Response, c: Call, shape: str) -> None:
         check_stream(r, c)
 
 
+def generate(strategy: st.SearchStrategy, n: int) -> list:
+    """n examples of `strategy` (derandomized: the same list on every run)."""
+    out: list = []
+
+    @settings(SETTINGS, max_examples=n, phases=[Phase.generate])
+    @given(strategy)
+    def collect(x) -> None:
+        out.append(x)
+
+    collect()
+    return out
+
+
+def send_all(client: httpx.Client, jobs: list[tuple[str, Call]], judge) -> None:
+    """Send every (base URL, call), CONCURRENCY at a time (the servers see concurrent
+    garbage too), and judge each answer; the first failure names its call."""
+    def one(job: tuple[str, Call]) -> None:
+        base, c = job
+        judge(send(client, base, c), c)
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        for f in [pool.submit(one, j) for j in jobs]:
+            f.result()
+
+
 def all_alive(s: Servers) -> None:
     for p in s.procs:
         assert p.popen.poll() is None, f"{p.name} exited: {p.tail()}"
@@ -313,8 +340,6 @@ def good_completion(client: httpx.Client, url: str) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
 
-
-COUNTS: Counter[str] = Counter()
 
 
 def _client() -> httpx.Client:
@@ -334,17 +359,12 @@ FRONTEND = calls({
 
 
 def test_frontend_fuzz(servers: Servers) -> None:
+    jobs = [(servers.frontend, c) for c in generate(FRONTEND, FUZZ_EXAMPLES)]
     with _client() as client:
-        @SETTINGS
-        @given(FRONTEND)
-        def fuzz(c: Call) -> None:
-            COUNTS["frontend"] += 1
-            check(send(client, servers.frontend, c), c, "openai")
-
-        fuzz()
+        send_all(client, jobs, lambda r, c: check(r, c, "openai"))
         all_alive(servers)
         good_completion(client, servers.frontend)
-    assert COUNTS["frontend"] >= FUZZ_EXAMPLES
+    assert len(jobs) >= FUZZ_EXAMPLES
 
 
 RL = calls({"/v1/rl/workers": anything},
@@ -352,18 +372,13 @@ RL = calls({"/v1/rl/workers": anything},
 
 
 def test_rl_listener_fuzz(servers: Servers) -> None:
+    jobs = [(servers.rl, c) for c in generate(RL, FUZZ_EXAMPLES)]
     with _client() as client:
-        @SETTINGS
-        @given(RL)
-        def fuzz(c: Call) -> None:
-            COUNTS["rl"] += 1
-            check(send(client, servers.rl, c), c, "contract")
-
-        fuzz()
+        send_all(client, jobs, lambda r, c: check(r, c, "contract"))
         all_alive(servers)
         r = client.get(f"{servers.rl}/v1/rl/workers")
         assert r.status_code == 200 and len(r.json()["workers"]) == 1
-    assert COUNTS["rl"] >= FUZZ_EXAMPLES
+    assert len(jobs) >= FUZZ_EXAMPLES
 
 
 REQUEST_PLANE = calls({"/generate": fields(ENGINE_GENERATE),
@@ -373,20 +388,15 @@ REQUEST_PLANE = calls({"/generate": fields(ENGINE_GENERATE),
 
 
 def test_request_plane_fuzz(servers: Servers) -> None:
+    jobs = [(servers.request_plane, c) for c in generate(REQUEST_PLANE, FUZZ_EXAMPLES)]
     with _client() as client:
-        @SETTINGS
-        @given(REQUEST_PLANE)
-        def fuzz(c: Call) -> None:
-            COUNTS["request_plane"] += 1
-            check(send(client, servers.request_plane, c), c, "openai")
-
-        fuzz()
+        send_all(client, jobs, lambda r, c: check(r, c, "openai"))
         all_alive(servers)
         r = client.post(f"{servers.request_plane}/generate", json={
             "request_id": "good", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 2}})
         assert r.status_code == 200 and '"done":true' in r.text
         good_completion(client, servers.frontend)
-    assert COUNTS["request_plane"] >= FUZZ_EXAMPLES
+    assert len(jobs) >= FUZZ_EXAMPLES
 
 
 SYSTEM = st.one_of(
@@ -399,29 +409,58 @@ SYSTEM = st.one_of(
 
 
 def test_system_server_fuzz(servers: Servers) -> None:
-    with _client() as client:
-        @settings(SETTINGS, max_examples=2 * FUZZ_EXAMPLES)
-        @given(SYSTEM)
-        def fuzz(pick: tuple[str, Call]) -> None:
-            schema, c = pick
-            COUNTS[f"system_{schema}"] += 1
-            base = servers.system_vllm if schema == "vllm" else servers.system_sglang
-            r = send(client, base, c)
-            if schema == "sglang" and c.path in SGLANG_NATIVE and r.status_code == 500:
-                # CONTRACT.md: an allow-listed native SGLang method is called with the body as
-                # its keyword arguments, and one that raises (an unknown argument, a bad mode)
-                # is the contract's 500 {"error": "Handler error"}, as Dynamo answers it
-                assert r.json()["error"] == "Handler error", (r.text, c)
-                COUNTS["system_sglang_native_500"] += 1
-                return
-            check(r, c, "contract")
+    picks = generate(SYSTEM, FUZZ_EXAMPLES)
+    bases = {"vllm": servers.system_vllm, "sglang": servers.system_sglang}
+    schemas = Counter(schema for schema, _ in picks)
+    native_500 = []
 
-        fuzz()
+    def judge(r: httpx.Response, c: Call) -> None:
+        if c.path in SGLANG_NATIVE and r.status_code == 500 and r.request.url.port == sglang_port:
+            # CONTRACT.md: an allow-listed native SGLang method is called with the body as
+            # its keyword arguments, and one that raises (an unknown argument, a bad mode)
+            # is the contract's 500 {"error": "Handler error"}, as Dynamo answers it
+            assert r.json()["error"] == "Handler error", (r.text, c)
+            native_500.append(c)
+            return
+        check(r, c, "contract")
+
+    sglang_port = httpx.URL(servers.system_sglang).port
+    with _client() as client:
+        send_all(client, [(bases[schema], c) for schema, c in picks], judge)
         all_alive(servers)
-        for base in (servers.system_vllm, servers.system_sglang):
+        for base in bases.values():
             r = client.get(f"{base}/health")
             assert r.status_code == 200 and r.json()["status"] == "ready"
         r = client.post(f"{servers.system_vllm}/engine/liveness_probe")
         assert r.json()["status"] == "ok"
-    assert COUNTS["system_vllm"] + COUNTS["system_sglang"] >= 2 * FUZZ_EXAMPLES
-    assert min(COUNTS["system_vllm"], COUNTS["system_sglang"]) >= FUZZ_EXAMPLES // 2
+    assert len(picks) >= FUZZ_EXAMPLES
+    assert min(schemas.values()) >= FUZZ_EXAMPLES // 3, schemas
+
+
+SURROGATE = "a\ud800b"
+MALFORMED = [  # issue 10, finding 10: each was a plain-text 500 before
+    ("/v1/completions", encode({"model": MODEL, "prompt": SURROGATE})),
+    ("/v1/completions", encode({"model": MODEL, "prompt": "x", "stop": [SURROGATE]})),
+    ("/v1/completions", encode({"model": MODEL, "prompt": "x", "request_id": SURROGATE})),
+    ("/v1/chat/completions", encode({"model": MODEL, "messages": [
+        {"role": "user", "content": SURROGATE}]})),
+    ("/v1/chat/completions", encode({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]})),
+    ("/v1/chat/completions", encode({"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": {"nested": "x"}}]}]})),
+    ("/generate", encode({"input_ids": [1, 2], "rid": SURROGATE})),
+    ("/v1/completions", deep(1000).encode()),
+    ("/v1/completions", ('{"model": "mock", "prompt": "x", "nvext": ' + deep(1000) + "}").encode()),
+    ("/v1/chat/completions", ('{"a":' * 100_000 + "1" + "}" * 100_000).encode()),
+]
+
+
+@pytest.mark.parametrize("path, body", MALFORMED, ids=range(len(MALFORMED)))
+def test_malformed_input_is_a_clear_400(servers: Servers, path: str, body: bytes) -> None:
+    with _client() as client:
+        r = client.post(servers.frontend + path, content=body)
+        assert r.status_code == 400, r.text
+        check_openai_shape(r, Call("POST", path, body, {}))
+        good_completion(client, servers.frontend)  # and the connection still serves
+    if b"\\ud800" in body:
+        assert "surrogate" in r.json()["error"]["message"]
