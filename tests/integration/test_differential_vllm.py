@@ -13,7 +13,9 @@ Differences that are intended, and so not compared (rlfleet's extensions or choi
   the exception class, `BadRequestError`), and error message wording;
 - `use_beam_search` and the other fields in rlfleet.protocol.openai.REFUSED: a 400 naming
   the field (vLLM runs beam search; rlfleet's rollouts are sampled);
-- streamed `prompt_logprobs` without echo: vLLM refuses, rlfleet too unless nvext asks.
+- streamed `prompt_logprobs` without echo: vLLM refuses, rlfleet too unless nvext asks;
+- a streamed chat echo: vLLM 0.32 ends it with an error event (its own bug); rlfleet
+  streams the echoed message after the role-only chunk, as the unary answer has it.
 """
 
 from __future__ import annotations
@@ -252,7 +254,7 @@ SAMPLING = {
     "token_prompt": dict(temperature=0, prompt=[9707, 1879, 11, 279, 4226]),
     "batch_texts": dict(temperature=0, prompt=["Hello", "The sky is"]),
     "batch_token_lists": dict(temperature=0, prompt=[[1, 2, 3], [40, 41]], n=1),
-    "numeric_strings": dict(temperature="0", max_tokens="5", logprobs="1"),
+    "numeric_strings": dict(temperature="0", max_tokens="5", top_p="1", logprobs=1),
     "truncate": dict(temperature=0, truncate_prompt_tokens=3),
     "skip_special_off": dict(temperature=0, skip_special_tokens=False, max_tokens=12),
     "max_tokens_clamped": dict(temperature=0, max_tokens=2047),
@@ -308,7 +310,9 @@ def test_chat(servers, name: str) -> None:
     same(servers, "/v1/chat/completions", chat(**CHAT[name]))
 
 
-@pytest.mark.parametrize("name", ["greedy", "logprobs", "seeded", "echo", "stop"])
+# not "echo": vLLM 0.32 fails a streamed chat echo itself (an error event: its DeltaMessage
+# refuses the echoed content); unary chat echo is compared above
+@pytest.mark.parametrize("name", ["greedy", "logprobs", "seeded", "stop"])
 def test_chat_streamed(servers, name: str) -> None:
     got = same(servers, "/v1/chat/completions",
                chat(**CHAT[name], stream=True, stream_options={"include_usage": True}),
@@ -338,6 +342,7 @@ BAD = {
     "presence_penalty_range": dict(presence_penalty=3),
     "repetition_penalty_zero": dict(repetition_penalty=0),
     "wrong_type": dict(max_tokens=[1]),
+    "logprobs_as_string": dict(logprobs="1"),  # numeric strings: not for the logprob counts
 }
 
 

@@ -334,10 +334,11 @@ def _completion_logprobs(lps: Sequence[TokenLogprob], as_ids: bool | None, offse
                               text_offset=offsets)
 
 
-def _echo_prompt(res: Result, as_ids: bool | None
+def _echo_prompt(res: Result, as_ids: bool | None, k: int
                  ) -> list[tuple[int, str, tuple[float, dict] | None]]:
     """(token_id, decoded, (logprob, top) | None) per prompt position, from prompt logprobs
-    (the prompt token first, then the others, as vLLM orders them)."""
+    (the prompt token first, then the others, as vLLM orders them; at most k + 1 entries,
+    as for generated tokens, whatever `prompt_logprobs` computed)."""
     out: list[tuple[int, str, tuple[float, dict] | None]] = []
     strs = res.prompt_token_strs or [""] * len(res.prompt_token_ids)
     for i, tid in enumerate(res.prompt_token_ids):
@@ -348,6 +349,8 @@ def _echo_prompt(res: Result, as_ids: bool | None
         own = entry[str(tid)]
         top = {token_str(tid, own.decoded_token, as_ids): _floor(own.logprob)}
         for t, e in entry.items():
+            if len(top) > k:
+                break
             top.setdefault(token_str(int(t), e.decoded_token, as_ids), _floor(e.logprob))
         out.append((tid, strs[i], (_floor(own.logprob), top)))
     return out
@@ -365,7 +368,7 @@ def completion_body(req: CompletionRequest, res: Results, model: str) -> Complet
                                   text=(prompt_text + c.text) if req.echo else c.text,
                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)
             if req.logprobs is not None and c.logprobs is not None:
-                prompt = _echo_prompt(r, as_ids) if req.echo else None
+                prompt = _echo_prompt(r, as_ids, req.logprobs) if req.echo else None
                 ch.logprobs = _completion_logprobs(c.logprobs, as_ids, 0, prompt)
             if r.prompt_logprobs is not None:
                 ch.prompt_logprobs = r.prompt_logprobs
@@ -393,7 +396,7 @@ def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: De
     prompt = None
     if first and req.echo:
         text = ("" if req.return_token_ids else res.prompt_text) + text
-        prompt = _echo_prompt(res, as_ids)
+        prompt = _echo_prompt(res, as_ids, req.logprobs or 0)
     c = CompletionChoice(index=d.index if index is None else index, text=text,
                          finish_reason=d.finish_reason, stop_reason=d.stop_reason)
     if req.logprobs is not None and d.logprobs is not None:

@@ -4,7 +4,7 @@ left out of the JSON, every other field is always there, null included)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import UNSET, Struct, UnsetType
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -115,12 +115,22 @@ class _Request(BaseModel):
     routed_experts_prompt_start: int | None = 0
     nvext: NvExt = Field(default_factory=NvExt)
 
+    # fields vLLM wants as JSON numbers (numeric strings refused), checked on the raw body
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
     @model_validator(mode="before")
     @classmethod
     def _before(cls, data: Any) -> Any:
-        # vLLM's rule, checked on the raw body: stream_options only with stream
-        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
+        if not isinstance(data, dict):
+            return data
+        # vLLM's rules, checked on the raw body: stream_options only with stream; the
+        # logprob counts as numbers (other numbers may come as numeric strings)
+        if data.get("stream_options") and not data.get("stream"):
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        for name in cls.numbers_only:
+            v = data.get(name)
+            if v is not None and not isinstance(v, (int, float)):
+                raise ValueError(f"`{name}` must be an integer.")
         return data
 
     @field_validator("request_id", "session_id")
@@ -210,6 +220,8 @@ PromptIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_Request):
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "logprobs")
+
     prompt: PromptIds | list[PromptIds] | str | list[str] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -278,10 +290,11 @@ class ChatMessage(BaseModel):
         return v
 
     def text(self) -> str:
-        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        """The content as one string (text parts joined as they are, as vLLM 0.32 renders
+        them for a chat template that takes a string)."""
         c = self.content
         if isinstance(c, list):
-            return "\n".join(p["text"] for p in c)
+            return "".join(p["text"] for p in c)
         return c or ""
 
     def plain(self) -> dict[str, Any]:
@@ -291,6 +304,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "top_logprobs")
+
     messages: list[ChatMessage] = Field(default_factory=list)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

@@ -30,8 +30,9 @@ class EngineInfo:
 
 class Engine(abc.ABC):
     info: EngineInfo
-    #: which end of a prompt `truncate_prompt_tokens` cuts by default (the tokenizer's)
-    truncation_side: str = "right"
+    #: which end of a prompt `truncate_prompt_tokens` cuts by default: the start, keeping
+    #: the last tokens (vLLM loads every tokenizer with truncation_side="left")
+    truncation_side: str = "left"
 
     @abc.abstractmethod
     def tokenize(

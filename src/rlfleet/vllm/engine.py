@@ -168,7 +168,6 @@ class VllmEngine(Engine, EngineControl):
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
         self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
-        self.truncation_side = getattr(self.tokenizer, "truncation_side", None) or "right"
         if Path(self.args.model).is_dir():
             self.weights_path = str(Path(self.args.model).resolve())
             self.signature = checkpoint_signature(Path(self.weights_path))
