@@ -460,7 +460,9 @@ async def test_request_plane_generate(client: httpx.AsyncClient) -> None:
 
 @pytest.mark.parametrize("body, words", [
     ({"prompt_token_ids": [1, 151936]}, "outside the vocabulary"),
-    ({"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 127}}, "lower max_tokens"),
+    ({"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 129}}, "cannot be greater than max_model_len"),
+    ({"prompt_token_ids": [1, 2], "sampling": {"max_tokens": 128, "min_tokens": 127}},
+     "min_tokens must be less than or equal to max_tokens=126"),
     ({"prompt_token_ids": list(range(128))}, "shorten the prompt"),
 ])
 async def test_request_plane_refuses_bad_prompts(client: httpx.AsyncClient, body: dict,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -142,10 +141,12 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 
 def test_tokenizer_loads_fast(tiny: Path, tokenizer) -> None:
-    transformers = pytest.importorskip("transformers")
-    start = time.perf_counter()
-    transformers.AutoTokenizer.from_pretrained(tiny)
-    assert time.perf_counter() - start < 1.0
+    """The fast (Rust) tokenizer is read straight from tokenizer.json: no slow tokenizer
+    and no conversion (which would need vocab/merges files the model does not ship)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    assert tokenizer.is_fast
+    assert isinstance(tokenizer.backend_tokenizer, tokenizers.Tokenizer)
+    assert not (tiny / "vocab.json").exists() and not (tiny / "merges.txt").exists()
     assert len(tokenizer) == TOKENIZER_SIZE == 151669
 
 

@@ -149,11 +149,17 @@ async def test_tokenize_and_refusals() -> None:
                 pass
         assert e.value.status == 400 and "outside the vocabulary" in e.value.message
         assert not e.value.broken
-        with pytest.raises(WorkerError, match="lower max_tokens"):
-            async for _ in await client.generate(addr, request(max_tokens=61)):
+        with pytest.raises(WorkerError, match="cannot be greater than max_model_len"):
+            async for _ in await client.generate(addr, request(max_tokens=65)):
                 pass
+        # as vLLM's server: a budget beyond the room the prompt leaves is lowered to it
+        room = 64 - len(PROMPT)
+        got = [ev async for ev in await client.generate(addr, request(max_tokens=room + 1))]
+        assert len(merged(got)[0]) == room
+        big = GenerateRequest(request_id="big", prompt_token_ids=[1])
+        big.prompt_token_ids = [1 << 70]  # past the constructor's check, as a foreign client
         with pytest.raises(WorkerError) as e:  # a number that cannot even be encoded
-            await client.generate(addr, GenerateRequest(request_id="big", prompt_token_ids=[1 << 70]))
+            await client.generate(addr, big)
         assert e.value.status == 400
         # the connection still serves
         assert len(merged([ev async for ev in await client.generate(addr, request(max_tokens=3))])[0]) == 3

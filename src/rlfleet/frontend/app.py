@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,7 +18,7 @@ from rlfleet.frontend import openai, sglang
 from rlfleet.frontend.generation import Frontend, frontend_of
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry
-from rlfleet.protocol.openai import ModelCard, ModelList
+from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import ERROR_HANDLERS, HttpError, json_response
 from rlfleet.runtime.request_plane import WorkerClient
@@ -29,8 +30,20 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", 
 
 
 async def models(request: Request) -> Response:
-    return json_response(ModelList(data=[ModelCard(id=m)
-                                         for m in frontend_of(request).pool.models()]))
+    """The served models, as vLLM lists them: `root` (where the weights came from),
+    `max_model_len` and a permission entry, from the workers' discovery entries."""
+    pool = frontend_of(request).pool
+    now = int(time.time())
+    cards = []
+    for m in pool.models():
+        entry = next((w.entry for w in pool.for_model(m)), {})
+        root = entry.get("model_path")
+        mml = entry.get("max_model_len")
+        cards.append(ModelCard(
+            id=m, created=now, root=root if isinstance(root, str) else m,
+            max_model_len=mml if isinstance(mml, int) else None,
+            permission=[ModelPermission(id=f"modelperm-{uuid.uuid4().hex[:16]}", created=now)]))
+    return json_response(ModelList(data=cards))
 
 
 async def health(request: Request) -> Response:
@@ -49,17 +62,30 @@ async def cancel(request: Request) -> Response:
     result (kept for retries) is the partial output with finish reason `abort`."""
     fe = frontend_of(request)
     rid = request.path_params["rid"]
-    run = fe.runs.running(rid)
-    if run is not None:
-        auth = request.headers.get("authorization", "")
-        admin = auth[7:] if auth[:7].lower() == "bearer " else None
-        if not fe.runs.may_cancel(run, request.headers.get(CANCEL_TOKEN_HEADER), admin):
+    auth = request.headers.get("authorization", "")
+    admin = auth[7:] if auth[:7].lower() == "bearer " else None
+    parts = [(part, fe.runs.running(part)) for part in _parts(fe, rid)]  # or each of a batch
+    for _, run in parts:
+        if run is not None and not fe.runs.may_cancel(
+                run, request.headers.get(CANCEL_TOKEN_HEADER), admin):
             raise HttpError(403, f"only the owner of request {rid!r} can cancel it: send the "
                                  "X-Cancel-Token header it was started with (or the frontend's "
                                  "admin token as Authorization: Bearer)")
-    worker = run.worker if run is not None else None
-    cancelled = worker is not None and await fe.client.cancel(worker.address, rid)
+    cancelled = False
+    for part, run in parts:  # the request, or each prompt of a batch (<id>-<i>)
+        worker = run.worker if run is not None else None
+        if worker is not None and await fe.client.cancel(worker.address, part):
+            cancelled = True
     return json_response({"request_id": rid, "cancelled": cancelled})
+
+
+def _parts(fe, rid: str) -> list[str]:
+    if rid in fe.runs.runs or f"{rid}-0" not in fe.runs.runs:
+        return [rid]
+    out = []
+    while f"{rid}-{len(out)}" in fe.runs.runs:
+        out.append(f"{rid}-{len(out)}")
+    return out
 
 
 class Accounting:

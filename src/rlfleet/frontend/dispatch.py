@@ -139,8 +139,11 @@ class Result:
                 self.prompt_text = h.prompt_text
             if h.prompt_token_strs:
                 self.prompt_token_strs = h.prompt_token_strs
+            if h.prompt_logprobs:
+                self.prompt_logprobs = h.prompt_logprobs
         elif kind is Done:
-            self.prompt_logprobs = ev.prompt_logprobs  # type: ignore[union-attr]
+            if ev.prompt_logprobs is not None:  # type: ignore[union-attr]
+                self.prompt_logprobs = ev.prompt_logprobs  # type: ignore[union-attr]
             self.finished = time.time()
         return []
 

@@ -5,6 +5,7 @@ nothing is allocated per token beyond the events themselves."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -18,9 +19,15 @@ from starlette.responses import Response
 from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RequestIdConflict, Run, RunRegistry
-from rlfleet.protocol.engine import Delta, Done, GenerateRequest
+from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, json_response
+from rlfleet.runtime.http import (
+    ClientWatch,
+    HttpError,
+    StreamResponse,
+    bad_json_message,
+    json_response,
+)
 from rlfleet.runtime.request_plane import WorkerClient
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -41,21 +48,24 @@ def frontend_of(request: Request) -> Frontend:
 
 
 async def parse_body(request: Request, cls: type[BaseModel]) -> Any:
-    """The body as `cls`; HttpError 400 says what is wrong with it."""
+    """The body as `cls`; HttpError 400 says what is wrong with it (and names the field)."""
     try:
         raw = await request.body()
     except ClientDisconnect:
         raise HttpError(499, "client closed the request") from None
     try:
         obj = msgspec.json.decode(raw) if raw.strip() else None
-    except msgspec.DecodeError as e:
-        raise HttpError(400, f"the request body is not valid JSON: {e}") from e
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise HttpError(400, f"the request body is not valid JSON: {bad_json_message(e, raw)}"
+                        ) from None
     if not isinstance(obj, dict):
         raise HttpError(400, "the request body must be a JSON object")
     try:
         return cls.model_validate(obj)
     except ValidationError as e:
-        raise HttpError(400, _validation_message(e)) from e
+        raise HttpError(400, _validation_message(e), param=_validation_param(e)) from e
+    except (ValueError, TypeError, RecursionError) as e:  # a validator that failed oddly
+        raise HttpError(400, f"the request body cannot be read: {e}") from e
 
 
 def _validation_message(exc: ValidationError) -> str:
@@ -67,20 +77,46 @@ def _validation_message(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def request_id(request: Request, prefix: str) -> str:
+def _validation_param(exc: ValidationError) -> str | None:
+    for e in exc.errors():
+        loc = e.get("loc", ())
+        if loc:
+            return str(loc[0])
+    return None
+
+
+def request_id(request: Request, prefix: str, given: str | None = None) -> str:
+    """The request's ID: its X-Request-Id (a kept run, see runs.py), else the body's
+    `request_id` (vLLM's field: names the request, nothing more), else a new one."""
     rid = request.headers.get(REQUEST_ID_HEADER)
     if rid is not None:
         if not 0 < len(rid) <= 256:
             raise HttpError(400, "X-Request-Id must be 1 to 256 characters")
         return rid
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return given or f"{prefix}-{uuid.uuid4().hex}"
 
 
-def engine_request(build: Callable[[], GenerateRequest]) -> GenerateRequest:
-    """`build()`, from already validated parts; a combination the engine would refuse
-    (say, min_tokens above max_tokens) is a 400."""
+def served_model(request: Request, model: str | None) -> str:
+    """The model a request names, or, when it names none, the one model served (as vLLM
+    serves its one model); several or none: HttpError."""
+    if model is not None:
+        return model
+    models = frontend_of(request).pool.models()
+    if len(models) == 1:
+        return models[0]
+    if not models:
+        raise HttpError(503, "no worker serves a model yet; retry shortly")
+    raise HttpError(400, f"model is required: this frontend serves {len(models)} models "
+                         f"({', '.join(models)})", param="model")
+
+
+def engine_request(build: Callable[[], Any]) -> Any:
+    """`build()`, from already validated parts; a value or combination the engine would
+    refuse (say, min_tokens above max_tokens) is a 400 naming the parameter."""
     try:
         return build()
+    except InvalidParam as e:
+        raise HttpError(400, str(e), param=e.param) from e
     except (ValueError, TypeError) as e:
         raise HttpError(400, str(e)) from e
 
@@ -90,23 +126,22 @@ def sse(obj: Any) -> bytes:
 
 
 class Follower:
-    """One HTTP request following a run: folds its events into a Result, and ends (detach
-    from the run, stop watching the caller) exactly once."""
+    """One run followed by one HTTP request: folds its events into a Result, and detaches
+    from the run exactly once."""
 
-    __slots__ = ("runs", "run", "res", "watch", "_seen", "_ended")
+    __slots__ = ("runs", "run", "res", "_seen", "_ended")
 
-    def __init__(self, runs: RunRegistry, run: Run, res: Result, watch: ClientWatch) -> None:
-        self.runs, self.run, self.res, self.watch = runs, run, res, watch
+    def __init__(self, runs: RunRegistry, run: Run, res: Result) -> None:
+        self.runs, self.run, self.res = runs, run, res
         self._seen = 0
         self._ended = False
 
     def end(self) -> None:
         if not self._ended:
             self._ended = True
-            self.watch.finish()
             self.runs.detach(self.run)
 
-    async def _take(self) -> tuple[list[Delta], bool]:
+    async def take(self) -> tuple[list[Delta], bool]:
         """Apply every event not seen yet (waiting for one if there is none): (the choice
         deltas among them, whether the run's last event was among them). Raises the run's
         error once its events are used up."""
@@ -141,19 +176,65 @@ class Follower:
                 run.release(1)
 
     async def to_end(self) -> None:
-        while not (await self._take())[1]:
+        while not (await self.take())[1]:
             pass
 
-    async def batches(self) -> AsyncIterator[tuple[list[Delta], bool]]:
-        """(merged choice deltas, ended) per wake-up, until the run ends."""
-        while True:
-            deltas, done = await self._take()
-            yield merge_deltas(deltas), done
-            if done:
-                return
+
+class Call:
+    """One HTTP generation request following its runs (one per prompt of the request): one
+    watcher notices a caller that leaves; every run is detached exactly once."""
+
+    __slots__ = ("followers", "watch", "_ended")
+
+    def __init__(self, followers: list[Follower], watch: ClientWatch) -> None:
+        self.followers, self.watch = followers, watch
+        self._ended = False
+
+    @property
+    def results(self) -> list[Result]:
+        return [f.res for f in self.followers]
+
+    def end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            self.watch.finish()
+            for f in self.followers:
+                f.end()
+
+    async def to_end(self) -> None:
+        if len(self.followers) == 1:
+            await self.followers[0].to_end()
+        else:
+            await asyncio.gather(*(f.to_end() for f in self.followers))
+
+    async def batches(self) -> AsyncIterator[tuple[int, list[Delta], bool]]:
+        """(prompt index, merged choice deltas, that prompt's run ended) per wake-up, until
+        every run has ended."""
+        if len(self.followers) == 1:
+            f = self.followers[0]
+            while True:
+                deltas, done = await f.take()
+                yield 0, merge_deltas(deltas), done
+                if done:
+                    return
+        pending = {asyncio.ensure_future(f.take()): p for p, f in enumerate(self.followers)}
+        try:
+            while pending:
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in sorted(finished, key=pending.__getitem__):
+                    p = pending.pop(t)
+                    deltas, done = t.result()
+                    yield p, merge_deltas(deltas), done
+                    if not done:
+                        pending[asyncio.ensure_future(self.followers[p].take())] = p
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
 
     async def unary(self, render: Callable[[], Any]) -> Response:
-        """Follow the run to its end and answer with `render()` as JSON."""
+        """Follow the runs to their end and answer with `render()` as JSON."""
         try:
             await self.to_end()
             self.end()
@@ -181,34 +262,73 @@ class Follower:
                               {"Cache-Control": "no-cache"}, on_end=self.end)
 
 
-async def follow(request: Request, model: str, greq: GenerateRequest, res: Result,
-                 bound: PolicyBound | None = None) -> Follower:
-    """Start the request (or rejoin the run of a reused X-Request-Id) and wait for the
-    worker's first event; fail before any byte is sent if no worker takes it. `bound`: the
-    request's staleness bound (nvext.policy), see dispatch."""
+async def follow(request: Request, model: str, greqs: GenerateRequest | list[GenerateRequest],
+                 results: Result | list[Result], bound: PolicyBound | None = None) -> Call:
+    """Start the request's runs, one per prompt (or rejoin the runs of a reused
+    X-Request-Id), and wait for each worker's first event; fail before any byte is sent if
+    a worker refuses its part (the other parts are then abandoned). `bound`: the request's
+    staleness bound (nvext.policy), see dispatch."""
     fe = frontend_of(request)
+    if isinstance(greqs, GenerateRequest):
+        greqs = [greqs]
+    if isinstance(results, Result):
+        results = [results]
     keep = REQUEST_ID_HEADER in request.headers
-
-    def source(run: Run) -> AsyncIterator:
-        # a run only this caller follows moves at the caller's pace; a kept run is read to
-        # its end whoever listens, so that a retry finds it whole
-        return dispatch(fe.pool, fe.client, model, greq, lambda w: setattr(run, "worker", w),
-                        None if keep else lambda s: setattr(run, "stream", s), paced=not keep,
-                        bound=bound)
-
+    if keep:
+        _check_batch_reuse(fe.runs, request.headers[REQUEST_ID_HEADER], len(greqs))
+    body = await request.body()
+    cancel_token = request.headers.get(CANCEL_TOKEN_HEADER)
+    followers: list[Follower] = []
     try:
-        run, _ = fe.runs.start(greq.request_id, await request.body(), keep, source,
-                               route=request.url.path,
-                               cancel_token=request.headers.get(CANCEL_TOKEN_HEADER))
-    except RequestIdConflict as e:
-        raise HttpError(409, str(e)) from e
-    fe.runs.attach(run)
-    f = Follower(fe.runs, run, res, ClientWatch(request))
+        for greq, res in zip(greqs, results, strict=True):
+            def source(run: Run, greq: GenerateRequest = greq) -> AsyncIterator:
+                # a run only this caller follows moves at the caller's pace; a kept run is
+                # read to its end whoever listens, so that a retry finds it whole
+                return dispatch(fe.pool, fe.client, model, greq,
+                                lambda w: setattr(run, "worker", w),
+                                None if keep else lambda s: setattr(run, "stream", s),
+                                paced=not keep, bound=bound)
+
+            try:
+                run, _ = fe.runs.start(greq.request_id, body, keep, source,
+                                       route=request.url.path, cancel_token=cancel_token)
+            except RequestIdConflict as e:
+                raise HttpError(409, str(e)) from e
+            fe.runs.attach(run)
+            followers.append(Follower(fe.runs, run, res))
+    except BaseException:
+        for f in followers:
+            f.end()
+        raise
+    call = Call(followers, ClientWatch(request))
     try:
-        await f.head()
+        if len(followers) == 1:
+            await followers[0].head()
+        else:
+            heads = await asyncio.gather(*(f.head() for f in followers), return_exceptions=True)
+            for h in heads:
+                if isinstance(h, BaseException):
+                    raise h
     except BaseException as e:
-        f.end()
-        if f.watch.gone_on(e):
+        call.end()
+        if call.watch.gone_on(e):
             raise HttpError(499, "client closed the request") from None
         raise
-    return f
+    return call
+
+
+def batch_request_id(rid: str, index: int, count: int) -> str:
+    """The request ID of prompt `index` of a request of `count` prompts: the request's own
+    ID for one prompt, else `<id>-<index>` (as vLLM names a batch's parts)."""
+    return rid if count == 1 else f"{rid}-{index}"
+
+
+def _check_batch_reuse(runs: RunRegistry, rid: str, count: int) -> None:
+    """An X-Request-Id used for one prompt is not reused for a batch, nor the reverse."""
+    if count == 1:  # a batch has parts <id>-0 and <id>-1 at least
+        used = f"{rid}-0" in runs.runs and f"{rid}-1" in runs.runs
+    else:
+        used = rid in runs.runs
+    if used:
+        raise HttpError(409, f"X-Request-Id {rid!r} was already used for a different request; "
+                             "use a new request ID for a new request")

@@ -1,23 +1,31 @@
 """The OpenAI API: POST /v1/completions, /v1/chat/completions (unary and streamed, with
-nvext) and /v1/responses/input_tokens. Rendering does only what the request asked for."""
+nvext) and /v1/responses/input_tokens. Rendering does only what the request asked for,
+in vLLM's shapes.
+
+A completion request may carry several prompts (a list of texts or of token lists): each
+is its own generation (its own run, worker and request ID `<id>-<i>`), and choice
+`i * n + j` of the response is choice `j` of prompt `i`, as the OpenAI API defines."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
+from rlfleet import __version__
 from rlfleet.frontend.dispatch import Choice, Result
 from rlfleet.frontend.generation import (
+    batch_request_id,
     engine_request,
     follow,
     frontend_of,
     parse_body,
     request_id,
+    served_model,
     sse,
 )
 from rlfleet.protocol.engine import (
@@ -46,10 +54,17 @@ from rlfleet.protocol.openai import (
     InputTokensRequest,
     NvExtResponse,
     TokenizeRouteRequest,
+    Usage,
 )
 from rlfleet.runtime.http import json_response
 
 Req = CompletionRequest | ChatCompletionRequest
+Results = Result | Sequence[Result]
+LOGPROB_FLOOR = -9999.0  # what -inf is sent as (vLLM's, and OpenAI's, convention)
+
+
+def _all(res: Results) -> Sequence[Result]:
+    return [res] if isinstance(res, Result) else res
 
 
 # ------------------------------------------------------------------------ routes
@@ -57,73 +72,87 @@ Req = CompletionRequest | ChatCompletionRequest
 
 async def completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest)
-    rid = request_id(request, "cmpl")
-    prompt_lps = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:
-        prompt_lps = max(prompt_lps or 0, req.logprobs)
-    ids = req.nvext.token_data or (req.prompt if isinstance(req.prompt, list) else None)
+    engine_request(req.refusals)
+    model = served_model(request, req.model)
+    rid = request_id(request, "cmpl", req.request_id)
+    prompts = req.prompts
+    logprobs = req.logprobs
+    echo = bool(req.echo)
 
-    def build() -> GenerateRequest:
-        sampling = req.sampling(req.max_tokens, req.logprobs)
-        sampling.prompt_logprobs = prompt_lps
-        return GenerateRequest(request_id=rid, prompt=None if ids else req.prompt,
-                               prompt_token_ids=ids, sampling=sampling, stream=req.stream,
-                               echo=req.echo)
+    def build() -> list[GenerateRequest]:
+        out = []
+        for i, p in enumerate(prompts):
+            sampling = req.sampling(req.max_tokens, logprobs)
+            sampling.prompt_logprobs = req.engine_prompt_logprobs
+            out.append(GenerateRequest(
+                request_id=batch_request_id(rid, i, len(prompts)),
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=None if isinstance(p, str) else p, sampling=sampling,
+                echo=echo, **req.request_options()))
+        return out
 
-    greq = engine_request(build)
-    res = Result(rid, req.n, keep_output=not req.stream)
-    f = await follow(request, req.model, greq, res, req.nvext.policy)
+    greqs = engine_request(build)
+    results = [Result(rid, req.n, keep_output=not req.stream) for _ in greqs]
+    call = await follow(request, model, greqs, results, req.nvext.policy)
     if not req.stream:
-        return await f.unary(lambda: completion_body(req, res, req.model))
+        return await call.unary(lambda: completion_body(req, results, model))
 
     async def chunks() -> AsyncIterator[bytes]:
-        offsets = [0] * req.n
-        if req.echo:
-            yield b"".join(sse(CompletionResponse(
-                id=rid, created=int(res.received), model=req.model, choices=[
-                    CompletionChoice(index=i, text=res.prompt_text)])) for i in range(req.n))
-        async for deltas, _ in f.batches():
+        n = req.n
+        offsets = [0] * (n * len(results))
+        started = [False] * (n * len(results))
+        async for p, deltas, _ in call.batches():
             if deltas:
+                res = results[p]
                 out = []
                 for d in deltas:
-                    out.append(sse(completion_chunk_body(req, res, req.model, d, offsets[d.index])))
-                    offsets[d.index] += len(d.text)
+                    k = p * n + d.index
+                    chunk, offsets[k] = completion_chunk_body(
+                        req, res, model, d, offsets[k], index=k, first=not started[k])
+                    started[k] = True
+                    out.append(sse(chunk))
                 yield b"".join(out)
-        last = final_chunk_body(req, res, req.model)
+        last = final_chunk_body(req, results, model)
         if last is not None:
             yield sse(last)
-    return f.stream(chunks())
+    return call.stream(chunks())
 
 
 async def chat(request: Request) -> Response:
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-    rid = request_id(request, "chatcmpl")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    engine_request(req.refusals)
+    model = served_model(request, req.model)
+    rid = request_id(request, "chatcmpl", req.request_id)
     ids = req.nvext.token_data
-    greq = engine_request(lambda: GenerateRequest(
-        request_id=rid, prompt_token_ids=ids,
-        messages=None if ids else [m.plain() for m in req.messages],
-        add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=req.chat_template_kwargs,
-        sampling=req.sampling(req.token_budget, logprobs), stream=req.stream))
+
+    def build() -> GenerateRequest:
+        sampling = req.sampling(req.token_budget, req.engine_logprobs)
+        sampling.prompt_logprobs = req.engine_prompt_logprobs
+        opts = req.request_options()
+        if opts["add_special_tokens"] is None:
+            opts["add_special_tokens"] = False  # the chat template adds them
+        return GenerateRequest(
+            request_id=rid, prompt_token_ids=ids,
+            messages=None if ids else [m.plain() for m in req.messages],
+            add_generation_prompt=req.add_generation_prompt,
+            chat_template_kwargs=req.template_kwargs(), sampling=sampling,
+            echo=bool(req.return_prompt_text), **opts)
+
+    greq = engine_request(build)
     res = Result(rid, req.n, keep_output=not req.stream)
-    f = await follow(request, req.model, greq, res, req.nvext.policy)
+    call = await follow(request, model, greq, res, req.nvext.policy)
     if not req.stream:
-        return await f.unary(lambda: chat_body(req, res, req.model))
+        return await call.unary(lambda: chat_body(req, res, model))
 
     async def chunks() -> AsyncIterator[bytes]:
-        first = [True] * req.n
-        async for deltas, _ in f.batches():
+        yield b"".join(sse(c) for c in chat_opening_chunks(req, res, model))
+        async for _, deltas, _ in call.batches():
             if deltas:
-                out = []
-                for d in deltas:
-                    out.append(sse(chat_chunk_body(req, res, req.model, d, first[d.index])))
-                    first[d.index] = False
-                yield b"".join(out)
-        last = final_chunk_body(req, res, req.model)
+                yield b"".join(sse(chat_chunk_body(req, res, model, d)) for d in deltas)
+        last = final_chunk_body(req, res, model)
         if last is not None:
             yield sse(last)
-    return f.stream(chunks())
+    return call.stream(chunks())
 
 
 async def input_tokens(request: Request) -> Response:
@@ -131,9 +160,7 @@ async def input_tokens(request: Request) -> Response:
     counted by a worker's tokenizer."""
     req: InputTokensRequest = await parse_body(request, InputTokensRequest)
     fe = frontend_of(request)
-    models = fe.pool.models()
-    model = req.model or (models[0] if models else "")
-    w = await fe.pool.acquire(model)
+    w = await fe.pool.acquire(served_model(request, req.model))
     n = (await fe.client.tokenize(w.address, TokenizeRequest(messages=req.messages()))).count
     if req.tools:
         n += (await fe.client.tokenize(w.address,
@@ -157,6 +184,35 @@ router = Router(routes=[
     Route("/v1/responses/input_tokens", input_tokens, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
 ])
+
+
+# ------------------------------------------------------------------------ shared parts
+
+
+def system_fingerprint(res: Result) -> str:
+    """The backend configuration a response came from: rlfleet's version and the content
+    digest of the policy weights that produced its first token."""
+    digest = res.weight.get("weight_digest")
+    return f"rlfleet-{__version__}" + (f"-{digest[:16]}" if digest else "")
+
+
+def usage(results: Results) -> Usage:
+    p = sum(len(r.prompt_token_ids) for r in _all(results))
+    c = sum(r.completion_tokens for r in _all(results))
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def _usage_so_far(res: Result, choice: int) -> Usage:
+    p, c = len(res.prompt_token_ids), res.choices[choice].count
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+def token_str(tid: int, decoded: str, as_ids: bool | None) -> str:
+    return f"token_id:{tid}" if as_ids else decoded
+
+
+def _floor(lp: float) -> float:
+    return max(lp, LOGPROB_FLOOR)
 
 
 # ------------------------------------------------------------------------ nvext
@@ -204,158 +260,272 @@ def nvext_body(req: Req, res: Result, choice: Choice | Delta | None, final: bool
 _EMPTY = NvExtResponse()
 
 
-def _unary_nvext(req: Req, res: Result) -> NvExtResponse | None:
-    """Unary: per-choice fields come from choice 0 (the contract's `choices[0]`), and for
-    n > 1 also as a list over all choices under `choices`."""
-    nv = nvext_body(req, res, res.choices[0], final=True)
-    if nv is not None and len(res.choices) > 1:
-        per = [nvext_body(req, res, c, final=False) or NvExtResponse() for c in res.choices]
+def _unary_nvext(req: Req, results: Sequence[Result]) -> NvExtResponse | None:
+    """Unary: per-choice fields come from choice 0 (the contract's `choices[0]`), and with
+    several choices also as a list over all of them under `choices` (for a batch of
+    prompts each entry also carries its prompt's final fields)."""
+    first = results[0]
+    nv = nvext_body(req, first, first.choices[0], final=True)
+    every = [(r, c) for r in results for c in r.choices]
+    if nv is not None and len(every) > 1:
+        batch = len(results) > 1
+        per = [nvext_body(req, r, c, final=batch) or NvExtResponse() for r, c in every]
         if any(p != _EMPTY for p in per):
             nv.choices = per
     return nv
 
 
-def final_chunk_body(req: Req, res: Result, model: str, obj: str | None = None
+def final_chunk_body(req: Req, res: Results, model: str, obj: str | None = None
                      ) -> CompletionResponse | ChatCompletionChunk | None:
     """The last chunk of a stream: `completion_token_ids: []` plus the final-only nvext
-    fields, and usage when asked for."""
-    nv = nvext_body(req, res, None, final=True)
+    fields, and the whole request's usage (with the system fingerprint) when asked for."""
+    results = _all(res)
+    first = results[0]
+    nv = nvext_body(req, first, None, final=True)
     if req.nvext.wants("completion_token_ids"):
         nv = nv or NvExtResponse()
         nv.completion_token_ids = []
+    if nv is not None and len(results) > 1:
+        per = [nvext_body(req, r, None, final=True) or NvExtResponse()
+               for r in results for _ in r.choices]
+        if any(p != _EMPTY for p in per):
+            nv.choices = per
     if nv is None and not req.include_usage:
         return None
     completion = obj == "text_completion" if obj else isinstance(req, CompletionRequest)
     cls = CompletionResponse if completion else ChatCompletionChunk
-    chunk = cls(id=res.request_id, created=int(res.received), model=model, choices=[])
+    chunk = cls(id=first.request_id, created=int(first.received), model=model, choices=[])
     if nv is not None:
         chunk.nvext = nv
     if req.include_usage:
-        chunk.usage = res.usage()
+        chunk.usage = usage(results)
+        chunk.system_fingerprint = system_fingerprint(first)
     return chunk
 
 
 # ------------------------------------------------------------------------ completions
 
 
-def token_str(tid: int, decoded: str, as_ids: bool) -> str:
-    return f"token_id:{tid}" if as_ids else decoded
-
-
-def _completion_logprobs(lps: list[TokenLogprob], as_ids: bool, offset0: int,
+def _completion_logprobs(lps: Sequence[TokenLogprob], as_ids: bool | None, offset0: int,
                          prompt: list[tuple[int, str, tuple[float, dict] | None]] | None = None
                          ) -> CompletionLogprobs:
+    """vLLM's rendering: `top_logprobs` holds the sampled token and then the top ones;
+    each text offset advances by the length of the token as rendered."""
     tokens: list[str] = []
     token_lps: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
     off = offset0
     for tid, decoded, entry in prompt or ():
-        tokens.append(token_str(tid, decoded, as_ids))
+        s = token_str(tid, decoded, as_ids)
+        tokens.append(s)
         token_lps.append(None if entry is None else entry[0])
         tops.append(None if entry is None else entry[1])
         offsets.append(off)
-        off += len(decoded)
+        off += len(s)
     for lp in lps:
         s = token_str(lp.token_id, lp.decoded, as_ids)
         tokens.append(s)
-        token_lps.append(lp.logprob)
-        top = {s: lp.logprob}
+        token_lps.append(_floor(lp.logprob))
+        top = {s: _floor(lp.logprob)}
         for tid, val, dec in lp.top:
-            top.setdefault(token_str(tid, dec, as_ids), val)
+            top.setdefault(token_str(tid, dec, as_ids), _floor(val))
         tops.append(top)
         offsets.append(off)
-        off += len(lp.decoded)
+        off += len(s)
     return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops,
                               text_offset=offsets)
 
 
-def _echo_prompt(res: Result, as_ids: bool) -> list[tuple[int, str, tuple[float, dict] | None]]:
-    """(token_id, decoded, (logprob, top) | None) per prompt position, from prompt logprobs."""
+def _echo_prompt(res: Result, as_ids: bool | None, k: int
+                 ) -> list[tuple[int, str, tuple[float, dict] | None]]:
+    """(token_id, decoded, (logprob, top) | None) per prompt position, from prompt logprobs
+    (the prompt token first, then the others, as vLLM orders them; at most k + 1 entries,
+    as for generated tokens, whatever `prompt_logprobs` computed)."""
     out: list[tuple[int, str, tuple[float, dict] | None]] = []
     strs = res.prompt_token_strs or [""] * len(res.prompt_token_ids)
     for i, tid in enumerate(res.prompt_token_ids):
         entry = res.prompt_logprobs[i] if res.prompt_logprobs else None
-        if entry is None:
+        if entry is None or str(tid) not in entry:
             out.append((tid, strs[i], None))
             continue
-        top = {token_str(int(t), e.decoded_token, as_ids): e.logprob for t, e in entry.items()}
-        out.append((tid, strs[i], (entry[str(tid)].logprob, top)))
+        own = entry[str(tid)]
+        top = {token_str(tid, own.decoded_token, as_ids): _floor(own.logprob)}
+        for t, e in entry.items():
+            if len(top) > k:
+                break
+            top.setdefault(token_str(int(t), e.decoded_token, as_ids), _floor(e.logprob))
+        out.append((tid, strs[i], (_floor(own.logprob), top)))
     return out
 
 
-def completion_body(req: CompletionRequest, res: Result, model: str) -> CompletionResponse:
+def completion_body(req: CompletionRequest, res: Results, model: str) -> CompletionResponse:
     as_ids = req.return_tokens_as_token_ids
+    results = _all(res)
     choices = []
-    for c in res.choices:
-        ch = CompletionChoice(index=c.index, text=(res.prompt_text + c.text) if req.echo else c.text,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        if req.logprobs is not None and c.logprobs is not None:
-            prompt = _echo_prompt(res, as_ids) if req.echo else None
-            ch.logprobs = _completion_logprobs(c.logprobs, as_ids, 0, prompt)
-        if req.prompt_logprobs is not None:
-            ch.prompt_logprobs = res.prompt_logprobs
-        choices.append(ch)
-    body = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
-                              choices=choices, usage=res.usage())
-    nv = _unary_nvext(req, res)
+    for p, r in enumerate(results):
+        # vLLM: echo with return_token_ids echoes the prompt as token IDs only
+        prompt_text = "" if req.return_token_ids else r.prompt_text
+        for c in r.choices:
+            ch = CompletionChoice(index=p * req.n + c.index,
+                                  text=(prompt_text + c.text) if req.echo else c.text,
+                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            if req.logprobs is not None and c.logprobs is not None:
+                prompt = _echo_prompt(r, as_ids, req.logprobs) if req.echo else None
+                ch.logprobs = _completion_logprobs(c.logprobs, as_ids, 0, prompt)
+            if r.prompt_logprobs is not None:
+                ch.prompt_logprobs = r.prompt_logprobs
+            if req.return_token_ids:
+                ch.token_ids = list(c.token_ids)
+                ch.prompt_token_ids = r.prompt_token_ids
+            choices.append(ch)
+    first = results[0]
+    body = CompletionResponse(id=first.request_id, created=int(first.received), model=model,
+                              choices=choices, usage=usage(results),
+                              system_fingerprint=system_fingerprint(first))
+    nv = _unary_nvext(req, results)
     if nv is not None:
         body.nvext = nv
     return body
 
 
 def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: Delta,
-                          text_offset: int) -> CompletionResponse:
-    c = CompletionChoice(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                         stop_reason=d.stop_reason)
+                          text_offset: int, index: int | None = None, first: bool = False
+                          ) -> tuple[CompletionResponse, int]:
+    """One stream chunk for a delta of one choice (`index`: its place in the response),
+    and the text offset after it. The choice's first chunk echoes the prompt when asked."""
+    as_ids = req.return_tokens_as_token_ids
+    text = d.text
+    prompt = None
+    if first and req.echo:
+        text = ("" if req.return_token_ids else res.prompt_text) + text
+        prompt = _echo_prompt(res, as_ids, req.logprobs or 0)
+    c = CompletionChoice(index=d.index if index is None else index, text=text,
+                         finish_reason=d.finish_reason, stop_reason=d.stop_reason)
     if req.logprobs is not None and d.logprobs is not None:
-        c.logprobs = _completion_logprobs(d.logprobs, req.return_tokens_as_token_ids, text_offset)
+        c.logprobs = _completion_logprobs(d.logprobs, as_ids, text_offset, prompt)
+        if c.logprobs.tokens:
+            text_offset = c.logprobs.text_offset[-1] + len(c.logprobs.tokens[-1])
+    if req.return_token_ids:
+        c.token_ids = list(d.token_ids)
+        if first:
+            c.prompt_token_ids = res.prompt_token_ids
     chunk = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                choices=[c])
+    if d.finish_reason is not None and not req.include_usage:
+        chunk.system_fingerprint = system_fingerprint(res)
+    if req.continuous_usage:
+        chunk.usage = _usage_so_far(res, d.index)
     nv = nvext_body(req, res, d, final=False)
     if nv is not None:
         chunk.nvext = nv
-    return chunk
+    return chunk, text_offset
 
 
 # ------------------------------------------------------------------------ chat
 
 
-def _chat_logprobs(lps: list[TokenLogprob], as_ids: bool) -> ChatLogprobs:
-    return ChatLogprobs(content=[ChatTokenLogprob(
-        token=token_str(lp.token_id, lp.decoded, as_ids), logprob=lp.logprob,
-        bytes=list(lp.decoded.encode()),
-        top_logprobs=[ChatTopLogprob(token=token_str(t, dec, as_ids), logprob=v,
-                                     bytes=list(dec.encode())) for t, v, dec in lp.top])
-        for lp in lps])
+def _chat_logprobs(lps: Sequence[TokenLogprob], k: int | None, as_ids: bool | None
+                   ) -> ChatLogprobs:
+    """vLLM's rendering: `top_logprobs` are the first k of (the sampled token, then the
+    most likely others)."""
+    content = []
+    for lp in lps:
+        tok = token_str(lp.token_id, lp.decoded, as_ids)
+        tops = [(lp.token_id, lp.logprob, lp.decoded)]
+        tops += [t for t in lp.top if t[0] != lp.token_id]
+        content.append(ChatTokenLogprob(
+            token=tok, logprob=_floor(lp.logprob),
+            bytes=list(lp.decoded.encode("utf-8", errors="replace")),
+            top_logprobs=[ChatTopLogprob(
+                token=(s := token_str(t, dec, as_ids)), logprob=_floor(v),
+                bytes=list(s.encode("utf-8", errors="replace")))
+                for t, v, dec in tops[:k or 0]]))
+    return ChatLogprobs(content=content)
+
+
+def _echo_prefix(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content when it has the reply's role."""
+    if req.echo and req.messages and req.messages[-1].role == req.reply_role:
+        return req.messages[-1].text()
+    return ""
 
 
 def chat_body(req: ChatCompletionRequest, res: Result, model: str) -> ChatCompletionResponse:
+    as_ids = req.return_tokens_as_token_ids
+    role, prefix = req.reply_role, _echo_prefix(req)
     choices = []
     for c in res.choices:
-        ch = ChatChoice(index=c.index, message=ChatMessageOut(content=c.text),
+        ch = ChatChoice(index=c.index, message=ChatMessageOut(role=role, content=prefix + c.text),
                         finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         if req.logprobs and c.logprobs is not None:
-            ch.logprobs = _chat_logprobs(c.logprobs, req.return_tokens_as_token_ids)
+            ch.logprobs = _chat_logprobs(c.logprobs, req.top_logprobs, as_ids)
+        if req.return_token_ids:
+            ch.token_ids = list(c.token_ids)
         choices.append(ch)
     body = ChatCompletionResponse(id=res.request_id, created=int(res.received), model=model,
-                                  choices=choices, usage=res.usage())
-    if req.prompt_logprobs is not None:
+                                  choices=choices, usage=usage(res),
+                                  system_fingerprint=system_fingerprint(res))
+    if res.prompt_logprobs is not None:
         body.prompt_logprobs = res.prompt_logprobs
-    nv = _unary_nvext(req, res)
+    if req.return_token_ids:
+        body.prompt_token_ids = res.prompt_token_ids
+    if req.return_prompt_text:
+        body.prompt_text = res.prompt_text
+    nv = _unary_nvext(req, [res])
     if nv is not None:
         body.nvext = nv
     return body
 
 
+def chat_opening_chunks(req: ChatCompletionRequest, res: Result, model: str
+                        ) -> list[ChatCompletionChunk]:
+    """What a chat stream opens with, per choice: a role-only chunk, then the echoed last
+    message when asked for (vLLM's order)."""
+    out = []
+    zero = Usage(prompt_tokens=len(res.prompt_token_ids), completion_tokens=0,
+                 total_tokens=len(res.prompt_token_ids))
+    for i in range(res.n):
+        chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
+                                    choices=[ChatChunkChoice(index=i, delta=ChatDelta(
+                                        role=req.reply_role, content=""))])
+        if req.return_token_ids:
+            chunk.prompt_token_ids = res.prompt_token_ids
+        if req.return_prompt_text:
+            chunk.prompt_text = res.prompt_text
+        if req.continuous_usage:
+            chunk.usage = zero
+        out.append(chunk)
+    prefix = _echo_prefix(req)
+    if prefix:
+        for i in range(res.n):
+            chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
+                                        choices=[ChatChunkChoice(index=i,
+                                                                 delta=ChatDelta(content=prefix))])
+            if req.continuous_usage:
+                chunk.usage = zero
+            out.append(chunk)
+    return out
+
+
 def chat_chunk_body(req: ChatCompletionRequest, res: Result, model: str, d: Delta,
-                    first: bool) -> ChatCompletionChunk:
-    delta = ChatDelta(role="assistant", content=d.text) if first else ChatDelta(content=d.text)
+                    first: bool = False) -> ChatCompletionChunk:
+    """A content chunk of one choice (the role came in its opening chunk; `first` is
+    accepted for callers that render without one and puts the role here too)."""
+    delta = ChatDelta(role=req.reply_role, content=d.text) if first else ChatDelta(content=d.text)
     c = ChatChunkChoice(index=d.index, delta=delta, finish_reason=d.finish_reason)
+    if d.finish_reason is not None:
+        c.stop_reason = d.stop_reason
     if req.logprobs and d.logprobs is not None:
-        c.logprobs = _chat_logprobs(d.logprobs, req.return_tokens_as_token_ids)
+        c.logprobs = _chat_logprobs(d.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
+    if req.return_token_ids:
+        c.token_ids = list(d.token_ids)
     chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
                                 choices=[c])
+    if d.finish_reason is not None and not req.include_usage:
+        chunk.system_fingerprint = system_fingerprint(res)
+    if req.continuous_usage:
+        chunk.usage = _usage_so_far(res, d.index)
     nv = nvext_body(req, res, d, final=False)
     if nv is not None:
         chunk.nvext = nv
@@ -367,16 +537,16 @@ def chat_chunk_body(req: ChatCompletionRequest, res: Result, model: str, d: Delt
 # frontend (test fakes of a frontend, tools).
 
 
-def completion_response(req: CompletionRequest, res: Result, model: str) -> dict:
+def completion_response(req: CompletionRequest, res: Results, model: str) -> dict:
     return msgspec.to_builtins(completion_body(req, res, model))
 
 
 def completion_chunk(req: CompletionRequest, res: Result, model: str, d: Delta,
                      text_offset: int) -> dict:
-    return msgspec.to_builtins(completion_chunk_body(req, res, model, d, text_offset))
+    return msgspec.to_builtins(completion_chunk_body(req, res, model, d, text_offset)[0])
 
 
-def final_chunk(req: Req, res: Result, model: str, obj: str | None = None) -> dict | None:
+def final_chunk(req: Req, res: Results, model: str, obj: str | None = None) -> dict | None:
     last = final_chunk_body(req, res, model, obj)
     return None if last is None else msgspec.to_builtins(last)
 

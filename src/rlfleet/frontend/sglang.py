@@ -13,14 +13,13 @@ from rlfleet.frontend.dispatch import Result
 from rlfleet.frontend.generation import (
     engine_request,
     follow,
-    frontend_of,
     parse_body,
     request_id,
+    served_model,
     sse,
 )
 from rlfleet.protocol.engine import STALE_POLICY, GenerateRequest
 from rlfleet.protocol.sglang import GenerateResponse, MetaInfo, SglangGenerateRequest
-from rlfleet.runtime.http import HttpError
 
 
 def _finish(reason: str | None, stop_reason, length: int, stale: bool = False) -> dict | None:
@@ -62,13 +61,7 @@ def generate_response(req: SglangGenerateRequest, res: Result) -> GenerateRespon
 
 async def generate(request: Request) -> Response:
     req: SglangGenerateRequest = await parse_body(request, SglangGenerateRequest)
-    model = req.model
-    if model is None:
-        models = frontend_of(request).pool.models()
-        if len(models) != 1:
-            raise HttpError(400, f"model is required: this frontend serves {len(models)} "
-                                 f"models ({', '.join(models) or 'none'})")
-        model = models[0]
+    model = served_model(request, req.model)
     rid = req.rid or request_id(request, "gen")
     greq = engine_request(lambda: GenerateRequest(
         request_id=rid, prompt_token_ids=req.input_ids, sampling=req.sampling(),
@@ -79,7 +72,7 @@ async def generate(request: Request) -> Response:
         return await f.unary(lambda: generate_response(req, res))
 
     async def chunks() -> AsyncIterator[bytes]:
-        async for deltas, done in f.batches():
+        async for _, deltas, done in f.batches():
             # the last event adds the input logprobs
             if deltas or (done and res.prompt_logprobs is not None):
                 yield sse(generate_response(req, res))

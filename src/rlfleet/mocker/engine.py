@@ -323,7 +323,8 @@ class MockEngine(Engine, EngineControl):
 
     def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 add_special_tokens: bool | None = None) -> list[int]:
         text = self.render_chat(messages, add_generation_prompt) if messages is not None else prompt
         return [self._byte_base + b for b in (text or "").encode()]
 
@@ -374,9 +375,12 @@ class MockEngine(Engine, EngineControl):
         want_lp = s.logprobs is not None
         prompt_lps = (self._prompt_logprobs(ids, s.prompt_logprobs)
                       if s.prompt_logprobs is not None else None)
+        if s.structured_outputs is not None or s.response_format is not None:
+            raise BadRequest("structured outputs are not simulated by the mocker")
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
         first = True
+        early = req.echo and req.stream  # prompt logprobs go in the first event
         while live:
             await self._nap(run, self.ttft if first else self._token_delay())
             first = False
@@ -387,7 +391,10 @@ class MockEngine(Engine, EngineControl):
                 self._advance(ch, s, seed, s.max_tokens or room)
             metrics.WORKER_GENERATED_TOKENS.inc(len(live))
             if req.stream:
-                yield {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
+                ev: dict[str, Any] = {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
+                if early:
+                    ev["prompt_logprobs"], prompt_lps, early = prompt_lps, None, False
+                yield ev
             live = [ch for ch in live if ch.finish_reason is None]
         for ch in live:
             ch.finish_reason = "abort"

@@ -14,18 +14,22 @@ Two transports carry the same messages (rlfleet.runtime.request_plane):
 
 Events of one generation, in order:
   1. `Head`  always first: prompt_token_ids, weight_version, weight_digest
-             (with echo, also prompt_text and prompt_token_strs, one string per prompt token)
+             (with echo, also prompt_text and prompt_token_strs, one string per prompt token;
+             with echo and stream, also prompt_logprobs when asked for)
   2. `Step`  zero or more: {"choices": [Delta, ...]}, what each choice added in one step
   3. `Done`  always last: {"done": true, "prompt_logprobs": [...] | null}
   or, at any point, `ErrorEvent` {"error": {"message", "type", "code"}}, which ends it.
 With `stream=false` the worker sends the same kinds, with all tokens of every choice in
 one `Step`. Engines yield `Step` and `Done` as plain dicts of exactly these shapes (the
-worker writes them as they are; the frontend reads them back as these types).
+worker writes them as they are; the frontend reads them back as these types), except that
+with echo and stream an engine puts the prompt logprobs into its first event
+(`"prompt_logprobs"`), which the worker moves into the Head.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -41,39 +45,151 @@ MAGIC = b"RLFP\x01"  # first bytes a frontend writes on a stream-plane connectio
 WINDOW = 64
 
 
-class SamplingOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Sampling parameters, in vLLM's terms."""
+class InvalidParam(ValueError):
+    """A request parameter the engine would refuse; `param` names it (the error's `param`)."""
 
-    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Meta(ge=0.0, le=100.0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = 0  # 0 or -1: disabled
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    seed: int | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None  # None: up to the context length
-    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_STOP_STRINGS = 4  # vLLM's default VLLM_MAX_STOP_STRINGS
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_GREEDY = 1e-5  # below this temperature vLLM samples greedily
+
+
+class SamplingOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Sampling parameters, in vLLM's terms, checked as vLLM's engine checks them (so that
+    a request the engine would refuse is refused before it reaches a worker, whatever the
+    engine): `InvalidParam` says what is wrong."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None  # -1: none (vLLM's convention)
+    max_tokens: int | None = None  # None: up to the context length; clamped to the room left
+    min_tokens: int = 0
     stop: list[str] = []
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None  # 0: the sampled token
-    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] = 1.0
-    logit_bias: dict[int, float] | None = None  # token ID -> bias in [-100, 100]
+    logprobs: int | None = None  # 0: the sampled token; -1: the whole vocabulary
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token ID -> bias, clamped to [-100, 100]
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] = []  # words never generated
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    stream_interval: int | None = None  # tokens per streamed event (at least)
+    watermarking: bool | None = None  # None/true: watermark where the engine is set up to
+    # constrained decoding, as vLLM's request fields of these names (engines that cannot
+    # honour them refuse the request)
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
-            raise ValueError("seed must fit in a signed 64-bit integer")
-        if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()):
-            raise ValueError("logit_bias maps token IDs (>= 0) to biases in [-100, 100]")
+        check_sampling(self)
+
+
+def _finite(name: str, v: float) -> None:
+    if not math.isfinite(v):
+        raise InvalidParam(f"{name} must be a finite number, got {v}.", name)
+
+
+def _int64(name: str, v: int | None) -> None:
+    if v is not None and not _INT64[0] <= v <= _INT64[1]:
+        raise InvalidParam(f"{name}: {v} does not fit in a signed 64-bit integer", name)
+
+
+def check_sampling(s: SamplingOptions) -> None:
+    """vLLM's own rules for sampling parameters (SamplingParams._verify_args and the
+    engine's limits), with vLLM's wording."""
+    for name in ("top_k", "max_tokens", "min_tokens", "stream_interval"):
+        _int64(name, getattr(s, name))
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        for t in getattr(s, name) or ():
+            _int64(name, t)
+    for t in s.logit_bias or ():
+        _int64("logit_bias", t)
+    if not 1 <= s.n <= MAX_N:
+        raise InvalidParam(f"n must be between 1 and {MAX_N}, got {s.n}.", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(s, name)
+        _finite(name, v)
+        if not -2.0 <= v <= 2.0:
+            raise InvalidParam(f"{name} must be in [-2, 2], got {v}.", name)
+    _finite("repetition_penalty", s.repetition_penalty)
+    if s.repetition_penalty <= 0.0:
+        raise InvalidParam(f"repetition_penalty must be greater than zero, got "
+                           f"{s.repetition_penalty}.", "repetition_penalty")
+    _finite("temperature", s.temperature)
+    if not 0.0 <= s.temperature <= 2.0:
+        raise InvalidParam(f"temperature must be in [0, 2], got {s.temperature}.", "temperature")
+    _finite("top_p", s.top_p)
+    if not 0.0 < s.top_p <= 1.0:
+        raise InvalidParam(f"top_p must be in (0, 1], got {s.top_p}.", "top_p")
+    if s.top_k < -1:
+        raise InvalidParam(f"top_k must be 0 (disable), or at least 1, got {s.top_k}.", "top_k")
+    _finite("min_p", s.min_p)
+    if not 0.0 <= s.min_p <= 1.0:
+        raise InvalidParam(f"min_p must be in [0, 1], got {s.min_p}.", "min_p")
+    if s.seed is not None:
+        if not _INT64[0] <= s.seed <= _INT64[1]:
+            raise InvalidParam("seed must fit in a signed 64-bit integer "
+                               f"[{_INT64[0]}, {_INT64[1]}]", "seed")
+        if s.seed == -1:
+            s.seed = None
+    if s.max_tokens is not None and s.max_tokens < 1:
+        raise InvalidParam(f"max_tokens must be at least 1, got {s.max_tokens}.", "max_tokens")
+    if s.min_tokens < 0:
+        raise InvalidParam(f"min_tokens must be greater than or equal to 0, got {s.min_tokens}.",
+                           "min_tokens")
+    if s.max_tokens is not None and s.min_tokens > s.max_tokens:
+        raise InvalidParam(f"min_tokens must be less than or equal to max_tokens={s.max_tokens}, "
+                           f"got {s.min_tokens}.", "min_tokens")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(s, name)
+        if v is None:
+            continue
+        if v < -1:
+            raise InvalidParam(f"{name} must be non-negative or -1, got {v}.", name)
+        if v == -1 or v > MAX_LOGPROBS:
+            what = "the whole vocabulary (-1)" if v == -1 else str(v)
+            kind = "sample" if name == "logprobs" else "prompt"
+            raise InvalidParam(f"Requested {kind} logprobs of {what}, which is greater than max "
+                               f"allowed: {MAX_LOGPROBS}", name)
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidParam(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}",
+                           "stop")
+    if any(not x for x in s.stop):
+        raise InvalidParam("stop cannot contain an empty string.", "stop")
+    if any(t < 0 for t in s.stop_token_ids):
+        raise InvalidParam("stop_token_ids must be token IDs (>= 0)", "stop_token_ids")
+    if any(not w for w in s.bad_words):
+        raise InvalidParam(f"bad_words cannot contain an empty string. Got bad_words={s.bad_words}",
+                           "bad_words")
+    if s.allowed_token_ids is not None:
+        if not s.allowed_token_ids:
+            raise InvalidParam("allowed_token_ids is not None and empty!", "allowed_token_ids")
+        if any(t < 0 for t in s.allowed_token_ids):
+            raise InvalidParam("allowed_token_ids contains out-of-vocab token id!",
+                               "allowed_token_ids")
+    if s.logit_bias:
+        if any(t < 0 for t in s.logit_bias):
+            raise InvalidParam("logit_bias keys are token IDs (>= 0)", "logit_bias")
+        for t, b in s.logit_bias.items():
+            _finite(f"logit_bias[{t}]", b)
+        s.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()}
+    if s.stream_interval is not None and s.stream_interval < 1:
+        raise InvalidParam(f"stream_interval must be at least 1, got {s.stream_interval}.",
+                           "stream_interval")
+    if s.temperature < _GREEDY and s.n > 1:
+        raise InvalidParam(f"n must be 1 when using greedy sampling, got {s.n}.", "n")
 
 
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -85,10 +201,23 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # passed to the chat template (besides the messages): tools, documents,
+    # continue_final_message, reasoning_effort, ... as transformers' apply_chat_template
+    # takes them
     chat_template_kwargs: dict[str, Any] | None = None
+    # special tokens (BOS) added when tokenising: None = the default (yes for a text prompt,
+    # no for chat, whose template adds them)
+    add_special_tokens: bool | None = None
+    # keep this many prompt tokens (-1: as many as the context allows, less one), cut from
+    # `truncation_side` (None: the tokenizer's side)
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stream: bool = True
     echo: bool = False  # Head also carries prompt_text and prompt_token_strs
+    cache_salt: str | None = None  # prefix-cache salt (vLLM's cache_salt)
+    priority: int = 0  # scheduling priority (lower: earlier), for engines that schedule by it
+    session_id: str | None = None  # related requests' shared identity (vLLM's session_id)
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
@@ -101,11 +230,28 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
         if given != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
         if self.prompt is not None and not self.prompt:
-            raise ValueError("prompt is empty: send at least one character or token ID")
-        if self.prompt_token_ids is not None and not self.prompt_token_ids:
-            raise ValueError("prompt is empty: send at least one token ID")
+            raise InvalidParam("prompt is empty: send at least one character or token ID",
+                               "prompt")
+        if self.prompt_token_ids is not None:
+            ids = self.prompt_token_ids
+            if not ids:
+                raise InvalidParam("prompt is empty: send at least one token ID", "prompt")
+            if min(ids) < 0 or max(ids) > _INT64[1]:
+                bad = next(t for t in ids if not 0 <= t <= _INT64[1])
+                raise InvalidParam(f"prompt token ID {bad} is not a token ID", "prompt")
         if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty: send at least one message")
+            raise InvalidParam("messages is empty: send at least one message", "messages")
+        t = self.truncate_prompt_tokens
+        if t is not None and not -1 <= t <= _INT64[1]:
+            raise InvalidParam(f"truncate_prompt_tokens must be -1 or at least 0, got {t}",
+                               "truncate_prompt_tokens")
+        _int64("priority", self.priority)
+        salt = self.cache_salt
+        if salt is not None and (not salt or len(salt) > 128
+                                 or any(c in "@/\\\x00" for c in salt)):
+            raise InvalidParam("Parameter 'cache_salt' must be a non-empty string of at most 128 "
+                               "characters and must not contain '@', '/', '\\\\', or NUL.",
+                               "cache_salt")
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -150,6 +296,9 @@ class Head(Struct, kw_only=True, omit_defaults=True):
     weight_step: int | None = None  # the policy's fleet step, when declared
     prompt_text: str | UnsetType = UNSET  # with echo
     prompt_token_strs: list[str] | UnsetType = UNSET  # with echo
+    # with echo and stream: the prompt logprobs up front (Done then carries none), so that a
+    # stream can start with the echoed prompt and its logprobs
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
     worker_id: int | UnsetType = UNSET  # set by the frontend: the instance that served it
 
 

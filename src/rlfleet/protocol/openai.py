@@ -4,14 +4,13 @@ left out of the JSON, every other field is always there, null included)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import UNSET, Struct, UnsetType
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rlfleet.protocol.engine import (
-    MAX_LOGPROBS,
-    MAX_N,
+    InvalidParam,
     PromptLogprob,
     SamplingOptions,
     TokenizeRequest,
@@ -19,53 +18,152 @@ from rlfleet.protocol.engine import (
 )
 from rlfleet.protocol.nvext import NvExt
 
+MAX_PROMPTS = 1024  # prompts in one batch request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
+
+# vLLM request fields rlfleet refuses when set to anything but their default (None, or the
+# value given): why, in the user's words. Listed in the README.
+REFUSED: dict[str, str] = {
+    "use_beam_search": "beam search is not run by rlfleet workers (rollouts are sampled; use n)",
+    "logprob_token_ids": "logprobs of chosen token IDs are not supported; use logprobs / "
+                         "top_logprobs",
+    "prompt_embeds": "prompt embeddings are not supported: rlfleet's token authority needs "
+                     "token IDs (send prompt as token IDs)",
+    "suffix": "suffix is only supported for models with FIM completion rendering",
+    "kv_transfer_params": "disaggregated serving (KV transfer) is not part of rlfleet workers",
+    "ec_transfer_params": "disaggregated serving (encoder-cache transfer) is not part of "
+                          "rlfleet workers",
+    "vllm_xargs": "custom engine extensions (vllm_xargs) are not part of rlfleet workers",
+    "repetition_detection": "repetition detection is not supported by rlfleet workers",
+    "routed_experts_prompt_start": "routed-expert data is not returned by rlfleet workers",
+    "chat_template": "Chat template is passed with request, but rlfleet workers use the "
+                     "model's own template (as vLLM without --trust-request-chat-template): "
+                     "refused request with untrusted chat template",
+    "media_io_kwargs": "multimodal inputs are not supported by rlfleet workers",
+    "mm_processor_kwargs": "multimodal inputs are not supported by rlfleet workers",
+}
+# request fields that change nothing on these routes, in vLLM as here: accepted, no effect
+NO_EFFECT = ("user", "length_penalty", "return_token_offsets", "mm_payload", "return_mm_kwargs",
+             "include_reasoning", "parallel_tool_calls")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool | None = False  # usage so far on every chunk
+
 
 class _Request(BaseModel):
-    # strict: "5" is not an integer; unknown fields are ignored, as vLLM does
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """What the completions and chat routes share: vLLM's request fields (read as vLLM
+    reads them: numbers sent as numeric strings are accepted, unknown fields are ignored)
+    plus nvext. Every vLLM field is either honoured with vLLM's meaning or, when set,
+    refused by name (REFUSED)."""
 
-    model: str = Field(min_length=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0.0, le=100.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None  # None: the one model this frontend serves
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
-    # {"<token_id>": bias}: added to that token's logit before sampling (OpenAI's range)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # {"<token_id>": bias}: added to that token's logit before sampling, clamped to ±100
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = Field(0, ge=0)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None  # None: the route's default
+    return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # token_ids / prompt_token_ids beside the text
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    watermarking: bool | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    request_id: str | None = None  # names the request when no X-Request-Id is sent
+    session_id: str | None = None
+    stream_interval: int | None = None
+    thinking_token_budget: int | None = None
+    # accepted, no effect (see NO_EFFECT)
+    user: str | None = None
+    length_penalty: float | None = 1.0
+    return_token_offsets: bool | None = False
+    mm_payload: str | None = None
+    return_mm_kwargs: bool | None = None
+    # refused when set (see REFUSED)
+    use_beam_search: bool | None = False
+    logprob_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    routed_experts_prompt_start: int | None = 0
     nvext: NvExt = Field(default_factory=NvExt)
 
-    @field_validator("logit_bias")
+    # fields vLLM wants as JSON numbers (numeric strings refused), checked on the raw body
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs",)
+
+    @model_validator(mode="before")
     @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"logit_bias keys are token IDs (\"123\"), not {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias[{key}] is {bias}; biases are in [-100, 100]")
+    def _before(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        # vLLM's rules, checked on the raw body: stream_options only with stream; the
+        # logprob counts as numbers (other numbers may come as numeric strings)
+        if data.get("stream_options") and not data.get("stream"):
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        for name in cls.numbers_only:
+            v = data.get(name)
+            if v is not None and not isinstance(v, (int, float)):
+                raise ValueError(f"`{name}` must be an integer.")
+        return data
+
+    @field_validator("request_id", "session_id")
+    @classmethod
+    def _ids(cls, v: str | None) -> str | None:
+        if v is not None and not 0 < len(v) <= 256:
+            raise ValueError("must be 1 to 256 characters")
         return v
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if v is not None and (v == "" or (isinstance(v, list) and any(s == "" for s in v))):
-            raise ValueError("stop strings must be non-empty")
-        return v
+    def refusals(self) -> None:
+        """InvalidParam for the first field rlfleet refuses that is set (REFUSED), and for
+        vLLM's own cross-field rules of these routes."""
+        defaults = {"use_beam_search": False, "routed_experts_prompt_start": 0}
+        for name, why in REFUSED.items():
+            if name not in type(self).model_fields:
+                continue
+            v = getattr(self, name)
+            if v in (None, defaults.get(name)) or v == {} or v == []:
+                continue
+            raise InvalidParam(why, name)
+        if self.thinking_token_budget not in (None, -1):
+            raise InvalidParam("thinking_token_budget is set but the workers run no reasoning "
+                               "parser (vLLM: --reasoning-parser)", "thinking_token_budget")
+        if self.stream and (self.prompt_logprobs or 0) != 0 \
+                and not self.nvext.wants("prompt_logprobs"):
+            # rlfleet's extension (CONTRACT.md): streamed prompt logprobs come in the last
+            # chunk's nvext when asked for there
+            raise InvalidParam("`prompt_logprobs` are not available when `stream=True` (unless "
+                               "nvext.extra_fields asks for \"prompt_logprobs\": they come in "
+                               "the last chunk)", "prompt_logprobs")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
+        """The engine's sampling options; InvalidParam says what the engine would refuse."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
@@ -73,46 +171,112 @@ class _Request(BaseModel):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        bias = None
+        if self.logit_bias:
+            bias, bad = {}, []
+            for k, b in self.logit_bias.items():
+                try:
+                    bias[int(k)] = b
+                except ValueError:
+                    bad.append(k)
+            if bad:
+                raise InvalidParam(f"logit_bias contains key(s) that cannot be converted to "
+                                   f"integer token IDs: {bad[:8]!r}", "logit_bias")
+        rf = self.response_format
+        if rf is not None and rf.get("type") == "text":
+            rf = None  # plain text: no constraint
         return SamplingOptions(
             n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=stop, stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            logit_bias={int(k): b for k, b in self.logit_bias.items()} if self.logit_bias else None,
+            logit_bias=bias, allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []), stream_interval=self.stream_interval,
+            watermarking=self.watermarking, structured_outputs=self.structured_outputs,
+            response_format=rf,
             **{k: v for k, v in given.items() if v is not None},
         )
 
+    def request_options(self) -> dict[str, Any]:
+        """GenerateRequest fields every prompt of this request shares."""
+        return {"truncate_prompt_tokens": self.truncate_prompt_tokens,
+                "truncation_side": self.truncation_side,
+                "add_special_tokens": self.add_special_tokens, "stream": bool(self.stream),
+                "cache_salt": self.cache_salt, "priority": self.priority,
+                "session_id": self.session_id}
+
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+PromptIds = list[Annotated[int, Field(ge=0)]]
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | None = None
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "logprobs")
+
+    prompt: PromptIds | list[PromptIds] | str | list[str] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    prompt_embeds: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_max_tokens(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tokens" in data and data["max_tokens"] is None:
+            data = {**data, "max_tokens": 16}  # vLLM: null means the default
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
-        if self.prompt is None and self.nvext.token_data is None:
-            raise ValueError("prompt is required (a string or a list of token IDs)")
-        if self.prompt is not None and len(self.prompt) == 0 and self.nvext.token_data is None:
-            raise ValueError("prompt is empty: send at least one character or token ID")
-        if self.suffix is not None:
-            raise ValueError("suffix is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported; use n")
+        if self.nvext.token_data is not None:
+            return self
+        p = self.prompt
+        if p is None or p == "":
+            raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("You must pass at least one prompt")
+            if not isinstance(p[0], int) and len(p) > MAX_PROMPTS:
+                raise ValueError(f"prompt list length {len(p)} exceeds the maximum allowed count "
+                                 f"of {MAX_PROMPTS}")
         return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt of the request: a text, or token IDs."""
+        if self.nvext.token_data is not None:
+            return [self.nvext.token_data]
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        return list(p or [])  # type: ignore[arg-type]
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """vLLM: echo computes prompt logprobs at the requested `logprobs` unless
+        `prompt_logprobs` says otherwise."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ChatMessage(BaseModel):
+    """One message, passed to the chat template as sent (role and extra fields included);
+    content parts must be text."""
+
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: str
     content: str | list[dict[str, Any]] | None = None
 
     @field_validator("content")
@@ -120,40 +284,110 @@ class ChatMessage(BaseModel):
     def _content(cls, v):
         if isinstance(v, list):
             for part in v:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...}) "
-                                     "are supported")
+                if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({\"type\": \"text\", \"text\": ...})"
+                                     " are supported: the served model is not multimodal")
         return v
 
+    def text(self) -> str:
+        """The content as one string (text parts joined as they are, as vLLM 0.32 renders
+        them for a chat template that takes a string)."""
+        c = self.content
+        if isinstance(c, list):
+            return "".join(p["text"] for p in c)
+        return c or ""
+
     def plain(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(p["text"] for p in content)
         out = self.model_dump(exclude_none=True)
-        out["content"] = content or ""
+        out["content"] = self.text()
         return out
 
 
 class ChatCompletionRequest(_Request):
+    numbers_only: ClassVar[tuple[str, ...]] = ("prompt_logprobs", "top_logprobs")
+
     messages: list[ChatMessage] = Field(default_factory=list)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    echo: bool = False  # prefix the reply with the last message when it has the reply's role
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    return_prompt_text: bool | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool | None = True
+    chat_template: str | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if not self.messages and self.nvext.token_data is None:
-            raise ValueError("messages is empty: send at least one message")
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise ValueError("Cannot apply chat template to an empty conversation. Provide at "
+                             "least one message.")
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
+            raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.")
         return self
+
+    def refusals(self) -> None:
+        super().refusals()
+        if self.tools == []:
+            raise InvalidParam("`tools` must not be an empty array. Either provide at least one "
+                               "tool or omit the field entirely.", "tools")
+        choice = self.tool_choice
+        if choice is None and self.tools:
+            choice = "auto"  # vLLM's default with tools
+        if choice not in (None, "none"):
+            raise InvalidParam(f"tool_choice={choice!r} needs a tool-call parser, which rlfleet "
+                               "workers do not run; send tool_choice \"none\" (the tools are "
+                               "still rendered by the chat template)", "tool_choice")
 
     @property
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.prompt_logprobs is None and self.echo:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    @property
+    def reply_role(self) -> str:
+        """The role of the reply (vLLM: the last message's role when no generation prompt
+        is added)."""
+        if self.add_generation_prompt or not self.messages:
+            return "assistant"
+        return self.messages[-1].role
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What the chat template gets besides the messages (vLLM's merge: the request's
+        own fields win over chat_template_kwargs)."""
+        kw = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            kw["continue_final_message"] = True
+        if self.documents is not None:
+            kw["documents"] = self.documents
+        if self.tools:
+            kw["tools"] = self.tools
+        if self.reasoning_effort is not None:
+            kw["reasoning_effort"] = self.reasoning_effort
+            kw.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kw or None
 
 
 class TokenizeRouteRequest(BaseModel):
@@ -249,6 +483,8 @@ class CompletionChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -259,6 +495,7 @@ class CompletionResponse(Struct, kw_only=True):
     created: int
     model: str
     choices: list[CompletionChoice]
+    system_fingerprint: str | UnsetType = UNSET
     usage: Usage | UnsetType = UNSET
     nvext: NvExtResponse | UnsetType = UNSET
 
@@ -266,13 +503,13 @@ class CompletionResponse(Struct, kw_only=True):
 class ChatTopLogprob(Struct, kw_only=True):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: list[int] | None
 
 
 class ChatTokenLogprob(Struct, kw_only=True):
     token: str
     logprob: float
-    bytes: list[int]
+    bytes: list[int] | None
     top_logprobs: list[ChatTopLogprob]
 
 
@@ -291,6 +528,7 @@ class ChatChoice(Struct, kw_only=True):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -299,13 +537,16 @@ class ChatCompletionResponse(Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatChoice]
+    system_fingerprint: str | UnsetType = UNSET
     usage: Usage
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    prompt_text: str | UnsetType = UNSET  # with return_prompt_text: the rendered prompt
     nvext: NvExtResponse | UnsetType = UNSET
 
 
 class ChatDelta(Struct, kw_only=True):
-    role: str | UnsetType = UNSET  # in each choice's first chunk
+    role: str | UnsetType = UNSET  # in each choice's first (role-only) chunk
     content: str
 
 
@@ -314,6 +555,8 @@ class ChatChunkChoice(Struct, kw_only=True):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None | UnsetType = UNSET  # on the choice's last chunk
+    token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -322,8 +565,26 @@ class ChatCompletionChunk(Struct, kw_only=True):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    system_fingerprint: str | UnsetType = UNSET
     usage: Usage | UnsetType = UNSET
+    prompt_token_ids: list[int] | UnsetType = UNSET  # first chunk, with return_token_ids
+    prompt_text: str | UnsetType = UNSET  # first chunk, with return_prompt_text
     nvext: NvExtResponse | UnsetType = UNSET
+
+
+class ModelPermission(Struct, kw_only=True):
+    id: str
+    object: str = "model_permission"
+    created: int
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
 
 
 class ModelCard(Struct, kw_only=True):
@@ -331,6 +592,10 @@ class ModelCard(Struct, kw_only=True):
     object: str = "model"
     created: int = 0
     owned_by: str = "rlfleet"
+    root: str | None = None  # where the weights came from (the model path)
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = []
 
 
 class ModelList(Struct, kw_only=True):

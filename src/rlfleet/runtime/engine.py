@@ -30,6 +30,9 @@ class EngineInfo:
 
 class Engine(abc.ABC):
     info: EngineInfo
+    #: which end of a prompt `truncate_prompt_tokens` cuts by default: the start, keeping
+    #: the last tokens (vLLM loads every tokenizer with truncation_side="left")
+    truncation_side: str = "left"
 
     @abc.abstractmethod
     def tokenize(
@@ -38,8 +41,11 @@ class Engine(abc.ABC):
         messages: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        add_special_tokens: bool | None = None,
     ) -> list[int]:
-        """Token IDs of a text prompt or of chat messages rendered by the chat template."""
+        """Token IDs of a text prompt or of chat messages rendered by the chat template.
+        `add_special_tokens` None: yes for a text prompt, no for chat (its template adds
+        them). Raises BadRequest for messages the template cannot render."""
 
     def detokenize(self, token_ids: list[int]) -> str:
         """Text of token IDs (used for echo)."""

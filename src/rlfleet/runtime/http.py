@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -22,6 +23,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "method_not_allowed_error",
     409: "conflict_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
@@ -84,8 +86,29 @@ async def _render_starlette_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, message)
 
 
-# Starlette exception handlers: HttpError and Starlette's own 404/405 as error_body JSON
-ERROR_HANDLERS = {HttpError: _render_http_error, StarletteHTTPException: _render_starlette_error}
+async def _render_unexpected(request: Request, exc: Exception) -> Response:
+    """A bug, not bad input: still the error shape (never Starlette's plain-text 500);
+    Starlette logs the traceback after this response is sent."""
+    return error_response(500, f"internal error: {type(exc).__name__}: {exc}"[:500])
+
+
+# Starlette exception handlers: HttpError and Starlette's own 404/405 as error_body JSON,
+# anything unexpected as a 500 in the same shape
+ERROR_HANDLERS = {HttpError: _render_http_error, StarletteHTTPException: _render_starlette_error,
+                  Exception: _render_unexpected}
+
+
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def bad_json_message(exc: Exception, raw: bytes = b"") -> str:
+    """What is wrong with a request body that is not JSON rlfleet can read, in words."""
+    if isinstance(exc, RecursionError):
+        return "the request body is nested too deeply"
+    if isinstance(exc, UnicodeError) or (raw and _LONE_SURROGATE.search(raw)):
+        return ("the request body contains a lone UTF-16 surrogate (\\uD800-\\uDFFF not "
+                "part of a pair), which is not a character: send valid Unicode")
+    return str(exc) or type(exc).__name__
 
 
 def validation_message(exc: Exception) -> str:

@@ -28,9 +28,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlfleet.protocol.admin import AdminRequestError
 from rlfleet.runtime import metrics
+from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.system")
 
@@ -177,6 +179,18 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     lock = asyncio.Lock()  # serialised control calls, one at a time
     running: list[str] = []  # the one that holds the lock
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # the contract's error shape for paths and methods no route serves too
+        if exc.status_code == 404:
+            body = {"error": "Route not found", "message": f"Route {request.url.path} not found"}
+        elif exc.status_code == 405:
+            body = {"error": "Method not allowed",
+                    "message": f"{request.method} is not allowed on {request.url.path}"}
+        else:
+            body = {"error": str(exc.detail), "message": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
     metrics.mount_metrics(app)
 
     def authorized(request: Request) -> bool:
@@ -224,9 +238,10 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
         raw = await request.body()
         if raw.strip():
             try:
-                body = json.loads(raw)
-            except ValueError as e:
-                return JSONResponse({"error": "Invalid JSON", "message": str(e)}, status_code=400)
+                body = _read_json(raw)
+            except (ValueError, RecursionError) as e:
+                return JSONResponse({"error": "Invalid JSON", "message": bad_json_message(e)},
+                                    status_code=400)
         else:
             body = {}
         if not isinstance(body, dict):
@@ -301,6 +316,18 @@ async def _acquire_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
             return False
         return True
     return False
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _read_json(raw: bytes) -> Any:
+    """The body as JSON: no NaN or infinities, no lone UTF-16 surrogates (neither can be
+    answered back as JSON)."""
+    body = json.loads(raw, parse_constant=_not_json)
+    json.dumps(body, ensure_ascii=False).encode()  # UnicodeEncodeError on a lone surrogate
+    return body
 
 
 def _arm(faults: FaultInjector) -> Handler:

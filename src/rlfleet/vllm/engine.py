@@ -41,6 +41,40 @@ except ImportError:  # older vLLM
     _CLIENT_ERRORS = (ValueError,)
 
 
+def _structured(s: SamplingOptions):
+    """vLLM's StructuredOutputsParams from the request's `structured_outputs` and
+    `response_format`, read with vLLM's own request models and checks."""
+    if s.structured_outputs is None and s.response_format is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError
+    from vllm.entrypoints.generate.base.protocol import (
+        AnyResponseFormat,
+        structured_outputs_from_response_format,
+        validate_structural_tag_response_format,
+        validate_structured_outputs_structural_tag,
+    )
+    from vllm.sampling_params import StructuredOutputsParams
+
+    try:
+        so = rf = None
+        if s.structured_outputs is not None:
+            so = TypeAdapter(StructuredOutputsParams).validate_python(s.structured_outputs)
+            if sum(getattr(so, k, None) is not None for k in ("json", "regex", "choice")) > 1:
+                raise ValueError("You can only use one kind of constraints for structured "
+                                 "outputs ('json', 'regex' or 'choice').")
+            validate_structured_outputs_structural_tag(so)
+        if s.response_format is not None:
+            rf = TypeAdapter(AnyResponseFormat).validate_python(s.response_format)
+            if rf.type == "json_schema" and getattr(rf, "json_schema", None) is None:
+                raise ValueError("When response_format type is 'json_schema', the 'json_schema' "
+                                 "field must be provided.")
+            if rf.type == "structural_tag":
+                validate_structural_tag_response_format(s.response_format)
+        return structured_outputs_from_response_format(so, rf)
+    except (ValidationError, ValueError, TypeError) as e:
+        raise BadRequest(f"structured outputs: {e}") from e
+
+
 def _sampling_params(s: SamplingOptions, room: int, stream: bool):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -52,8 +86,12 @@ def _sampling_params(s: SamplingOptions, room: int, stream: bool):
         logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs,
         presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty, logit_bias=s.logit_bias,
+        allowed_token_ids=s.allowed_token_ids, bad_words=s.bad_words or None,
         skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
         include_stop_str_in_output=s.include_stop_str_in_output,
+        stream_interval=s.stream_interval, structured_outputs=_structured(s),
+        watermarking=s.watermarking,
         output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
     )
 
@@ -181,16 +219,21 @@ class VllmEngine(Engine, EngineControl):
             self.llm = None
 
     def tokenize(self, prompt=None, messages=None, add_generation_prompt=True,
-                 chat_template_kwargs=None) -> list[int]:
+                 chat_template_kwargs=None, add_special_tokens=None) -> list[int]:
         if messages is not None:
+            kwargs = dict(chat_template_kwargs or {})
+            kwargs.setdefault("add_generation_prompt", add_generation_prompt)
+            if kwargs.get("continue_final_message") and kwargs.get("add_generation_prompt"):
+                raise BadRequest("continue_final_message and add_generation_prompt are not "
+                                 "compatible: set add_generation_prompt to false to continue "
+                                 "the final message")
             try:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    **(chat_template_kwargs or {}))
+                text = self.tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
             except Exception as e:
                 raise BadRequest(f"cannot render these messages with the chat template: {e}") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(text, add_special_tokens=bool(add_special_tokens))
+        return self.tokenizer.encode(
+            prompt, add_special_tokens=True if add_special_tokens is None else add_special_tokens)
 
     def detokenize(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -211,9 +254,13 @@ class VllmEngine(Engine, EngineControl):
         except _CLIENT_ERRORS as e:  # vLLM's own checks of the sampling parameters
             raise BadRequest(str(e)) from e
         k = s.logprobs or 0
-        results = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_token_ids), sp,
-                                    req.request_id)
+        prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        results = self.llm.generate(prompt, sp, req.request_id, priority=req.priority,
+                                    session_id=req.session_id)
         prompt_lps = None
+        early = req.echo and req.stream  # prompt logprobs go in the first event (see Head)
         started = False
         self._running += 1
         metrics.WORKER_RUNNING.inc()
@@ -239,7 +286,11 @@ class VllmEngine(Engine, EngineControl):
                         choice["weight_versions"] = [_span(w) for w in c.weight_versions]
                     choices.append(choice)
                 if choices:
-                    yield {"choices": choices}
+                    ev: dict[str, Any] = {"choices": choices}
+                    if early and prompt_lps is not None:
+                        ev["prompt_logprobs"], prompt_lps = prompt_lps, None
+                        early = False
+                    yield ev
             yield {"done": True, "prompt_logprobs": prompt_lps}
         except _CLIENT_ERRORS as e:
             if not started:  # vLLM's input checks

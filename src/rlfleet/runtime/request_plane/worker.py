@@ -5,6 +5,7 @@ over two transports, the stream plane for frontends and HTTP `POST /generate`
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -28,6 +29,7 @@ from rlfleet.protocol.engine import (
     Frame,
     GenerateRequest,
     Head,
+    PromptLogprob,
     TokenizeRequest,
     Tokens,
 )
@@ -38,6 +40,7 @@ from rlfleet.runtime.http import (
     ClientWatch,
     HttpError,
     StreamResponse,
+    bad_json_message,
     error_body,
     error_response,
     json_response,
@@ -82,48 +85,67 @@ async def tokenize_off_loop(plane: WorkerPlane, req: GenerateRequest | TokenizeR
             raise BadRequest(f"the prompt is {size} bytes of text: more than the context length "
                              f"of {max_model_len} tokens can hold; shorten the prompt")
     return await asyncio.get_running_loop().run_in_executor(
-        plane.tokenizer_thread, plane.engine.tokenize, req.prompt, req.messages,
-        req.add_generation_prompt, req.chat_template_kwargs)
+        plane.tokenizer_thread, functools.partial(
+            plane.engine.tokenize, req.prompt, req.messages, req.add_generation_prompt,
+            req.chat_template_kwargs, add_special_tokens=getattr(req, "add_special_tokens", None)))
 
 
 async def check_prompt(plane: WorkerPlane, req: GenerateRequest) -> list[int]:
-    """Tokenise if needed and check the prompt and budget against the model; BadRequest says what to fix."""
+    """Tokenise if needed (off the event loop), truncate as asked, and check the prompt and
+    the sampling parameters against the model as vLLM's server does (a `max_tokens` beyond
+    the room the prompt leaves is lowered to it; beyond the context length it is refused).
+    BadRequest says what to fix."""
     engine = plane.engine
     info = engine.info
+    s = req.sampling
     if req.prompt_token_ids is not None:
         ids = req.prompt_token_ids
         if not ids:
             raise BadRequest("prompt_token_ids is empty: send at least one token")
     else:
         ids = await tokenize_off_loop(plane, req, info.max_model_len)
-        if not ids:
-            raise BadRequest("the prompt tokenises to zero tokens: send a non-empty prompt")
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        if keep > info.max_model_len:
+            raise BadRequest(f"truncate_prompt_tokens={keep} cannot be greater than max_model_len "
+                             f"= {info.max_model_len}. Please request a smaller truncation size.")
+        if keep < 0:
+            keep = info.max_model_len - 1
+        if keep < len(ids):
+            side = req.truncation_side or engine.truncation_side
+            ids = ids[len(ids) - keep:] if side == "left" else ids[:keep]
+    if not ids:
+        raise BadRequest("the prompt is empty (it tokenises to zero tokens, or was truncated "
+                         "to none): send a non-empty prompt")
     vocab = info.vocab_size
     if min(ids) < 0 or max(ids) >= vocab:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise BadRequest(f"prompt token ID {bad} is outside the vocabulary "
                          f"[0, {vocab}) of model {info.served_model_name!r}")
-    bad = [t for t in req.sampling.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise BadRequest(f"stop_token_ids entry {bad[0]} is outside the vocabulary [0, {vocab})")
-    bad = [t for t in req.sampling.logit_bias or () if not 0 <= t < vocab]
-    if bad:
-        raise BadRequest(f"logit_bias token ID {bad[0]} is outside the vocabulary [0, {vocab})")
+    for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+        bad = [t for t in getattr(s, name) or () if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token_id(s) {bad[:8]} in {name} contain out-of-vocab token ids. "
+                             f"Vocabulary size: {vocab}")
     room = info.max_model_len - len(ids)
     if room <= 0:
         raise BadRequest(f"the prompt has {len(ids)} tokens, but the context length of "
                          f"{info.served_model_name!r} is {info.max_model_len}: shorten the prompt")
-    mt = req.sampling.max_tokens
+    mt = s.max_tokens
+    if mt is not None and mt > info.max_model_len:
+        raise BadRequest(f"max_tokens={mt} cannot be greater than max_model_len="
+                         f"{info.max_model_len}. Please request fewer output tokens.")
     if mt is not None and mt > room:
-        raise BadRequest(f"max_tokens is {mt}, but the prompt ({len(ids)} tokens) leaves room for "
-                         f"at most {room} in the context of {info.max_model_len}: lower max_tokens")
-    if req.sampling.min_tokens > room:
-        raise BadRequest(f"min_tokens is {req.sampling.min_tokens}, but at most {room} tokens fit")
+        s.max_tokens = mt = room  # as vLLM's server: at most what the context leaves
+    if s.min_tokens > (mt or room):
+        raise BadRequest(f"min_tokens must be less than or equal to max_tokens={mt or room}, "
+                         f"got {s.min_tokens} (the prompt has {len(ids)} tokens of a context "
+                         f"of {info.max_model_len})")
     return ids
 
 
-def _decode_error(e: Exception) -> str:
-    return str(e) or type(e).__name__
+def _decode_error(e: Exception, raw: bytes = b"") -> str:
+    return bad_json_message(e, raw)
 
 
 class Opened:
@@ -203,6 +225,10 @@ class WorkerPlane:
         wid = engine.weight_identity()
         head = Head(prompt_token_ids=ids, weight_version=wid.get("weight_version"),
                     weight_digest=wid.get("weight_digest"), weight_step=wid.get("weight_step"))
+        if first is not None and "prompt_logprobs" in first and "done" not in first:
+            plps = first.pop("prompt_logprobs")
+            if plps is not None:
+                head.prompt_logprobs = msgspec.convert(plps, list[dict[str, PromptLogprob] | None])
         if req.echo:
             head.prompt_text = req.prompt if req.prompt is not None else engine.detokenize(ids)
             head.prompt_token_strs = engine.token_strs(ids)
@@ -231,11 +257,12 @@ class WorkerPlane:
         """POST /generate (NDJSON events), POST /abort, POST /tokenize, GET /health, /metrics."""
 
         async def generate(request: Request) -> Response:
+            raw = await request.body()
             try:
-                req = msgspec.json.decode(await request.body(), type=GenerateRequest)
-            except (msgspec.DecodeError, ValueError) as e:
+                req = msgspec.json.decode(raw, type=GenerateRequest)
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
-                return error_response(400, _decode_error(e))
+                return error_response(400, _decode_error(e, raw))
             watch = ClientWatch(request)
             try:
                 opened = await self.open(req)
@@ -268,17 +295,18 @@ class WorkerPlane:
             finish reason `abort`."""
             try:
                 rid = msgspec.json.decode(await request.body(), type=CancelRequest).request_id
-            except (msgspec.DecodeError, ValueError):
+            except (msgspec.DecodeError, ValueError, RecursionError):
                 return error_response(400, "request_id is required")
             await self.engine.abort(rid)
             return json_response(Cancelled(status="ok", request_id=rid))
 
         async def tokenize(request: Request) -> Response:
+            raw = await request.body()
             try:
-                req = msgspec.json.decode(await request.body(), type=TokenizeRequest)
+                req = msgspec.json.decode(raw, type=TokenizeRequest)
                 return json_response(await self.tokenize(req))
-            except (msgspec.DecodeError, ValueError) as e:
-                return error_response(400, _decode_error(e))
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
+                return error_response(400, _decode_error(e, raw))
 
         async def health(request: Request) -> Response:
             return json_response({"status": "ok", "model": self.engine.info.served_model_name})
@@ -490,7 +518,7 @@ class _FrontendLink(asyncio.Protocol):
         if kind == Frame.GENERATE:
             try:
                 req = _generate.decode(body)
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 metrics.WORKER_REQUESTS.labels("rejected").inc()
                 self._error(sid, 400, _decode_error(e))
                 return
@@ -507,7 +535,7 @@ class _FrontendLink(asyncio.Protocol):
             if window is not None:
                 try:
                     window.grant(_credit.decode(body))
-                except (msgspec.DecodeError, ValueError) as e:
+                except (msgspec.DecodeError, ValueError, RecursionError) as e:
                     self._error(sid, 400, _decode_error(e))
         elif kind == Frame.CLOSE:
             task = self.tasks.get(sid)
@@ -516,14 +544,14 @@ class _FrontendLink(asyncio.Protocol):
         elif kind == Frame.TOKENIZE:
             try:
                 req = _tokenize.decode(body)
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
                 return
             asyncio.ensure_future(self._tokenize(sid, req))
         elif kind == Frame.CANCEL:
             try:
                 rid = _cancel.decode(body).request_id
-            except (msgspec.DecodeError, ValueError) as e:
+            except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
                 return
             asyncio.ensure_future(self._cancel(sid, rid))
