@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -245,5 +246,16 @@ def test_malformed_bodies_and_service_continues(vllm_fleet):
 
 def test_metrics_and_health(vllm_fleet):
     text = httpx.get(f"{vllm_fleet.url}/metrics", timeout=10).text
-    assert "rlfleet_frontend_requests_total" in text and "rlfleet_frontend_workers 2.0" in text
+    assert "rlfleet_frontend_requests_total" in text
+    assert f'rlfleet_frontend_workers{{model="{MODEL_NAME}"}} 2.0' in text
+    assert "rlfleet_worker_" not in text  # the frontend exports its own series only
+    for p in vllm_fleet.workers:  # vLLM's own series, and the worker's, on both its ports
+        for url in (p.ready["url"], p.ready["system_url"]):
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            assert re.search(r"^vllm:num_requests_running\{.*\} \d", text, re.M), text[:2000]
+            assert re.search(r"^vllm:generation_tokens_total\{", text, re.M)
+            assert f'rlfleet_worker_requests_total{{model="{MODEL_NAME}",outcome="ok"}}' in text
+            assert re.search(r'^rlfleet_worker_policy_info{digest="blake3:[0-9a-f]+",'
+                             rf'model="{MODEL_NAME}",version="[^"]*"}} 1\.0$', text, re.M)
+            assert "rlfleet_frontend_" not in text
     assert httpx.get(f"{vllm_fleet.url}/health", timeout=10).json()["status"] == "healthy"

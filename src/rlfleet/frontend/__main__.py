@@ -12,10 +12,13 @@ import uvloop
 
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
+from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.frontend")
 
@@ -48,13 +51,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
                    help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
     p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
-    p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    p.add_argument("--journal", default=os.environ.get("RLFLEET_JOURNAL"),
+                   help="the policy-refresh journal (SQLite) whose last refreshes the status "
+                        "page (GET /fleet on the RL listener) shows (default: $RLFLEET_JOURNAL)")
+    add_log_args(p)
+    add_tracing_args(p)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
+    tracing.setup("rlfleet-frontend", args.otlp_traces_endpoint)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -68,7 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.enable_rl:
         from rlfleet.frontend.rl import rl_app
 
-        servers.append(AppServer(rl_app(discovery, args.namespace),
+        servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
                                  bind_socket(args.http_host, args.rl_port)))
     for s in servers:
         await s.start()

@@ -18,7 +18,7 @@ from rlfleet.frontend.generation import Frontend, frontend_of
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import RunRegistry
 from rlfleet.protocol.openai import ModelCard, ModelList
-from rlfleet.runtime import metrics
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import ERROR_HANDLERS, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
@@ -41,7 +41,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics_route(request: Request) -> Response:
-    return metrics.metrics_response()
+    return metrics.metrics_response(metrics.FRONTEND)
 
 
 async def cancel(request: Request) -> Response:
@@ -63,7 +63,6 @@ class Accounting:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._inflight = {r: metrics.FRONTEND_INFLIGHT.labels(r) for r in (*ROUTES, "other")}
-        self._latency = {r: metrics.FRONTEND_LATENCY.labels(r) for r in (*ROUTES, "other")}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,6 +77,7 @@ class Accounting:
             elif name == b"traceparent":
                 traceparent = value
         status = 500
+        state = scope.setdefault("state", {})  # a generation route puts its `model` here
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
@@ -95,15 +95,15 @@ class Accounting:
         finally:
             gauge.dec()
             secs = time.monotonic() - t0
-            self._latency[route].observe(secs)
-            metrics.FRONTEND_REQUESTS.labels(route, str(status)).inc()
+            model = state.get("model", "")
+            metrics.FRONTEND_LATENCY.labels(model, route).observe(secs)
+            metrics.FRONTEND_REQUESTS.labels(model, route, str(status)).inc()
             if log.isEnabledFor(logging.DEBUG):
                 r = rid.decode(errors="replace") if rid is not None else None
                 tp = traceparent.decode(errors="replace") if traceparent is not None else None
-                log.debug("%s %s -> %d in %.3fs request_id=%s traceparent=%s", scope["method"],
-                          path, status, secs, r, tp,
-                          extra={"request_id": r, "traceparent": tp, "route": route,
-                                 "status": status})
+                log.debug("%s %s -> %d in %.3fs", scope["method"], path, status, secs,
+                          extra={"request_id": r, "trace_id": tracing.trace_id_of(tp),
+                                 "model": model or None, "route": route, "status": status})
 
 
 def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None = None
@@ -117,4 +117,11 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
     app.state.frontend = Frontend(pool, client, runs or RunRegistry())
-    return Accounting(app)
+    metrics.FLEET.watch(pool)
+    # while tracing, a request's span is current for its accounting (the DEBUG line names
+    # the trace) and its route (the worker's span starts under it)
+    return tracing.ServerSpans(Accounting(app), match=_traced)
+
+
+def _traced(path: str) -> bool:
+    return path not in ("/metrics", "/health")

@@ -19,6 +19,7 @@ from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import RequestIdConflict, Run, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest
+from rlfleet.runtime import tracing
 from rlfleet.runtime.http import ClientWatch, HttpError, StreamResponse, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
@@ -185,6 +186,8 @@ async def follow(request: Request, model: str, greq: GenerateRequest, res: Resul
     worker's first event; fail before any byte is sent if no worker takes it."""
     fe = frontend_of(request)
     keep = REQUEST_ID_HEADER in request.headers
+    res.model = request.state.model = model  # metrics labels (rlfleet.runtime.metrics)
+    greq.traceparent = tracing.outgoing(request.headers.get("traceparent"))
 
     def source(run: Run) -> AsyncIterator:
         # a run only this caller follows moves at the caller's pace; a kept run is read to

@@ -42,7 +42,6 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import (
     BadRequest,
     Engine,
@@ -326,8 +325,9 @@ class MockEngine(Engine, EngineControl):
             raise BadRequest(f"request_id {rid!r} is already running on this worker")
         run = _Run()
         self._runs[rid] = run
-        metrics.WORKER_RUNNING.inc()
-        metrics.WORKER_PROMPT_TOKENS.inc(len(prompt_token_ids))
+        series = self.series
+        series.running.inc()
+        series.prompt.inc(len(prompt_token_ids))
         try:
             await self._wait(run, lambda: self._mode is None)  # held while paused
             if not run.aborted:
@@ -347,7 +347,7 @@ class MockEngine(Engine, EngineControl):
                 if not self._active:
                     self._idle.set()
             del self._runs[rid]
-            metrics.WORKER_RUNNING.dec()
+            series.running.dec()
 
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
                       ) -> AsyncIterator[dict]:
@@ -361,6 +361,7 @@ class MockEngine(Engine, EngineControl):
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
         first = True
+        generated = self.series.generated
         while live:
             await self._nap(run, self.ttft if first else self._token_delay())
             first = False
@@ -369,7 +370,7 @@ class MockEngine(Engine, EngineControl):
                 break
             for ch in live:
                 self._advance(ch, s, seed, s.max_tokens or room)
-            metrics.WORKER_GENERATED_TOKENS.inc(len(live))
+            generated.inc(len(live))
             if req.stream:
                 yield {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
             live = [ch for ch in live if ch.finish_reason is None]

@@ -89,6 +89,9 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     stream: bool = True
     echo: bool = False  # Head also carries prompt_text and prompt_token_strs
+    # W3C trace context of the caller's span (rlfleet.runtime.tracing): the worker's span,
+    # and the engine's, start under it; log lines about the request name its trace
+    traceparent: Annotated[str, Meta(max_length=256)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):

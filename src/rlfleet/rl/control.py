@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rlfleet.protocol.rl import PROTOCOL_VERSION
+from rlfleet.runtime import tracing
 
 if TYPE_CHECKING:
     from rlfleet.rl.refresh import Policy
@@ -83,7 +84,11 @@ class Channel:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        out = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+        tp = tracing.outgoing()  # the worker's span joins the refresh phase's
+        if tp:
+            out["traceparent"] = tp
+        return out
 
     async def call(self, w: FleetWorker, step: str, route: str,
                    body: dict[str, Any] | None = None, timeout: float | None = None

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.rl import telemetry
 from rlfleet.rl.control import (
     Channel,
     FleetWorker,
@@ -48,6 +49,7 @@ from rlfleet.rl.probe import (
     reference_probe,
     tolerance,
 )
+from rlfleet.runtime import tracing
 from rlfleet.runtime.request_plane import WorkerError, generate_over_http
 
 log = logging.getLogger("rlfleet.refresh")
@@ -244,15 +246,17 @@ class PolicyRefresh:
                       ) -> RefreshResult:
         """Move every worker to the checkpoint at `checkpoint` (declared `version`); on the
         staged path, to the version workers stage from `source` (a stage_weights source)."""
-        target = await self._policy(checkpoint, version, digest, probe, tensors, source)
-        return await self._run(target, step=step, fleet_wide=True)
+        with tracing.span("policy refresh", attributes={"rlfleet.version": version}):
+            target = await self._policy(checkpoint, version, digest, probe, tensors, source)
+            return await self._run(target, step=step, fleet_wide=True)
 
     async def admit_new_workers(self, step: int | None = None) -> RefreshResult:
         """Bring workers that joined (or restarted) onto the current policy and open them;
         the rest of the fleet keeps serving."""
         if self.current is None:
             raise RuntimeError("no current policy yet: run refresh() first")
-        return await self._run(self.current, step=step, fleet_wide=False)
+        with tracing.span("admit new workers"):
+            return await self._run(self.current, step=step, fleet_wide=False)
 
     # ------------------------------------------------------------------ building blocks
 
@@ -308,10 +312,12 @@ class PolicyRefresh:
             t0 = time.perf_counter()
             self.on_event(f"[refresh {refresh_id}] {name} ...")
             try:
-                return await coro
+                with tracing.span(f"refresh {name}", attributes={"rlfleet.refresh_id": refresh_id}):
+                    return await coro  # each worker's control call: a span under this one
             finally:
                 secs = time.perf_counter() - t0
                 steps.append({"name": name, "seconds": secs})
+                telemetry.REFRESH_SECONDS.labels(name).observe(secs)
                 self.on_event(f"[refresh {refresh_id}] {name} done in {secs:.3f}s")
 
         def active() -> list[FleetWorker]:
@@ -399,6 +405,7 @@ class PolicyRefresh:
                 decision, reason = "held", f"coordinator error: {e!r}"
                 log.exception("policy refresh %s failed", refresh_id)
         await requests.aclose()
+        telemetry.REFRESH_TOTAL.labels(decision).inc()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in workers.values()]
         served = target if decision != "held" else None

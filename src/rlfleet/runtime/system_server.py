@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlfleet.protocol.admin import AdminRequestError
-from rlfleet.runtime import metrics
+from rlfleet.runtime import metrics, tracing
 
 log = logging.getLogger("rlfleet.system")
 
@@ -113,7 +113,12 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     started = time.monotonic_ns()
     lock = asyncio.Lock()
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
-    metrics.mount_metrics(app)
+    # a coordinator's control calls join its trace (a policy refresh: a span per call)
+    app.add_middleware(tracing.ServerSpans, match=lambda path: path.startswith("/engine/"))
+
+    @app.get("/metrics")
+    async def _metrics():
+        return metrics.metrics_response(metrics.WORKER)
 
     def authorized(request: Request) -> bool:
         if not admin_token:

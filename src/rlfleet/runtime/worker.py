@@ -14,12 +14,16 @@ from typing import Any
 
 import uvloop
 
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.discovery import Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.logs import add_log_args, setup_logging
+from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.request_plane import WorkerPlane
 from rlfleet.runtime.system_server import FaultInjector, Route, failed, ok, system_app
+from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -67,7 +71,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add("--start-gated", action="store_true",
         help="register closed to rollouts until a coordinator verifies this worker "
              "and calls set_admission (replacement workers in an RL fleet)")
-    add("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    add_log_args(g)
+    add_tracing_args(g)
     add("--weights-catalog", default=os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
         help="version catalog (sqlite:///path or etcd://host:port) for staged weights: "
              "digests, leases, and the peers that hold a version (default: "
@@ -102,15 +107,16 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
     `staging` area, the system server also serves the applied version's files to peers
     (GET /weights/<version>/<file>)."""
-    level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+    tracing.setup(f"rlfleet-worker {engine.info.served_model_name}",
+                  getattr(args, "otlp_traces_endpoint", None))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    await engine.start()
+    with Progress(f"starting the engine for {engine.info.served_model_name}"):
+        await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
     plane = WorkerPlane(engine, faults)
@@ -126,8 +132,20 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     stream_address = f"[{host}]:{stream.port}" if ":" in host else f"{host}:{stream.port}"
     system_url = None
     regs: list[Registration] = []
-    admission = Admission(gated=args.start_gated)
+    admission = Admission(gated=args.start_gated, reason="started gated: not yet verified"
+                          if args.start_gated else None)
     serving = asyncio.Event()  # set once registered; /health says "ready" from then on
+    # what the status page and dashboards read: the policy and the gate at scrape time,
+    # tokens per second from a once-a-second sample of the token counter
+    state_key = metrics.WORKER_STATE.add(engine.info.served_model_name,
+                                         engine.weight_identity, lambda: admission.gated)
+    rate = metrics.TokenRate(engine.series)
+
+    async def sample_rate() -> None:
+        while True:
+            rate.sample()
+            await asyncio.sleep(1.0)
+    sampler = asyncio.create_task(sample_rate())
 
     async def set_admission(body: dict) -> dict:
         """Open or close this worker to rollout traffic: the flag lives in its own discovery
@@ -150,7 +168,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
             state = "ready" if serving.is_set() else "notready"
             return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
                     "model": engine.info.served_model_name, "gated": admission.gated,
-                    **engine.weight_identity()}
+                    "gate_reason": admission.reason, "running": engine.num_running(),
+                    "tokens_per_s": rate.rate(), **engine.weight_identity()}
 
         app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
                          ready=serving.is_set)
@@ -177,7 +196,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     if system_url:
         base["system_url"] = system_url
     if admission.gated:
-        base["gated"], base["gate_reason"] = True, "started gated: not yet verified"
+        base["gated"], base["gate_reason"] = True, admission.reason
     discovery = open_discovery(args.discovery)
     regs.append(await discovery.register(
         {**base, "endpoint": "generate",
@@ -198,6 +217,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     finally:
         log.info("shutting down worker %s", instance_id)
         serving.clear()
+        sampler.cancel()
+        metrics.WORKER_STATE.remove(state_key)
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)
