@@ -29,7 +29,8 @@ class FleetStatus:
     async def _worker(self, entry: dict[str, Any]) -> dict[str, Any]:
         transport = entry.get("transport")
         w: dict[str, Any] = {
-            "instance_id": entry.get("instance_id"), "model": entry.get("model"),
+            # a string: 64-bit IDs do not survive JavaScript's numbers
+            "instance_id": str(entry.get("instance_id")), "model": entry.get("model"),
             "address": transport.get("http") if isinstance(transport, dict) else None,
             "system_url": entry.get("system_url"), "gated": bool(entry.get("gated")),
             "gate_reason": entry.get("gate_reason"), "weight_version": None,
@@ -71,7 +72,7 @@ class FleetStatus:
         except DiscoveryError as e:
             entries, out["error"] = [], f"discovery failed: {e}"
         workers = await asyncio.gather(*(self._worker(e) for e in entries))
-        out["workers"] = sorted(workers, key=lambda w: (str(w["model"]), w["instance_id"] or 0))
+        out["workers"] = sorted(workers, key=lambda w: (str(w["model"]), w["instance_id"]))
         models: dict[str, dict[str, Any]] = {}
         for w in workers:
             m = models.setdefault(w["model"], {"model": w["model"], "workers": 0, "gated": 0,

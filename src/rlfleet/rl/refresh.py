@@ -498,6 +498,7 @@ class PolicyRefresh:
                                   sampling=SamplingOptions(
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
+        req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
         try:
             events = await generate_over_http(requests, w.request_url, req, self.timeout)
         except WorkerError as e:
