@@ -155,3 +155,41 @@ def test_status_renderings_escape_and_show_the_fleet():
     text = render_text(snap)
     assert "model m: 1 worker(s), gated: policy refresh to v2" in text
     assert "v1" in text and "gated" in text and "12.5" in text and "apply=1.50s" in text
+
+
+def test_tracing_is_on_only_with_an_endpoint(monkeypatch):
+    from rlfleet.runtime import tracing
+
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        monkeypatch.delenv(var, raising=False)
+    assert tracing.endpoint() is None and tracing.setup("t") is False
+    assert not tracing.enabled() and tracing.outgoing("00-x") == "00-x"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318/")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert tracing.endpoint() == "http://127.0.0.1:4318/v1/traces"
+    assert tracing.endpoint("http://collector:4317") == "http://collector:4317"
+    try:
+        assert tracing.setup("t") is True and tracing.enabled()  # (no span: nothing sent)
+    finally:
+        tracing.shutdown()
+    assert not tracing.enabled()
+
+
+def test_spans_hand_on_their_context():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rlfleet.runtime import tracing
+
+    exp = InMemorySpanExporter()
+    tracing.setup("t", exporter=exp)
+    try:
+        parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        with tracing.span("outer", parent) as s:
+            tp = tracing.outgoing()
+            assert tp == tracing.traceparent(s)
+            assert tracing.trace_id_of(tp) == "ab" * 16
+        (done,) = exp.get_finished_spans()
+        assert done.parent.span_id == int("cd" * 8, 16)
+    finally:
+        tracing.shutdown()
