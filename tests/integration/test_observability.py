@@ -136,6 +136,16 @@ async def test_fleet_gated_metric_follows_the_workers_gates(tmp_path):
             return float(one.group(1)), float(fleet_.group(1))
 
         assert await gated() == (0.0, 0.0)
+        # the frontend's request series carry the model the request was served for
+        r = await c.post(f"{fleet.url}/v1/completions",
+                         json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        text = (await c.get(f"{fleet.url}/metrics")).text
+        assert re.search(rf'^rlfleet_frontend_requests_total{{model="{MODEL}",'
+                         r'route="/v1/completions",status="200"} [1-9]', text, re.M), text
+        assert re.search(rf'^rlfleet_frontend_request_seconds_bucket{{le="14400.0",'
+                         rf'model="{MODEL}",route="/v1/completions"}} [1-9]', text, re.M)
+        assert "rlfleet_worker_" not in text
         for n, w in enumerate(listed, 1):
             r = await c.post(f"{w['system_url']}/engine/set_admission",
                              json={"open": False, "reason": "test gate"})
