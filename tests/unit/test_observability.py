@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,20 @@ def test_progress_reports_bytes_and_rate(caplog):
     assert caplog.records[-1].levelname == "WARNING"
     assert "publishing v2 failed after" in caplog.records[-1].getMessage()
     assert "disk full" in caplog.records[-1].getMessage()
+
+
+def test_progress_heartbeat_for_silent_work(caplog):
+    caplog.set_level(logging.INFO, "rlfleet.progress")
+    p = Progress("loading m into vLLM", 10, every=0.01, heartbeat=True)
+    deadline = time.monotonic() + 10
+    while not any("still running" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "no heartbeat line"
+        time.sleep(0.01)
+    p.finish()
+    n = len(caplog.records)
+    time.sleep(0.05)
+    assert len(caplog.records) == n  # the heartbeat stops with the work
+    assert caplog.records[-1].progress == "done"
 
 
 def _sample(registry, name, **labels):

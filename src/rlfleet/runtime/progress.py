@@ -37,7 +37,10 @@ class Progress:
     context manager: an exception is reported as a failure after so much work)."""
 
     def __init__(self, what: str, total: float | None = None, unit: str = "bytes",
-                 logger: logging.Logger | None = None, every: float | None = None) -> None:
+                 logger: logging.Logger | None = None, every: float | None = None,
+                 heartbeat: bool = False) -> None:
+        """`heartbeat`: for work that reports nothing while it runs (one blocking call, such
+        as vLLM loading a model), a line every few seconds that it is still running."""
         self.what, self.total, self.unit = what, total, unit
         self.log = logger or log
         self.every = _every() if every is None else every
@@ -48,6 +51,17 @@ class Progress:
         self._ended = False
         size = f" ({human(total, unit)})" if total else ""
         self.log.info("%s%s ...", what, size, extra={"progress": "start"})
+        self._stop = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat, name=f"progress {what}", daemon=True).start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            with self._lock:  # never after the end line
+                if self._ended:
+                    return
+                self.log.info("%s: still running after %.0f s", self.what,
+                              time.monotonic() - self.started, extra={"progress": "running"})
 
     def add(self, n: float) -> None:
         with self._lock:
@@ -72,8 +86,10 @@ class Progress:
     def finish(self, note: str = "") -> float:
         """Log the end line; returns the seconds it took."""
         secs = time.monotonic() - self.started
-        if not self._ended:
-            self._ended = True
+        self._stop.set()
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
             moved = f": {human(self.done, self.unit)} at {human(self.done / max(secs, 1e-9), self.unit)}/s" \
                 if self.done else ""
             self.log.info("%s done in %.2f s%s%s", self.what, secs, moved,
@@ -81,8 +97,10 @@ class Progress:
         return secs
 
     def fail(self, why: object) -> None:
-        if not self._ended:
-            self._ended = True
+        self._stop.set()
+        with self._lock:
+            ended, self._ended = self._ended, True
+        if not ended:
             self.log.warning("%s failed after %.2f s (%s done): %s", self.what,
                              time.monotonic() - self.started, human(self.done, self.unit), why,
                              extra={"progress": "failed"})

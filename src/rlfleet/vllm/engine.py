@@ -125,7 +125,7 @@ class VllmEngine(Engine, EngineControl):
 
         size = sum(f.stat().st_size for f in Path(self.args.model).glob("*.safetensors")) \
             if Path(self.args.model).is_dir() else None
-        loading = Progress(f"loading {self.args.model} into vLLM", size)
+        loading = Progress(f"loading {self.args.model} into vLLM", size, heartbeat=True)
         try:
             self.llm = AsyncLLM.from_engine_args(self.engine_args())
         except BaseException as e:
