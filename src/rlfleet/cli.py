@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlfleet.runtime.logs import add_log_args, setup_logging
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from rlfleet.models import make_model
@@ -271,6 +273,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random Qwen3-architecture test checkpoint")
@@ -408,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # progress of long work (digest, publish, stage) and refresh phases are log lines
+    setup_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (OSError, ValueError, RuntimeError, TimeoutError) as e:
