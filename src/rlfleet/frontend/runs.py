@@ -17,12 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import Counter
-
+from rlfleet.runtime import metrics
 from rlfleet.runtime.request_plane import WorkerError
 
-REPLAYS = Counter("rlfleet_frontend_request_id_replays_total",
-                  "Requests answered from an earlier attempt with the same X-Request-Id")
+REPLAYS = metrics.FRONTEND_REPLAYS  # on the frontend's /metrics
 
 
 class RequestIdConflict(Exception):
