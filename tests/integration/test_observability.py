@@ -146,6 +146,9 @@ async def test_fleet_gated_metric_follows_the_workers_gates(tmp_path):
         assert re.search(rf'^rlfleet_frontend_request_seconds_bucket{{le="14400.0",'
                          rf'model="{MODEL}",route="/v1/completions"}} [1-9]', text, re.M)
         assert "rlfleet_worker_" not in text
+        for url in (fleet.url, listed[0]["system_url"]):  # each family exported once
+            types = re.findall(r"^# TYPE (\S+)", (await c.get(f"{url}/metrics")).text, re.M)
+            assert len(types) == len(set(types)), sorted(types)
         for n, w in enumerate(listed, 1):
             r = await c.post(f"{w['system_url']}/engine/set_admission",
                              json={"open": False, "reason": "test gate"})
