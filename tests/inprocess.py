@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import time
 from pathlib import Path
 
@@ -44,6 +45,9 @@ class InProcessFleet:
         self.servers: list[AppServer] = []
 
     async def __aenter__(self) -> InProcessFleet:
+        # each worker sets up this process's logging (its --log-format): undone on exit
+        root = logging.getLogger()
+        self._logging = (list(root.handlers), root.level)
         self.weights.mkdir(parents=True, exist_ok=True)
         self.discovery = open_discovery(self.discovery_url)
         self.pool = WorkerPool(self.discovery, "dynamo")
@@ -96,3 +100,10 @@ class InProcessFleet:
         await self.pool.stop()
         await self.client.close()
         await self.discovery.close()
+        root = logging.getLogger()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        handlers, level = self._logging
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
