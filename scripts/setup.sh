@@ -24,6 +24,10 @@ $PIP install -q -e '.[test]'
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get install -y -q iproute2 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; }) || true
 fi
+# Debian's chromium: the status page's browser test (tests/integration/test_observability.py)
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }) || true
+fi
 # ModelExpress's own delta and checksum functions, the independent reader of the weight tests;
 # kept out of site-packages (--target, --no-deps): its vLLM plugin entry point must not load
 # in the workers, and its declared CUDA dependencies are not needed for those functions

@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from rlfleet.runtime.logs import add_log_args, setup_logging
+
 
 def _make_model(args: argparse.Namespace) -> int:
     from rlfleet.models import make_model
@@ -227,6 +229,8 @@ def _status(args: argparse.Namespace) -> int:
     from rlfleet.runtime.launch import read_state, status_local
 
     state = read_state(Path(args.state))
+    if args.rl_url:  # a fleet's status page, wherever it was started
+        return _fleet_page(args.rl_url, args.json)
     if state is None:
         print(f"no fleet is up from {args.state}")
         return 1
@@ -255,7 +259,31 @@ def _status(args: argparse.Namespace) -> int:
         for w in workers:
             print(f"  {w['instance_id']:<20} {w['model']:<24} {w['url']}"
                   f"{'' if w.get('usable') else '  [gated or down]'}")
+    rl_url = (state["members"][0].get("ready") or {}).get("rl_url")
+    if rl_url:
+        print()
+        _fleet_page(rl_url, False)
     return 0 if all(m.get("alive") for m in members) else 1
+
+
+def _fleet_page(rl_url: str, as_json: bool) -> int:
+    """Print the RL listener's status page (GET /fleet.json) for a terminal."""
+    import json
+
+    import httpx
+
+    from rlfleet.frontend.status import render_text
+
+    try:
+        r = httpx.get(f"{rl_url.rstrip('/')}/fleet.json", timeout=10)
+        r.raise_for_status()
+        snap = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"rlfleet status: the RL listener at {rl_url} did not answer: {e!r}",
+              file=sys.stderr)
+        return 1
+    print(json.dumps(snap) if as_json else render_text(snap))
+    return 0
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -279,6 +307,7 @@ def _down(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
     sub = p.add_subparsers(dest="command", required=True)
 
     mm = sub.add_parser("make-model", help="write a random Qwen3-architecture test checkpoint")
@@ -425,6 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="the fleet started by `rlfleet up`: members and routing")
     st.add_argument("--state", default=str(default_state_dir()), help=state_help)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--rl-url", default=None,
+                    help="print the status page of the fleet behind this RL listener (GET "
+                         "/fleet.json): workers, policies, gate, last refreshes")
     st.set_defaults(func=_status)
 
     dn = sub.add_parser("down", help="stop everything `rlfleet up` started (processes, actors)")
@@ -448,6 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # progress of long work (digest, publish, stage) and refresh phases are log lines
+    setup_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (OSError, ValueError, RuntimeError, TimeoutError) as e:

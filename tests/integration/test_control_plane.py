@@ -240,7 +240,7 @@ LONG = 1900  # long enough that a pause always lands mid-request (~2 s of decodi
 def generated_tokens(fleet) -> float:
     """The worker engine's own count of generated tokens (the client may lag behind it)."""
     text = httpx.get(f"{fleet.system_url}/metrics", timeout=10).text
-    return float(re.search(r"^rlfleet_worker_generated_tokens_total ([0-9.e+]+)$", text,
+    return float(re.search(r"^rlfleet_worker_generated_tokens_total(?:{[^}]*})? ([0-9.e+]+)$", text,
                            re.M).group(1))
 
 

@@ -177,7 +177,7 @@ async def until_running(proc: Proc, n: int, timeout: float = 10) -> None:
     async with httpx.AsyncClient(timeout=5) as c:
         while True:
             text = (await c.get(f"{proc.ready['url']}/metrics")).text
-            m = re.search(r"^rlfleet_worker_running_requests (\S+)$", text, re.M)
+            m = re.search(r"^rlfleet_worker_running_requests(?:{[^}]*})? (\S+)$", text, re.M)
             if m and float(m.group(1)) == n:
                 return
             assert time.monotonic() < deadline, f"the worker never held {n} requests"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import httpx
 import openai
@@ -249,5 +251,59 @@ def test_malformed_bodies_and_service_continues(vllm_fleet):
 
 def test_metrics_and_health(vllm_fleet):
     text = httpx.get(f"{vllm_fleet.url}/metrics", timeout=10).text
-    assert "rlfleet_frontend_requests_total" in text and "rlfleet_frontend_workers 2.0" in text
+    assert "rlfleet_frontend_requests_total" in text
+    assert f'rlfleet_frontend_workers{{model="{MODEL_NAME}"}} 2.0' in text
+    assert "rlfleet_worker_" not in text  # the frontend exports its own series only
+    for p in vllm_fleet.workers:  # vLLM's own series, and the worker's, on both its ports
+        for url in (p.ready["url"], p.ready["system_url"]):
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            assert re.search(r"^vllm:num_requests_running\{.*\} \d", text, re.M), text[:2000]
+            assert re.search(r"^vllm:generation_tokens_total\{", text, re.M)
+            assert f'rlfleet_worker_requests_total{{model="{MODEL_NAME}",outcome="ok"}}' in text
+            assert re.search(r'^rlfleet_worker_policy_info{digest="blake3:[0-9a-f]+",'
+                             rf'model="{MODEL_NAME}",version="[^"]*"}} 1\.0$', text, re.M)
+            assert "rlfleet_frontend_" not in text
     assert httpx.get(f"{vllm_fleet.url}/health", timeout=10).json()["status"] == "healthy"
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a /metrics exposition can carry (a histogram's _bucket, _sum and
+    _count, a counter's _total, an info metric's _info), families without samples included."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count"),
+                "summary": ("_sum", "_count"), "info": ("_info",)}
+    out = set()
+    for fam in text_string_to_metric_families(text):
+        out.add(fam.name)
+        out.update(fam.name + s for s in suffixes.get(fam.type, ()))
+        out.update(s.name for s in fam.samples)
+    return out
+
+
+def test_grafana_dashboard_queries_name_exported_metrics(vllm_fleet):
+    """deploy/grafana/rlfleet.json: every query names only series that this fleet exports
+    (frontend, real vLLM workers, and the trainer process's rollout and refresh series)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    import rlfleet.rl.client  # noqa: F401  the trainer side's series
+    import rlfleet.rl.refresh  # noqa: F401
+
+    dash = json.loads((Path(__file__).parents[2] / "deploy/grafana/rlfleet.json").read_text())
+    exported = exported_names(httpx.get(f"{vllm_fleet.url}/metrics", timeout=10).text)
+    exported |= exported_names(generate_latest(REGISTRY).decode())
+    for p in vllm_fleet.workers:
+        exported |= exported_names(httpx.get(f"{p.ready['system_url']}/metrics", timeout=10).text)
+    queries = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    queries += [v["definition"] for v in dash["templating"]["list"] if v.get("definition")]
+    assert len(queries) >= 20
+    named = set()
+    for q in queries:
+        names = set(re.findall(r"\b(?:rlfleet_|vllm:)[A-Za-z0-9_:]+", q))
+        assert names, f"query names no rlfleet or vLLM metric: {q}"
+        named |= names
+    missing = sorted(named - exported)
+    assert not missing, f"the dashboard queries series nobody exports: {missing}"
+    assert any(n.startswith("vllm:") for n in named)
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))

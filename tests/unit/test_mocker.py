@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import REGISTRY
 
 from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
 from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.runtime import metrics
 from rlfleet.runtime.request_plane import request_plane_app
 
 PROMPT = [1101, 1102, 1103, 1104]
@@ -115,7 +115,8 @@ async def test_n_choices_are_independent() -> None:
 
 
 def generated_tokens() -> float:
-    return REGISTRY.get_sample_value("rlfleet_worker_generated_tokens_total") or 0.0
+    return metrics.WORKER.get_sample_value("rlfleet_worker_generated_tokens_total",
+                                           {"model": "mock-model"}) or 0.0
 
 
 async def test_max_tokens_and_context_room() -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from prometheus_client import REGISTRY
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import (
@@ -29,6 +28,7 @@ from rlfleet.protocol.engine import (
     Step,
     TokenizeRequest,
 )
+from rlfleet.runtime import metrics
 from rlfleet.runtime.http import bind_socket
 from rlfleet.runtime.request_plane import FrameReader, WorkerClient, WorkerError, WorkerPlane
 
@@ -47,7 +47,9 @@ def frame(kind: int, sid: int, body: Any = None) -> bytes:
 
 
 def metric(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels or None) or 0.0
+    """A worker series summed over the labels not given (the model)."""
+    return sum(s.value for m in metrics.WORKER.collect() for s in m.samples
+               if s.name == name and labels.items() <= s.labels.items())
 
 
 @contextlib.asynccontextmanager

@@ -15,11 +15,14 @@ from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
+from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.limits import ServerLimits
+from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.tracing import add_tracing_args
 from rlfleet.runtime.worker import settle_admin_token
 
 log = logging.getLogger("rlfleet.frontend")
@@ -54,7 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
                    help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
     p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
-    p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
     p.add_argument("--stall-timeout", type=float, default=30.0,
                    help="seconds a worker with requests in flight may answer nothing at all "
                         "(not even a ping) before it is marked down and its requests fail "
@@ -74,7 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "retries may hold (default 2 GiB); beyond it the oldest finished runs "
                         "are forgotten, and new ones are refused (429) while runs in flight "
                         "hold it all")
+    p.add_argument("--journal", default=os.environ.get("RLFLEET_JOURNAL"),
+                   help="the policy-refresh journal (SQLite) whose last refreshes the status "
+                        "page (GET /fleet on the RL listener) shows (default: $RLFLEET_JOURNAL)")
     ServerLimits.add_args(p)
+    add_log_args(p)
+    add_tracing_args(p)
     args = p.parse_args(argv)
     try:
         settle_admin_token(args)
@@ -84,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
+    tracing.setup("rlfleet-frontend", args.otlp_traces_endpoint)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -104,7 +111,7 @@ async def serve(args: argparse.Namespace) -> None:
     if args.enable_rl:
         from rlfleet.frontend.rl import rl_app
 
-        servers.append(AppServer(rl_app(discovery, args.namespace),
+        servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
                                  bind_socket(args.http_host, args.rl_port), limits=limits))
     for s in servers:
         await s.start()

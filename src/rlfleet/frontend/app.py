@@ -19,7 +19,7 @@ from rlfleet.frontend.generation import Frontend, frontend_of
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
-from rlfleet.runtime import metrics
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import ERROR_HANDLERS, HttpError, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
@@ -54,7 +54,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics_route(request: Request) -> Response:
-    return metrics.metrics_response()
+    return metrics.metrics_response(metrics.FRONTEND)
 
 
 async def cancel(request: Request) -> Response:
@@ -96,7 +96,6 @@ class Accounting:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._inflight = {r: metrics.FRONTEND_INFLIGHT.labels(r) for r in (*ROUTES, "other")}
-        self._latency = {r: metrics.FRONTEND_LATENCY.labels(r) for r in (*ROUTES, "other")}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,6 +110,7 @@ class Accounting:
             elif name == b"traceparent":
                 traceparent = value
         status = 500
+        state = scope.setdefault("state", {})  # a generation route puts its `model` here
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
@@ -128,15 +128,15 @@ class Accounting:
         finally:
             gauge.dec()
             secs = time.monotonic() - t0
-            self._latency[route].observe(secs)
-            metrics.FRONTEND_REQUESTS.labels(route, str(status)).inc()
+            model = state.get("model", "")
+            metrics.FRONTEND_LATENCY.labels(model, route).observe(secs)
+            metrics.FRONTEND_REQUESTS.labels(model, route, str(status)).inc()
             if log.isEnabledFor(logging.DEBUG):
                 r = rid.decode(errors="replace") if rid is not None else None
                 tp = traceparent.decode(errors="replace") if traceparent is not None else None
-                log.debug("%s %s -> %d in %.3fs request_id=%s traceparent=%s", scope["method"],
-                          path, status, secs, r, tp,
-                          extra={"request_id": r, "traceparent": tp, "route": route,
-                                 "status": status})
+                log.debug("%s %s -> %d in %.3fs", scope["method"], path, status, secs,
+                          extra={"request_id": r, "trace_id": tracing.trace_id_of(tp),
+                                 "model": model or None, "route": route, "status": status})
 
 
 def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None = None
@@ -150,4 +150,11 @@ def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None =
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
     app.state.frontend = Frontend(pool, client, runs or RunRegistry())
-    return Accounting(app)
+    metrics.FLEET.watch(pool)
+    # while tracing, a request's span is current for its accounting (the DEBUG line names
+    # the trace) and its route (the worker's span starts under it)
+    return tracing.ServerSpans(Accounting(app), match=_traced)
+
+
+def _traced(path: str) -> bool:
+    return path not in ("/metrics", "/health")

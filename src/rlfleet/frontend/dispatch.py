@@ -95,7 +95,7 @@ class Result:
 
     __slots__ = ("request_id", "n", "received", "first_token", "finished", "worker_id",
                  "prompt_token_ids", "prompt_logprobs", "prompt_text", "prompt_token_strs",
-                 "weight", "choices")
+                 "weight", "choices", "model")
 
     def __init__(self, request_id: str, n: int, keep_output: bool = True) -> None:
         self.request_id, self.n = request_id, n
@@ -109,6 +109,7 @@ class Result:
         self.prompt_token_strs: list[str] | None = None  # with echo
         self.weight: dict[str, Any] = {}
         self.choices = [Choice(i, keep_output) for i in range(n)]
+        self.model = ""  # the model a worker serves it for (metrics label)
 
     def apply(self, ev: Event | dict) -> list[Delta]:
         """Fold one worker event in (typed, or a plain dict of the same shape); return its
@@ -121,13 +122,13 @@ class Result:
             deltas = ev.choices  # type: ignore[union-attr]
             if self.first_token is None and deltas:
                 self.first_token = time.time()
-                metrics.FRONTEND_TTFT.observe(self.first_token - self.received)
+                metrics.FRONTEND_TTFT.labels(self.model).observe(self.first_token - self.received)
             tokens = 0
             for d in deltas:
                 self.choices[d.index].add(d)
                 tokens += len(d.token_ids)
             if tokens:
-                metrics.FRONTEND_GENERATED_TOKENS.inc(tokens)
+                metrics.FRONTEND_GENERATED_TOKENS.labels(self.model).inc(tokens)
             return deltas
         if kind is Head:
             h: Head = ev  # type: ignore[assignment]
@@ -316,8 +317,8 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                 yield ev
             return
         except WorkerError as e:
-            metrics.FRONTEND_WORKER_ERRORS.labels("unreachable" if e.retryable else
-                                                  "broken" if e.broken else "refused").inc()
+            kind = "unreachable" if e.retryable else "broken" if e.broken else "refused"
+            metrics.FRONTEND_WORKER_ERRORS.labels(model, kind).inc()
             if e.broken:
                 pool.mark_down(w, str(e))
             # nothing of it reached the caller: an unreachable or stalled worker's request

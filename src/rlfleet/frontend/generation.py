@@ -21,6 +21,7 @@ from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RequestIdConflict, Run, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
 from rlfleet.protocol.nvext import PolicyBound
+from rlfleet.runtime import tracing
 from rlfleet.runtime.http import (
     ClientWatch,
     HttpError,
@@ -274,6 +275,11 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
     if isinstance(results, Result):
         results = [results]
     keep = REQUEST_ID_HEADER in request.headers
+    request.state.model = model  # metrics labels (rlfleet.runtime.metrics)
+    traceparent = tracing.outgoing(request.headers.get("traceparent"))
+    for greq, res in zip(greqs, results, strict=True):
+        res.model = model
+        greq.traceparent = traceparent
     if keep:
         _check_batch_reuse(fe.runs, request.headers[REQUEST_ID_HEADER], len(greqs))
     body = await request.body()

@@ -1,4 +1,6 @@
-"""The RL listener: GET /v1/rl/workers (protocol version 1), read-only, on its own port."""
+"""The RL listener, read-only, on its own port (a trusted network only): GET /v1/rl/workers
+(protocol version 1), and the fleet's status page: GET /fleet (HTML, refreshed live) and
+GET /fleet.json (rlfleet.frontend.status)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import httpx
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Route
 
+from rlfleet.frontend.status import FleetStatus, render_page
 from rlfleet.protocol.rl import PROTOCOL_VERSION, RlWorker
 from rlfleet.runtime.discovery import Discovery, DiscoveryError, entry_key
 from rlfleet.runtime.http import ERROR_HANDLERS, json_response
@@ -36,7 +39,8 @@ async def probe_routes(http: httpx.AsyncClient, system_url: str, timeout: float)
     return sorted(set(routes))
 
 
-def rl_app(discovery: Discovery, namespace: str) -> Starlette:
+def rl_app(discovery: Discovery, namespace: str, journal: str | None = None) -> Starlette:
+    """`journal`: the refresh journal the status page shows (default $RLFLEET_JOURNAL)."""
     timeout = float(os.environ.get("DYN_RL_REQUEST_TIMEOUT_SECS", 30))
     limit = asyncio.Semaphore(max(1, int(os.environ.get("DYN_RL_MAX_CONCURRENT_PROBES", 32))))
     http = httpx.AsyncClient()
@@ -77,5 +81,15 @@ def rl_app(discovery: Discovery, namespace: str) -> Starlette:
             body["skipped"] = skipped
         return json_response(body)
 
-    return Starlette(routes=[Route("/v1/rl/workers", workers, methods=["GET"])],
+    page = FleetStatus(discovery, namespace, http, journal or os.environ.get("RLFLEET_JOURNAL"))
+
+    async def fleet_json(request: Request) -> Response:
+        return json_response(await page.snapshot())
+
+    async def fleet_html(request: Request) -> Response:
+        return HTMLResponse(render_page(await page.snapshot()))
+
+    return Starlette(routes=[Route("/v1/rl/workers", workers, methods=["GET"]),
+                             Route("/fleet", fleet_html, methods=["GET"]),
+                             Route("/fleet.json", fleet_json, methods=["GET"])],
                      exception_handlers=ERROR_HANDLERS)

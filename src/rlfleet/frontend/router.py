@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.runtime import metrics
 from rlfleet.runtime.discovery import Discovery
 from rlfleet.runtime.http import HttpError
 
@@ -136,7 +135,6 @@ class WorkerPool:
         for iid in self.workers.keys() - fresh.keys():
             log.info("worker %s left", iid)
         self.workers = fresh
-        metrics.FRONTEND_WORKERS.set(len(fresh))
         self._changed.set()  # wake requests held for a worker
         self._changed = asyncio.Event()
 

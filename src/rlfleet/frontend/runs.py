@@ -27,17 +27,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from prometheus_client import Counter
 
 from rlfleet.protocol.engine import Head, Step
+from rlfleet.runtime import metrics
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerError
 
-REPLAYS = Counter("rlfleet_frontend_request_id_replays_total",
-                  "Requests answered from an earlier attempt with the same X-Request-Id")
-RESTARTS = Counter("rlfleet_frontend_request_id_restarts_total",
-                   "Requests whose earlier attempt (same X-Request-Id) failed with its worker "
-                   "and that started anew")
+REPLAYS = metrics.FRONTEND_REPLAYS  # on the frontend's /metrics
+RESTARTS = metrics.FRONTEND_RESTARTS
 
 CANCEL_TOKEN_HEADER = "x-cancel-token"
 _canonical = msgspec.json.Encoder(order="sorted")

@@ -46,7 +46,6 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import (
     BadRequest,
     Engine,
@@ -343,8 +342,9 @@ class MockEngine(Engine, EngineControl):
             raise BadRequest(f"request_id {rid!r} is already running on this worker")
         run = _Run()
         self._runs[rid] = run
-        metrics.WORKER_RUNNING.inc()
-        metrics.WORKER_PROMPT_TOKENS.inc(len(prompt_token_ids))
+        series = self.series
+        series.running.inc()
+        series.prompt.inc(len(prompt_token_ids))
         try:
             await self._wait(run, lambda: self._mode is None)  # held while paused
             if not run.aborted:
@@ -364,7 +364,7 @@ class MockEngine(Engine, EngineControl):
                 if not self._active:
                     self._idle.set()
             del self._runs[rid]
-            metrics.WORKER_RUNNING.dec()
+            series.running.dec()
 
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
                       ) -> AsyncIterator[dict]:
@@ -381,6 +381,7 @@ class MockEngine(Engine, EngineControl):
         live = choices
         first = True
         early = req.echo and req.stream  # prompt logprobs go in the first event
+        generated = self.series.generated
         while live:
             await self._nap(run, self.ttft if first else self._token_delay())
             first = False
@@ -389,7 +390,7 @@ class MockEngine(Engine, EngineControl):
                 break
             for ch in live:
                 self._advance(ch, s, seed, s.max_tokens or room)
-            metrics.WORKER_GENERATED_TOKENS.inc(len(live))
+            generated.inc(len(live))
             if req.stream:
                 ev: dict[str, Any] = {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
                 if early:

@@ -218,6 +218,9 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     cache_salt: str | None = None  # prefix-cache salt (vLLM's cache_salt)
     priority: int = 0  # scheduling priority (lower: earlier), for engines that schedule by it
     session_id: str | None = None  # related requests' shared identity (vLLM's session_id)
+    # W3C trace context of the caller's span (rlfleet.runtime.tracing): the worker's span,
+    # and the engine's, start under it; log lines about the request name its trace
+    traceparent: Annotated[str, Meta(max_length=256)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):

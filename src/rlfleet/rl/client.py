@@ -87,6 +87,7 @@ from rlfleet.rl.sample import (
     WeightSpan,
     prompt_kind,
 )
+from rlfleet.runtime import tracing
 
 if TYPE_CHECKING:
     from rlfleet.rl.gate import RolloutGate
@@ -365,10 +366,18 @@ class RolloutClient:
 
     # ------------------------------------------------------------ one attempt
 
-    async def _attempt(self, a: Attempt, trace: str, prompt: _Prompt,
-                       sampling: SamplingSpec, n: int, route: str, stream: bool,
-                       rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
-                       reused: bool) -> AdmittedSample | _End:
+    async def _attempt(self, a: Attempt, trace: str, *rest) -> AdmittedSample | _End:
+        """One attempt; while tracing (rlfleet.runtime.tracing), in a client span of the
+        sample's trace that the frontend's, worker's and engine's spans join."""
+        with tracing.span("rollout attempt", telemetry.traceparent(trace, a.span_id), "client",
+                          {"rlfleet.sample_id": a.sample_id, "rlfleet.attempt": a.number,
+                           "rlfleet.request_id": a.request_id}):
+            return await self._attempt_sent(a, trace, *rest)
+
+    async def _attempt_sent(self, a: Attempt, trace: str, prompt: _Prompt,
+                            sampling: SamplingSpec, n: int, route: str, stream: bool,
+                            rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
+                            reused: bool) -> AdmittedSample | _End:
         spec = sampling
         sent: list[int] | str | Chat = prompt.sent
         if prefix.token_ids:  # resumed: the prompt's token IDs (known by then) + kept tokens
@@ -381,7 +390,7 @@ class RolloutClient:
         url = self.base_url + path
         headers = {"content-type": "application/json", "x-request-id": a.request_id,
                    "x-cancel-token": self._cancel_token,
-                   "traceparent": telemetry.traceparent(trace, a.span_id)}
+                   "traceparent": tracing.outgoing(telemetry.traceparent(trace, a.span_id))}
         if log.isEnabledFor(logging.DEBUG):
             log.debug("attempt sent", extra=telemetry.fields(a, trace))
         acc: OpenAIStream | SglangStream | None = None

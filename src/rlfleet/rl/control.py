@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from rlfleet.protocol.rl import PROTOCOL_VERSION
+from rlfleet.runtime import tracing
 from rlfleet.runtime.system_server import EPOCH_HEADER, STALE_EPOCH
 
 if TYPE_CHECKING:
@@ -115,6 +116,9 @@ class Channel:
         out = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
         if self.epoch is not None:
             out[EPOCH_HEADER] = str(self.epoch)
+        tp = tracing.outgoing()  # the worker's span joins the refresh phase's
+        if tp:
+            out["traceparent"] = tp
         return out
 
     async def call(self, w: FleetWorker, step: str, route: str,

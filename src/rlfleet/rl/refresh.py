@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.rl import telemetry
 from rlfleet.rl.control import (
     Channel,
     FleetFenced,
@@ -71,6 +72,7 @@ from rlfleet.rl.probe import (
     reference_probe,
     tolerance,
 )
+from rlfleet.runtime import tracing
 from rlfleet.runtime.request_plane import WorkerError, generate_over_http
 
 log = logging.getLogger("rlfleet.refresh")
@@ -259,11 +261,13 @@ class _Tx:
         self.owner.on_event(f"{label} {name} ...")
         ok = False
         try:
-            out = await coro
+            with tracing.span(f"refresh {name}", attributes={"rlfleet.refresh_id": self.id}):
+                out = await coro  # each worker's control call: a span under this one
             ok = True
             return out
         finally:
             secs = time.perf_counter() - t0
+            telemetry.REFRESH_SECONDS.labels(name).observe(secs)
             self.steps.append({"name": name, "seconds": secs,
                                **({"wave": self.wave} if self.wave else {})})
             self.owner.on_event(f"{label} {name} done in {secs:.3f}s")
@@ -404,14 +408,15 @@ class PolicyRefresh:
         """Move every worker to the checkpoint at `checkpoint` (declared `version`, fleet
         `step`); on the staged path, to the version workers stage from `source` (a
         stage_weights source). An unfinished transaction of the fleet is recovered first."""
-        target = await self._policy(checkpoint, version, digest, probe, tensors, source)
-        await self.recover()
-        target.step = self.next_step(step)
-        if self.mode is RefreshMode.ROLLING:
-            return await self._transaction("refresh", target,
-                                           lambda tx: self._rolling(tx, target))
-        return await self._transaction(
-            "refresh", target, lambda tx: self._sync(tx, target, fleet_wide=True))
+        with tracing.span("policy refresh", attributes={"rlfleet.version": version}):
+            target = await self._policy(checkpoint, version, digest, probe, tensors, source)
+            await self.recover()
+            target.step = self.next_step(step)
+            if self.mode is RefreshMode.ROLLING:
+                return await self._transaction("refresh", target,
+                                               lambda tx: self._rolling(tx, target))
+            return await self._transaction(
+                "refresh", target, lambda tx: self._sync(tx, target, fleet_wide=True))
 
     async def admit_new_workers(self) -> RefreshResult:
         """Bring workers that joined (or restarted) onto the current policy and open them;
@@ -420,8 +425,9 @@ class PolicyRefresh:
         if self.current is None:
             raise RuntimeError("no current policy yet: run refresh() first")
         current = self.current
-        return await self._transaction(
-            "admit", current, lambda tx: self._sync(tx, current, fleet_wide=False))
+        with tracing.span("admit new workers"):
+            return await self._transaction(
+                "admit", current, lambda tx: self._sync(tx, current, fleet_wide=False))
 
     async def recover(self) -> RefreshResult | None:
         """Recover the fleet's unfinished transactions (their coordinator crashed, or is
@@ -540,6 +546,7 @@ class PolicyRefresh:
                 log.exception("policy refresh %s failed", refresh_id)
             finally:
                 await tx.requests.aclose()
+            telemetry.REFRESH_TOTAL.labels(decision).inc()
         self.on_event(f"[refresh {refresh_id}] {decision}: {reason}")
         summaries = [w.summary() for w in tx.workers.values()]
         await asyncio.to_thread(
@@ -844,6 +851,7 @@ class PolicyRefresh:
                                   sampling=SamplingOptions(
                                       temperature=0.0, max_tokens=1, logprobs=0,
                                       prompt_logprobs=1, ignore_eos=True))
+        req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
         try:
             events = await generate_over_http(requests, w.request_url, req, self.timeout,
                                               self.admin_token)

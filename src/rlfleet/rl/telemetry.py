@@ -14,6 +14,7 @@ import logging
 from prometheus_client import Counter, Histogram
 
 from rlfleet.rl.attempt import Attempt
+from rlfleet.runtime.metrics import LATENCY_BUCKETS
 
 log = logging.getLogger("rlfleet.rl.rollout")
 
@@ -24,9 +25,19 @@ SAMPLES = Counter("rlfleet_rollout_samples_total",
 REJECTIONS = Counter("rlfleet_rollout_rejections_total",
                      "Responses refused by an admission check, by check", ["check"])
 ATTEMPT_SECONDS = Histogram("rlfleet_rollout_attempt_seconds",
-                            "Time from sending an attempt to its end")
+                            "Time from sending an attempt to its end", buckets=LATENCY_BUCKETS)
 SAMPLE_SECONDS = Histogram("rlfleet_rollout_sample_seconds",
-                           "Time from asking for a sample to its admission, retries included")
+                           "Time from asking for a sample to its admission, retries included",
+                           buckets=LATENCY_BUCKETS)
+
+# policy refreshes (the coordinator's process)
+REFRESH_SECONDS = Histogram("rlfleet_refresh_seconds",
+                            "Duration of each phase of a policy refresh (stage, resolve, gate, "
+                            "pause, apply, reset_cache, verify, resume, probe, reopen, "
+                            "rollback)", ["phase"], buckets=LATENCY_BUCKETS)
+REFRESH_TOTAL = Counter("rlfleet_refresh_total",
+                        "Policy refreshes that ended, by outcome (reopened, rolled_back, held)",
+                        ["outcome"])
 
 # the bounded set of `kind` labels; a reason outside it counts as "other"
 KINDS = frozenset({"admitted", "timeout", "aborted", "cancelled", "transport", "http", "stream_error",

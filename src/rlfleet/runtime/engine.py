@@ -6,6 +6,7 @@ synthetic engine (rlfleet.mocker) both implement `Engine` (serving) and `EngineC
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.runtime.metrics import WorkerSeries
 
 
 class BadRequest(ValueError):
@@ -33,6 +35,11 @@ class Engine(abc.ABC):
     #: which end of a prompt `truncate_prompt_tokens` cuts by default: the start, keeping
     #: the last tokens (vLLM loads every tokenizer with truncation_side="left")
     truncation_side: str = "left"
+
+    @functools.cached_property
+    def series(self) -> WorkerSeries:
+        """This engine's worker metrics, labelled with the model it serves."""
+        return WorkerSeries(self.info.served_model_name)
 
     @abc.abstractmethod
     def tokenize(

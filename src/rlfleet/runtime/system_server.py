@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlfleet.protocol.admin import AdminRequestError
-from rlfleet.runtime import metrics
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.system")
@@ -191,7 +191,13 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
         else:
             body = {"error": str(exc.detail), "message": str(exc.detail)}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-    metrics.mount_metrics(app)
+
+    # a coordinator's control calls join its trace (a policy refresh: a span per call)
+    app.add_middleware(tracing.ServerSpans, match=lambda path: path.startswith("/engine/"))
+
+    @app.get("/metrics")
+    async def _metrics():
+        return metrics.metrics_response(metrics.WORKER)
 
     def authorized(request: Request) -> bool:
         if not admin_token:

@@ -13,14 +13,18 @@ from typing import Any
 
 import uvloop
 
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.admission import FIELDS as ADMISSION_FIELDS
 from rlfleet.runtime.admission import Admission
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.logs import add_log_args, setup_logging
+from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.request_plane import WorkerPlane
 from rlfleet.runtime.system_server import FaultInjector, FleetFence, Route, system_app
+from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -78,7 +82,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add("--start-gated", action="store_true",
         help="register closed to rollouts until a coordinator verifies this worker "
              "and calls set_admission (replacement workers in an RL fleet)")
-    add("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"))
+    add_log_args(g)
+    add_tracing_args(g)
     add("--weights-catalog", default=os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
         help="version catalog (sqlite:///path or etcd://host:port) for staged weights: "
              "digests, leases, and the peers that hold a version (default: "
@@ -181,15 +186,16 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     admin routes report (EngineAdmin.fence). The discovery entry carries the admission
     state, the applied policy (weight_version, weight_digest, weight_step) and the newest
     fleet epoch, and is republished whenever one of them changes."""
-    level = getattr(args, "log_level", None) or os.environ.get("RLFLEET_LOG_LEVEL", "info")
-    logging.basicConfig(level=level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+    tracing.setup(f"rlfleet-worker {engine.info.served_model_name}",
+                  getattr(args, "otlp_traces_endpoint", None))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
-    await engine.start()
+    with Progress(f"starting the engine for {engine.info.served_model_name}"):
+        await engine.start()
     instance_id = new_instance_id()
     faults = FaultInjector() if args.enable_fault_injection else None
     plane = WorkerPlane(engine, faults, args.trust_request_chat_template, args.admin_token)
@@ -211,6 +217,17 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     serving = asyncio.Event()  # set once registered; /health says "ready" from then on
     fence = fence if fence is not None else FleetFence()
     publishing = asyncio.Lock()  # one entry write at a time, each from the current state
+    # what the status page and dashboards read: the policy and the gate at scrape time,
+    # tokens per second from a once-a-second sample of the token counter
+    state_key = metrics.WORKER_STATE.add(engine.info.served_model_name,
+                                         engine.weight_identity, lambda: admission.gated)
+    rate = metrics.TokenRate(engine.series)
+
+    async def sample_rate() -> None:
+        while True:
+            rate.sample()
+            await asyncio.sleep(1.0)
+    sampler = asyncio.create_task(sample_rate())
 
     def live_fields() -> dict[str, Any]:
         """What the entry says about this worker's state now."""
@@ -243,7 +260,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         def health() -> dict[str, Any]:
             state = "ready" if serving.is_set() else "notready"
             return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
-                    "model": engine.info.served_model_name, **live_fields()}
+                    "model": engine.info.served_model_name, "running": engine.num_running(),
+                    "tokens_per_s": rate.rate(), **live_fields()}
 
         app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
                          ready=serving.is_set, fence=fence, changed=changed)
@@ -315,6 +333,8 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
         log.info("shutting down worker %s", instance_id)
         serving.clear()
         watch.cancel()
+        sampler.cancel()
+        metrics.WORKER_STATE.remove(state_key)
         for reg in regs:
             try:
                 await asyncio.wait_for(reg.close(), 5)

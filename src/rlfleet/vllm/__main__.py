@@ -6,9 +6,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rlfleet.runtime.logs import quiet_engine_logging
+
+    # before vLLM is imported: in json format its lines go through rlfleet's handler
+    quiet_engine_logging(sys.argv[1:] if argv is None else argv)
     from rlfleet.runtime.admin import EngineAdmin
     from rlfleet.runtime.worker import serve_worker, staging_area
     from rlfleet.vllm.args import parse_args

@@ -15,7 +15,6 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime import metrics
 from rlfleet.runtime.engine import (
     BadRequest,
     Engine,
@@ -24,6 +23,7 @@ from rlfleet.runtime.engine import (
     WeightIdentity,
     WeightLoadError,
 )
+from rlfleet.runtime.progress import Progress
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 
 log = logging.getLogger("rlfleet.vllm")
@@ -167,6 +167,7 @@ class VllmEngine(Engine, EngineControl):
         self.signature: dict = {}  # tensor name -> (dtype, shape) the model accepts
         self.on_gpu = False
         self._calls: dict[object, tuple[str, float]] = {}  # engine RPCs in flight (busy)
+        self.traced = False  # vLLM traces requests (it was given an OTLP endpoint)
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
                                else args.model, vocab_size=0, max_model_len=0)
 
@@ -185,7 +186,15 @@ class VllmEngine(Engine, EngineControl):
         if not children_die_with_this_process():
             log.warning("setpriv (util-linux) not found: if this worker is killed, its engine "
                         "process may outlive it")
-        self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        size = sum(f.stat().st_size for f in Path(self.args.model).glob("*.safetensors")) \
+            if Path(self.args.model).is_dir() else None
+        loading = Progress(f"loading {self.args.model} into vLLM", size, heartbeat=True)
+        try:
+            self.llm = AsyncLLM.from_engine_args(self.engine_args())
+        except BaseException as e:
+            loading.fail(repr(e))
+            raise
+        loading.finish()
         mc = self.llm.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         eos = self.tokenizer.eos_token_id
@@ -193,13 +202,15 @@ class VllmEngine(Engine, EngineControl):
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
         self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
+        self.traced = self.llm.observability_config.otlp_traces_endpoint is not None
         if Path(self.args.model).is_dir():
             self.weights_path = str(Path(self.args.model).resolve())
             self.signature = checkpoint_signature(Path(self.weights_path))
             self.digest = checkpoint_digest(Path(self.weights_path))
         await self.set_version(None, declared=False)
         if self.args.warmup:
-            await self._warmup()
+            with Progress("warm-up request (compiles the logprobs kernels)"):
+                await self._warmup()
 
     def weight_identity(self) -> dict:
         return {"weight_version": self.version, "weight_digest": self.digest,
@@ -257,14 +268,17 @@ class VllmEngine(Engine, EngineControl):
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
+        # the engine's own span (vLLM traces when it has an OTLP endpoint) joins the request's
+        trace = {"traceparent": req.traceparent} if req.traceparent and self.traced else None
         results = self.llm.generate(prompt, sp, req.request_id, priority=req.priority,
-                                    session_id=req.session_id)
+                                    session_id=req.session_id, trace_headers=trace)
         prompt_lps = None
         early = req.echo and req.stream  # prompt logprobs go in the first event (see Head)
         started = False
         self._running += 1
-        metrics.WORKER_RUNNING.inc()
-        metrics.WORKER_PROMPT_TOKENS.inc(len(prompt_token_ids))
+        series = self.series
+        series.running.inc()
+        series.prompt.inc(len(prompt_token_ids))
         try:
             async for out in results:
                 started = True
@@ -275,7 +289,7 @@ class VllmEngine(Engine, EngineControl):
                     ids = list(c.token_ids)
                     if not ids and c.finish_reason is None:
                         continue
-                    metrics.WORKER_GENERATED_TOKENS.inc(len(ids))
+                    series.generated.inc(len(ids))
                     choice = {
                         "index": c.index, "token_ids": ids, "text": c.text,
                         "logprobs": _token_logprobs(ids, c.logprobs, k)
@@ -298,7 +312,7 @@ class VllmEngine(Engine, EngineControl):
             raise
         finally:
             self._running -= 1
-            metrics.WORKER_RUNNING.dec()
+            series.running.dec()
             await results.aclose()
 
     async def abort(self, request_id: str) -> None:

@@ -126,8 +126,17 @@ def iter_checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def checkpoint_digest(path: Path) -> str:
-    """Root digest (`"blake3:<hex>"`) over all tensors of all safetensors files in `path`."""
-    return digest_tensors(iter_checkpoint_tensors(path))
+    """Root digest (`"blake3:<hex>"`) over all tensors of all safetensors files in `path`
+    (its progress is logged: rlfleet.runtime.progress)."""
+    from rlfleet.runtime.progress import Progress
+
+    total = sum(f.stat().st_size for f in checkpoint_files(path))
+    builder = DigestBuilder()
+    with Progress(f"digest of {path}", total) as p:
+        for name, tensor in iter_checkpoint_tensors(path):
+            builder.add(name, tensor)
+            p.add(tensor.numel() * tensor.element_size())
+    return builder.root()
 
 
 def checkpoint_signature(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:

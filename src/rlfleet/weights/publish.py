@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
 
+from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
@@ -121,10 +122,14 @@ class Publisher:
                                          base_version=base, locations=[location],
                                          size=artifact.bytes_full, parts=artifact.parts,
                                          idempotency_key=idempotency_key)
-                for name, data in [*artifact.files, (art.INDEX, artifact.index_bytes)]:
-                    await asyncio.to_thread(self.storage.write, f"{version}/{name}", data)
-                    if catalog is not None:
-                        await catalog.publish_part(version, name)
+                files = [*artifact.files, (art.INDEX, artifact.index_bytes)]
+                with Progress(f"publishing {version} to {location}",
+                              sum(len(d) for _, d in files)) as written:
+                    for name, data in files:
+                        await asyncio.to_thread(self.storage.write, f"{version}/{name}", data)
+                        written.add(len(data))
+                        if catalog is not None:
+                            await catalog.publish_part(version, name)
             finally:
                 if catalog is not None:
                     await catalog.close()

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from rlfleet.protocol.admin import AdminRequestError
+from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
 from rlfleet.weights.digest import DigestBuilder, tensor_digest
@@ -407,8 +408,11 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     h.tensors_total = len(specs)
     h.bytes_total = sum(p.stored_bytes for p in plans)
 
+    moved = Progress(f"staging {h.version} from {what}", h.bytes_total)
+
     def progress(n: int) -> None:
         h.bytes_done += n
+        moved.add(n)
 
     staged = StagedFiles(root / f"{h.version}.{h.handle}", specs)
     h.dir = staged.dir
@@ -426,10 +430,12 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
         h.tensors_done = len(specs)
         staged.finish()
         digest = staged.digest()
-    except BaseException:
+    except BaseException as e:
+        moved.fail(repr(e))
         staged.close()
         shutil.rmtree(staged.dir, ignore_errors=True)
         raise
+    moved.finish()
     checksums = dict(staged.checksums)
     staged.close()
     return Resident(h.version, digest, staged.dir, staged.specs, checksums)

@@ -33,7 +33,7 @@ from rlfleet.protocol.engine import (
     TokenizeRequest,
     Tokens,
 )
-from rlfleet.runtime import metrics
+from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.engine import BadRequest, Engine
 from rlfleet.runtime.http import (
     ERROR_HANDLERS,
@@ -151,12 +151,15 @@ def _decode_error(e: Exception, raw: bytes = b"") -> str:
 class Opened:
     """A request the engine accepted: its Head, the first engine event (None when the
     engine ended it without one), and the rest. Whoever opened it closes it (`aclose`),
-    which aborts the request in the engine if it has not ended."""
+    which aborts the request in the engine if it has not ended, and counts it."""
 
-    __slots__ = ("head", "first", "events", "started", "outcome", "closed")
+    __slots__ = ("head", "first", "events", "started", "outcome", "closed", "series", "req",
+                 "span")
 
-    def __init__(self, head: Head, first: dict | None, events: AsyncIterator[dict]) -> None:
+    def __init__(self, head: Head, first: dict | None, events: AsyncIterator[dict],
+                 series: metrics.WorkerSeries, req: GenerateRequest, span: Any = None) -> None:
         self.head, self.first, self.events = head, first, events
+        self.series, self.req, self.span = series, req, span
         self.started = time.monotonic()
         self.outcome = "error"
         self.closed = False
@@ -170,8 +173,19 @@ class Opened:
         if not self.closed:
             self.closed = True
             await self.events.aclose()  # type: ignore[attr-defined]
-            metrics.WORKER_REQUESTS.labels(self.outcome).inc()
-            metrics.WORKER_REQUEST_SECONDS.observe(time.monotonic() - self.started)
+            secs = time.monotonic() - self.started
+            self.series.requests[self.outcome].inc()
+            self.series.seconds.observe(secs)
+            if self.span is not None:
+                self.span.set_attribute("rlfleet.outcome", self.outcome)
+                if self.outcome == "error":
+                    tracing.fail(self.span, "the request failed")
+                self.span.end()
+            if log.isEnabledFor(logging.DEBUG):
+                req = self.req
+                log.debug("request %s ended: %s in %.3fs", req.request_id, self.outcome, secs,
+                          extra={"request_id": req.request_id, "outcome": self.outcome,
+                                 "trace_id": tracing.trace_id_of(req.traceparent)})
 
 
 class WorkerPlane:
@@ -192,7 +206,24 @@ class WorkerPlane:
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
         engine refuses gets an error status instead of a stream that breaks. Raises
-        HttpError (400: refused as given, 500: injected or engine failure)."""
+        HttpError (400: refused as given, 500: injected or engine failure). While tracing,
+        the request gets a span under its caller's (ended with the request), and the
+        engine is handed that span as the request's parent."""
+        if not tracing.enabled():
+            return await self._open(req, None)
+        span = tracing.start_span("worker generate", req.traceparent, "server",
+                                  {"rlfleet.request_id": req.request_id,
+                                   "rlfleet.model": self.engine.info.served_model_name})
+        req.traceparent = tracing.traceparent(span)
+        try:
+            return await self._open(req, span)
+        except BaseException as e:
+            tracing.fail(span, f"{type(e).__name__}: {e}")
+            span.end()
+            raise
+
+    async def _open(self, req: GenerateRequest, span: Any) -> Opened:
+        series = self.engine.series
         if self.faults is not None:
             try:
                 injected = await self.faults.check("generate")
@@ -204,7 +235,7 @@ class WorkerPlane:
         try:
             ids = await check_prompt(self, req)
         except BadRequest as e:
-            metrics.WORKER_REQUESTS.labels("rejected").inc()
+            series.requests["rejected"].inc()
             raise HttpError(400, str(e)) from e
         events = engine.generate(req, ids)
         try:
@@ -212,14 +243,14 @@ class WorkerPlane:
         except StopAsyncIteration:
             first = None
         except BadRequest as e:
-            metrics.WORKER_REQUESTS.labels("rejected").inc()
+            series.requests["rejected"].inc()
             raise HttpError(400, str(e)) from e
         except asyncio.CancelledError:  # the caller left before the first event
             await events.aclose()
-            metrics.WORKER_REQUESTS.labels("abandoned").inc()
+            series.requests["abandoned"].inc()
             raise
         except Exception as e:  # the engine failed on this request: say so, keep serving
-            metrics.WORKER_REQUESTS.labels("error").inc()
+            series.requests["error"].inc()
             raise HttpError(500, f"engine failed: {type(e).__name__}: {e}") from e
         # the weights that produced the first token (a pause may have swapped them)
         wid = engine.weight_identity()
@@ -232,7 +263,7 @@ class WorkerPlane:
         if req.echo:
             head.prompt_text = req.prompt if req.prompt is not None else engine.detokenize(ids)
             head.prompt_token_strs = engine.token_strs(ids)
-        return Opened(head, first, events)
+        return Opened(head, first, events, series, req, span)
 
     @staticmethod
     async def rest(opened: Opened) -> AsyncIterator[tuple[Frame, Any]]:
@@ -261,7 +292,7 @@ class WorkerPlane:
             try:
                 req = msgspec.json.decode(raw, type=GenerateRequest)
             except (msgspec.DecodeError, ValueError, RecursionError) as e:
-                metrics.WORKER_REQUESTS.labels("rejected").inc()
+                self.engine.series.requests["rejected"].inc()
                 return error_response(400, _decode_error(e, raw))
             watch = ClientWatch(request)
             try:
@@ -312,7 +343,7 @@ class WorkerPlane:
             return json_response({"status": "ok", "model": self.engine.info.served_model_name})
 
         async def metrics_route(request: Request) -> Response:
-            return metrics.metrics_response()
+            return metrics.metrics_response(metrics.WORKER)
 
         def authenticated(route):
             if not self.admin_token:
@@ -519,7 +550,7 @@ class _FrontendLink(asyncio.Protocol):
             try:
                 req = _generate.decode(body)
             except (msgspec.DecodeError, ValueError, RecursionError) as e:
-                metrics.WORKER_REQUESTS.labels("rejected").inc()
+                self.plane.engine.series.requests["rejected"].inc()
                 self._error(sid, 400, _decode_error(e))
                 return
             if self.server.closing:  # nothing reached the engine: the frontend tries another
@@ -602,7 +633,9 @@ class _FrontendLink(asyncio.Protocol):
         except asyncio.CancelledError:
             pass  # CLOSE, or the frontend went away: the engine has aborted the request
         except Exception as e:  # e.g. an engine event that cannot be encoded: say so
-            log.exception("request %s failed on the stream plane", req.request_id)
+            log.exception("request %s failed on the stream plane", req.request_id,
+                          extra={"request_id": req.request_id,
+                                 "trace_id": tracing.trace_id_of(req.traceparent)})
             self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
         finally:
             del self.tasks[sid]

@@ -1,0 +1,210 @@
+"""Logs (text and json), progress lines, and the metrics collectors, without a fleet (the
+fleet-level checks are in tests/integration/test_observability.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.frontend.status import render_page, render_text
+from rlfleet.runtime import metrics
+from rlfleet.runtime.logs import default_format, requested_format, setup_logging
+from rlfleet.runtime.progress import Progress
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_json_lines_carry_the_request_fields(restore_logging):
+    out = io.StringIO()
+    setup_logging("debug", "json", stream=out)
+    log = logging.getLogger("rlfleet.test")
+    log.debug("request %s ended", "r-1", extra={"request_id": "r-1", "trace_id": "ab" * 16,
+                                                "sample_id": "s-9"})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed", extra={"request_id": "r-2"})
+    lines = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert lines[0]["message"] == "request r-1 ended" and lines[0]["level"] == "DEBUG"
+    assert (lines[0]["request_id"], lines[0]["trace_id"], lines[0]["sample_id"]) == \
+        ("r-1", "ab" * 16, "s-9")
+    assert lines[0]["target"] == "rlfleet.test" and lines[0]["time"].endswith("Z")
+    assert lines[1]["request_id"] == "r-2" and "ValueError: boom" in lines[1]["exc_info"]
+
+
+def test_text_lines_show_the_fields(restore_logging):
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("rlfleet.test").info("hello", extra={"request_id": "r-1"})
+    logging.getLogger("rlfleet.test").debug("not shown at info")
+    text = out.getvalue()
+    assert "INFO rlfleet.test: hello request_id=r-1" in text and "not shown" not in text
+
+
+def test_format_from_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("DYN_LOGGING_JSONL", raising=False)
+    assert default_format() == "text"
+    monkeypatch.setenv("DYN_LOGGING_JSONL", "1")
+    assert default_format() == "json"
+    assert requested_format(["--model", "x", "--log-format", "text"]) == "text"
+    assert requested_format(["--model", "x"]) == "json"
+    with pytest.raises(ValueError, match="log format"):
+        setup_logging("info", "yaml")
+
+
+def test_progress_reports_bytes_and_rate(caplog):
+    caplog.set_level(logging.INFO, "rlfleet.progress")
+    with Progress("staging v1", 4 << 20, every=0) as p:
+        p.add(1 << 20)
+        p.add(3 << 20)
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[0] == "staging v1 (4.0 MiB) ..."
+    assert "1.0 MiB of 4.0 MiB (25%)" in msgs[1] and "/s" in msgs[1]
+    assert msgs[-1].startswith("staging v1 done in ") and "4.0 MiB at" in msgs[-1]
+    assert [r.progress for r in caplog.records] == ["start", "running", "running", "done"]
+    caplog.clear()
+    with pytest.raises(OSError), Progress("publishing v2", 10, every=60) as p:
+        p.add(4)
+        raise OSError("disk full")
+    assert caplog.records[-1].levelname == "WARNING"
+    assert "publishing v2 failed after" in caplog.records[-1].getMessage()
+    assert "disk full" in caplog.records[-1].getMessage()
+
+
+def test_progress_heartbeat_for_silent_work(caplog):
+    caplog.set_level(logging.INFO, "rlfleet.progress")
+    p = Progress("loading m into vLLM", 10, every=0.01, heartbeat=True)
+    deadline = time.monotonic() + 10
+    while not any("still running" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "no heartbeat line"
+        time.sleep(0.01)
+    p.finish()
+    n = len(caplog.records)
+    time.sleep(0.05)
+    assert len(caplog.records) == n  # the heartbeat stops with the work
+    assert caplog.records[-1].progress == "done"
+
+
+def _sample(registry, name, **labels):
+    return registry.get_sample_value(name, labels)
+
+
+class Pool:
+    workers: dict
+
+
+def test_fleet_gated_follows_the_pools_workers():
+    pool = Pool()
+    pool.workers = {
+        1: SimpleNamespace(model="m-obs", entry={}),
+        2: SimpleNamespace(model="m-obs", entry={"gated": True})}
+    metrics.FLEET.watch(pool)
+    R = metrics.FRONTEND
+    assert _sample(R, "rlfleet_frontend_workers", model="m-obs") == 2
+    assert _sample(R, "rlfleet_frontend_gated_workers", model="m-obs") == 1
+    assert _sample(R, "rlfleet_fleet_gated", model="m-obs") == 0
+    pool.workers[1].entry = {"gated": True}
+    assert _sample(R, "rlfleet_fleet_gated", model="m-obs") == 1
+    del pool  # a frontend that went away stops being counted
+    import gc
+
+    gc.collect()
+    assert _sample(R, "rlfleet_frontend_workers", model="m-obs") is None
+
+
+def test_worker_policy_info_and_latency_buckets():
+    ident = {"weight_version": "v7", "weight_digest": "blake3:ab"}
+    gated = [False]
+    key = metrics.WORKER_STATE.add("m-info", lambda: ident, lambda: gated[0])
+    try:
+        R = metrics.WORKER
+        assert _sample(R, "rlfleet_worker_policy_info", model="m-info", version="v7",
+                       digest="blake3:ab") == 1
+        assert _sample(R, "rlfleet_worker_gated", model="m-info") == 0
+        gated[0] = True
+        ident["weight_version"] = "v8"
+        assert _sample(R, "rlfleet_worker_gated", model="m-info") == 1
+        assert _sample(R, "rlfleet_worker_policy_info", model="m-info", version="v8",
+                       digest="blake3:ab") == 1
+    finally:
+        metrics.WORKER_STATE.remove(key)
+    assert _sample(metrics.WORKER, "rlfleet_worker_gated", model="m-info") is None
+    # an RL generation takes minutes: end-to-end latency is bucketed up to hours
+    assert max(metrics.LATENCY_BUCKETS) >= 3600
+    series = metrics.WorkerSeries("m-buckets")
+    series.seconds.observe(1800)
+    assert _sample(metrics.WORKER, "rlfleet_worker_request_seconds_bucket", model="m-buckets",
+                   le="3600.0") == 1
+    assert _sample(metrics.WORKER, "rlfleet_worker_request_seconds_bucket", model="m-buckets",
+                   le="1200.0") == 0
+
+
+def test_status_renderings_escape_and_show_the_fleet():
+    snap = {"namespace": "ns", "time": 0, "journal": None, "error": None,
+            "models": [{"model": "m", "workers": 1, "gated": 1, "gate": "gated",
+                        "reasons": ["policy refresh to v2"]}],
+            "workers": [{"instance_id": 5, "model": "m", "address": "http://h:1",
+                         "system_url": "http://h:2", "gated": True,
+                         "gate_reason": "</script><b>x", "weight_version": "v1",
+                         "weight_digest": "blake3:00", "running": 3, "tokens_per_s": 12.5,
+                         "error": None}],
+            "refreshes": [{"id": 1, "target_version": "v2", "decision": "held",
+                           "reason": "r", "steps": [{"name": "apply", "seconds": 1.5}]}]}
+    page = render_page(snap)
+    assert "</script><b>" not in page and "<\\/script><b>x" in page
+    text = render_text(snap)
+    assert "model m: 1 worker(s), gated: policy refresh to v2" in text
+    assert "v1" in text and "gated" in text and "12.5" in text and "apply=1.50s" in text
+
+
+def test_tracing_is_on_only_with_an_endpoint(monkeypatch):
+    from rlfleet.runtime import tracing
+
+    for var in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        monkeypatch.delenv(var, raising=False)
+    assert tracing.endpoint() is None and tracing.setup("t") is False
+    assert not tracing.enabled() and tracing.outgoing("00-x") == "00-x"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318/")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    assert tracing.endpoint() == "http://127.0.0.1:4318/v1/traces"
+    assert tracing.endpoint("http://collector:4317") == "http://collector:4317"
+    try:
+        assert tracing.setup("t") is True and tracing.enabled()  # (no span: nothing sent)
+    finally:
+        tracing.shutdown()
+    assert not tracing.enabled()
+
+
+def test_spans_hand_on_their_context():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from rlfleet.runtime import tracing
+
+    exp = InMemorySpanExporter()
+    tracing.setup("t", exporter=exp)
+    try:
+        parent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+        with tracing.span("outer", parent) as s:
+            tp = tracing.outgoing()
+            assert tp == tracing.traceparent(s)
+            assert tracing.trace_id_of(tp) == "ab" * 16
+        (done,) = exp.get_finished_spans()
+        assert done.parent.span_id == int("cd" * 8, 16)
+    finally:
+        tracing.shutdown()
