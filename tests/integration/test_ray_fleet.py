@@ -136,9 +136,11 @@ def test_ray_fleet_restarts_a_killed_worker_gated_and_readmits_it(tmp_path, ray_
         assert len(outcomes) == 300 and failed == [], failed[:5]
         wait_for(lambda: len(httpx.get(f"{front['rl_url']}/v1/rl/workers", timeout=30)
                              .json()["workers"]) == 2, 30, "the dead entry to expire")
-        usable = [w for w in httpx.get(f"{front['url']}/health", timeout=10).json()["workers"]
-                  if w["usable"]]
-        assert new_iid in {w["instance_id"] for w in usable} and len(usable) == 2
+        def usable() -> set[int] | None:  # the frontend sees the reopened worker on its next poll
+            ids = {w["instance_id"] for w in httpx.get(f"{front['url']}/health", timeout=10)
+                   .json()["workers"] if w["usable"]}
+            return ids if new_iid in ids and len(ids) == 2 else None
+        wait_for(usable, 30, "the re-admitted worker to be routed")
         st = rlfleet("status", "--state", str(state_dir), "--json")
         assert st.returncode == 0, st.stdout + st.stderr
         assert any(m.get("restarted") for m in json.loads(st.stdout)["members"])

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from rlfleet.rl.probe import reference_probe
 from rlfleet.runtime.admin import EngineAdmin
+from rlfleet.runtime.admission import FIELDS as ADMISSION_FIELDS
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
@@ -94,7 +95,10 @@ async def worker(tmp_path_factory, tiny_model, tiny_model_b):
         admin = EngineAdmin(engine, [str(root)])
         reg = await discovery.register({"namespace": "t", "component": "backend",
                                         "endpoint": "generate", "instance_id": 1}, ttl=60)
-        await admin.admission.attach([reg])
+        async def publish() -> None:  # as the worker does: its entry from the current state
+            await reg.update({**{k: v for k, v in reg.entry.items()
+                                 if k not in ADMISSION_FIELDS}, **admin.admission.fields()})
+        await admin.admission.attach(publish)
         yield Worker(engine, admin, discovery, root)
     finally:
         await discovery.close()

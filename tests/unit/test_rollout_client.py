@@ -448,7 +448,8 @@ def test_metric_labels_are_bounded_sets():
     assert labels.get("state", set()) <= {"succeeded", "canceled", "failed"}
     assert labels.get("outcome", set()) <= {"admitted", "failed", "cancelled", "already_admitted"}
     assert labels.get("kind", set()) <= KINDS | {"other"}
-    assert labels.get("check", set()) <= {c.__name__ for c in CHECKS} | {"single_policy"}
+    assert labels.get("check", set()) <= {c.__name__ for c in CHECKS} | {"single_policy",
+                                                                     "policy_bound"}
 
 
 def test_retry_backoff_is_bounded():
