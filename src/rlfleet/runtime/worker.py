@@ -314,7 +314,9 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
                 log.warning("re-joined after its lease lapsed: %s", why)
                 admission.gate_reason = f"re-joined after its lease lapsed: {why}"
                 # the other registrations too (each waits for its own keep-alive's lock)
-                background.add(asyncio.ensure_future(changed()))
+                task = asyncio.ensure_future(changed())
+                background.add(task)
+                task.add_done_callback(background.discard)
         return entry_now(entry)
 
     for reg in regs:
