@@ -412,6 +412,13 @@ def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: De
             c.prompt_token_ids = res.prompt_token_ids
     chunk = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                choices=[c])
+    _chunk_extras(chunk, req, res, d)
+    return chunk, text_offset
+
+
+def _chunk_extras(chunk, req, res: Result, d) -> None:
+    """What a streamed completion or chat chunk adds after its choice: the fingerprint on
+    the last one (unless a usage chunk follows), usage so far, and nvext."""
     if d.finish_reason is not None and not req.include_usage:
         chunk.system_fingerprint = system_fingerprint(res)
     if req.continuous_usage:
@@ -419,7 +426,6 @@ def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: De
     nv = nvext_body(req, res, d, final=False)
     if nv is not None:
         chunk.nvext = nv
-    return chunk, text_offset
 
 
 # ------------------------------------------------------------------------ chat
@@ -522,13 +528,7 @@ def chat_chunk_body(req: ChatCompletionRequest, res: Result, model: str, d: Delt
         c.token_ids = list(d.token_ids)
     chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
                                 choices=[c])
-    if d.finish_reason is not None and not req.include_usage:
-        chunk.system_fingerprint = system_fingerprint(res)
-    if req.continuous_usage:
-        chunk.usage = _usage_so_far(res, d.index)
-    nv = nvext_body(req, res, d, final=False)
-    if nv is not None:
-        chunk.nvext = nv
+    _chunk_extras(chunk, req, res, d)
     return chunk
 
 

@@ -210,12 +210,8 @@ class WorkerLink(asyncio.Protocol):
                     del streams[sid]
                     e = _error.decode(body)
                     # 503: the worker refused it before it reached the engine (shutting down)
-                    err = WorkerError(e.message, e.code, type_=e.type, retryable=e.code == 503)
-                    if isinstance(item, WorkerStream):
-                        item.ended = True
-                        item._fail(err)
-                    elif not item.future.done():
-                        item.future.set_exception(err)
+                    _fail(item, WorkerError(e.message, e.code, type_=e.type,
+                                            retryable=e.code == 503))
                     continue
                 elif kind == Frame.REPLY:
                     del streams[sid]
@@ -228,12 +224,8 @@ class WorkerLink(asyncio.Protocol):
                 log.error("worker at %s sent an event this frontend cannot read: %s",
                           self.address, e)
                 streams.pop(sid, None)
-                err = WorkerError(f"worker at {self.address} sent a malformed event: {e}", 502)
-                if isinstance(item, WorkerStream):
-                    item.ended = True
-                    item._fail(err)
-                elif not item.future.done():
-                    item.future.set_exception(err)
+                _fail(item, WorkerError(f"worker at {self.address} sent a malformed event: {e}",
+                                        502))
                 continue
             item.last = now  # type: ignore[union-attr]
 
@@ -453,3 +445,12 @@ async def generate_over_http(http: Any, base_url: str, req: GenerateRequest,
 
 
 _json = msgspec.json.Encoder()
+
+
+def _fail(item, err: WorkerError) -> None:
+    """End a stream, or a one-reply call, with `err`."""
+    if isinstance(item, WorkerStream):
+        item.ended = True
+        item._fail(err)
+    elif not item.future.done():
+        item.future.set_exception(err)
