@@ -167,7 +167,7 @@ def main() -> None:
                                         wait=False) for name in ("staged", "disk")]
             for proc in procs:
                 proc.wait_ready(1200)
-            kw = {"probe_prompt": PROMPTS[0], "probe_tokens": 4, "probe_tolerance": 5e-2,
+            kw = {"probe_tokens": 4, "probe_tolerance": 5e-2,
                   "timeout": 600}
             staged = PolicyRefresh(fleet.rl_url, model="staged", path="vllm-staged", **kw)
             disk = PolicyRefresh(fleet.rl_url, model="disk", **kw)
@@ -186,7 +186,9 @@ def main() -> None:
                 ss, ds = s.step_seconds(), d.step_seconds()
                 row.update({"stage_s": ss["stage"], "apply_staged_s": ss["apply"],
                             "apply_disk_s": ds["apply"], "window_staged_s": window(s),
-                            "window_disk_s": window(d)})
+                            "window_disk_s": window(d),
+                            "steps_staged": {k: round(x, 3) for k, x in ss.items()},
+                            "steps_disk": {k: round(x, 3) for k, x in ds.items()}})
                 row["window_ratio"] = row["window_staged_s"] / row["window_disk_s"]
                 print(json.dumps({k: round(x, 4) if isinstance(x, float) else x
                                   for k, x in row.items()}), flush=True)

@@ -13,6 +13,7 @@ forward pass.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import shutil
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
+from rlfleet.weights.staging import StageState, StagingArea
 from tests.conftest import VLLM_FLAGS
 from tests.integration.test_engine_control import PROMPT, greedy
 
@@ -173,3 +175,38 @@ async def test_a_half_done_load_without_the_previous_weights_keeps_the_worker_cl
     assert (await worker.admin.resume_generation({}))["status"] == "ok"
     assert (await worker.entry())["gated"] is False
     await worker.greedy_matches(a)
+
+
+async def test_staged_versions_are_swapped_in_between_in_place_loads(worker, tmp_path):
+    """A staged version is reloaded into a shadow of the model while the engine serves and
+    swapped in when applied (rlfleet.vllm.shadow); in-place loads before and after it leave
+    both paths exact (vLLM's per-layer reload state is the shadow's own)."""
+    a, b = worker.root / "A", worker.root / "B"
+    area = StagingArea(tmp_path / "staging", allowed_roots=[str(worker.root)], engine=worker.engine)
+    admin = EngineAdmin(worker.engine, [str(worker.root)], staging=area)
+
+    async def staged(path: Path) -> None:
+        out = await admin.stage_weights({"version": path.name, "source": {"kind": "disk",
+                                                                          "path": str(path)}})
+        h = area.get(out["handle"])
+        await asyncio.wait_for(h.done.wait(), 120)
+        assert h.state is StageState.READY and h.prepared == "swap", h.summary()
+        await worker.engine.pause("wait")
+        out = await admin.apply_staged_weights({"handle": h.handle})
+        assert out["status"] == "ok" and out["weight_digest"] == checkpoint_digest(path), out
+        assert (await admin.resume_generation({}))["status"] == "ok"
+        await worker.greedy_matches(path)
+
+    try:
+        await staged(b)
+        out = await worker.paused("update_weights_from_disk", {"model_path": str(a)})
+        assert out["status"] == "ok", out
+        assert (await worker.admin.resume_generation({}))["status"] == "ok"
+        await worker.greedy_matches(a)
+        await staged(b)
+        await staged(a)
+    finally:
+        await area.close()
+        if worker.engine.identity().digest != checkpoint_digest(a):
+            await worker.paused("update_weights_from_disk", {"model_path": str(a)})
+        await worker.admin.resume_generation({})

@@ -15,6 +15,7 @@ from rlfleet.weights.digest import (
     checkpoint_digest,
     digest_tensors,
     iter_checkpoint_tensors,
+    non_finite,
     tensor_digest,
 )
 
@@ -141,3 +142,19 @@ def test_cli_digest(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["digest", str(tiny)]) == 0
     assert capsys.readouterr().out.strip() == checkpoint_digest(tiny)
     assert main(["digest", str(tiny / "nope")]) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_non_finite_finds_every_bad_value_and_only_those(dtype) -> None:
+    big = torch.finfo(dtype).max
+    ok = {"a": torch.randn(1000).to(dtype), "ids": torch.arange(10),
+          "huge": torch.full((64,), big, dtype=dtype)}  # finite, but its sum overflows
+    assert non_finite(ok.items()) is None
+    for bad, what in ((float("nan"), "1 NaN and 0 infinite"), (float("inf"), "0 NaN and 1 infinite")):
+        t = {**ok, "b": torch.zeros(4097, dtype=dtype)}
+        t["b"][4000] = bad
+        assert what in non_finite(t.items()) and "tensor b" in non_finite(t.items())
+    both = {"c": torch.tensor([float("inf"), float("-inf"), 1.0], dtype=dtype)}  # sums to NaN
+    assert "0 NaN and 2 infinite" in non_finite(both.items())
+    builder = DigestBuilder()
+    assert non_finite(ok.items(), builder) is None and len(builder) == 3

@@ -113,6 +113,14 @@ async def test_plain_checkpoint_and_corruption(tmp_path, tiny_model, versions):
         h = await _staged(area, "v1", {"kind": "disk", "path": str(bad)})
         assert h.state is StageState.FAILED and "Adler-32" in h.error
         assert not list(area.root.glob("v1.*"))  # a failed transfer leaves nothing behind
+        nan = tmp_path / "nan"
+        v1 = versions["tensors"]["v1"]
+        norm = torch.full_like(v1["model.norm.weight"], torch.nan)
+        art.write_artifact(art.FileStorage(tmp_path),
+                           art.encode_full("nan", {**v1, "model.norm.weight": norm}, "-"))
+        h = await _staged(area, "nan", {"kind": "disk", "path": str(nan)})
+        assert h.state is StageState.FAILED and f"holds {norm.numel()} NaN" in h.error, h.error
+        assert not list(area.root.glob("nan.*"))  # refused while serving, never applied
         h = await _staged(area, "v1", _disk(versions, "v1"), digest="blake3:" + "0" * 64)
         assert h.state is StageState.FAILED
         assert "the version's is blake3:000" in h.error

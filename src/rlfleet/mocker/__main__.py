@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         settle_worker_args(args)
         engine = MockEngine(args)
-        staging = staging_area(args) if args.admin_schema == "vllm" else None
+        staging = staging_area(args, engine) if args.admin_schema == "vllm" else None
         admin = MockAdmin(engine, args.allowed_weights_root, schema=args.admin_schema,
                           engine_routes=os.environ.get("DYN_SGLANG_ENGINE_ROUTES"),
                           staging=staging)

@@ -202,6 +202,16 @@ class EngineControl(abc.ABC):
         the model's complete set); returns the digest of what was loaded. ValueError
         (nothing changed) when they do not fit the served model."""
 
+    async def prepare_staged(self, path: Path, digest: str) -> str | None:
+        """Work done ahead of `load_staged(path, digest)` while the engine serves, so that the
+        load inside the gated window is short; returns what was prepared (None: nothing, the
+        load does all of it)."""
+        return None
+
+    async def discard_staged(self, digest: str) -> None:
+        """Forget what `prepare_staged` kept for `digest` (its version was released)."""
+        return None
+
     async def load_staged(self, path: Path, digest: str) -> str:
         """Load a staged version directory (rlfleet.weights.staging) whose content digest
         `digest` was computed over these very files when they were staged (they are

@@ -121,12 +121,14 @@ def settle_admin_token(args: argparse.Namespace) -> None:
     args.admin_token_file = None
 
 
-def staging_area(args: argparse.Namespace):
-    """The worker's staging area for versions pulled while it serves (stage_weights)."""
+def staging_area(args: argparse.Namespace, engine: Any = None):
+    """The worker's staging area for versions pulled while it serves (stage_weights); the
+    engine prepares each one for a short apply before it is READY."""
     from rlfleet.weights.staging import StagingArea
 
     return StagingArea(args.weights_staging_dir, catalog=args.weights_catalog,
-                       allowed_roots=args.allowed_weights_root, admin_token=args.admin_token)
+                       allowed_roots=args.allowed_weights_root, admin_token=args.admin_token,
+                       engine=engine)
 
 
 async def joins_controlled_fleet(discovery: Discovery, namespace: str, model: str) -> str | None:

@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     engine = VllmEngine(args)
-    staging = staging_area(args)
+    staging = staging_area(args, engine)
     admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
     asyncio.run(serve_worker(engine, args, admin.routes, staging=staging,
                              admission=admin.admission, fence=admin.fence))

@@ -66,6 +66,11 @@ def build_parser() -> WorkerArgumentParser:
     g = p.add_argument_group("rlfleet engine")
     g.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the start-up request that compiles the logprobs kernels")
+    g.add_argument("--staged-apply", choices=["swap", "reload"], default="swap",
+                   help="how a staged version is installed: swap (default: reloaded into a "
+                        "shadow of the model while serving, then swapped in within the gated "
+                        "window; holds a second copy of the weights on the engine's device "
+                        "meanwhile) or reload (in place, inside the window)")
     p.set_defaults(**DEFAULTS)
     return p
 

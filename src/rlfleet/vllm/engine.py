@@ -449,6 +449,29 @@ class VllmEngine(Engine, EngineControl):
         self.weights_path = None
         return digest
 
+    async def prepare_staged(self, path: Path, digest: str) -> str | None:
+        """With --staged-apply swap: the engine reloads the staged version into a shadow of
+        the model in a thread while it serves (rlfleet.vllm.shadow); load_staged then swaps
+        it in. A failed preparation is logged and the load reloads in place."""
+        if getattr(self.args, "staged_apply", "swap") != "swap":
+            return None
+        await self._rpc("rlfleet_prepare_staged", 30, str(path), digest)
+        deadline = time.monotonic() + LOAD_TIMEOUT
+        while True:
+            out = await self._rpc("rlfleet_prepared", 30, digest)
+            if out["state"] != "building" or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.05)
+        if out["state"] != "ready":
+            log.warning("staged %s was not prepared in the engine's format (%s); applying it "
+                        "reloads in place", digest, out.get("error") or out["state"])
+            return None
+        log.info("staged %s prepared in the engine's format in %.2f s", digest, out["seconds"])
+        return "swap"
+
+    async def discard_staged(self, digest: str) -> None:
+        await self._rpc("rlfleet_discard_staged", 30, digest)
+
     async def load_staged(self, path: Path, digest: str) -> str:
         """The engine reads the staged files in place (shared memory); their digest was
         computed over the same bytes when they were staged, so it is not computed again

@@ -13,12 +13,13 @@ Two engine facts shape this code (see shared/notes/vllm-cpu.md):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 
-from rlfleet.weights.digest import DigestBuilder, iter_checkpoint_tensors
+from rlfleet.vllm.shadow import Shadow, refresh_tied_output
+from rlfleet.weights.digest import DigestBuilder, iter_checkpoint_tensors, non_finite
 
 log = logging.getLogger("rlfleet.vllm.extension")
 
@@ -34,20 +35,6 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
-def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], digest: DigestBuilder | None
-               ) -> str | None:
-    """Why these weights must not be installed: the first tensor holding NaN or Inf (None
-    when every floating-point value is finite). Adds each tensor to `digest` on the way."""
-    for name, t in tensors:
-        if digest is not None:
-            digest.add(name, t)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            nan = int(torch.isnan(t).sum())
-            return (f"tensor {name} holds {nan} NaN and {int(torch.isinf(t).sum())} infinite "
-                    f"value(s) of {t.numel()}: non-finite weights are refused")
-    return None
-
-
 class WorkerExtension:
     """Weight loading, identity and trainer → worker transfer for rlfleet."""
 
@@ -56,17 +43,17 @@ class WorkerExtension:
         """Load (name, tensor) pairs in checkpoint format (`tensors()` gives them, and can
         be called twice). Returns {"digest"} of what was loaded (computed here, unless the
         caller computed it over the same bytes), or {"refused": why} with the live weights
-        untouched: every value is checked finite before the model is."""
-        digest = None if known_digest else DigestBuilder()
-        why = non_finite(tensors(), digest)
-        if why:
-            return {"refused": why}
+        untouched: every value is checked finite before the model is. With `known_digest`
+        (staged bytes: read-only files whose digest and finiteness rlfleet.weights.staging
+        checked before they were READY) neither pass runs again inside the gated window."""
+        digest = None
+        if known_digest is None:
+            digest = DigestBuilder()
+            why = non_finite(tensors(), digest)
+            if why:
+                return {"refused": why}
         self.model_runner.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)
-        model = self.model_runner.get_model()
-        lm_head = getattr(model, "lm_head", None)
-        qm = getattr(lm_head, "quant_method", None)
-        if qm is not None and hasattr(qm, "process_weights_after_loading"):
-            qm.process_weights_after_loading(lm_head)  # refresh the tied output layer's repack
+        refresh_tied_output(self.model_runner.get_model())
         return {"digest": known_digest or digest.root()}
 
     def rlfleet_load_from_disk(self, path: str) -> dict:
@@ -74,8 +61,36 @@ class WorkerExtension:
 
     def rlfleet_load_staged(self, path: str, digest: str) -> dict:
         """A staged version directory (rlfleet.weights.staging): read-only files whose digest
-        was computed when they were staged."""
+        was computed when they were staged. Swapped in when it was prepared (below), else
+        reloaded in place."""
+        shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
+        if shadow is not None and (shadow.path, shadow.digest) == (path, digest):
+            shadow.wait()
+            if shadow.state == "ready":
+                shadow.swap()
+                return {"digest": digest, "swapped": True}
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
+
+    def rlfleet_prepare_staged(self, path: str, digest: str) -> bool:
+        """Start reloading a staged version into a shadow of the model while the engine
+        serves (rlfleet.vllm.shadow); one at a time, a newer one replaces it."""
+        self._rlfleet_shadow = None
+        self._rlfleet_shadow = Shadow(self.model_runner.get_model(), self.vllm_config, path,
+                                      digest, iter_checkpoint_tensors(path))
+        return True
+
+    def rlfleet_prepared(self, digest: str) -> dict:
+        shadow = getattr(self, "_rlfleet_shadow", None)
+        if shadow is None or shadow.digest != digest:
+            return {"state": "none"}
+        return {"state": shadow.state, "error": shadow.error, "seconds": shadow.seconds}
+
+    def rlfleet_discard_staged(self, digest: str) -> bool:
+        shadow = getattr(self, "_rlfleet_shadow", None)
+        if shadow is None or shadow.digest != digest:
+            return False
+        self._rlfleet_shadow = None
+        return True
 
     def rlfleet_weights_problem(self) -> str | None:
         """Why the model cannot run on its weights (None when it can), without running it:

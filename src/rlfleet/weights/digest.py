@@ -78,6 +78,27 @@ class DigestBuilder:
         return DIGEST_PREFIX + h.hexdigest()
 
 
+def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], digest: DigestBuilder | None = None
+               ) -> str | None:
+    """Why these weights must not be installed: the first tensor holding NaN or Inf (None
+    when every floating-point value is finite). Adds each tensor to `digest` on the way.
+
+    A sum is finite only when every term is (an Inf or NaN term makes it Inf or NaN), so one
+    reduction clears a tensor at memory speed; only a non-finite sum (a bad tensor, or a
+    finite one whose sum overflows) is looked at element by element."""
+    for name, t in tensors:
+        if digest is not None:
+            digest.add(name, t)
+        if not t.is_floating_point():
+            continue
+        if bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()):
+            continue
+        return (f"tensor {name} holds {int(torch.isnan(t).sum())} NaN and "
+                f"{int(torch.isinf(t).sum())} infinite value(s) of {t.numel()}: non-finite "
+                "weights are refused")
+    return None
+
+
 def digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Root digest of (name, tensor) pairs, e.g. the tensors handed to a weight loader."""
     builder = DigestBuilder()

@@ -43,7 +43,7 @@ from rlfleet.protocol.admin import AdminRequestError
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
-from rlfleet.weights.digest import DigestBuilder, tensor_digest
+from rlfleet.weights.digest import DigestBuilder, non_finite
 
 log = logging.getLogger("rlfleet.weights.staging")
 
@@ -188,6 +188,7 @@ class StagedVersion:
     cancel: threading.Event = field(default_factory=threading.Event)
     done: asyncio.Event | None = None  # set when the transfer ends (READY or FAILED)
     peer: str | None = None  # the peer actually used
+    prepared: str | None = None  # how the engine prepared it while serving (None: it did not)
 
     def move(self, new: StageState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -204,6 +205,7 @@ class StagedVersion:
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "tensors_done": self.tensors_done, "tensors_total": self.tensors_total,
                 "digest": self.digest, "error": self.error, "applied": self.applied,
+                "prepared": self.prepared,
                 "seconds": round((self.finished_at or time.time()) - self.started_at, 3)}
 
 
@@ -263,9 +265,12 @@ class StagedFiles:
             os.chmod(self.dir / fname, 0o444)
 
     def digest(self) -> str:
+        """The version's content digest; non-finite values are refused here, while the
+        worker serves, so that applying these bytes checks neither again."""
         b = DigestBuilder()
-        for name in sorted(self.specs):
-            b.add_digest(name, tensor_digest(name, self.specs[name].as_tensor(self.slots[name])))
+        why = non_finite(((n, self.specs[n].as_tensor(self.slots[n])) for n in sorted(self.specs)), b)
+        if why:
+            raise ArtifactError(f"{why} (the version is not staged)")
         return b.root()
 
     def close(self) -> None:
@@ -492,7 +497,10 @@ class StagingArea:
 
     def __init__(self, root: str | Path | None = None, *, catalog=None, worker_id: str = "",
                  system_url: str | None = None, allowed_roots: list[str] | None = None,
-                 lease_ttl: float = 60.0, admin_token: str | None = None) -> None:
+                 lease_ttl: float = 60.0, admin_token: str | None = None,
+                 engine: Any = None) -> None:
+        """`engine`: the worker's EngineControl; a version is READY once its bytes are
+        checked and the engine has prepared it (prepare_staged) while serving."""
         if root is None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             _remove_orphans(base)
@@ -506,6 +514,7 @@ class StagingArea:
         self.system_url = system_url
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.lease_ttl = lease_ttl
+        self.engine = engine
         self.handles: dict[str, StagedVersion] = {}
         self.resident: Resident | None = None
         self._staged: dict[str, Resident] = {}  # handle -> READY buffers
@@ -617,6 +626,15 @@ class StagingArea:
                 shutil.rmtree(result.dir, ignore_errors=True)
                 return
             h.digest = result.digest
+            if self.engine is not None:
+                try:
+                    h.prepared = await self.engine.prepare_staged(result.dir, result.digest)
+                except Exception as e:  # noqa: BLE001 - applying it reloads in place
+                    log.warning("the engine did not prepare %s (%r); applying it reloads in "
+                                "place", h.version, e)
+            if h.state is not StageState.STAGING:  # released while the engine prepared it
+                shutil.rmtree(result.dir, ignore_errors=True)
+                return
             self._staged[h.handle] = result
             h.move(StageState.READY)
             log.info("staged %s (%s from %s) in %.2f s", h.version, h.format,
@@ -736,6 +754,8 @@ class StagingArea:
             staged = self._staged.pop(handle, None)
             if staged is not None:
                 shutil.rmtree(staged.dir, ignore_errors=True)
+            if h.prepared and self.engine is not None:
+                await self.engine.discard_staged(h.digest)
         return h
 
     async def close(self) -> None:

@@ -1,0 +1,159 @@
+"""A staged version prepared in the engine's own format while the engine serves, so that
+applying it in the gated window is a copy and a few attribute swaps instead of a reload.
+
+vLLM reloads a model in place layer by layer (model_loader/reload/layerwise.py): each
+layer is put back in checkpoint format on the meta device, filled through its weight
+loaders, processed (on CPU: linear weights repacked into the closures behind
+`layer.cpu_linear`; tied output layer; attention scales) and its processed values copied
+into the tensors the engine already holds. On the 0.6B geometry that is ~2 s on two cores,
+all of it inside the gated window.
+
+A `Shadow` does the same reload on a shadow tree while the live model serves: every module
+shallow-copied (own parameter, buffer and child dicts), every live tensor cloned (tied
+tensors stay tied), and each shadow layer given its own copy of the layer's reload
+metadata (vLLM mutates those meta tensors in place: binding their weight loaders to the
+layer and wrapping them; shared with the live layer they would route the next live reload
+into the shadow). `swap()` then copies each processed tensor into the live tensor's
+storage (references the engine holds, such as CUDA graphs, stay valid) and moves over the
+attributes processing replaced (the repacked `cpu_linear` closures, attention scales).
+
+Cost: a second copy of the model's weights on the engine's device from prepare to swap
+(`--staged-apply reload` trades it back for the in-place reload)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from types import MethodType
+
+import torch
+
+log = logging.getLogger("rlfleet.vllm.shadow")
+
+_OWN = ("_parameters", "_buffers", "_modules", "_do_torchao_reload", "_original_do_torchao_reload")
+
+
+class Shadow:
+    """A version reloaded into a shadow tree of `model`, built in a background thread."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config, path: str, digest: str,
+                 tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.model, self.path, self.digest = model, path, digest
+        self.error: str | None = None
+        self.seconds = 0.0
+        self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        self._thread = threading.Thread(target=self._build, args=(vllm_config, tensors),
+                                        name="rlfleet-shadow", daemon=True)
+        self._thread.start()
+
+    @property
+    def state(self) -> str:
+        if self._thread.is_alive():
+            return "building"
+        return "failed" if self.error else "ready"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the build finished (ready or failed) within `timeout`."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _build(self, vllm_config, tensors) -> None:
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                shadow = self._tree()
+                reload_weights(vllm_config, shadow, weights_iterator=tensors, weights_path=None,
+                               is_checkpoint_format=True)
+                refresh_tied_output(shadow)
+        except Exception as e:  # noqa: BLE001 - the apply falls back to an in-place reload
+            self.error = f"{type(e).__name__}: {e}"
+            self._pairs = []
+            log.warning("preparing %s in the engine's format failed (%s); applying it will "
+                        "reload in place", self.digest, self.error)
+        self.seconds = time.perf_counter() - t0
+
+    def _tree(self) -> torch.nn.Module:
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        tensors: dict[int, torch.Tensor] = {}
+        modules: dict[int, torch.nn.Module] = {}
+
+        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            if id(t) not in tensors:
+                if isinstance(t, torch.nn.Parameter):
+                    c = torch.nn.Parameter(t.data.clone(), requires_grad=False)
+                    c.__dict__.update(t.__dict__)
+                else:
+                    c = t.clone()
+                tensors[id(t)] = c
+            return tensors[id(t)]
+
+        def metadata(ts: dict[str, torch.Tensor], live: torch.nn.Module,
+                     twin: torch.nn.Module) -> dict[str, torch.Tensor]:
+            out = {}
+            for name, t in ts.items():
+                m = meta.to_meta_tensor(t)
+                if layerwise._get_weight_loader(m).__name__ == "online_process_loader":
+                    m.weight_loader = layerwise._get_original_loader(m)
+                for k, v in list(m.__dict__.items()):
+                    if isinstance(v, MethodType) and v.__self__ is live:
+                        m.__dict__[k] = v.__func__.__get__(twin)
+                out[name] = m
+            return out
+
+        def module(m: torch.nn.Module) -> torch.nn.Module:
+            if id(m) in modules:
+                return modules[id(m)]
+            s = copy.copy(m)
+            modules[id(m)] = s
+            self._pairs.append((m, s))
+            s.__dict__["_parameters"] = {k: tensor(p) for k, p in m._parameters.items()}
+            s.__dict__["_buffers"] = {k: tensor(b) for k, b in m._buffers.items()}
+            s.__dict__["_modules"] = {k: None if c is None else module(c)
+                                      for k, c in m._modules.items()}
+            info = layerwise.LAYERWISE_INFO.get(m)
+            if info is not None:
+                twin = layerwise.get_layerwise_info(s)
+                params, buffers = info.restore_metadata
+                twin.restore_metadata = (metadata(params, m, s), metadata(buffers, m, s))
+                twin.restore_device = info.restore_device
+            return s
+
+        return module(self.model)
+
+    def swap(self) -> None:
+        """Install the shadow's processed state into the live model (the engine paused)."""
+        if self.state != "ready":
+            raise RuntimeError(f"the prepared version is {self.state}: {self.error}")
+        with torch.no_grad():
+            for live, s in self._pairs:
+                for table in ("_parameters", "_buffers"):
+                    mine, theirs = getattr(live, table), getattr(s, table)
+                    for k, t in mine.items():
+                        n = theirs.get(k)
+                        if t is None or n is None or n is t:
+                            continue
+                        if t.shape == n.shape and t.dtype == n.dtype:
+                            t.data.copy_(n.data)
+                        else:
+                            t.data = n.data
+                for k, v in s.__dict__.items():
+                    if k not in _OWN and live.__dict__.get(k, _OWN) is not v:
+                        live.__dict__[k] = v
+        self._pairs = []
+
+
+def refresh_tied_output(model: torch.nn.Module) -> None:
+    """The CPU build keeps a stale repacked copy of an output layer tied to the input
+    embeddings after a reload unless the layer is processed again (shared/notes)."""
+    lm_head = getattr(model, "lm_head", None)
+    qm = getattr(lm_head, "quant_method", None)
+    if qm is not None and hasattr(qm, "process_weights_after_loading"):
+        qm.process_weights_after_loading(lm_head)
