@@ -7,9 +7,10 @@ place (what an AdamW step at a small learning rate does to bf16 weights), encode
 artifact format does it (rlfleet.weights.artifacts.encode_delta: XOR against the base,
 a zstd level-1 frame per tensor, Adler-32 of the target), and each stage timed alone:
 the XOR, the Adler-32, zstd at level 1 and at a fast negative level, zstd with its own
-threads. Prints GB/s of each (best of 3) and its ratio to the copy; the delta's size ÷ full.
-It answers one question: which stage bounds encode speed (bench/weights.py measures the
-whole refresh)."""
+threads; and decoding (decompress, XOR onto the base, Adler-32 of the target), with the
+codec's threads and with one. Prints GB/s of each (best of 3) and its ratio to the copy; the
+delta's size ÷ full. It answers one question: which stage bounds the codec's speed
+(bench/weights.py measures the whole refresh)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,17 @@ def main() -> None:
         for x in xors:
             c.compress(x)
 
+    frames = {n: art.encode_tensor(cur[n], base[n]) for n in names}
     copy = gbps(lambda: [np.copyto(out[n], cur[n]) for n in names])
     rows = [
         ("plain copy (baseline)", copy),
         ("encode_delta (the codec)", gbps(lambda: art.encode_delta("v1", "v0", cur_t, base, "-"))),
+        ("encode_delta, 1 thread", gbps(lambda: art.encode_delta("v1", "v0", cur_t, base, "-",
+                                                                  threads=1))),
+        ("decode_deltas (the codec)", gbps(lambda: art.decode_deltas(
+            (n, f, base[n], out[n], c) for n, (f, c) in frames.items()))),
+        ("decode_deltas, 1 thread", gbps(lambda: art.decode_deltas(
+            ((n, f, base[n], out[n], c) for n, (f, c) in frames.items()), threads=1))),
         ("XOR only", gbps(lambda: [np.bitwise_xor(cur[n], base[n], out=out[n]) for n in names])),
         ("Adler-32 only", gbps(lambda: [art.adler32_hex(cur[n]) for n in names])),
         ("zstd level 1 only", gbps(lambda: zstd(1))),

@@ -133,6 +133,7 @@ def test_full_then_two_deltas_from_s3_through_the_staged_path(setup, policies, s
             assert staged["state"] == "READY" and staged["source"]["kind"] == "s3"
             assert staged["format"] == ("full" if base is None else "xor-delta")
             assert staged["digest"] == published["digest"]
+            assert staged["prepared"] == "swap"  # prepared while serving, swapped in gated
         assert _versions(fleet) == [(v, published["digest"])] * 2
         expected = policies["probes"][v].token_ids
         assert _greedy(fleet) == [expected] * 6 and _greedy_each(fleet) == [expected] * 2, v

@@ -20,6 +20,7 @@ trainer (`rlfleet.weights.publish`) or a peer worker (`/weights/<version>/<file>
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import json
 import os
 import struct
@@ -73,12 +74,6 @@ def shard_name(i: int, n: int) -> str:
 
 def adler32_hex(data: Any) -> str:
     return f"{_adler32(data) & 0xFFFFFFFF:08x}"
-
-
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.nbytes % 8 == 0 and a.nbytes:
-        return np.array_equal(a.view(np.uint64), b.view(np.uint64))
-    return np.array_equal(a, b)
 
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
@@ -240,19 +235,43 @@ def encode_full(version: str, tensors: Mapping[str, torch.Tensor], digest: str,
     return Artifact(version, "full", None, files, index, total, digest, len(names))
 
 
-def xor_delta(target: np.ndarray, base: np.ndarray) -> np.ndarray | None:
-    """The full-size bytewise XOR of target and base; None when they are equal."""
-    if target.nbytes != base.nbytes:
-        raise ArtifactError("tensor changed byte size")
-    if _same_bytes(target, base):
-        return None
-    return np.bitwise_xor(target, base)
+CODEC_CHUNK = 1 << 20  # XOR, checksum and compress in pieces that stay in cache
 
 
-def compress_frame(delta: np.ndarray) -> np.ndarray:
+def encode_tensor(target: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """(zstd frame of target XOR base, Adler-32 of target), or None when they are equal.
+
+    One pass in cache-sized pieces: each piece is XORed into a small buffer, checksummed and
+    fed to one streaming zstd level-1 frame (one frame per tensor, as the format wants). While
+    every piece so far is zero nothing is compressed: an unchanged tensor costs one XOR."""
     import zstandard
 
-    return np.frombuffer(zstandard.ZstdCompressor(level=1).compress(delta), dtype=np.uint8)
+    if target.nbytes != base.nbytes:
+        raise ArtifactError("tensor changed byte size")
+    n = target.nbytes
+    buf = np.empty(min(CODEC_CHUNK, max(n, 1)), dtype=np.uint8)
+    comp, parts, value, pos = None, [], 1, 0
+    while pos < n:
+        k = min(len(buf), n - pos)
+        x = buf[:k]
+        np.bitwise_xor(target[pos:pos + k], base[pos:pos + k], out=x)
+        if comp is None:
+            if not x.any():
+                pos += k
+                continue
+            comp = zstandard.ZstdCompressor(level=1).compressobj(size=n)
+            if pos:  # the equal prefix: zeros in the frame, its bytes in the checksum
+                value = _adler32(target[:pos], value)
+                zeros = np.zeros(min(len(buf), pos), dtype=np.uint8)
+                for z in range(0, pos, len(zeros)):
+                    parts.append(comp.compress(zeros[:min(len(zeros), pos - z)]))
+        value = _adler32(target[pos:pos + k], value)
+        parts.append(comp.compress(x))
+        pos += k
+    if comp is None:
+        return None
+    parts.append(comp.flush())
+    return np.frombuffer(b"".join(parts), dtype=np.uint8), f"{value & 0xFFFFFFFF:08x}"
 
 
 def encode_delta(version: str, base_version: str, tensors: Mapping[str, torch.Tensor],
@@ -271,12 +290,12 @@ def encode_delta(version: str, base_version: str, tensors: Mapping[str, torch.Te
         if cur.nbytes != base[name].nbytes:
             raise ArtifactError(f"tensor {name} changed byte size since {base_version}: "
                                 "publish a full version")
-        delta = xor_delta(cur, base[name])
-        if delta is None:
+        encoded = encode_tensor(cur, base[name])
+        if encoded is None:
             return name, None, None, cur.nbytes
-        return name, compress_frame(delta), adler32_hex(cur), cur.nbytes
+        return name, *encoded, cur.nbytes
 
-    with ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(threads or codec_threads()) as pool:
         results = list(pool.map(one, sorted(tensors)))
     total = sum(r[3] for r in results)
     changed = [(n, frame, s) for n, frame, s, _ in results if frame is not None]
@@ -611,9 +630,9 @@ DECODE_CHUNK = 2 << 20  # decompress, XOR and checksum in cache-sized pieces
 
 
 def decode_delta(name: str, frame: np.ndarray, base: np.ndarray, out: np.ndarray,
-                 checksum: str | None) -> None:
-    """out = base XOR decompress(frame), checked against the target's Adler-32. `out` may be
-    `base` itself (in place)."""
+                 checksum: str | None) -> str:
+    """out = base XOR decompress(frame), checked against the target's Adler-32 (returned).
+    `out` may be `base` itself (in place)."""
     import zstandard
 
     n = base.nbytes
@@ -638,6 +657,42 @@ def decode_delta(name: str, frame: np.ndarray, base: np.ndarray, out: np.ndarray
     if checksum is not None and got != checksum:
         raise ArtifactError(f"tensor {name}: Adler-32 {got} does not match the artifact's "
                             f"{checksum} (corrupt or truncated transfer)")
+    return got
+
+
+def codec_threads() -> int:
+    """Threads for encoding and decoding: one tensor per core (zstd, the XOR and Adler-32
+    release the GIL), up to 8."""
+    return min(8, os.cpu_count() or 1)
+
+
+def decode_deltas(jobs: Iterable[tuple[str, np.ndarray, np.ndarray, np.ndarray, str | None]],
+                  on_done: Callable[[str, str], None] | None = None,
+                  threads: int | None = None) -> None:
+    """`decode_delta` for every (name, frame, base, out, checksum) of `jobs`, one tensor per
+    thread. `jobs` is consumed in the calling thread (it may read the frames from a source)
+    and at most two per thread wait at a time; `on_done(name, adler32)` runs in the calling
+    thread after each; the first failure is raised once the decodes under way have ended."""
+    threads = threads or codec_threads()
+    pending: dict[Any, str] = {}
+
+    def drain(keep: int) -> None:
+        while len(pending) > keep:
+            done = next(iter(concurrent.futures.as_completed(pending)))
+            name = pending.pop(done)
+            checksum = done.result()
+            if on_done:
+                on_done(name, checksum)
+
+    with ThreadPoolExecutor(threads) as pool:
+        try:
+            for name, frame, base, out, checksum in jobs:
+                pending[pool.submit(decode_delta, name, frame, base, out, checksum)] = name
+                drain(2 * threads)
+            drain(0)
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def read_version(storage: Storage, key: str, max_chain: int = 64
@@ -665,14 +720,14 @@ def read_version(storage: Storage, key: str, max_chain: int = 64
                 check_bytes(e.name, buf, e.checksum)
                 specs[e.name], data[e.name] = e.spec, buf
             continue
-        for e in plan.entries:
-            if e.name not in data:
-                raise ArtifactError(f"{plan.key}: delta tensor {e.name} is not in its base")
-            frame = np.frombuffer(storage.read(f"{plan.key}/{e.file}", e.start, e.end),
-                                  dtype=np.uint8)
-            out = np.empty_like(data[e.name])
-            decode_delta(e.name, frame, data[e.name], out, e.checksum)
-            data[e.name] = out
+        missing = [e.name for e in plan.entries if e.name not in data]
+        if missing:
+            raise ArtifactError(f"{plan.key}: delta tensor {missing[0]} is not in its base")
+        outs = {e.name: np.empty_like(data[e.name]) for e in plan.entries}
+        decode_deltas((e.name, np.frombuffer(storage.read(f"{plan.key}/{e.file}", e.start,
+                                                          e.end), dtype=np.uint8),
+                       data[e.name], outs[e.name], e.checksum) for e in plan.entries)
+        data.update(outs)
     return specs, data
 
 

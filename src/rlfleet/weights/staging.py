@@ -472,18 +472,24 @@ def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
     unknown = sorted(set(changed) - set(staged.specs))
     if unknown:
         raise ArtifactError(f"{plan.key}: delta tensors not in its base: {unknown[:3]}")
-    for name in sorted(staged.specs):
-        slot = staged.slots[name]
-        e = changed.get(name)
-        if e is None:  # unchanged: the base's bytes
-            if slot is not base[name]:
-                slot[:] = base[name]
-            staged.checksums[name] = base_sums.get(name) or art.adler32_hex(slot)
-        else:
-            frame = fetch.read_entry(plan, e, None, progress)
-            art.decode_delta(name, frame, base[name], slot, e.checksum)
-            staged.checksums[name] = e.checksum or art.adler32_hex(slot)
+
+    def jobs():  # read here, decoded one tensor per core
+        for name in sorted(staged.specs):
+            slot = staged.slots[name]
+            e = changed.get(name)
+            if e is None:  # unchanged: the base's bytes
+                if slot is not base[name]:
+                    slot[:] = base[name]
+                staged.checksums[name] = base_sums.get(name) or art.adler32_hex(slot)
+                h.tensors_done += 1
+            else:
+                yield name, fetch.read_entry(plan, e, None, progress), base[name], slot, e.checksum
+
+    def done(name: str, checksum: str) -> None:
+        staged.checksums[name] = checksum
         h.tensors_done += 1
+
+    art.decode_deltas(jobs(), done)
 
 
 # ---------------------------------------------------------------- the staging area
