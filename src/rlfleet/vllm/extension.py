@@ -13,6 +13,7 @@ Two engine facts shape this code (see shared/notes/vllm-cpu.md):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 
@@ -67,7 +68,10 @@ class WorkerExtension:
         if shadow is not None and (shadow.path, shadow.digest) == (path, digest):
             shadow.wait()
             if shadow.state == "ready":
+                t0 = time.perf_counter()
                 shadow.swap()
+                log.info("swapped in staged %s in %.3f s (prepared in %.2f s while serving)",
+                         digest, time.perf_counter() - t0, shadow.seconds)
                 return {"digest": digest, "swapped": True}
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
 

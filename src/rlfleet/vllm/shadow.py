@@ -132,14 +132,16 @@ class Shadow:
         """Install the shadow's processed state into the live model (the engine paused)."""
         if self.state != "ready":
             raise RuntimeError(f"the prepared version is {self.state}: {self.error}")
+        done: set[int] = set()  # a tied tensor is copied once
         with torch.no_grad():
             for live, s in self._pairs:
                 for table in ("_parameters", "_buffers"):
                     mine, theirs = getattr(live, table), getattr(s, table)
                     for k, t in mine.items():
                         n = theirs.get(k)
-                        if t is None or n is None or n is t:
+                        if t is None or n is None or n is t or id(t) in done:
                             continue
+                        done.add(id(t))
                         if t.shape == n.shape and t.dtype == n.dtype:
                             t.data.copy_(n.data)
                         else:
