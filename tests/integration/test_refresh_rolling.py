@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 
 import httpx
 import pytest
@@ -45,6 +46,13 @@ def policy(f) -> dict[int, tuple]:
     return out
 
 
+def answered(f) -> float:
+    """Requests the frontend has answered with 200 so far (its own counter)."""
+    text = httpx.get(f"{f.url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rlfleet_frontend_requests_total{") and 'status="200"' in line)
+
+
 def sync_to(f, name: str) -> int:
     r = PolicyRefresh(f.rl_url, model=MODEL, journal=f.journal, timeout=15)
     try:
@@ -71,7 +79,11 @@ def test_a_rolling_refresh_serves_throughout_within_the_bound(rf):
                    for i in range(N_SAMPLES)]
         outcomes: list = []
         roll = threading.Thread(target=lambda: outcomes.extend(fleet.rollout(samples)))
+        before = answered(f)
         roll.start()
+        deadline = time.monotonic() + 60  # some samples end before the refresh begins
+        while answered(f) < before + 50 and time.monotonic() < deadline:
+            time.sleep(0.05)
         result = fleet.refresh(f.ckpts["B"], "B", digest="mock:2")
         roll.join(300)
         assert not roll.is_alive()
