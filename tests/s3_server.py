@@ -52,8 +52,10 @@ class _ExitedEarly(RuntimeError):
 class S3Server:
     #: the `weed server` flag of every port it opens (all chosen free here)
     _PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-                   "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
-                   "s3.port.iceberg", "s3.port.lance")
+                   "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")
+    #: listeners the tests do not use, turned off (0): each one is another port that a
+    #: client socket of another process may hold when the server restarts on the same ports
+    _OFF = ("s3.port.iceberg", "s3.port.lance")
 
     def __init__(self, timeout: float = 60.0) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="rlfleet-s3-"))
@@ -96,7 +98,8 @@ class S3Server:
         cmd = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                f"-dir={self.dir / 'data'}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
                f"-s3.config={self.dir / 's3.json'}", "-metricsPort=0", "-master.electionTimeout=1s",
-               *(f"-{flag}={port}" for flag, port in self.ports.items())]
+               *(f"-{flag}={port}" for flag, port in self.ports.items()),
+               *(f"-{flag}=0" for flag in self._OFF)]
         (self.dir / "data").mkdir(exist_ok=True)
         with open(self.dir / "weed.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
