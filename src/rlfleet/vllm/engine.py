@@ -453,7 +453,7 @@ class VllmEngine(Engine, EngineControl):
         """With --staged-apply swap: the engine reloads the staged version into a shadow of
         the model in a thread while it serves (rlfleet.vllm.shadow); load_staged then swaps
         it in. A failed preparation is logged and the load reloads in place."""
-        if getattr(self.args, "staged_apply", "swap") != "swap":
+        if self.args.staged_apply != "swap":
             return None
         await self._rpc("rlfleet_prepare_staged", 30, str(path), digest)
         deadline = time.monotonic() + LOAD_TIMEOUT

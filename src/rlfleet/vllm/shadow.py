@@ -55,10 +55,9 @@ class Shadow:
             return "building"
         return "failed" if self.error else "ready"
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Whether the build finished (ready or failed) within `timeout`."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+    def wait(self) -> None:
+        """Until the build has finished (ready or failed)."""
+        self._thread.join()
 
     def _build(self, vllm_config, tensors) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
