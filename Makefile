@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVFILE := $(VENV)/rlfleet.env
 RUN := set -a; . ./$(ENVFILE); set +a;
+# the suite runs in this many processes (pytest-xdist: whole modules; tests/conftest.py orders them)
+TEST_PROCESSES ?= 2
 
 .PHONY: setup demo test lint bench clean
 
@@ -16,7 +18,8 @@ demo: setup
 	$(RUN) $(PY) -m rlfleet.cli demo
 
 test: setup
-	$(RUN) $(PY) -m pytest -q -ra --durations=30 tests
+	$(RUN) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_PROCESSES) --dist loadfile \
+		--no-loadscope-reorder tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

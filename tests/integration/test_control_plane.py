@@ -24,6 +24,8 @@ from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 
+pytestmark = pytest.mark.engine
+
 MODEL = "ctl"
 PROMPT = [151644, 8948, 198, 40, 1079]
 

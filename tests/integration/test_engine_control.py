@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
@@ -17,6 +18,8 @@ from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.conftest import VLLM_FLAGS
+
+pytestmark = pytest.mark.engine
 
 PROMPT = [151644, 8948, 198, 40, 1079]
 

@@ -15,6 +15,8 @@ import pytest
 from rlfleet.runtime.launch import Fleet
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 
+pytestmark = pytest.mark.engine
+
 MODEL = "tiny-f"
 LEASE = 2.0
 ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",

@@ -33,7 +33,8 @@ REQUEST_TIMEOUT = 4.0  # the frontend's deadline for a worker's next event
 REFRESH_TIMEOUT = 8.0  # the coordinator's deadline for one admin call
 
 _why = unavailable()
-pytestmark = pytest.mark.skipif(_why is not None, reason=f"no network namespaces here: {_why}")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(_why is not None, reason=f"no network namespaces here: {_why}")]
 
 
 @dataclass

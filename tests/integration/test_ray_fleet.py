@@ -23,6 +23,8 @@ from rlfleet.rl import PolicyRefresh, RetryPolicy, RolloutClient, SampleLedger, 
 from rlfleet.rl.sample import SampleRequest
 from tests.conftest import VLLM_FLAGS
 
+pytestmark = pytest.mark.engine
+
 MODEL = "mock-rl"
 
 

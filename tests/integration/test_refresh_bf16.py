@@ -21,6 +21,8 @@ from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import wait_for_workers
 
+pytestmark = pytest.mark.engine
+
 MODEL = "tiny-bf16"
 BF16_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager")
 

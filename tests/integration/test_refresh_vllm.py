@@ -23,6 +23,8 @@ from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 
+pytestmark = pytest.mark.engine
+
 MODEL = "tiny-r"
 
 

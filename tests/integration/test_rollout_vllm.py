@@ -13,6 +13,8 @@ from rlfleet.rl.client import request_body
 from rlfleet.rl.response import parse_openai, parse_sglang
 from tests.conftest import MODEL_NAME
 
+pytestmark = pytest.mark.engine
+
 PROMPT = [151644, 8948, 198, 40, 1079, 264]
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
 SAMPLED = SamplingSpec(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, prompt_logprobs=True)

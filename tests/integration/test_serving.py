@@ -13,6 +13,8 @@ import torch
 
 from tests.conftest import MODEL_NAME
 
+pytestmark = pytest.mark.engine
+
 LITERAL = {"model": MODEL_NAME, "prompt": [151644, 8948, 198], "max_tokens": 32,
            "temperature": 0, "logprobs": 0, "ignore_eos": True,
            "nvext": {"extra_fields": ["completion_token_ids"]}}

@@ -26,6 +26,8 @@ from rlfleet.rl import (
 )
 from tests.conftest import MODEL_NAME
 
+pytestmark = pytest.mark.engine
+
 PROMPT = [151644, 8948, 198, 40]
 GREEDY = SamplingSpec(max_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=True)
 SEEDED = SamplingSpec(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, prompt_logprobs=True)

@@ -34,7 +34,7 @@ from rlfleet.weights.staging import StageState, StagingArea
 from tests.conftest import VLLM_FLAGS
 from tests.integration.test_engine_control import PROMPT, greedy
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
 
 def variant(src: Path, dst: Path, edit) -> Path:

@@ -23,6 +23,8 @@ from rlfleet.weights.publish import Publisher
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 from tests.s3_server import BUCKET
 
+pytestmark = pytest.mark.engine
+
 MODEL = "tiny-staged"
 PROMPT = [151644, 8948, 198, 1, 2, 3]
 N = 8

@@ -15,6 +15,8 @@ import pytest
 from rlfleet.runtime.launch import Fleet
 from tests.conftest import VLLM_FLAGS
 
+pytestmark = pytest.mark.engine
+
 
 def _processes() -> dict[int, tuple[int, str]]:
     """pid -> (parent pid, state) of every process."""
