@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVFILE := $(VENV)/rlfleet.env
 RUN := set -a; . ./$(ENVFILE); set +a;
-# the suite runs in this many processes (pytest-xdist: whole modules; tests/conftest.py orders them)
+# the suite runs in this many processes (pytest-xdist), a whole module in one (its fleet starts once)
 TEST_PROCESSES ?= 2
 
 .PHONY: setup demo test lint bench clean
@@ -19,7 +19,7 @@ demo: setup
 
 test: setup
 	$(RUN) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_PROCESSES) --dist loadfile \
-		--no-loadscope-reorder tests
+		tests
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

@@ -25,21 +25,6 @@ VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"
 MODEL_NAME = "tiny"
 
 
-def pytest_collection_modifyitems(config, items):
-    """The modules that start real engines (marked `engine`) run first, each module's tests in
-    their order: `make test` spreads whole modules over two processes (pytest-xdist,
-    `--dist loadfile`, so a module's fleet starts once), and the quick modules then fill the
-    end instead of one process finishing a long module alone."""
-    first: dict[str, int] = {}
-    heavy: set[str] = set()
-    for n, item in enumerate(items):
-        first.setdefault(item.path, n)
-        if item.get_closest_marker("engine"):
-            heavy.add(item.path)
-    order = {id(item): n for n, item in enumerate(items)}
-    items.sort(key=lambda i: (i.path not in heavy, first[i.path], order[id(i)]))
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny-seed1", size="tiny", seed=1)
