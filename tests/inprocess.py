@@ -22,7 +22,7 @@ from rlfleet.mocker.engine import MockEngine, add_mock_args
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import WorkerClient
-from rlfleet.runtime.worker import add_worker_args, serve_worker, staging_area
+from rlfleet.worker.serve import add_worker_args, serve_worker, staging_area
 
 
 def mock_worker_args(*argv: str) -> argparse.Namespace:

@@ -13,10 +13,10 @@ import torch
 from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.rl.probe import reference_probe
-from rlfleet.runtime.admin import EngineAdmin
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
+from rlfleet.worker.admin import EngineAdmin
 from tests.conftest import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine

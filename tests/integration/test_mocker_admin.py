@@ -25,7 +25,7 @@ from rlfleet.mocker.admin import EngineRoute, MockAdmin, parse_engine_routes, sg
 from rlfleet.mocker.engine import CHECKPOINT_FILE, MockEngine, write_mock_checkpoint
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.launch import Fleet, Proc, spawn
-from rlfleet.runtime.system_server import system_app
+from rlfleet.worker.system_server import system_app
 
 PROMPT = [1101, 1102, 1103, 1104]
 TOKEN = "admin-s3cret"

@@ -24,13 +24,13 @@ import pytest_asyncio
 from safetensors.torch import save_file
 
 from rlfleet.rl.probe import reference_probe
-from rlfleet.runtime.admin import EngineAdmin
-from rlfleet.runtime.admission import FIELDS as ADMISSION_FIELDS
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.staging import StageState, StagingArea
+from rlfleet.worker.admin import EngineAdmin
+from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
 from tests.conftest import VLLM_FLAGS
 from tests.integration.test_engine_control import PROMPT, greedy
 

@@ -21,7 +21,7 @@ import pytest
 from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
 from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.runtime import metrics
-from rlfleet.runtime.request_plane import request_plane_app
+from rlfleet.worker.request_plane import request_plane_app
 
 PROMPT = [1101, 1102, 1103, 1104]
 _ids = iter(range(1 << 30))
@@ -477,7 +477,7 @@ async def test_request_plane_refuses_bad_prompts(client: httpx.AsyncClient, body
 
 def test_worker_process(tmp_path: Path) -> None:
     try:
-        import rlfleet.runtime.worker  # noqa: F401 - needs rlfleet.runtime.discovery
+        import rlfleet.worker.serve  # noqa: F401 - needs rlfleet.runtime.discovery
     except ImportError as e:
         pytest.skip(f"the worker runtime is not importable yet: {e}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

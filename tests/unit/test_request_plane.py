@@ -30,7 +30,8 @@ from rlfleet.protocol.engine import (
 )
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import bind_socket
-from rlfleet.runtime.request_plane import FrameReader, WorkerClient, WorkerError, WorkerPlane
+from rlfleet.runtime.request_plane import FrameReader, WorkerClient, WorkerError
+from rlfleet.worker.request_plane import WorkerPlane
 
 PROMPT = [1101, 1102, 1103, 1104]
 _ids = iter(range(1 << 30))

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.runtime.system_server import (
+from rlfleet.worker.system_server import (
     FaultInjector,
     FleetFence,
     Route,

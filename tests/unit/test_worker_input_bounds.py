@@ -16,8 +16,8 @@ import pytest
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
 from rlfleet.runtime.http import bind_socket
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerPlane
-from rlfleet.runtime.request_plane.worker import MAX_BYTES_PER_TOKEN
+from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.worker.request_plane import MAX_BYTES_PER_TOKEN, WorkerPlane
 
 
 class CountingEngine(MockEngine):

@@ -13,7 +13,7 @@ import os
 
 from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
-from rlfleet.runtime.worker import add_worker_args, run_worker, settle_worker_args, staging_area
+from rlfleet.worker.serve import add_worker_args, run_worker, settle_worker_args, staging_area
 
 log = logging.getLogger("rlfleet.mocker")
 

@@ -1,6 +1,6 @@
 """The mocker's /engine routes, in either flavour of the contract (shared/spec/CONTRACT.md):
 
-* ``vllm`` (default): the vLLM worker's own routes (`rlfleet.runtime.admin.EngineAdmin`)
+* ``vllm`` (default): the vLLM worker's own routes (`rlfleet.worker.admin.EngineAdmin`)
   over the simulated engine;
 * ``sglang``: the SGLang-flavoured table: fixed ``control/*`` weight routes plus the native
   methods allow-listed in ``DYN_SGLANG_ENGINE_ROUTES``.
@@ -30,8 +30,8 @@ from typing import Any
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol import admin
-from rlfleet.runtime.admin import EngineAdmin
-from rlfleet.runtime.system_server import Handler, Route
+from rlfleet.worker.admin import EngineAdmin
+from rlfleet.worker.system_server import Handler, Route
 
 SCHEMAS = ("vllm", "sglang")
 # SGLang's pause_generation modes, as the simulated engine can honour them: retracted and

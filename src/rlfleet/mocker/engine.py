@@ -1,6 +1,6 @@
 """A simulated engine for load and fault tests: no model, no tokenizer, no GPU.
 
-`MockEngine` speaks the worker contract of `rlfleet.runtime.engine` with the event
+`MockEngine` speaks the worker contract of `rlfleet.worker.engine` with the event
 shapes of the vLLM adapter, but its tokens are pseudo-random: it is a simulator for
 exercising the fleet (routing, streaming, aborts, pauses, weight switches, thousands of
 concurrent requests) and never a stand-in for the real engine. Nothing it generates
@@ -46,7 +46,7 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime.engine import (
+from rlfleet.worker.engine import (
     BadRequest,
     Engine,
     EngineControl,

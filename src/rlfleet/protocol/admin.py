@@ -11,6 +11,11 @@ from typing import Any
 
 PAUSE_MODES = ("keep", "wait", "abort")
 
+# a refresh coordinator's fleet epoch on every control call; a worker that has seen a newer
+# one answers 409 with this `error` (rlfleet.worker.system_server.FleetFence)
+EPOCH_HEADER = "X-Fleet-Epoch"
+STALE_EPOCH = "Stale fleet epoch"
+
 
 class AdminRequestError(ValueError):
     """The request body is not acceptable; the message says what to send instead."""

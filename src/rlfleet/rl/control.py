@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 
+from rlfleet.protocol.admin import EPOCH_HEADER, STALE_EPOCH
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.rl import PROTOCOL_VERSION
 from rlfleet.runtime import tracing
-from rlfleet.runtime.system_server import EPOCH_HEADER, STALE_EPOCH
 
 if TYPE_CHECKING:
     from rlfleet.rl.refresh import Policy
@@ -78,8 +80,7 @@ class FleetWorker:
     status: str = "selected"  # selected | excluded | missing | verified
     reason: str | None = None
     calls: list[dict[str, Any]] = field(default_factory=list)
-    # the last identity it reported {version, digest, step}
-    holds: dict[str, Any] | None = None
+    holds: PolicyIdentity | None = None  # the last identity it reported
     dtype: str | None = None  # the dtype it serves in, when it says
 
     def record(self, step: str, route: str, http_status: int | None, body: Any) -> None:
@@ -98,7 +99,8 @@ class FleetWorker:
     def summary(self) -> dict[str, Any]:
         return {"instance_id": self.instance_id, "system_url": self.system_url,
                 "model": self.model, "status": self.status, "reason": self.reason,
-                "holds": self.holds, "dtype": self.dtype, "calls": self.calls}
+                "holds": self.holds.to_dict() if self.holds else None, "dtype": self.dtype,
+                "calls": self.calls}
 
 
 @dataclass
@@ -148,13 +150,13 @@ def _message(data: dict[str, Any]) -> Any:
     return data.get("message", data)
 
 
-def held(reply: dict[str, Any]) -> dict[str, Any]:
-    """The identity an install or version reply reports: {version, digest, step}. An
-    install without a declared version reports "unknown" (the version is null then)."""
-    version = reply.get("version")
-    if version == "unknown" and reply.get("version_declared") is False:
-        version = None
-    return {"version": version, "digest": reply.get("weight_digest"), "step": reply.get("step")}
+def held(reply: dict[str, Any]) -> PolicyIdentity:
+    """The identity an install or version reply reports. An install without a declared
+    version reports "unknown" (the version is null then)."""
+    ident = PolicyIdentity.from_reply(reply)
+    if ident.version == "unknown" and reply.get("version_declared") is False:
+        ident = msgspec.structs.replace(ident, version=None)
+    return ident
 
 
 def address_toward(url: str) -> str:

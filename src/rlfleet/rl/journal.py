@@ -7,7 +7,7 @@ It is the source of truth a coordinator starts from: the fleet's last verified p
 a coordinator began but never finished (`unfinished`: it crashed, or was paused and taken
 over). Each transaction takes the fleet's next epoch with a compare-and-set in the same
 write that records it (`open_transaction`), so two coordinators on one store never share an
-epoch, and workers refuse the older one (rlfleet.runtime.system_server.FleetFence).
+epoch, and workers refuse the older one (rlfleet.worker.system_server.FleetFence).
 
 Stores, chosen by `open_journal`: a SQLite file (the default; `:memory:` for a coordinator
 that keeps nothing) or etcd (``etcd://host:port``) for coordinators on several hosts."""

@@ -178,9 +178,9 @@ class Policy:
 
     def held_by(self, w: FleetWorker) -> bool:
         """Whether the worker last reported holding this policy."""
-        h = w.holds or {}
-        return (h.get("version"), h.get("digest")) == (self.version, self.digest) and (
-            self.step is None or h.get("step") == self.step)
+        h = w.holds
+        return h is not None and (h.version, h.digest) == (self.version, self.digest) and (
+            self.step is None or h.step == self.step)
 
     @property
     def sendable(self) -> bool:
@@ -560,8 +560,8 @@ class PolicyRefresh:
             served_step=served.step if served else None,
             verified_workers=sorted(self.verified) if served else [])
         if decision != "fenced":
-            self.holdings.update({w.instance_id: w.holds for w in tx.workers.values()
-                                  if w.holds})
+            self.holdings.update({w.instance_id: w.holds.to_dict()
+                                  for w in tx.workers.values() if w.holds})
         return RefreshResult(refresh_id, decision, reason, tx.state, summaries, tx.steps,
                              served or target, epoch, kind)
 
@@ -670,7 +670,7 @@ class PolicyRefresh:
         last = interrupted[-1]
         was = (f"refresh {last['id']} (epoch {last['fleet_epoch']}) to "
                f"{interrupted_target.version}, interrupted after state {last['state']}")
-        held = ", ".join(f"{w.instance_id} holds {(w.holds or {}).get('version')}" for w in ws)
+        held = ", ".join(f"{w.instance_id} holds {w.holds.version if w.holds else None}" for w in ws)
         if ws and all(interrupted_target.held_by(w) for w in ws):
             chosen, how = interrupted_target, "rolled forward: every worker holds it"
         elif previous is not None and previous.sendable:
@@ -703,12 +703,12 @@ class PolicyRefresh:
         await tx.move(RefreshState.RESOLVED)
         await tx.timed("inspect", self._each(tx.active(), lambda w: control.inspect(ch, w)))
         ws = tx.active()
-        unknown = [w.instance_id for w in ws if (w.holds or {}).get("step") is None]
+        unknown = [w.instance_id for w in ws if w.holds is None or w.holds.step is None]
         if unknown:
             raise RefreshHeld(f"a rolling refresh needs each serving worker's fleet step; "
                               f"worker(s) {unknown} report none: refresh the fleet "
                               "synchronously once")
-        lag = target.step - min(w.holds["step"] for w in ws)
+        lag = target.step - min(w.holds.step for w in ws)
         if lag > self.max_lag:
             raise RefreshHeld(f"step {target.step} is {lag} steps ahead of a serving worker; "
                               f"a rolling refresh keeps every serving worker within "

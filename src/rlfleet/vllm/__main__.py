@@ -14,10 +14,10 @@ def main(argv: list[str] | None = None) -> None:
 
     # before vLLM is imported: in json format its lines go through rlfleet's handler
     quiet_engine_logging(sys.argv[1:] if argv is None else argv)
-    from rlfleet.runtime.admin import EngineAdmin
-    from rlfleet.runtime.worker import serve_worker, staging_area
     from rlfleet.vllm.args import parse_args
     from rlfleet.vllm.engine import VllmEngine
+    from rlfleet.worker.admin import EngineAdmin
+    from rlfleet.worker.serve import serve_worker, staging_area
 
     args = parse_args(argv)
     engine = VllmEngine(args)

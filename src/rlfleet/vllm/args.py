@@ -30,7 +30,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from rlfleet.protocol.engine import MAX_LOGPROBS
-from rlfleet.runtime.worker import add_worker_args, settle_worker_args
+from rlfleet.worker.serve import add_worker_args, settle_worker_args
 
 EXTENSION = "rlfleet.vllm.extension.WorkerExtension"
 

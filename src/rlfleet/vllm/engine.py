@@ -15,7 +15,9 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime.engine import (
+from rlfleet.runtime.progress import Progress
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
+from rlfleet.worker.engine import (
     BadRequest,
     Engine,
     EngineControl,
@@ -23,8 +25,6 @@ from rlfleet.runtime.engine import (
     WeightIdentity,
     WeightLoadError,
 )
-from rlfleet.runtime.progress import Progress
-from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 
 log = logging.getLogger("rlfleet.vllm")
 

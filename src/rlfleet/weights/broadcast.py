@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import torch
 
-from rlfleet.runtime.system_server import EPOCH_HEADER
+from rlfleet.protocol.admin import EPOCH_HEADER
 
 
 def free_port(host: str = "127.0.0.1") -> int:

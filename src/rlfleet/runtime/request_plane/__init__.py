@@ -1,4 +1,5 @@
-"""The request plane: the worker's side (one core, two transports) and the frontend's client.
+"""The request plane: the frontend's client and the frames both sides speak (the worker's
+side, one core and two transports, is rlfleet.worker.request_plane).
 
 Messages and events: rlfleet.protocol.engine. The frontend talks to each worker over one
 persistent TCP connection (the stream plane), every request a numbered stream on it:
@@ -28,15 +29,6 @@ from rlfleet.runtime.request_plane.client import (
     generate_over_http,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
-from rlfleet.runtime.request_plane.worker import (
-    Opened,
-    StreamServer,
-    WorkerPlane,
-    check_prompt,
-    request_plane_app,
-)
 
-__all__ = ["FrameReader", "FrameWriter", "Opened", "StreamServer", "WorkerClient", "WorkerError",
-           "WorkerLink", "WorkerPlane", "WorkerStream", "check_prompt", "generate_over_http",
-           "request_plane_app",
-           "split_address"]
+__all__ = ["FrameReader", "FrameWriter", "WorkerClient", "WorkerError", "WorkerLink",
+           "WorkerStream", "generate_over_http", "split_address"]

@@ -15,16 +15,17 @@ import uvloop
 
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
-from rlfleet.runtime.admission import FIELDS as ADMISSION_FIELDS
-from rlfleet.runtime.admission import Admission
+from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
-from rlfleet.runtime.engine import Engine
 from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.progress import Progress
-from rlfleet.runtime.request_plane import WorkerPlane
-from rlfleet.runtime.system_server import FaultInjector, FleetFence, Route, system_app
 from rlfleet.runtime.tracing import add_tracing_args
+from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
+from rlfleet.worker.admission import Admission
+from rlfleet.worker.engine import Engine
+from rlfleet.worker.request_plane import WorkerPlane
+from rlfleet.worker.system_server import FaultInjector, FleetFence, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -95,30 +96,6 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def settle_worker_args(args: argparse.Namespace) -> None:
     """Checks and resolutions of the worker flags; ValueError says what to change."""
     settle_admin_token(args)
-
-
-def settle_admin_token(args: argparse.Namespace) -> None:
-    """The admin token ends in `args.admin_token`, from --admin-token, --admin-token-file or
-    $RLFLEET_ADMIN_TOKEN (one of them); ValueError says what to change."""
-    given = [n for n, v in (("--admin-token", args.admin_token),
-                            ("--admin-token-file", args.admin_token_file)) if v]
-    if len(given) > 1:
-        raise ValueError("give the admin token one way: --admin-token or --admin-token-file")
-    if args.admin_token_file:
-        try:
-            token = open(args.admin_token_file, encoding="utf-8").read().strip()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--admin-token-file {args.admin_token_file}: cannot read it ({e})") \
-                from e
-        if not token:
-            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
-        args.admin_token = token
-    elif args.admin_token:
-        log.warning("--admin-token on the command line is visible to every user of this host "
-                    "(ps, /proc): prefer --admin-token-file or $RLFLEET_ADMIN_TOKEN")
-    else:
-        args.admin_token = os.environ.get("RLFLEET_ADMIN_TOKEN") or None
-    args.admin_token_file = None
 
 
 def staging_area(args: argparse.Namespace, engine: Any = None):

@@ -11,7 +11,7 @@ Two independent closures, and the worker is open only while neither is closed:
 
 A worker that a controller has gated or opened says so in its entries (`controlled: true`,
 and, once opened, the policy it was opened on: `fleet_policy`): that is how a worker that
-joins later knows the fleet is controlled (`rlfleet.runtime.worker`)."""
+joins later knows the fleet is controlled (`rlfleet.worker.serve`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rlfleet.runtime.discovery import DiscoveryError
-from rlfleet.runtime.system_server import failed, ok
+from rlfleet.worker.system_server import failed, ok
 
 log = logging.getLogger("rlfleet.admission")
 

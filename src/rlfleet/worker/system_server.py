@@ -30,16 +30,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlfleet.protocol.admin import AdminRequestError
+from rlfleet.protocol.admin import EPOCH_HEADER, STALE_EPOCH, AdminRequestError
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.system")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
-EPOCH_HEADER = "X-Fleet-Epoch"
-STALE_EPOCH = "Stale fleet epoch"  # the 409's `error`
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """The vLLM-flavoured /engine routes of a worker, written once over the engine-control
-interface (`rlfleet.runtime.engine.EngineControl`) that the vLLM engine and the mocker both
+interface (`rlfleet.worker.engine.EngineControl`) that the vLLM engine and the mocker both
 implement: pause/resume, cache, weight updates from disk or from a trainer's process group,
 versions and digests. Shapes: shared/spec/CONTRACT.md; bodies: rlfleet.protocol.admin.
 
 rlfleet extensions: every install takes the policy's fleet `step` (optional) and replies
 with it; `get_weight_version` also reports `step` and `fleet_epoch` (the newest epoch the
-worker's system server has seen, `rlfleet.runtime.system_server.FleetFence`)."""
+worker's system server has seen, `rlfleet.worker.system_server.FleetFence`)."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlfleet.protocol import admin
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
-from rlfleet.runtime.admission import Admission
-from rlfleet.runtime.engine import EngineControl, WeightLoadError
-from rlfleet.runtime.system_server import FleetFence, Route, failed, ok
+from rlfleet.worker.admission import Admission
+from rlfleet.worker.engine import EngineControl, WeightLoadError
+from rlfleet.worker.system_server import FleetFence, Route, failed, ok
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea

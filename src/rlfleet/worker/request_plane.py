@@ -34,7 +34,6 @@ from rlfleet.protocol.engine import (
     Tokens,
 )
 from rlfleet.runtime import metrics, tracing
-from rlfleet.runtime.engine import BadRequest, Engine
 from rlfleet.runtime.http import (
     ERROR_HANDLERS,
     ClientWatch,
@@ -46,7 +45,8 @@ from rlfleet.runtime.http import (
     json_response,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
-from rlfleet.runtime.system_server import FaultInjector, InjectedFault
+from rlfleet.worker.engine import BadRequest, Engine
+from rlfleet.worker.system_server import FaultInjector, InjectedFault
 
 log = logging.getLogger("rlfleet.request_plane")
 

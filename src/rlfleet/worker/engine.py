@@ -1,7 +1,7 @@
 """What a worker's engine must provide: the vLLM engine (rlfleet.vllm) and the
 synthetic engine (rlfleet.mocker) both implement `Engine` (serving) and `EngineControl`
 (the control plane), and the shared worker runtime (request plane, system server with
-`rlfleet.runtime.admin`, discovery) drives either one."""
+`rlfleet.worker.admin`, discovery) drives either one."""
 
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ class WeightIdentity:
 
 
 class EngineControl(abc.ABC):
-    """What the admin routes (`rlfleet.runtime.admin.EngineAdmin`) need from an engine.
+    """What the admin routes (`rlfleet.worker.admin.EngineAdmin`) need from an engine.
 
     Loads never check the pause state (the admin does) and never reset the cache (the
     admin does, then records the identity with `set_version`). A load that fails leaves

@@ -1,0 +1,98 @@
+"""Which policy a worker serves, a token was sampled under, or a refresh installs: the one
+shape of "which policy" (`PolicyIdentity`) and how each surface spells it.
+
+Surfaces (one table each, derived from the Struct's fields, so a new field is one edit here):
+- the identity as a JSON object (`to_dict` / `from_dict`): {"version", "digest", "step"}
+  (the coordinator's view of a worker, the journal);
+- stamped (`stamped` / `from_stamped`): {"weight_version", "weight_digest", "weight_step"}
+  (discovery entries, `nvext.engine_data`, request-plane frames);
+- an admin reply's fields (`reply_fields` / `from_reply`): {"version", "weight_digest",
+  "step"} (get_weight_version and every install route, shared/spec/CONTRACT.md);
+- a span label (`span_label` / `from_span_label`): "<version>|<digest>|<step>", what an
+  engine that tracks policies per token stamps on its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class PolicyIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """A policy: its caller-declared label, the content digest of its weights, and the
+    fleet step a refresh coordinator gave it. Any of them may be unknown (None)."""
+
+    version: str | None = None  # the caller-declared label
+    digest: str | None = None  # content digest of the weights (rlfleet.weights.digest)
+    step: int | None = None  # the policy's fleet step (increases with every refresh)
+
+    # ---------------------------------------------------------------- as a JSON object
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__struct_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> PolicyIdentity:
+        """From `to_dict`'s shape; missing keys are unknown, other keys are ignored."""
+        d = d or {}
+        return cls(**{f: d.get(f) for f in cls.__struct_fields__})
+
+    # ---------------------------------------------------------------- stamped
+
+    def stamped(self) -> dict[str, Any]:
+        """As responses, discovery entries and engine data carry it: `weight_<field>`."""
+        return {f"weight_{f}": getattr(self, f) for f in self.__struct_fields__}
+
+    @classmethod
+    def from_stamped(cls, d: dict[str, Any] | None) -> PolicyIdentity:
+        d = d or {}
+        return cls(**{f: d.get(f"weight_{f}") for f in cls.__struct_fields__})
+
+    # ---------------------------------------------------------------- admin replies
+
+    def reply_fields(self) -> dict[str, Any]:
+        """As the admin routes reply with it (the contract's names)."""
+        return {REPLY_NAMES.get(f, f): getattr(self, f) for f in self.__struct_fields__}
+
+    @classmethod
+    def from_reply(cls, d: dict[str, Any] | None) -> PolicyIdentity:
+        d = d or {}
+        return cls(**{f: d.get(REPLY_NAMES.get(f, f)) for f in cls.__struct_fields__})
+
+    # ---------------------------------------------------------------- span labels
+
+    def span_label(self) -> str:
+        """"<version>|<digest>|<step>": each field's text, empty for None."""
+        return "|".join("" if (v := getattr(self, f)) is None else str(v)
+                        for f in self.__struct_fields__)
+
+    @classmethod
+    def from_span_label(cls, label: str) -> PolicyIdentity:
+        """The identity of a span label (older, shorter labels too: missing parts are
+        unknown). The last fields are split off from the right: a version may hold '|'."""
+        n = len(cls.__struct_fields__)
+        parts = label.rsplit("|", n - 1)
+        parts += [""] * (n - len(parts))
+        out: dict[str, Any] = {}
+        for f, text in zip(cls.__struct_fields__, parts, strict=True):
+            out[f] = _parse(cls.__annotations__[f], text)
+        return cls(**out)
+
+    def __bool__(self) -> bool:
+        """Whether anything about the policy is known."""
+        return any(getattr(self, f) is not None for f in self.__struct_fields__)
+
+
+#: the admin routes' names for the fields that differ from the Struct's
+REPLY_NAMES = {"digest": "weight_digest"}
+
+UNKNOWN = PolicyIdentity()
+
+
+def _parse(annotation: str, text: str) -> Any:
+    if not text:
+        return None
+    if annotation.startswith("int"):
+        return int(text) if text.isdigit() else None
+    return text
