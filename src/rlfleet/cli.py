@@ -143,27 +143,26 @@ def _journal(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from rlfleet.rl.journal import open_journal
+    from rlfleet.rl.journal import JournalMissing, open_journal
 
-    if "://" not in args.journal and not Path(args.journal).exists():
+    try:
+        journal = open_journal(args.journal, create=False)
+    except JournalMissing:
         print(f"no journal at {args.journal}")
         return 0
-    journal = open_journal(args.journal)
-    try:
+    with journal:
         rows = journal.recent(args.limit)
-    finally:
-        journal.close()
     for r in rows:
         if args.json:
             print(json.dumps(r))
             continue
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["started_at"]))
         total = sum(s["seconds"] for s in r["steps"] or [])
-        serves = f" serves {r['served_version']}" if r.get("served_version") else ""
+        serves = f" serves {r.served.version}" if r.served.version else ""
         kind = f" {r['kind']}" if r.get("kind") not in (None, "refresh") else ""
         state = f" after {r['state']}" if r.get("state") and not r.get("decision") else ""
         print(f"#{r['id']} {when} epoch={r.get('fleet_epoch')} step={r['framework_step']}"
-              f"{kind} {r['update_path']} {r['previous_version']} -> {r['target_version']} "
+              f"{kind} {r['update_path']} {r.previous.version} -> {r.target.version} "
               f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s: {r['reason']}")
     return 0
 

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
@@ -53,7 +53,7 @@ def test_default_refresh_of_a_bf16_fleet_reopens(bf16, tmp_path):
          "--version", "B", "--rl-url", fleet.rl_url, "--model", MODEL, "--journal",
          str(journal)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and "decision: reopened" in run.stdout, run.stdout + run.stderr
-    entry = Journal(journal).recent(1)[0]
+    entry = SqliteJournal(journal).recent(1)[0]
     assert {w["dtype"] for w in entry["workers"].values()} == {"bfloat16"}
     assert entry["served_digest"] == checkpoint_digest(root / "B")
     for w in entry["workers"].values():  # the workers' own prompt, checked against each other

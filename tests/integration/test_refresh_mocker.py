@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.refresh import (
     TRANSITIONS,
     IllegalRefreshTransition,
@@ -104,7 +104,7 @@ def test_clean_refresh_and_journal(fleet, ckpts, tmp_path):
     names = [s["name"] for s in res.steps]
     assert names == ["resolve", "gate", "pause", "apply", "reset_cache", "verify", "resume",
                      "probe", "reopen"]
-    entry = Journal(tmp_path / "journal.sqlite").get(res.refresh_id)
+    entry = SqliteJournal(tmp_path / "journal.sqlite").get(res.refresh_id)
     assert entry["target_version"] == "B" and entry["target_digest"] == "mock:2"
     assert entry["decision"] == "reopened" and len(entry["intended_workers"]) == 2
     assert all(w["status"] == "verified" for w in entry["workers"].values())

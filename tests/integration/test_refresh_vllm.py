@@ -16,7 +16,7 @@ import pytest
 
 from rlfleet.rl import RolloutClient, SamplingSpec
 from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import reference_probe
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
@@ -49,7 +49,7 @@ def test_refresh_a_to_b_under_load(setup, tmp_path):
     fleet, root = setup
     digest = {name: checkpoint_digest(root / name) for name in ("A", "B")}
     gate = RolloutGate()
-    journal = Journal(tmp_path / "journal.sqlite")
+    journal = SqliteJournal(tmp_path / "journal.sqlite")
     coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, journal=journal, gate=gate,
                                 probe_tolerance=1e-4)
     admitted = []
@@ -204,6 +204,6 @@ def test_a_new_coordinator_rolls_a_held_mixed_fleet_back(setup, tmp_path):
         back.stdout + back.stderr
     assert holds() == [("B", digest["B"])] * 2
     assert routed(fleet, 2) == 2
-    last = Journal(journal).recent(1)[0]
+    last = SqliteJournal(journal).recent(1)[0]
     assert last["decision"] == "rolled_back" and last["previous_version"] == "B"
     assert all(w["status"] == "verified" for w in last["workers"].values())

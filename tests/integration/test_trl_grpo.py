@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.rl import Journal, SampleLedger
+from rlfleet.rl import SampleLedger, SqliteJournal
 from rlfleet.runtime.launch import engine_env
 
 pytestmark = pytest.mark.engine
@@ -53,7 +53,7 @@ def test_two_grpo_steps_through_the_fleet(tmp_path):
         assert sum(a.admitted for a in ledger.attempts(sid)) == 1
     ledger.close()
 
-    journal = Journal(out / "journal.sqlite")
+    journal = SqliteJournal(out / "journal.sqlite")
     refreshes = list(reversed(journal.recent()))
     journal.close()
     assert [r["framework_step"] for r in refreshes] == [0, 1, 2]

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from rlfleet.rl.journal import Journal
+from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.refresh import PolicyRefresh, reference_probe
 from rlfleet.runtime.launch import Fleet
 from rlfleet.train.checkpoint import save_checkpoint
@@ -68,7 +68,7 @@ def setup(tmp_path_factory, tiny_model, s3_server, policies):
             p.wait_ready(600)
         wait_for_workers(fleet.url, MODEL, 2)
         coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged",
-                                    journal=Journal(work / "journal.sqlite"),
+                                    journal=SqliteJournal(work / "journal.sqlite"),
                                     probe_tokens=N, probe_tolerance=1e-4,
                                     timeout=300)
         yield {"fleet": fleet, "catalog": catalog, "coordinator": coordinator, "flags": flags}

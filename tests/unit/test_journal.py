@@ -1,7 +1,7 @@
 """The refresh journal as a later coordinator reads it: the last verified policy of one
 fleet, what each worker was last seen holding, unfinished transactions, the fleet epoch
-taken with a compare-and-set, in both stores (SQLite, etcd), and journals written before
-those columns."""
+taken with a compare-and-set, the policies a record names as PolicyIdentity, in both stores
+(SQLite, etcd), and journals written before those columns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rlfleet.rl.journal import EtcdJournal, Journal, RefreshJournal, open_journal
+from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.rl.journal import (
+    POLICY_ROLES,
+    EtcdJournal,
+    JournalMissing,
+    RefreshJournal,
+    SqliteJournal,
+    open_journal,
+)
+from rlfleet.rl.journal.record import COLUMNS, IDENTITY_FIELDS, policy_column
 
 FLEET = "http://127.0.0.1:8001"
 
@@ -28,8 +37,10 @@ def journal(request, tmp_path):
 
 def served(j: RefreshJournal, version: str, *, fleet: str = FLEET, model: str | None = "m",
            workers: dict | None = None, verified: list[int] = (1, 2)) -> int:
-    rid = j.begin(update_path="vllm-disk", fleet=fleet, model=model, target_version=version)
-    j.update(rid, decision="reopened", served_version=version, served_digest=f"d:{version}",
+    rid = j.begin(update_path="vllm-disk", fleet=fleet, model=model,
+                  target=PolicyIdentity(version=version))
+    j.update(rid, decision="reopened", served=PolicyIdentity(version=version,
+                                                             digest=f"d:{version}"),
              served_path=f"/ckpt/{version}", verified_workers=list(verified),
              workers=workers or {})
     return rid
@@ -41,14 +52,15 @@ def test_last_served_skips_held_refreshes_and_other_fleets(journal) -> None:
     first = served(j, "A")
     served(j, "Z", fleet="http://elsewhere:8001")
     served(j, "Y", model=None)
-    held = j.begin(update_path="vllm-disk", fleet=FLEET, model="m", target_version="B")
+    held = j.begin(update_path="vllm-disk", fleet=FLEET, model="m",
+                   target=PolicyIdentity(version="B"))
     j.update(held, decision="held", workers={
         "1": {"holds": {"version": "B", "digest": "d:B"}},
         "2": {"holds": None}})
     row = j.last_served(FLEET, "m")
     assert row["id"] == first and (row["served_version"], row["served_path"]) == ("A", "/ckpt/A")
     assert row["verified_workers"] == [1, 2]
-    assert j.last_served(FLEET, None)["served_version"] == "Y"
+    assert j.last_served(FLEET, None).served.version == "Y"
 
 
 def test_holdings_are_the_newest_seen_per_worker(journal) -> None:
@@ -58,8 +70,8 @@ def test_holdings_are_the_newest_seen_per_worker(journal) -> None:
     held = j.begin(update_path="vllm-disk", fleet=FLEET, model="m")
     j.update(held, decision="held", workers={"1": {"holds": {"version": "B", "digest": "d:B"}},
                                              "3": {"holds": None}})
-    assert j.holdings(FLEET, "m") == {1: {"version": "B", "digest": "d:B"},
-                                      2: {"version": "A", "digest": "d:A"}}
+    assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="B", digest="d:B"),
+                                      2: PolicyIdentity(version="A", digest="d:A")}
     assert j.holdings("other", "m") == {}
 
 
@@ -76,11 +88,11 @@ def test_a_journal_from_before_gets_the_new_columns(tmp_path) -> None:
                "VALUES (1.0, 'vllm-disk', 'reopened')")
     db.commit()
     db.close()
-    j = Journal(path)
+    j = SqliteJournal(path)
     assert j.get(1)["decision"] == "reopened" and j.get(1)["verified_workers"] == []
     assert j.last_served(FLEET, "m") is None
     served(j, "A")
-    assert j.last_served(FLEET, "m")["served_version"] == "A"
+    assert j.last_served(FLEET, "m").served.version == "A"
 
 
 def test_each_transaction_takes_the_next_epoch_of_its_fleet(journal) -> None:
@@ -133,8 +145,8 @@ def test_unfinished_transactions_and_updates_only_while_open(journal) -> None:
 
 
 def test_open_journal_names(tmp_path, etcd_url) -> None:
-    assert isinstance(open_journal(tmp_path / "a.sqlite"), Journal)
-    assert isinstance(open_journal(f"sqlite://{tmp_path}/b.sqlite"), Journal)
+    assert isinstance(open_journal(tmp_path / "a.sqlite"), SqliteJournal)
+    assert isinstance(open_journal(f"sqlite://{tmp_path}/b.sqlite"), SqliteJournal)
     assert (tmp_path / "b.sqlite").exists()
     assert open_journal(":memory:").path == ":memory:"
     j = open_journal(etcd_url)
@@ -142,3 +154,95 @@ def test_open_journal_names(tmp_path, etcd_url) -> None:
     j.close()
     with pytest.raises(ValueError, match="unsupported journal"):
         open_journal("s3://bucket/journal")
+
+
+def _full_identity(n: int) -> PolicyIdentity:
+    """An identity with every field of PolicyIdentity known (a field added to it is too)."""
+    kinds = {"TEXT": f"text-{n}", "INTEGER": n, "REAL": n + 0.5}
+    return PolicyIdentity(**{f: kinds[t] for f, t in IDENTITY_FIELDS.items()})
+
+
+def test_every_policy_of_a_record_round_trips_as_a_policy_identity(journal) -> None:
+    """target, previous and served are written and read as PolicyIdentity, every field of it
+    in its own column (`<role>_<field>`), in both stores."""
+    j = journal
+    assert set(IDENTITY_FIELDS) == set(PolicyIdentity.__struct_fields__)
+    assert {policy_column(r, f) for r in POLICY_ROLES for f in IDENTITY_FIELDS} <= set(COLUMNS)
+    target, previous = _full_identity(1), _full_identity(2)
+    rid, _ = j.open_transaction(fleet=FLEET, model="m", update_path="p", target=target,
+                                previous=previous)
+    opened = j.get(rid)
+    assert (opened.target, opened.previous) == (target, previous)
+    assert not opened.served and opened.served == PolicyIdentity()
+    assert j.last_served(FLEET, "m") is None  # not ended on a verified policy
+    j.update(rid, ended_at=1.0, decision="reopened", served=target)
+    for row in (j.get(rid), j.recent(1)[0], j.last_served(FLEET, "m")):
+        assert (row.target, row.previous, row.served) == (target, previous, target)
+        assert row["served_version"] == target.version  # the columns `rlfleet journal` prints
+    # a held refresh: no served policy
+    held, _ = j.open_transaction(fleet=FLEET, model="m", update_path="p", target=previous,
+                                 previous=target)
+    j.update(held, ended_at=2.0, decision="held", served=None)
+    assert not j.get(held).served and j.last_served(FLEET, "m")["id"] == rid
+
+
+def test_a_policy_is_written_through_its_role_only(journal) -> None:
+    j = journal
+    with pytest.raises(ValueError, match="served=PolicyIdentity"):
+        j.open_transaction(fleet=FLEET, update_path="p", served_digest="d:A")
+    rid = j.begin(update_path="p", fleet=FLEET)
+    with pytest.raises(ValueError, match="target=PolicyIdentity"):
+        j.update(rid, target_version="B")
+    with pytest.raises(ValueError, match="no column 'colour'"):
+        j.update(rid, colour="blue")
+    assert j.get(rid).target == PolicyIdentity()
+
+
+# the schema as the journal before one record mapping wrote it (issue 21): every column but
+# target_step and previous_step
+BEFORE_MAPPING = """CREATE TABLE refreshes (id INTEGER PRIMARY KEY AUTOINCREMENT,
+    started_at REAL NOT NULL, ended_at REAL, framework_step INTEGER, fleet TEXT, model TEXT,
+    update_path TEXT NOT NULL, target_path TEXT, target_version TEXT, target_digest TEXT,
+    previous_version TEXT, previous_digest TEXT, served_version TEXT, served_digest TEXT,
+    served_path TEXT, verified_workers TEXT NOT NULL DEFAULT '[]',
+    intended_workers TEXT NOT NULL DEFAULT '[]', decision TEXT, reason TEXT,
+    steps TEXT NOT NULL DEFAULT '[]', workers TEXT NOT NULL DEFAULT '{}', kind TEXT,
+    fleet_epoch INTEGER, state TEXT, served_step INTEGER, target_source TEXT,
+    served_source TEXT, recovery_of INTEGER)"""
+
+
+def test_a_journal_written_before_the_record_mapping_opens(tmp_path) -> None:
+    path = tmp_path / "before.sqlite"
+    db = sqlite3.connect(path)
+    db.execute(BEFORE_MAPPING)
+    db.execute("CREATE TABLE fleet_epochs (fleet TEXT PRIMARY KEY, epoch INTEGER NOT NULL)")
+    db.execute("INSERT INTO fleet_epochs VALUES (?, 3)", (FLEET,))
+    db.execute("INSERT INTO refreshes (started_at, ended_at, fleet, model, update_path, "
+               "target_version, target_digest, previous_version, served_version, "
+               "served_digest, served_step, served_source, verified_workers, fleet_epoch, "
+               "decision) VALUES (1.0, 2.0, ?, 'm', 'vllm-staged', 'B', 'd:B', 'A', 'B', 'd:B',"
+               " 4, '{\"kind\": \"disk\"}', '[1]', 3, 'reopened')", (FLEET,))
+    db.commit()
+    db.close()
+    with SqliteJournal(path) as j:
+        row = j.last_served(FLEET, "m")
+        assert row.served == PolicyIdentity(version="B", digest="d:B", step=4)
+        assert row.target == PolicyIdentity(version="B", digest="d:B")
+        assert row.previous == PolicyIdentity(version="A")
+        assert row["served_source"] == {"kind": "disk"} and row["verified_workers"] == [1]
+        _, epoch = j.open_transaction(fleet=FLEET, model="m", update_path="p",
+                                      target=PolicyIdentity(version="C", step=5))
+        assert epoch == 4 and j.recent(1)[0].target.step == 5
+
+
+def test_a_reader_does_not_make_a_journal(tmp_path) -> None:
+    """`rlfleet journal` and the status page open with create=False: a missing file is
+    JournalMissing, and stays missing."""
+    for spec in (tmp_path / "none.sqlite", f"sqlite://{tmp_path}/none2.sqlite"):
+        with pytest.raises(JournalMissing, match="no journal at"):
+            open_journal(spec, create=False)
+    assert list(tmp_path.iterdir()) == []
+    with open_journal(tmp_path / "made.sqlite") as j:
+        j.begin(update_path="p")
+    with open_journal(tmp_path / "made.sqlite", create=False) as j:
+        assert [r["id"] for r in j.recent()] == [1]

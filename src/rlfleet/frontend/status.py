@@ -1,7 +1,8 @@
 """The fleet's status page, served by the RL listener (rlfleet.frontend.rl): every worker
 (model, address, policy version and digest, open or gated and why, requests in flight,
 tokens/s), the gate of each model, and the last policy refreshes from the journal with the
-time of each phase. One snapshot (`FleetStatus.snapshot`) feeds GET /fleet.json, the HTML
+time of each phase (from the journal's store, SQLite or etcd, through rlfleet.rl.journal's
+one interface). One snapshot (`FleetStatus.snapshot`) feeds GET /fleet.json, the HTML
 page (which renders it, then fetches it again every two seconds) and `rlfleet status`."""
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rlfleet.rl.journal import JournalError, JournalMissing, open_journal
 from rlfleet.runtime.discovery import Discovery, DiscoveryError
 
 PROBE_TIMEOUT = 2.0  # seconds for each worker's /health; a slow worker is shown as such
@@ -21,6 +22,9 @@ REFRESHES = 5  # refreshes shown
 
 
 class FleetStatus:
+    """`journal`: the refresh journal as `open_journal` takes it (a SQLite path,
+    ``etcd://host:port[/name]``, ...); None shows no refreshes."""
+
     def __init__(self, discovery: Discovery, namespace: str, http: httpx.AsyncClient,
                  journal: str | None) -> None:
         self.discovery, self.namespace, self.http = discovery, namespace, http
@@ -50,15 +54,18 @@ class FleetStatus:
         return w
 
     def _refreshes(self) -> list[dict[str, Any]]:
-        if not self.journal or not Path(self.journal).exists():
+        """The last refreshes (none while no coordinator has written the journal); raises
+        JournalError when its store fails."""
+        if not self.journal:
             return []
-        from rlfleet.rl.journal import Journal
-
-        j = Journal(self.journal)
         try:
-            rows = j.recent(REFRESHES)
-        finally:
-            j.close()
+            journal = open_journal(self.journal, create=False)
+        except JournalMissing:
+            return []
+        except ValueError as e:  # not a journal open_journal knows
+            raise JournalError(str(e)) from e
+        with journal:
+            rows = journal.recent(REFRESHES)
         return [{k: r[k] for k in ("id", "started_at", "ended_at", "model", "update_path",
                                    "target_version", "target_digest", "decision", "reason")}
                 | {"steps": [{"name": s["name"], "seconds": round(s["seconds"], 3)}
@@ -86,7 +93,11 @@ class FleetStatus:
             m["gate"] = ("gated" if m["gated"] == m["workers"] else
                          "partly gated" if m["gated"] else "open")
         out["models"] = sorted(models.values(), key=lambda m: str(m["model"]))
-        out["refreshes"] = await asyncio.to_thread(self._refreshes)
+        try:
+            out["refreshes"] = await asyncio.to_thread(self._refreshes)
+        except JournalError as e:
+            out["refreshes"] = []
+            out["error"] = "; ".join(filter(None, (out["error"], f"journal failed: {e}")))
         return out
 
 

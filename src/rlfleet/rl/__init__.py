@@ -20,7 +20,7 @@ from rlfleet.rl.attempt import AttemptState, IllegalTransition
 from rlfleet.rl.client import RolloutClient, TokenizeFailed
 from rlfleet.rl.fleet import Fleet, FleetHeld
 from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.journal import EtcdJournal, Journal, open_journal
+from rlfleet.rl.journal import EtcdJournal, SqliteJournal, open_journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
 from rlfleet.rl.probe import probe_from_model

@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl import telemetry
 from rlfleet.rl.control import (
     Channel,
@@ -175,6 +176,10 @@ class Policy:
     tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None  # for the distributed path
     source: dict[str, Any] | None = None  # where workers stage it from (the staged path)
     step: int | None = None
+
+    @property
+    def identity(self) -> PolicyIdentity:
+        return PolicyIdentity(version=self.version, digest=self.digest, step=self.step)
 
     def held_by(self, w: FleetWorker) -> bool:
         """Whether the worker last reported holding this policy."""
@@ -344,7 +349,7 @@ class PolicyRefresh:
         self.current = current
         self.verified: set[int] = set()  # workers verified on self.current
         # what each worker was last seen holding ({version, digest, step}), kept in the journal
-        self.holdings: dict[int, dict[str, Any]] = {}
+        self.holdings: dict[int, PolicyIdentity] = {}
         self._from_journal(announce=True)
 
     def _from_journal(self, announce: bool = False) -> None:
@@ -355,9 +360,10 @@ class PolicyRefresh:
         self.holdings = self.journal.holdings(self.control.fleet, self.model)
         if row is None:
             return
-        self.current = Policy(version=row["served_version"], digest=row["served_digest"],
-                              path=row["served_path"], source=row.get("served_source"),
-                              step=row.get("served_step"))
+        served = row.served
+        self.current = Policy(version=served.version, digest=served.digest,
+                              path=row["served_path"], source=row["served_source"],
+                              step=served.step)
         self.verified = set(row["verified_workers"] or [])
         if announce:
             self.on_event(f"journal {self.journal.path}: last verified policy "
@@ -440,9 +446,9 @@ class PolicyRefresh:
         if not found:
             return None
         last = found[-1]
-        target = Policy(version=last["target_version"], digest=last["target_digest"],
-                        path=last["target_path"], source=last.get("target_source"),
-                        step=last.get("framework_step"))
+        target = Policy(version=last.target.version, digest=last.target.digest,
+                        path=last["target_path"], source=last["target_source"],
+                        step=last["framework_step"])
         self.on_event(f"journal {self.journal.path}: refresh {last['id']} (epoch "
                       f"{last['fleet_epoch']}) to {target.version} never finished (state "
                       f"{last['state']}): recovering it")
@@ -513,11 +519,9 @@ class PolicyRefresh:
             refresh_id, epoch = await asyncio.to_thread(
                 self.journal.open_transaction, fleet=control.fleet, floor_epoch=floor,
                 kind=kind, framework_step=target.step, model=self.model,
-                update_path=control.path, target_path=target.path,
-                target_version=target.version, target_digest=target.digest,
+                update_path=control.path, target=target.identity, target_path=target.path,
                 target_source=target.source, recovery_of=recovery_of,
-                previous_version=previous.version if previous else None,
-                previous_digest=previous.digest if previous else None)
+                previous=previous.identity if previous else None)
             self.on_event(f"[refresh {refresh_id}] {kind} to {target.version} (step "
                           f"{target.step}), fleet epoch {epoch}")
             tx = _Tx(self, kind, refresh_id, epoch,
@@ -553,14 +557,12 @@ class PolicyRefresh:
             self.journal.update, refresh_id, only_open=True, ended_at=time.time(),
             state=tx.state.value, decision=decision, reason=reason, steps=tx.steps,
             workers={str(w["instance_id"]): w for w in summaries},
-            served_version=served.version if served else None,
-            served_digest=served.digest if served else None,
+            served=served.identity if served else None,
             served_path=served.path if served else None,
             served_source=served.source if served else None,
-            served_step=served.step if served else None,
             verified_workers=sorted(self.verified) if served else [])
         if decision != "fenced":
-            self.holdings.update({w.instance_id: w.holds.to_dict()
+            self.holdings.update({w.instance_id: w.holds
                                   for w in tx.workers.values() if w.holds})
         return RefreshResult(refresh_id, decision, reason, tx.state, summaries, tx.steps,
                              served or target, epoch, kind)
