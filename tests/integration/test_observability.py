@@ -3,7 +3,8 @@ completion and for a policy refresh, with the SDK's in-memory exporter), json lo
 that name the request and its trace, the refresh and gate metrics, and the status page in
 a real headless browser. A mocker fleet in the test's own process (tests/inprocess.py):
 the point is the telemetry plumbing, not the engine (the real worker's vllm:* series are
-checked in test_serving.py)."""
+checked in test_serving.py). The status page shows the journal's refreshes whatever its
+store (SQLite, etcd)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import asyncio
 import json
 import re
 import shutil
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import REGISTRY
 
 from rlfleet import cli
+from rlfleet.frontend.status import render_text
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.refresh import PolicyRefresh
@@ -229,3 +232,30 @@ async def test_status_page_in_a_headless_browser(tmp_path, capsys):
         text = capsys.readouterr().out
         assert f"model {MODEL}: 2 worker(s), partly gated: held for a test" in text
         assert "#1 -> B: reopened" in text
+
+
+async def test_the_status_page_shows_an_etcd_journal(tmp_path, etcd_url):
+    """A frontend started with an etcd journal shows the refreshes a coordinator recorded in
+    it (the page reads the journal through its one interface, whatever the store)."""
+    journal = f"{etcd_url}/status-{uuid.uuid4().hex[:8]}"
+    ckpt = write_mock_checkpoint(tmp_path / "weights" / "B", 2)
+    async with InProcessFleet(tmp_path, MODEL, 2, journal=journal) as fleet, \
+            httpx.AsyncClient(timeout=15) as c:
+        snap = (await c.get(f"{fleet.rl_url}/fleet.json")).json()
+        assert (snap["journal"], snap["refreshes"], snap["error"]) == (journal, [], None)
+        coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, timeout=10, journal=journal)
+        try:
+            result = await coordinator.refresh(ckpt, "B", digest="mock:2")
+        finally:
+            coordinator.close()
+        assert result.decision == "reopened", result.reason
+        snap = (await c.get(f"{fleet.rl_url}/fleet.json")).json()
+        assert snap["error"] is None
+        [shown] = snap["refreshes"]
+        assert (shown["id"], shown["target_version"], shown["target_digest"],
+                shown["decision"], shown["model"]) == (result.refresh_id, "B", "mock:2",
+                                                       "reopened", MODEL)
+        assert {p["name"] for p in shown["steps"]} >= {"apply", "verify"}
+        page = (await c.get(f"{fleet.rl_url}/fleet")).text
+        assert '"target_version": "B"' in page  # the first paint carries the snapshot
+        assert f"#{result.refresh_id} -> B: reopened" in render_text(snap)

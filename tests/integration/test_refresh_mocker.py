@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.refresh import (
     TRANSITIONS,
@@ -170,8 +171,8 @@ def test_a_coordinator_on_an_existing_journal_rolls_back(fleet, ckpts, tmp_path)
     second = coordinator(fleet, tmp_path, on_failure="rollback")
     assert (second.current.version, second.current.digest) == ("A", "mock:1")
     assert second.current.path == str(ckpts["A"].resolve()) and second.verified == set(ids)
-    assert second.holdings == {ids[0]: {"version": "B", "digest": "mock:2", "step": 1},
-                               ids[1]: {"version": "A", "digest": "mock:1", "step": 0}}
+    assert second.holdings == {ids[0]: PolicyIdentity(version="B", digest="mock:2", step=1),
+                               ids[1]: PolicyIdentity(version="A", digest="mock:1", step=0)}
     fault(fleet.workers[1], "update_weights_from_disk", "error")
     res = to(second, ckpts, "B", 2)
     assert res.decision == "rolled_back" and "rolled back to A" in res.reason, res.reason
