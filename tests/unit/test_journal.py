@@ -1,16 +1,19 @@
 """The refresh journal as a later coordinator reads it: the last verified policy of one
 fleet, what each worker was last seen holding, unfinished transactions, the fleet epoch
 taken with a compare-and-set, the policies a record names as PolicyIdentity, in both stores
-(SQLite, etcd), and journals written before those columns."""
+(SQLite, etcd), journals written before those columns, and the status page as a reader."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
+from rlfleet.frontend.status import FleetStatus
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl.journal import (
     POLICY_ROLES,
@@ -246,3 +249,39 @@ def test_a_reader_does_not_make_a_journal(tmp_path) -> None:
         j.begin(update_path="p")
     with open_journal(tmp_path / "made.sqlite", create=False) as j:
         assert [r["id"] for r in j.recent()] == [1]
+
+
+class _NoWorkers:
+    """A discovery store with no entries (the status page's other source)."""
+
+    async def list(self, namespace: str, endpoint: str | None = None) -> list:
+        return []
+
+
+def _status(journal: str | None) -> dict:
+    async def snap() -> dict:
+        async with httpx.AsyncClient() as http:
+            return await FleetStatus(_NoWorkers(), "ns", http, journal).snapshot()
+    return asyncio.run(snap())
+
+
+def test_the_status_page_reads_the_journal_it_is_given(tmp_path) -> None:
+    """A SQLite journal here (the etcd one: tests/integration/test_observability.py): none
+    yet shows no refreshes and makes no file; a store that fails is said in `error`."""
+    path = tmp_path / "j.sqlite"
+    assert _status(str(path))["refreshes"] == [] and not path.exists()
+    with open_journal(path) as j:
+        rid = j.begin(update_path="vllm-disk", model="m",
+                      target=PolicyIdentity(version="B", digest="d:B"))
+        j.update(rid, ended_at=2.0, decision="reopened", steps=[{"name": "apply",
+                                                                "seconds": 0.12345}])
+    snap = _status(str(path))
+    assert snap["error"] is None and snap["journal"] == str(path)
+    assert snap["refreshes"] == [{
+        "id": rid, "started_at": snap["refreshes"][0]["started_at"], "ended_at": 2.0,
+        "model": "m", "update_path": "vllm-disk", "target_version": "B",
+        "target_digest": "d:B", "decision": "reopened", "reason": None,
+        "steps": [{"name": "apply", "seconds": 0.123}]}]
+    assert _status(None)["refreshes"] == []
+    broken = _status("s3://bucket/journal")
+    assert broken["refreshes"] == [] and "journal failed: unsupported journal" in broken["error"]

@@ -77,8 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "are forgotten, and new ones are refused (429) while runs in flight "
                         "hold it all")
     p.add_argument("--journal", default=os.environ.get("RLFLEET_JOURNAL"),
-                   help="the policy-refresh journal (SQLite) whose last refreshes the status "
-                        "page (GET /fleet on the RL listener) shows (default: $RLFLEET_JOURNAL)")
+                   help="the policy-refresh journal (a SQLite file or etcd://host:port[/name])"
+                        " whose last refreshes the status page (GET /fleet on the RL listener) "
+                        "shows (default: $RLFLEET_JOURNAL)")
     ServerLimits.add_args(p)
     add_log_args(p)
     add_tracing_args(p)
