@@ -64,55 +64,15 @@ class CheckFailed(Exception):
         return self.check
 
 
+def _all_token_ids(ids: list[Any]) -> bool:
+    """Every entry a non-negative int (bool is not a token ID)."""
+    return all(type(t) is int for t in ids) and (not ids or min(ids) >= 0)
+
+
 class TokenIdsMissing(CheckFailed):
     """A choice lacks its generated token IDs, or the engine's prompt is not the one sent."""
 
     check = "token_ids_present"
-
-
-class LogprobsMisaligned(CheckFailed):
-    """The sampled tokens' logprobs are missing, or do not line up with the token IDs."""
-
-    check = "logprobs_aligned"
-
-
-class PromptLogprobsShifted(CheckFailed):
-    """Prompt logprobs were asked for and are missing or shifted by a position."""
-
-    check = "prompt_logprobs_unshifted"
-
-
-class NotTerminal(CheckFailed):
-    """A choice did not end in a finish reason the trainer accepts (`finish_reason`)."""
-
-    check = "terminal_state"
-
-    def __init__(self, message: str, finish_reason: Any = None) -> None:
-        super().__init__(message)
-        self.finish_reason = finish_reason
-
-
-class IdentityMismatch(CheckFailed):
-    """The response answers another request, model or policy than the one expected."""
-
-    check = "identity"
-
-
-class MixedPolicy(CheckFailed):
-    """A choice's tokens come from more than one policy (or its spans are malformed)."""
-
-    check = "single_policy"
-
-
-class StalePolicy(CheckFailed):
-    """A choice's tokens come from outside the request's staleness bound."""
-
-    check = "policy_bound"
-
-
-def _all_token_ids(ids: list[Any]) -> bool:
-    """Every entry a non-negative int (bool is not a token ID)."""
-    return all(type(t) is int for t in ids) and (not ids or min(ids) >= 0)
 
 
 def token_ids_present(gen: Generation, exp: Expectation) -> None:
@@ -138,6 +98,12 @@ def _good_logprob(x: Any) -> bool:
         and x <= LOGPROB_TOLERANCE
 
 
+class LogprobsMisaligned(CheckFailed):
+    """The sampled tokens' logprobs are missing, or do not line up with the token IDs."""
+
+    check = "logprobs_aligned"
+
+
 def logprobs_aligned(gen: Generation, exp: Expectation) -> None:
     """The sampled tokens' logprobs match the generated IDs in length and order: one real
     logprob <= 0 per token, and the token each logprob names is the generated one."""
@@ -160,6 +126,12 @@ def logprobs_aligned(gen: Generation, exp: Expectation) -> None:
                                      f"not a log-probability")
 
 
+class PromptLogprobsShifted(CheckFailed):
+    """Prompt logprobs were asked for and are missing or shifted by a position."""
+
+    check = "prompt_logprobs_unshifted"
+
+
 def prompt_logprobs_unshifted(gen: Generation, exp: Expectation) -> None:
     """When prompt logprobs were asked for: one entry per prompt token, the first null
     (nothing predicts it), entry i holding prompt token i (no shift by one)."""
@@ -179,6 +151,16 @@ def prompt_logprobs_unshifted(gen: Generation, exp: Expectation) -> None:
             raise PromptLogprobsShifted(f"entry {i} has no logprob for prompt token {ids[i]}")
 
 
+class NotTerminal(CheckFailed):
+    """A choice did not end in a finish reason the trainer accepts (`finish_reason`)."""
+
+    check = "terminal_state"
+
+    def __init__(self, message: str, finish_reason: Any = None) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
 def terminal_state(gen: Generation, exp: Expectation) -> None:
     """Every choice ended with a finish reason the framework recognises."""
     for c in gen.choices:
@@ -186,6 +168,12 @@ def terminal_state(gen: Generation, exp: Expectation) -> None:
             raise NotTerminal(f"choice {c.index} ended with finish_reason {c.finish_reason!r}; "
                               f"admitted: {', '.join(sorted(exp.rules.finish_reasons))}",
                               c.finish_reason)
+
+
+class IdentityMismatch(CheckFailed):
+    """The response answers another request, model or policy than the one expected."""
+
+    check = "identity"
 
 
 def identity(gen: Generation, exp: Expectation) -> None:
@@ -225,6 +213,12 @@ def verify(gen: Generation, exp: Expectation) -> None:
         check(gen, exp)
 
 
+class MixedPolicy(CheckFailed):
+    """A choice's tokens come from more than one policy (or its spans are malformed)."""
+
+    check = "single_policy"
+
+
 def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
     """nvext.weight_versions ([{"version","digest","step","start","end"}, ...]) as WeightSpans,
     checked to cover the generated positions [0, length) in order without gaps."""
@@ -254,6 +248,12 @@ def single_policy(spans: list[WeightSpan] | None, rules: SampleRules) -> None:
         names = ", ".join(f"{v!r}/{d!r}" for v, d in sorted(policies, key=repr))
         raise MixedPolicy(f"tokens come from {len(policies)} policies ({names}); "
                           f"set allow_mixed_versions=True to admit such samples")
+
+
+class StalePolicy(CheckFailed):
+    """A choice's tokens come from outside the request's staleness bound."""
+
+    check = "policy_bound"
 
 
 def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: SampleRules) -> None:
