@@ -53,12 +53,12 @@ async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) 
         out = await admin.install_tensors(wrong, "B")
         assert out["status"] == "error" and "do not fit the served model" in out["message"]
         assert "still serving" in out["message"]
-        assert engine.identity().digest == checkpoint_digest(a)  # nothing changed
+        assert engine.applied().policy.digest == checkpoint_digest(a)  # nothing changed
 
         out = await admin.install_tensors(staged, "B", step=7)
         assert out == {"status": "ok", "version": "B", "version_declared": True,
                        "weight_digest": checkpoint_digest(tiny_model_b), "step": 7}
-        assert engine.weight_identity() == {"weight_version": "B", "weight_step": 7,
+        assert engine.serving_policy().stamped() == {"weight_version": "B", "weight_step": 7,
                                             "weight_digest": checkpoint_digest(tiny_model_b)}
         await engine.resume()
         ref = reference_probe(tiny_model_b, PROMPT, 8)
@@ -84,5 +84,5 @@ async def test_mocker_installs_staged_tensors() -> None:
     assert await admin.install_tensors({SEED_TENSOR: torch.tensor([5])}, "v5") == {
         "status": "ok", "version": "v5", "version_declared": True, "weight_digest": "mock:5",
         "step": None}
-    assert engine.weight_identity() == {"weight_version": "v5", "weight_digest": "mock:5",
+    assert engine.serving_policy().stamped() == {"weight_version": "v5", "weight_digest": "mock:5",
                                         "weight_step": None}

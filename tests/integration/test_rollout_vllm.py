@@ -7,8 +7,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
-from rlfleet.rl.admission import CHECKS, AdmissionRules, Expectation, single_policy, weight_spans
+from rlfleet.rl.checks import CHECKS, Expectation, SampleRules, single_policy, weight_spans
 from rlfleet.rl.client import request_body
 from rlfleet.rl.response import parse_openai, parse_sglang
 from tests.conftest import MODEL_NAME
@@ -29,9 +30,9 @@ def test_each_check_passes_a_real_response(vllm_fleet, route, n):
     assert r.status_code == 200, r.text
     parse = parse_openai if route == "openai" else parse_sglang
     gen = parse(r.json(), r.headers.get("x-request-id"))
-    rules = AdmissionRules(MODEL_NAME, expected_digest=gen.weight_digest)
+    rules = SampleRules(MODEL_NAME, PolicyIdentity(digest=gen.policy.digest))
     exp = Expectation(f"check-{route}-{n}", PROMPT, n, rules, prompt_logprobs=True)
-    assert gen.weight_digest  # the worker reports the checkpoint it serves
+    assert gen.policy.digest  # the worker reports the checkpoint it serves
     for check in CHECKS:
         check(gen, exp)
     for c in gen.choices:
@@ -50,13 +51,13 @@ async def test_the_client_admits_real_samples_unary_and_streamed(vllm_fleet):
                                                  "vllm-n2"}
     assert len(several.completions) == 2
     for s in (unary, streamed, sglang, several):
-        assert s.attempt == 1 and s.model == MODEL_NAME and s.weight_digest
+        assert s.attempt == 1 and s.model == MODEL_NAME and s.policy.digest
         assert s.prompt_logprobs[0] is None and len(s.prompt_logprobs) == len(PROMPT)
         assert all(lp is not None and lp <= 0 for lp in s.prompt_logprobs[1:])
         for c in s.completions:
             assert c.finish_reason == "length" and len(c.token_ids) == len(c.logprobs) == 8
             assert [(w.start, w.end) for w in c.weight_spans] == [(0, 8)]
-            assert c.weight_spans[0].digest == s.weight_digest
+            assert c.weight_spans[0].digest == s.policy.digest
     # greedy: the same tokens whatever the route or transport
     ids = unary.completion.token_ids
     assert streamed.completion.token_ids == sglang.completion.token_ids == ids

@@ -94,7 +94,7 @@ def test_a_next_turn_keeps_the_engine_tokens_verbatim(fleet, tokenizer):
         kept = earlier.prompt_ids + earlier.completion.token_ids
         assert nxt.prompt_ids[:len(kept)] == kept  # the engine's tokens, not re-tokenised
         assert tokenizer.decode(nxt.prompt_ids[len(kept):]) == closing + rendered_new
-        assert len(nxt.completion.token_ids) == 8 and nxt.weight_digest == earlier.weight_digest
+        assert len(nxt.completion.token_ids) == 8 and nxt.policy.digest == earlier.policy.digest
         # and the engine was prompted with exactly those IDs
         same_sample(nxt, fleet.generate(f"turn2-ids-{earlier.sample_id}", nxt.prompt_ids, GREEDY))
 

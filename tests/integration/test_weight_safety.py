@@ -109,7 +109,7 @@ async def worker(tmp_path_factory, tiny_model, tiny_model_b):
 
 async def test_non_finite_weights_are_refused_before_install(worker):
     a = worker.root / "A"
-    digest = worker.engine.identity().digest
+    digest = worker.engine.applied().policy.digest
     try:
         out = await worker.paused("update_weights_from_disk",
                                   {"model_path": str(worker.root / "nan"), "weight_version": "x"})
@@ -122,7 +122,7 @@ async def test_non_finite_weights_are_refused_before_install(worker):
         assert out["status"] == "error" and "infinite" in out["message"], out
     finally:
         assert (await worker.admin.resume_generation({}))["status"] == "ok"
-    assert worker.engine.identity().digest == digest == checkpoint_digest(a)
+    assert worker.engine.applied().policy.digest == digest == checkpoint_digest(a)
     assert (await worker.entry())["gated"] is False
     await worker.greedy_matches(a)
 
@@ -206,6 +206,6 @@ async def test_staged_versions_are_swapped_in_between_in_place_loads(worker, tmp
         await staged(b)
     finally:
         await area.close()
-        if worker.engine.identity().digest != checkpoint_digest(a):
+        if worker.engine.applied().policy.digest != checkpoint_digest(a):
             await worker.paused("update_weights_from_disk", {"model_path": str(a)})
         await worker.admin.resume_generation({})

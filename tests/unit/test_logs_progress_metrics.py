@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlfleet.frontend.status import render_page, render_text
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime import metrics
 from rlfleet.runtime.logs import default_format, requested_format, setup_logging
 from rlfleet.runtime.progress import Progress
@@ -128,16 +129,16 @@ def test_fleet_gated_follows_the_pools_workers():
 
 
 def test_worker_policy_info_and_latency_buckets():
-    ident = {"weight_version": "v7", "weight_digest": "blake3:ab"}
+    ident = [PolicyIdentity(version="v7", digest="blake3:ab")]
     gated = [False]
-    key = metrics.WORKER_STATE.add("m-info", lambda: ident, lambda: gated[0])
+    key = metrics.WORKER_STATE.add("m-info", lambda: ident[0], lambda: gated[0])
     try:
         R = metrics.WORKER
         assert _sample(R, "rlfleet_worker_policy_info", model="m-info", version="v7",
                        digest="blake3:ab") == 1
         assert _sample(R, "rlfleet_worker_gated", model="m-info") == 0
         gated[0] = True
-        ident["weight_version"] = "v8"
+        ident[0] = PolicyIdentity(version="v8", digest="blake3:ab")
         assert _sample(R, "rlfleet_worker_gated", model="m-info") == 1
         assert _sample(R, "rlfleet_worker_policy_info", model="m-info", version="v8",
                        digest="blake3:ab") == 1

@@ -408,7 +408,7 @@ async def test_pause_abort_ends_running_requests_and_holds_new_ones() -> None:
 
 async def test_set_weights_switches_output_and_needs_pause() -> None:
     engine = MockEngine(seed=3)
-    assert engine.weight_identity() == {"weight_version": None, "weight_digest": "mock:3",
+    assert engine.serving_policy().stamped() == {"weight_version": None, "weight_digest": "mock:3",
                                         "weight_step": None}
     before = await one(engine, max_tokens=20, ignore_eos=True)
     with pytest.raises(RuntimeError, match="pause generation first"):
@@ -416,7 +416,7 @@ async def test_set_weights_switches_output_and_needs_pause() -> None:
     await engine.pause("wait")
     await engine.set_weights(4, "v1")
     await engine.resume()
-    assert engine.weight_identity() == {"weight_version": "v1", "weight_digest": "mock:4",
+    assert engine.serving_policy().stamped() == {"weight_version": "v1", "weight_digest": "mock:4",
                                         "weight_step": None}
     after = await one(engine, max_tokens=20, ignore_eos=True)
     assert after["token_ids"] != before["token_ids"]

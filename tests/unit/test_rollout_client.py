@@ -26,6 +26,7 @@ from rlfleet.rl import (
     AttemptState,
     PartialRolloutPolicy,
     PolicyBound,
+    PolicyIdentity,
     RetryPolicy,
     RolloutClient,
     SampleFailed,
@@ -34,12 +35,16 @@ from rlfleet.rl import (
     SamplingSpec,
     WeightSpan,
 )
-from rlfleet.rl.admission import CHECKS
+from rlfleet.rl.checks import CHECKS
 from rlfleet.rl.telemetry import KINDS, trace_id
 
 MODEL = "tiny"
 PROMPT = [1000, 1001, 1002]
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.001, backoff_max=0.002, attempt_timeout=5.0)
+
+
+def wspan(version: str, digest: str, start: int, end: int) -> WeightSpan:
+    return WeightSpan(version=version, digest=digest, start=start, end=end)
 
 
 def tokens_for(prompt: list[int], choice: int, count: int) -> list[int]:
@@ -172,9 +177,9 @@ async def test_a_sample_is_verified_admitted_and_recorded(stream):
         assert s.completion.token_ids == tokens_for(PROMPT, 0, 5)
         assert len(s.completion.logprobs) == 5 and s.completion.finish_reason == "length"
         assert s.completion.token_attempts == [1] * 5
-        assert s.completion.weight_spans == [WeightSpan("v1", "d1", 0, 5)]
+        assert s.completion.weight_spans == [wspan("v1", "d1", 0, 5)]
         assert s.prompt_logprobs == [None, -2.0, -2.0]
-        assert (s.weight_version, s.weight_digest, s.worker_id) == ("v1", "d1", 7)
+        assert (s.policy.version, s.policy.digest, s.worker_id) == ("v1", "d1", 7)
         rec = c.ledger.attempt("s-1", 1)
         assert rec.admitted and rec.state is AttemptState.SUCCEEDED
         assert (rec.first_token_at is not None) == stream
@@ -262,7 +267,7 @@ async def test_expect_switches_the_admitted_policy():
         with pytest.raises(SampleFailed):
             await c.generate("a", PROMPT)
         c.expect(version="v2")
-        assert (await c.generate("b", PROMPT)).weight_version == "v2"
+        assert (await c.generate("b", PROMPT)).policy.version == "v2"
 
 
 async def test_a_timed_out_attempt_is_retried_under_the_same_request_id():
@@ -337,7 +342,7 @@ async def test_an_aborted_attempt_is_resumed_when_the_policy_says_so(route):
     assert s.completion.token_ids == kept + tokens_for(PROMPT + kept, 0, 3)
     assert s.completion.token_attempts == [1, 1, 2, 2, 2]
     assert len(s.completion.logprobs) == 5
-    assert s.completion.weight_spans == [WeightSpan("v1", "d1", 0, 2), WeightSpan("v1", "d1", 2, 5)]
+    assert s.completion.weight_spans == [wspan("v1", "d1", 0, 2), wspan("v1", "d1", 2, 5)]
 
 
 async def test_a_broken_stream_with_known_weights_is_resumed():
@@ -357,12 +362,12 @@ async def test_a_resumed_sample_across_a_policy_change_is_not_single_policy():
         s = await c.generate("s", PROMPT, SamplingSpec(max_tokens=4))
         assert [r.reason for r in c.ledger.attempts("s")] == ["aborted", "single_policy", None]
     assert fe.requests[2][2]["prompt"] == PROMPT  # after the rejection: from scratch
-    assert s.completion.token_attempts == [3] * 4 and s.weight_version == "v2"
+    assert s.completion.token_attempts == [3] * 4 and s.policy.version == "v2"
 
     fe = FakeFrontend(script)
     async with client(fe, partial=PartialRolloutPolicy("resume"), allow_mixed_versions=True) as c:
         s = await c.generate("s", PROMPT, SamplingSpec(max_tokens=4))
-    assert s.completion.weight_spans == [WeightSpan("v1", "d1", 0, 2), WeightSpan("v2", "d1", 2, 4)]
+    assert s.completion.weight_spans == [wspan("v1", "d1", 0, 2), wspan("v2", "d1", 2, 4)]
 
 
 async def test_server_reported_weight_spans():
@@ -375,7 +380,7 @@ async def test_server_reported_weight_spans():
     assert info.value.reason == "single_policy"
     async with client(fe, allow_mixed_versions=True) as c:
         s = await c.generate("s", PROMPT, SamplingSpec(max_tokens=3))
-    assert s.completion.weight_spans == [WeightSpan("v1", "a", 0, 1), WeightSpan("v2", "b", 1, 3)]
+    assert s.completion.weight_spans == [wspan("v1", "a", 0, 1), wspan("v2", "b", 1, 3)]
 
 
 # ---------------------------------------------------------------- cancellation, duplicates
@@ -475,7 +480,7 @@ async def test_no_attempt_starts_while_the_gate_is_closed():
         assert fe.requests == [] and c.ledger.attempts() == []
         c.expect(version="v2")  # the refresh published v2, then reopens
         gate.open()
-        assert (await task).weight_version == "v2"
+        assert (await task).policy.version == "v2"
         gate.close("another refresh")
         with pytest.raises(SampleFailed) as info:
             await c.generate("t", PROMPT, deadline=time.monotonic() + 0.1)
@@ -553,6 +558,6 @@ async def test_a_reopen_hands_the_new_policy_to_waiting_attempts():
         await asyncio.sleep(0.1)
         gate.open(("v2", "d1"))  # what the refresh does once the fleet serves v2
         samples = await asyncio.gather(*waiting)
-        assert {s.weight_version for s in samples} == {"v2"}
+        assert {s.policy.version for s in samples} == {"v2"}
         assert len(fe.requests) == 4  # no attempt wasted on the old expectation
-        assert c.rules.expected_version == "v2" and c.rules.expected_digest == "d1"
+        assert c.rules.expected == PolicyIdentity(version="v2", digest="d1")

@@ -11,7 +11,8 @@ from typing import Any
 import msgspec
 
 from rlfleet.frontend.router import Worker, WorkerPool, newest_step
-from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step, WeightSpan
+from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step
+from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.openai import Usage
 from rlfleet.runtime import metrics
@@ -95,7 +96,7 @@ class Result:
 
     __slots__ = ("request_id", "n", "received", "first_token", "finished", "worker_id",
                  "prompt_token_ids", "prompt_logprobs", "prompt_text", "prompt_token_strs",
-                 "weight", "choices", "model")
+                 "policy", "choices", "model")
 
     def __init__(self, request_id: str, n: int, keep_output: bool = True) -> None:
         self.request_id, self.n = request_id, n
@@ -107,7 +108,7 @@ class Result:
         self.prompt_logprobs: list | None = None
         self.prompt_text = ""  # with echo
         self.prompt_token_strs: list[str] | None = None  # with echo
-        self.weight: dict[str, Any] = {}
+        self.policy: PolicyIdentity = UNKNOWN  # what produced the first token (the Head's)
         self.choices = [Choice(i, keep_output) for i in range(n)]
         self.model = ""  # the model a worker serves it for (metrics label)
 
@@ -134,8 +135,7 @@ class Result:
             h: Head = ev  # type: ignore[assignment]
             self.prompt_token_ids = h.prompt_token_ids
             self.worker_id = h.worker_id or None
-            self.weight = {"weight_version": h.weight_version, "weight_digest": h.weight_digest,
-                           "weight_step": h.weight_step}
+            self.policy = h.policy
             if h.prompt_text:
                 self.prompt_text = h.prompt_text
             if h.prompt_token_strs:
@@ -151,9 +151,7 @@ class Result:
     def spans(self, choice: Choice) -> list[WeightSpan]:
         """The weight-version spans of a finished choice; from an engine that does not
         track versions per token, one span from the weights the worker reported."""
-        return choice.weight_versions or [WeightSpan(
-            version=self.weight.get("weight_version"), digest=self.weight.get("weight_digest"),
-            step=self.weight.get("weight_step"), start=0, end=choice.count)]
+        return choice.weight_versions or [WeightSpan.of(self.policy, 0, choice.count)]
 
     @property
     def completion_tokens(self) -> int:

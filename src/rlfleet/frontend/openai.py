@@ -192,7 +192,7 @@ router = Router(routes=[
 def system_fingerprint(res: Result) -> str:
     """The backend configuration a response came from: rlfleet's version and the content
     digest of the policy weights that produced its first token."""
-    digest = res.weight.get("weight_digest")
+    digest = res.policy.digest
     return f"rlfleet-{__version__}" + (f"-{digest[:16]}" if digest else "")
 
 
@@ -241,9 +241,7 @@ def nvext_body(req: Req, res: Result, choice: Choice | Delta | None, final: bool
             if "weight_versions" in wanted:  # whole, also when streamed
                 out.weight_versions = res.spans(res.choices[choice.index])
     if "engine_data" in wanted:  # on every chunk: a broken stream still names its policy
-        out.engine_data = {"weight_version": res.weight.get("weight_version"),
-                           "weight_digest": res.weight.get("weight_digest"),
-                           "weight_step": res.weight.get("weight_step")}
+        out.engine_data = res.policy.stamped()
     if final:
         if "prompt_token_ids" in wanted:
             out.prompt_token_ids = res.prompt_token_ids

@@ -38,9 +38,7 @@ def generate_response(req: SglangGenerateRequest, res: Result) -> GenerateRespon
                     finish_reason=_finish(c.finish_reason, c.stop_reason, len(c.token_ids),
                                           c.stale_policy),
                     prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(c.token_ids),
-                    weight_version=res.weight.get("weight_version"),
-                    weight_digest=res.weight.get("weight_digest"),
-                    weight_step=res.weight.get("weight_step"))
+                    **res.policy.stamped())
     if c.finish_reason is not None:
         meta.weight_versions = res.spans(c)
         if c.stale_policy:

@@ -237,7 +237,7 @@ class FleetRollout:
                 out["completion_ids"].append(list(c.token_ids))
                 out["logprobs"].append(list(c.logprobs))
                 out["rlfleet_sample_id"].append(f"{s.sample_id}#{k}")
-                out["rlfleet_policy"].append(s.weight_version)
+                out["rlfleet_policy"].append(s.policy.version)
         if len(out["completion_ids"]) != len(prompts):  # never a silent gap or shift
             raise RolloutFailed({tag: f"{len(out['completion_ids'])} sequences for "
                                       f"{len(prompts)} prompts"})

@@ -184,9 +184,9 @@ class MockAdmin:
         held = engine.num_running()
         try:
             digest = await engine.load_path(path)
-            ident = engine.identity()  # without weight_version the previous one stays (SGLang)
-            await engine.set_version(version if version is not None else ident.version,
-                                     declared=version is not None or ident.declared,
+            applied = engine.applied()  # without weight_version the previous one stays (SGLang)
+            await engine.set_version(version if version is not None else applied.policy.version,
+                                     declared=version is not None or applied.declared,
                                      digest=digest, step=step)
             if flags["flush_cache"]:
                 await engine.reset_cache()
@@ -245,4 +245,4 @@ class MockAdmin:
         return False, "Cache not flushed because there are pending requests."
 
     async def sgl_get_weight_version(self) -> dict:
-        return {"weight_version": self.engine.identity().version}
+        return {"weight_version": self.engine.applied().policy.version}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -44,14 +45,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.worker.engine import (
+    AppliedWeights,
     BadRequest,
     Engine,
     EngineControl,
     EngineInfo,
-    WeightIdentity,
     WeightLoadError,
 )
 
@@ -125,6 +129,11 @@ class MockWeights:
     version: str | None = None
     step: int | None = None  # the policy's fleet step, when declared
 
+    @functools.cached_property
+    def policy(self) -> PolicyIdentity:
+        """The policy these weights are: the digest is a function of the seed."""
+        return PolicyIdentity(version=self.version, digest=f"mock:{self.seed}", step=self.step)
+
 
 @dataclass(eq=False)
 class _Run:
@@ -151,18 +160,15 @@ class _Choice:
     stop_reason: int | str | None = None
     sent_tokens: int = 0
     sent_text: int = 0
-    # the policy of each run of tokens: [{"version", "digest", "step", "start", "end"}]
-    spans: list[dict] = field(default_factory=list)
+    spans: list[WeightSpan] = field(default_factory=list)  # the policy of each run of tokens
 
-    def stamp(self, policy: tuple) -> None:
-        """Record that the token just appended came from `policy` (version, digest, step)."""
+    def stamp(self, policy: PolicyIdentity) -> None:
+        """Record that the token just appended came from `policy`."""
         end = len(self.token_ids)
-        last = self.spans[-1] if self.spans else None
-        if last is not None and (last["version"], last["digest"], last["step"]) == policy:
-            last["end"] = end
+        if self.spans and self.spans[-1].policy == policy:
+            self.spans[-1] = msgspec.structs.replace(self.spans[-1], end=end)
         else:
-            self.spans.append({"version": policy[0], "digest": policy[1], "step": policy[2],
-                               "start": end - 1, "end": end})
+            self.spans.append(WeightSpan.of(policy, end - 1, end))
 
 
 def _hash(key: tuple) -> tuple[float, int]:
@@ -329,8 +335,8 @@ class MockEngine(Engine, EngineControl):
 
     # ------------------------------------------------------------ generation
 
-    def weight_identity(self) -> dict[str, Any]:
-        return self.identity().stamped()
+    def serving_policy(self) -> PolicyIdentity:
+        return self.weights.policy
 
     def num_running(self) -> int:
         return len(self._runs)
@@ -412,7 +418,7 @@ class MockEngine(Engine, EngineControl):
         base, t = self._sample((self.weights.seed, seed, ch.index, i, ch.prev),
                                eos_ok=can_stop and not s.ignore_eos, banned=banned)
         ch.token_ids.append(t)
-        ch.stamp((self.weights.version, f"mock:{self.weights.seed}", self.weights.step))
+        ch.stamp(self.weights.policy)
         ch.prev = t
         if s.logprobs is not None:
             ch.logprobs.append(self._logprob_entry(base, t, s.logprobs))
@@ -450,7 +456,7 @@ class MockEngine(Engine, EngineControl):
                  "text": ch.text[ch.sent_text:end],
                  "logprobs": ch.logprobs[ch.sent_tokens:] if want_lp else None,
                  "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
-                 "weight_versions": [dict(s) for s in ch.spans] if ch.finish_reason else None}
+                 "weight_versions": [s.to_dict() for s in ch.spans] if ch.finish_reason else None}
         ch.sent_tokens, ch.sent_text = len(ch.token_ids), end
         return delta
 
@@ -566,11 +572,10 @@ class MockEngine(Engine, EngineControl):
         """New weights now (running requests continue on them); the version label and step
         stay until `set_version` records the new ones."""
         self.weights = MockWeights(seed, self.weights.version, self.weights.step)
-        return self.identity().digest or ""
+        return self.weights.policy.digest or ""
 
-    def identity(self) -> WeightIdentity:
-        return WeightIdentity(self.weights.version, self.version_declared,
-                              f"mock:{self.weights.seed}", step=self.weights.step)
+    def applied(self) -> AppliedWeights:
+        return AppliedWeights(self.weights.policy, self.version_declared)
 
     async def set_version(self, version: str | None, declared: bool = True,
                           digest: str | None = None, step: int | None = None) -> None:

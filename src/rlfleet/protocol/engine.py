@@ -35,6 +35,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
+from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAGIC = b"RLFP\x01"  # first bytes a frontend writes on a stream-plane connection (version 1)
@@ -109,6 +111,18 @@ def _int64(name: str, v: int | None) -> None:
 def check_sampling(s: SamplingOptions) -> None:
     """vLLM's own rules for sampling parameters (SamplingParams._verify_args and the
     engine's limits), with vLLM's wording."""
+    _check_numbers(s)
+    _check_lengths(s)
+    _check_token_lists(s)
+    if s.stream_interval is not None and s.stream_interval < 1:
+        raise InvalidParam(f"stream_interval must be at least 1, got {s.stream_interval}.",
+                           "stream_interval")
+    if s.temperature < _GREEDY and s.n > 1:
+        raise InvalidParam(f"n must be 1 when using greedy sampling, got {s.n}.", "n")
+
+
+def _check_numbers(s: SamplingOptions) -> None:
+    """The scalar parameters: 64-bit, finite, in vLLM's ranges (a seed of -1 is none)."""
     for name in ("top_k", "max_tokens", "min_tokens", "stream_interval"):
         _int64(name, getattr(s, name))
     for name in ("stop_token_ids", "allowed_token_ids"):
@@ -144,6 +158,10 @@ def check_sampling(s: SamplingOptions) -> None:
                                f"[{_INT64[0]}, {_INT64[1]}]", "seed")
         if s.seed == -1:
             s.seed = None
+
+
+def _check_lengths(s: SamplingOptions) -> None:
+    """Token counts and logprob counts."""
     if s.max_tokens is not None and s.max_tokens < 1:
         raise InvalidParam(f"max_tokens must be at least 1, got {s.max_tokens}.", "max_tokens")
     if s.min_tokens < 0:
@@ -163,6 +181,10 @@ def check_sampling(s: SamplingOptions) -> None:
             kind = "sample" if name == "logprobs" else "prompt"
             raise InvalidParam(f"Requested {kind} logprobs of {what}, which is greater than max "
                                f"allowed: {MAX_LOGPROBS}", name)
+
+
+def _check_token_lists(s: SamplingOptions) -> None:
+    """Stop strings, token ID lists and the logit bias (clamped to [-100, 100])."""
     if len(s.stop) > MAX_STOP_STRINGS:
         raise InvalidParam(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}",
                            "stop")
@@ -185,11 +207,6 @@ def check_sampling(s: SamplingOptions) -> None:
         for t, b in s.logit_bias.items():
             _finite(f"logit_bias[{t}]", b)
         s.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()}
-    if s.stream_interval is not None and s.stream_interval < 1:
-        raise InvalidParam(f"stream_interval must be at least 1, got {s.stream_interval}.",
-                           "stream_interval")
-    if s.temperature < _GREEDY and s.n > 1:
-        raise InvalidParam(f"n must be 1 when using greedy sampling, got {s.n}.", "n")
 
 
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -304,6 +321,16 @@ class Head(Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | UnsetType = UNSET
     worker_id: int | UnsetType = UNSET  # set by the frontend: the instance that served it
 
+    @classmethod
+    def of(cls, prompt_token_ids: list[int], policy: PolicyIdentity) -> Head:
+        """The Head of a generation whose first token `policy` produced."""
+        return cls(prompt_token_ids=prompt_token_ids, **policy.stamped())
+
+    @property
+    def policy(self) -> PolicyIdentity:
+        """The policy that produced the first token."""
+        return PolicyIdentity.from_stamped(msgspec.structs.asdict(self))
+
 
 class TokenLogprob(Struct, kw_only=True):
     """Logprob of one generated token, with the top alternatives."""
@@ -313,17 +340,6 @@ class TokenLogprob(Struct, kw_only=True):
     rank: int | None = None
     decoded: str = ""
     top: list[tuple[int, float, str]] = []  # best first: (token_id, logprob, decoded)
-
-
-class WeightSpan(Struct, kw_only=True):
-    """Half-open span [start, end) of a choice's output tokens generated under one policy
-    (version, digest, fleet step)."""
-
-    version: Any
-    digest: str | None
-    step: int | None = None
-    start: int
-    end: int
 
 
 FinishReason = Literal["stop", "length", "abort"]

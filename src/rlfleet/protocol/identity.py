@@ -9,11 +9,14 @@ Surfaces (one table each, derived from the Struct's fields, so a new field is on
 - an admin reply's fields (`reply_fields` / `from_reply`): {"version", "weight_digest",
   "step"} (get_weight_version and every install route, shared/spec/CONTRACT.md);
 - a span label (`span_label` / `from_span_label`): "<version>|<digest>|<step>", what an
-  engine that tracks policies per token stamps on its tokens.
+  engine that tracks policies per token stamps on its tokens;
+- a weight-version span (`WeightSpan`): the identity's fields, then `start` and `end`
+  (nvext.weight_versions, request-plane deltas, an admitted sample's spans).
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import msgspec
@@ -49,6 +52,14 @@ class PolicyIdentity(msgspec.Struct, frozen=True, kw_only=True):
         d = d or {}
         return cls(**{f: d.get(f"weight_{f}") for f in cls.__struct_fields__})
 
+    @classmethod
+    def stamped_on(cls, d: dict[str, Any]) -> PolicyIdentity | None:
+        """The identity stamped on `d` (say, SGLang's meta_info beside other fields), or
+        None when `d` carries none of the stamped names."""
+        if not any(f"weight_{f}" in d for f in cls.__struct_fields__):
+            return None
+        return cls.from_stamped(d)
+
     # ---------------------------------------------------------------- admin replies
 
     def reply_fields(self) -> dict[str, Any]:
@@ -71,17 +82,40 @@ class PolicyIdentity(msgspec.Struct, frozen=True, kw_only=True):
     def from_span_label(cls, label: str) -> PolicyIdentity:
         """The identity of a span label (older, shorter labels too: missing parts are
         unknown). The last fields are split off from the right: a version may hold '|'."""
-        n = len(cls.__struct_fields__)
-        parts = label.rsplit("|", n - 1)
-        parts += [""] * (n - len(parts))
-        out: dict[str, Any] = {}
-        for f, text in zip(cls.__struct_fields__, parts, strict=True):
-            out[f] = _parse(cls.__annotations__[f], text)
-        return cls(**out)
+        fields = msgspec.structs.fields(cls)
+        parts = label.rsplit("|", len(fields) - 1)
+        parts += [""] * (len(fields) - len(parts))
+        return cls(**{f.name: _parse(f.type, text)
+                      for f, text in zip(fields, parts, strict=True)})
 
     def __bool__(self) -> bool:
         """Whether anything about the policy is known."""
         return any(getattr(self, f) is not None for f in self.__struct_fields__)
+
+
+class WeightSpan(PolicyIdentity, frozen=True, kw_only=True):
+    """Half-open span [start, end) of a choice's output tokens generated under one policy:
+    the policy's fields, then the span's (on the wire: {"version", "digest", "step",
+    "start", "end"})."""
+
+    start: int
+    end: int
+
+    @classmethod
+    def of(cls, policy: PolicyIdentity, start: int, end: int) -> WeightSpan:
+        return cls(**policy.to_dict(), start=start, end=end)
+
+    @property
+    def policy(self) -> PolicyIdentity:
+        """The policy that generated the span's tokens."""
+        return PolicyIdentity(**{f: getattr(self, f) for f in PolicyIdentity.__struct_fields__})
+
+    def moved(self, by: int) -> WeightSpan:
+        """The same span `by` positions later (a resumed sample's later attempt)."""
+        return msgspec.structs.replace(self, start=self.start + by, end=self.end + by)
+
+    def __bool__(self) -> bool:
+        return True  # a span is a span, whether or not its policy is known
 
 
 #: the admin routes' names for the fields that differ from the Struct's
@@ -90,9 +124,11 @@ REPLY_NAMES = {"digest": "weight_digest"}
 UNKNOWN = PolicyIdentity()
 
 
-def _parse(annotation: str, text: str) -> Any:
+def _parse(annotation: Any, text: str) -> Any:
+    """A span label's part as the field's type: empty is unknown, an int field's text that
+    is no number too."""
     if not text:
         return None
-    if annotation.startswith("int"):
+    if annotation is int or int in typing.get_args(annotation):
         return int(text) if text.isdigit() else None
     return text

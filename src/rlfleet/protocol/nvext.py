@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-EXTRA_FIELDS = frozenset({
+ALLOWED_EXTRA_FIELDS = frozenset({
     "completion_token_ids", "prompt_token_ids", "prompt_logprobs", "worker_id", "timing",
     "detailed_finish_reason", "stop_reason", "engine_data", "weight_versions",
 })
@@ -74,9 +74,9 @@ class NvExt(BaseModel):
     @classmethod
     def _fields(cls, v: list[str] | None) -> list[str] | None:
         for f in v or []:
-            if f not in EXTRA_FIELDS:
+            if f not in ALLOWED_EXTRA_FIELDS:
                 raise ValueError(f"unknown nvext.extra_fields entry {f!r}; known: "
-                                 f"{', '.join(sorted(EXTRA_FIELDS))}")
+                                 f"{', '.join(sorted(ALLOWED_EXTRA_FIELDS))}")
         return v
 
     def wants(self, field: str) -> bool:

@@ -4,19 +4,20 @@ partial-rollout policies; prompts as token IDs, text, chat or a next turn) and f
 refresh (PolicyRefresh, its journal, and the RolloutGate between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
+from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.admission import (
-    AdmissionError,
-    AdmissionRules,
+from rlfleet.rl.attempt import AttemptState, IllegalTransition
+from rlfleet.rl.checks import (
+    CheckFailed,
     IdentityMismatch,
     LogprobsMisaligned,
     MixedPolicy,
     NotTerminal,
     PromptLogprobsShifted,
+    SampleRules,
     StalePolicy,
     TokenIdsMissing,
 )
-from rlfleet.rl.attempt import AttemptState, IllegalTransition
 from rlfleet.rl.client import RolloutClient, TokenizeFailed
 from rlfleet.rl.fleet import Fleet, FleetHeld
 from rlfleet.rl.gate import RolloutGate
@@ -46,5 +47,4 @@ from rlfleet.rl.sample import (
     SampleFailed,
     SampleRequest,
     SamplingSpec,
-    WeightSpan,
 )

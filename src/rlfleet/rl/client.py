@@ -14,7 +14,7 @@ is made into token IDs before the first attempt: the earlier sample's tokens ver
 the new messages as the worker's tokenizer renders them (POST /tokenize on the frontend).
 
 `generate` returns an `AdmittedSample` or raises: `SampleFailed` when no attempt was
-admitted (its `reason` says why: an admission check's name, "timeout", "http: 503 ...",
+admitted (its `reason` says why: a sample check's name, "timeout", "http: 503 ...",
 ...), `AlreadyAdmitted` when the ledger already holds an admitted attempt of the sample
 (nothing is sent then), `ValueError` for a request the client cannot send, and
 `asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed and the
@@ -26,7 +26,7 @@ per sample, in input order, never raising for a sample that merely failed.
 
 Each attempt: recorded in the ledger (accepted) before it is sent; sent with X-Request-Id
 (its request ID) and a W3C `traceparent` (trace per sample, span per attempt); its response
-parsed (`response.py`), verified (`admission.py`) and admitted in one ledger transaction.
+parsed (`response.py`), verified (`checks.py`) and admitted in one ledger transaction.
 Transport errors, 5xx/429, stream errors, timeouts, server aborts and failed checks are
 retried under `RetryPolicy` with the same sample ID and the next attempt number; a timed-
 out attempt is retried under the same request ID when the policy says so. What a partial
@@ -47,13 +47,15 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from rlfleet.protocol.engine import STALE_POLICY
+from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl import telemetry
-from rlfleet.rl.admission import (
-    AdmissionError,
-    AdmissionRules,
+from rlfleet.rl.attempt import Attempt, AttemptState, new_request_id
+from rlfleet.rl.checks import (
+    CheckFailed,
     Expectation,
     NotTerminal,
+    SampleRules,
     TokenIdsMissing,
     identity,
     logprobs_aligned,
@@ -63,7 +65,6 @@ from rlfleet.rl.admission import (
     verify,
     weight_spans,
 )
-from rlfleet.rl.attempt import Attempt, AttemptState, new_request_id
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy, ResumedPrefix
 from rlfleet.rl.response import (
@@ -84,7 +85,6 @@ from rlfleet.rl.sample import (
     SampleFailed,
     SampleRequest,
     SamplingSpec,
-    WeightSpan,
     prompt_kind,
 )
 from rlfleet.runtime import tracing
@@ -93,8 +93,8 @@ if TYPE_CHECKING:
     from rlfleet.rl.gate import RolloutGate
 
 ROUTES = ("openai", "sglang")
-EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detailed_finish_reason",
-                "engine_data", "weight_versions")
+REQUESTED_EXTRA_FIELDS = ("completion_token_ids", "prompt_token_ids", "worker_id", "detailed_finish_reason",
+                          "engine_data", "weight_versions")
 # statuses worth another attempt: the frontend or a worker may do better next time
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 499, 500, 502, 503, 504})
 CANCEL_PATH = "/v1/requests/{}/cancel"  # the frontend's abort for a kept X-Request-Id run
@@ -117,7 +117,7 @@ def request_body(route: str, prompt: list[int] | str | Chat, spec: SamplingSpec,
     IDs only) with logprobs and `rid`. A staleness bound goes as `nvext.policy` (SGLang:
     `policy`)."""
     if route == "openai":
-        fields = list(EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
+        fields = list(REQUESTED_EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
         nvext: dict[str, Any] = {"extra_fields": fields}
         if policy is not None:
             nvext["policy"] = policy.nvext()
@@ -195,8 +195,9 @@ class RolloutClient:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
         self.base_url = base_url.rstrip("/")
-        self.rules = AdmissionRules(model, expected_version, expected_digest,
-                                    frozenset(finish_reasons), allow_mixed_versions, policy)
+        self.rules = SampleRules(model, PolicyIdentity(version=expected_version,
+                                                       digest=expected_digest),
+                                 frozenset(finish_reasons), allow_mixed_versions, policy)
         self._own_ledger = ledger is None  # the caller closes a ledger it passed in
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.retry = retry or RetryPolicy()
@@ -229,7 +230,7 @@ class RolloutClient:
 
     def expect(self, version: Any = None, digest: Any = None) -> None:
         """Admit only samples from this policy from now on (after a policy refresh)."""
-        self.rules = replace(self.rules, expected_version=version, expected_digest=digest)
+        self.rules = replace(self.rules, expected=PolicyIdentity(version=version, digest=digest))
 
     def bound(self, policy: PolicyBound | None) -> None:
         """From now on, ask for this staleness bound (nvext.policy) and admit only samples
@@ -242,7 +243,7 @@ class RolloutClient:
                        sampling: SamplingSpec | None = None, n: int = 1, *,
                        route: str | None = None, stream: bool | None = None,
                        deadline: float | None = None, attempt_timeout: float | None = None,
-                       rules: AdmissionRules | None = None) -> AdmittedSample:
+                       rules: SampleRules | None = None) -> AdmittedSample:
         """Generate, verify and admit one sample. `deadline` is a `time.monotonic()` value
         after which no attempt is started or continued; `attempt_timeout` overrides the
         retry policy's for this call; `rules` override the client's (which each attempt
@@ -252,30 +253,7 @@ class RolloutClient:
         sampling = sampling or SamplingSpec()
         route = route or self.route
         stream = self.stream if stream is None else stream
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
-        if route == "sglang" and n != 1:
-            raise ValueError("the SGLang route generates one sequence per request: use n=1")
-        if type(n) is not int or n < 1:
-            raise ValueError(f"n must be an integer >= 1, not {n!r}")
-        kind = prompt_kind(prompt)
-        if route == "sglang":
-            sampling.sglang_params()  # refuses what the route cannot take, before any attempt
-            if kind in ("text", "chat"):
-                raise ValueError("the SGLang route takes token IDs only: send text and chat "
-                                 "prompts with route='openai'")
-        if kind == "next_turn":
-            try:
-                ids = await self.next_turn_ids(prompt)
-            except TokenizeFailed as e:  # nothing was sent: no attempt in the ledger
-                raise SampleFailed(sample_id, f"tokenize: {e}", [f"tokenize: {e}"]) from e
-            p = _Prompt(ids, ids)
-        elif kind == "chat":
-            p = _Prompt(prompt if isinstance(prompt, Chat) else Chat(list(prompt)), None)
-        elif kind == "text":
-            p = _Prompt(prompt, None)
-        else:
-            p = _Prompt(list(prompt), list(prompt))
+        p = await self._prepare(sample_id, prompt, sampling, n, route)
         trace = telemetry.trace_id(sample_id)
         t0 = time.monotonic()
         prefix = ResumedPrefix()
@@ -329,8 +307,36 @@ class RolloutClient:
         log.warning("sample failed: %s", err, extra={"sample_id": sample_id, "trace_id": trace})
         raise err
 
+    async def _prepare(self, sample_id: str, prompt: Any, sampling: SamplingSpec, n: int,
+                       route: str) -> _Prompt:
+        """Refuse what cannot be sent (ValueError) before any attempt; the prompt as it is
+        sent (a `NextTurn` made into token IDs)."""
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, not {route!r}")
+        if route == "sglang" and n != 1:
+            raise ValueError("the SGLang route generates one sequence per request: use n=1")
+        if type(n) is not int or n < 1:
+            raise ValueError(f"n must be an integer >= 1, not {n!r}")
+        kind = prompt_kind(prompt)
+        if route == "sglang":
+            sampling.sglang_params()  # refuses what the route cannot take, before any attempt
+            if kind in ("text", "chat"):
+                raise ValueError("the SGLang route takes token IDs only: send text and chat "
+                                 "prompts with route='openai'")
+        if kind == "next_turn":
+            try:
+                ids = await self.next_turn_ids(prompt)
+            except TokenizeFailed as e:  # nothing was sent: no attempt in the ledger
+                raise SampleFailed(sample_id, f"tokenize: {e}", [f"tokenize: {e}"]) from e
+            return _Prompt(ids, ids)
+        if kind == "chat":
+            return _Prompt(prompt if isinstance(prompt, Chat) else Chat(list(prompt)), None)
+        if kind == "text":
+            return _Prompt(prompt, None)
+        return _Prompt(list(prompt), list(prompt))
+
     def _offer_partial(self, a: Attempt, end: _End, sampling: SamplingSpec, n: int,
-                       rules: AdmissionRules, prefix: ResumedPrefix, prompt: _Prompt) -> None:
+                       rules: SampleRules, prefix: ResumedPrefix, prompt: _Prompt) -> None:
         """Keep a partial attempt's verified tokens if the policy resumes; else start over.
         A text or chat prompt resumes only once the engine has reported its token IDs."""
         gen = end.partial
@@ -343,21 +349,20 @@ class RolloutClient:
                 token_ids_present(replace(gen, prompt_token_ids=None), exp)
                 logprobs_aligned(gen, exp)
                 identity(gen, exp)
-            except AdmissionError:
+            except CheckFailed:
                 gen = None
-            if gen is not None and gen.engine_data is not None:
+            if gen is not None and gen.policy is not None:
                 c = gen.choices[0]
                 out = PartialOutput(a.sample_id, a.number, end.reason, list(c.token_ids or ()),
-                                    list(c.logprobs or ()), gen.weight_version, gen.weight_digest,
-                                    sampling.max_tokens - len(prefix) - len(c.token_ids or ()),
-                                    gen.weight_step)
+                                    list(c.logprobs or ()), gen.policy,
+                                    sampling.max_tokens - len(prefix) - len(c.token_ids or ()))
                 action = self.partial.decide(out)
                 if action is PartialAction.RESUME:
                     spans = None
                     if c.weight_spans is not None:
                         try:
                             spans = weight_spans(c.weight_spans, len(out.token_ids))
-                        except AdmissionError:
+                        except CheckFailed:
                             action = PartialAction.DISCARD
                     if action is PartialAction.RESUME:
                         prefix.keep(out, spans)
@@ -376,7 +381,7 @@ class RolloutClient:
 
     async def _attempt_sent(self, a: Attempt, trace: str, prompt: _Prompt,
                             sampling: SamplingSpec, n: int, route: str, stream: bool,
-                            rules: AdmissionRules, prefix: ResumedPrefix, timeout: float | None,
+                            rules: SampleRules, prefix: ResumedPrefix, timeout: float | None,
                             reused: bool) -> AdmittedSample | _End:
         spec = sampling
         sent: list[int] | str | Chat = prompt.sent
@@ -428,7 +433,7 @@ class RolloutClient:
 
     def _judge(self, a: Attempt, trace: str, gen: Generation, prompt: _Prompt,
                sent: list[int] | str | Chat, sampling: SamplingSpec, n: int,
-               rules: AdmissionRules, prefix: ResumedPrefix) -> AdmittedSample | _End:
+               rules: SampleRules, prefix: ResumedPrefix) -> AdmittedSample | _End:
         """Verify a complete response and admit it in the ledger. For a text or chat prompt
         the engine's report of the prompt IDs it used is required: they are the sample's."""
         prompt_ids = prompt.ids
@@ -454,7 +459,7 @@ class RolloutClient:
                                    _End(STALE_POLICY if stale else "aborted", partial=gen))
             prefix.clear()
             return self._close(a, trace, AttemptState.FAILED, _End(e.check))
-        except AdmissionError as e:
+        except CheckFailed as e:
             telemetry.REJECTIONS.labels(e.check).inc()
             log.info("response rejected: %s", e, extra=telemetry.fields(a, trace))
             prefix.clear()  # a resumed sample that fails starts over
@@ -484,7 +489,7 @@ class RolloutClient:
             plps = [None] + [gen.prompt_logprobs[i][str(prompt_ids[i])]["logprob"]
                              for i in range(1, len(prompt_ids))]
         return AdmittedSample(a.sample_id, a.number, a.request_id, list(prompt_ids), completions,
-                              rules.model, gen.weight_version, gen.weight_digest, plps,
+                              rules.model, gen.policy or UNKNOWN, plps,
                               gen.worker_id)
 
     # ------------------------------------------------------------ the worker's tokenizer
@@ -559,7 +564,7 @@ class RolloutClient:
         """The choice's weight spans, prefix included: the server's nvext.weight_versions
         when it sends them, else one span per attempt from its engine_data."""
         own = weight_spans(raw, length) if raw is not None else \
-            [WeightSpan(gen.weight_version, gen.weight_digest, 0, length, gen.weight_step)]
+            [WeightSpan.of(gen.policy or UNKNOWN, 0, length)]
         base = len(prefix)
         return prefix.spans + [s.moved(base) for s in own]
 

@@ -205,7 +205,8 @@ class Fleet:
     @property
     def expected(self) -> tuple[Any, Any]:
         """(version, digest) a sample must come from; (None, None): any."""
-        return self.client.rules.expected_version, self.client.rules.expected_digest
+        expected = self.client.rules.expected
+        return expected.version, expected.digest
 
     # ------------------------------------------------------------ policy refresh
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
-from rlfleet.rl.sample import WeightSpan
+from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 
 
 class PartialAction(StrEnum):
@@ -34,10 +33,8 @@ class PartialOutput:
     reason: str  # why it ended: "aborted", "timeout", "stream_error", ...
     token_ids: list[int]
     logprobs: list[float]
-    weight_version: Any
-    weight_digest: Any
+    policy: PolicyIdentity  # the policy the worker reported for them
     tokens_left: int  # of the sample's max_tokens, after these
-    weight_step: Any = None
 
 
 class PartialRolloutPolicy:
@@ -74,8 +71,7 @@ class ResumedPrefix:
         self.logprobs += partial.logprobs
         self.token_attempts += [partial.attempt] * n
         if spans is None:
-            spans = [WeightSpan(partial.weight_version, partial.weight_digest, 0, n,
-                                partial.weight_step)] if n else []
+            spans = [WeightSpan.of(partial.policy, 0, n)] if n else []
         self.spans += [s.moved(base) for s in spans]
 
     def clear(self) -> None:

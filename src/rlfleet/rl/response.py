@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlfleet.protocol.identity import PolicyIdentity
+
 TOKEN_ID_PREFIX = "token_id:"
 
 
@@ -41,20 +43,9 @@ class Generation:
     prompt_token_ids: list[int] | None = None  # what the engine says it was prompted with
     # one entry per prompt position: None or {"<token_id>": {"logprob": f, ...}, ...}
     prompt_logprobs: list[Any] | None = None
-    engine_data: dict[str, Any] | None = None  # {"weight_version", "weight_digest", "weight_step"}
+    # the policy the worker reports (nvext.engine_data / SGLang meta_info); None: none
+    policy: PolicyIdentity | None = None
     worker_id: int | None = None
-
-    @property
-    def weight_version(self) -> Any:
-        return (self.engine_data or {}).get("weight_version")
-
-    @property
-    def weight_digest(self) -> Any:
-        return (self.engine_data or {}).get("weight_digest")
-
-    @property
-    def weight_step(self) -> Any:
-        return (self.engine_data or {}).get("weight_step")
 
     def token_count(self) -> int:
         return sum(len(c.token_ids or ()) for c in self.choices)
@@ -96,6 +87,12 @@ def _worker_id(nv: dict) -> int | None:
     return wid if isinstance(wid, int) else None
 
 
+def _engine_policy(nv: dict) -> PolicyIdentity | None:
+    """nvext.engine_data's policy, when it is an object."""
+    data = nv.get("engine_data")
+    return PolicyIdentity.from_stamped(data) if isinstance(data, dict) else None
+
+
 def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
     """A unary /v1/completions or /v1/chat/completions response."""
     body = _dict(body)
@@ -104,8 +101,7 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
     gen = Generation("openai", echoed_request_id, body.get("id"), body.get("model"),
                      prompt_token_ids=_list(nv.get("prompt_token_ids")),
                      prompt_logprobs=_list(nv.get("prompt_logprobs")),
-                     engine_data=nv.get("engine_data") if isinstance(nv.get("engine_data"), dict)
-                     else None,
+                     policy=_engine_policy(nv),
                      worker_id=_worker_id(nv))
     for pos, raw in enumerate(_list(body.get("choices")) or []):
         raw = _dict(raw)
@@ -168,7 +164,7 @@ class OpenAIStream:
             if key in nv:
                 setattr(g, key, _list(nv[key]))
         if isinstance(nv.get("engine_data"), dict):
-            g.engine_data = nv["engine_data"]
+            g.policy = _engine_policy(nv)
         if "worker_id" in nv:
             g.worker_id = _worker_id(nv)
         if "weight_versions" in nv and not _list(chunk.get("choices")):
@@ -210,8 +206,6 @@ def parse_sglang(body: Any, echoed_request_id: str | None = None) -> Generation:
         values = [r[0] for r in rows]
         tokens = [r[1] if isinstance(r[1], int) else None for r in rows]
     finish = meta.get("finish_reason")
-    engine = {k: meta[k] for k in ("weight_version", "weight_digest", "weight_step")
-              if k in meta}
     choice = GeneratedChoice(0, token_ids=_list(body.get("output_ids")), logprobs=values,
                              logprob_token_ids=tokens,
                              finish_reason=_dict(finish).get("type") if finish is not None else None,
@@ -222,7 +216,7 @@ def parse_sglang(body: Any, echoed_request_id: str | None = None) -> Generation:
     return Generation("sglang", echoed_request_id, meta.get("id"), meta.get("model"),
                       choices=[choice] if body else [],
                       prompt_logprobs=_sglang_prompt_logprobs(meta.get("input_token_logprobs")),
-                      engine_data=engine or None)
+                      policy=PolicyIdentity.stamped_on(meta))
 
 
 class SglangStream:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeAlias
+
+from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 
 #: bounds the frontend enforces (protocol/openai.py); refused here first, with the field named
 _PENALTY = (-2.0, 2.0)
@@ -101,8 +103,9 @@ class SamplingSpec:
                 _number(f"logit_bias[{t}]", b, *_LOGIT_BIAS)
             object.__setattr__(self, "logit_bias", bias or None)
 
-    def openai_fields(self) -> dict[str, Any]:
-        """The fields of an OpenAI completions or chat request (vLLM's names)."""
+    def _shared_fields(self) -> dict[str, Any]:
+        """The parameters both routes take, in vLLM's names and in order: the first three
+        always, the others when set."""
         out: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": float(self.temperature),
                                "top_p": float(self.top_p)}
         if self.top_k is not None:
@@ -124,6 +127,11 @@ class SamplingSpec:
                 out[name] = float(getattr(self, name))
         if self.repetition_penalty != 1.0:
             out["repetition_penalty"] = float(self.repetition_penalty)
+        return out
+
+    def openai_fields(self) -> dict[str, Any]:
+        """The fields of an OpenAI completions or chat request (vLLM's names)."""
+        out = self._shared_fields()
         if self.logit_bias:
             out["logit_bias"] = {str(t): float(b) for t, b in self.logit_bias.items()}
         if self.prompt_logprobs:
@@ -134,28 +142,12 @@ class SamplingSpec:
         """`sampling_params` of a native SGLang /generate request."""
         if self.logit_bias:
             raise ValueError("logit_bias is sent on the OpenAI route only: use route='openai'")
-        out: dict[str, Any] = {"max_new_tokens": self.max_tokens,
-                               "temperature": float(self.temperature), "top_p": float(self.top_p)}
-        if self.top_k is not None:
-            out["top_k"] = self.top_k
-        if self.min_p:
-            out["min_p"] = float(self.min_p)
-        if self.seed is not None:
-            out["sampling_seed"] = self.seed
-        if self.min_tokens:
-            out["min_new_tokens"] = self.min_tokens
-        if self.stop:
-            out["stop"] = list(self.stop)
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                out[name] = float(getattr(self, name))
-        if self.repetition_penalty != 1.0:
-            out["repetition_penalty"] = float(self.repetition_penalty)
-        return out
+        return {_SGLANG_NAMES.get(k, k): v for k, v in self._shared_fields().items()}
+
+
+#: SGLang's names for the sampling parameters whose vLLM names differ
+_SGLANG_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed",
+                 "min_tokens": "min_new_tokens"}
 
 
 @dataclass(frozen=True)
@@ -238,22 +230,6 @@ class SampleRequest:
 
 
 @dataclass(frozen=True)
-class WeightSpan:
-    """Generated positions [start, end) were produced by policy `version` / `digest`, at
-    fleet step `step` (None when the worker did not say)."""
-
-    version: Any
-    digest: Any
-    start: int
-    end: int
-    step: Any = None
-
-    def moved(self, by: int) -> WeightSpan:
-        """The same span `by` positions later (a resumed sample's later attempt)."""
-        return replace(self, start=self.start + by, end=self.end + by)
-
-
-@dataclass(frozen=True)
 class Completion:
     """One generated sequence. `token_attempts[i]` is the attempt that produced token i
     (all the same unless the sample was resumed after a partial attempt)."""
@@ -275,8 +251,7 @@ class AdmittedSample:
     prompt_ids: list[int]
     completions: list[Completion]
     model: str
-    weight_version: Any = None
-    weight_digest: Any = None
+    policy: PolicyIdentity = UNKNOWN  # the policy the worker reported
     prompt_logprobs: list[float | None] | None = None  # position 0 is None
     worker_id: int | None = None
 

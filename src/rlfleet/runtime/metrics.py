@@ -36,6 +36,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from starlette.responses import Response
 
+from rlfleet.protocol.identity import PolicyIdentity
+
 # seconds: from 10 ms to 4 h
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                    300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 14400.0)
@@ -154,7 +156,7 @@ class WorkerStateCollector:
         self.workers: dict[int, tuple[str, Callable[[], dict], Callable[[], bool]]] = {}
         self._keys = itertools.count()
 
-    def add(self, model: str, identity: Callable[[], dict], gated: Callable[[], bool]) -> int:
+    def add(self, model: str, identity: Callable[[], PolicyIdentity], gated: Callable[[], bool]) -> int:
         key = next(self._keys)
         self.workers[key] = (model, identity, gated)
         return key
@@ -168,9 +170,9 @@ class WorkerStateCollector:
         gate = GaugeMetricFamily("rlfleet_worker_gated",
                                  "1 while this worker is closed to rollouts", labels=["model"])
         for model, identity, gated in list(self.workers.values()):
-            wid = identity()
-            info.add_metric([model], {"version": str(wid.get("weight_version") or ""),
-                                      "digest": str(wid.get("weight_digest") or "")})
+            policy = identity()
+            info.add_metric([model], {"version": str(policy.version or ""),
+                                      "digest": str(policy.digest or "")})
             gate.add_metric([model], float(gated()))
         yield from (info, gate)
 

@@ -15,14 +15,15 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 from rlfleet.worker.engine import (
+    AppliedWeights,
     BadRequest,
     Engine,
     EngineControl,
     EngineInfo,
-    WeightIdentity,
     WeightLoadError,
 )
 
@@ -127,9 +128,9 @@ def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs) -> list[dict | None
 
 
 def _span(w) -> dict:
-    """vLLM's WeightVersionSpan (labelled "<version>|<digest>|<step>" by set_version) → the
-    response shape {"version", "digest", "step", "start", "end"}."""
-    return {**WeightIdentity.from_span_label(w.version), "start": w.start, "end": w.end}
+    """vLLM's WeightVersionSpan (labelled with `PolicyIdentity.span_label` by set_version)
+    → the response shape {"version", "digest", "step", "start", "end"}."""
+    return WeightSpan.of(PolicyIdentity.from_span_label(w.version), w.start, w.end).to_dict()
 
 
 async def _until_listening(host: str, port: int, deadline: float) -> None:
@@ -212,9 +213,8 @@ class VllmEngine(Engine, EngineControl):
             with Progress("warm-up request (compiles the logprobs kernels)"):
                 await self._warmup()
 
-    def weight_identity(self) -> dict:
-        return {"weight_version": self.version, "weight_digest": self.digest,
-                "weight_step": self.step}
+    def serving_policy(self) -> PolicyIdentity:
+        return PolicyIdentity(version=self.version, digest=self.digest, step=self.step)
 
     async def _warmup(self) -> None:
         """The first request that asks for logprobs compiles a kernel: pay for it now."""
@@ -367,9 +367,9 @@ class VllmEngine(Engine, EngineControl):
             await self._rpc("rlfleet_clear_kv_cache", LOAD_TIMEOUT)
         return True
 
-    def identity(self) -> WeightIdentity:
+    def applied(self) -> AppliedWeights:
         dtype = str(self.llm.model_config.dtype).removeprefix("torch.") if self.llm else None
-        return WeightIdentity(self.version, self.version_declared, self.digest, dtype, self.step)
+        return AppliedWeights(self.serving_policy(), self.version_declared, dtype)
 
     async def set_version(self, version: str | None, declared: bool = True,
                           digest: str | None = None, step: int | None = None) -> None:
@@ -379,7 +379,7 @@ class VllmEngine(Engine, EngineControl):
             self.digest, self.step = digest, step
         elif step is not None:
             self.step = step
-        await self.llm.update_weight_version(self.identity().span_label())
+        await self.llm.update_weight_version(self.serving_policy().span_label())
 
     def checkpoint_mismatch(self, path: Path) -> str | None:
         from safetensors import SafetensorError

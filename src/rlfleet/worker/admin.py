@@ -78,8 +78,8 @@ class EngineAdmin:
     # ---------------------------------------------------------------- lifecycle
 
     def _policy(self) -> dict[str, Any]:
-        ident = self.engine.identity()
-        return {"version": ident.version, "digest": ident.digest}
+        policy = self.engine.applied().policy
+        return {"version": policy.version, "digest": policy.digest}
 
     async def liveness_probe(self, body: dict) -> dict:
         """The engine answers and its model can run on the weights it holds (both checked
@@ -191,16 +191,17 @@ class EngineAdmin:
     # ---------------------------------------------------------------- versions
 
     async def get_weight_version(self, body: dict) -> dict:
-        ident = self.engine.identity()
-        served = {"dtype": ident.dtype} if ident.dtype else {}  # what the probe tolerance needs
-        return ok(version=ident.version, version_declared=ident.declared,
-                  weight_digest=ident.digest, step=ident.step, fleet_epoch=self.fence.newest,
+        applied = self.engine.applied()
+        served = {"dtype": applied.dtype} if applied.dtype else {}  # what the probe tolerance needs
+        policy = applied.policy
+        return ok(version=policy.version, version_declared=applied.declared,
+                  weight_digest=policy.digest, step=policy.step, fleet_epoch=self.fence.newest,
                   **served)
 
     async def set_weight_version(self, body: dict) -> dict:
         v = admin.declared_version(body)
         await self.engine.set_version(v, declared=True, step=admin.policy_step(body))
-        return ok(version=v, step=self.engine.identity().step)
+        return ok(version=v, step=self.engine.applied().policy.step)
 
     # ---------------------------------------------------------------- installing weights
 
@@ -260,9 +261,9 @@ class EngineAdmin:
         with the handle (STAGING). Bad sources and wrong bases are refused here when they can
         be seen without the transfer, else the handle ends FAILED with the reason."""
         req = admin.stage_request(body)
-        ident = self.engine.identity()
+        policy = self.engine.applied().policy
         h = await self.staging.stage(req.version, req.source, digest=req.digest,
-                                     applied=(ident.version, ident.digest))
+                                     applied=(policy.version, policy.digest))
         return ok(handle=h.handle, state=h.state.value, version=h.version)
 
     async def get_staged_weights(self, body: dict) -> dict:

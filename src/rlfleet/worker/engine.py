@@ -14,6 +14,7 @@ from typing import Any
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity
 from rlfleet.runtime.metrics import WorkerSeries
 
 
@@ -72,10 +73,9 @@ class Engine(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """End a running request now, with its partial output and finish reason `abort`."""
 
-    def weight_identity(self) -> dict[str, Any]:
-        """The weight version, digest and fleet step currently applied (stamped on every
-        response): `{"weight_version", "weight_digest", "weight_step"}`."""
-        return {}
+    def serving_policy(self) -> PolicyIdentity:
+        """The policy currently applied (stamped on every response)."""
+        return UNKNOWN
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Warm up; called once before the worker registers in discovery."""
@@ -101,31 +101,13 @@ class WeightLoadError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class WeightIdentity:
-    """What an engine serves: the caller's label and the content of the weights."""
+class AppliedWeights:
+    """What an engine serves: the policy, whether a caller declared its version, and the
+    dtype it computes in."""
 
-    version: str | None  # the caller-declared label (None: none, or declared as null)
-    declared: bool  # whether a caller declared `version` (an explicit null counts)
-    digest: str | None  # content digest of the applied weights (rlfleet.weights.digest)
+    policy: PolicyIdentity
+    declared: bool  # whether a caller declared `policy.version` (an explicit null counts)
     dtype: str | None = None  # the dtype the engine computes in ("bfloat16"), when known
-    step: int | None = None  # the policy's fleet step, when a coordinator declared one
-
-    def stamped(self) -> dict[str, Any]:
-        """The identity as responses and discovery entries carry it."""
-        return {"weight_version": self.version, "weight_digest": self.digest,
-                "weight_step": self.step}
-
-    def span_label(self) -> str:
-        """The label an engine that tracks policies per token stamps on its tokens:
-        "<version>|<digest>|<step>" (empty for null); `from_span_label` reads it back."""
-        return f"{self.version or ''}|{self.digest or ''}|{'' if self.step is None else self.step}"
-
-    @staticmethod
-    def from_span_label(label: str) -> dict[str, Any]:
-        """{"version", "digest", "step"} of a span label (older two-part labels too)."""
-        version, digest, step = (label.rsplit("|", 2) + ["", ""])[:3]
-        return {"version": version or None, "digest": digest or None,
-                "step": int(step) if step.isdigit() else None}
 
 
 class EngineControl(abc.ABC):
@@ -176,7 +158,7 @@ class EngineControl(abc.ABC):
     # ---- identity
 
     @abc.abstractmethod
-    def identity(self) -> WeightIdentity: ...
+    def applied(self) -> AppliedWeights: ...
 
     @abc.abstractmethod
     async def set_version(self, version: str | None, declared: bool = True,

@@ -253,9 +253,7 @@ class WorkerPlane:
             series.requests["error"].inc()
             raise HttpError(500, f"engine failed: {type(e).__name__}: {e}") from e
         # the weights that produced the first token (a pause may have swapped them)
-        wid = engine.weight_identity()
-        head = Head(prompt_token_ids=ids, weight_version=wid.get("weight_version"),
-                    weight_digest=wid.get("weight_digest"), weight_step=wid.get("weight_step"))
+        head = Head.of(ids, engine.serving_policy())
         if first is not None and "prompt_logprobs" in first and "done" not in first:
             plps = first.pop("prompt_logprobs")
             if plps is not None:

@@ -199,7 +199,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     # what the status page and dashboards read: the policy and the gate at scrape time,
     # tokens per second from a once-a-second sample of the token counter
     state_key = metrics.WORKER_STATE.add(engine.info.served_model_name,
-                                         engine.weight_identity, lambda: admission.gated)
+                                         engine.serving_policy, lambda: admission.gated)
     rate = metrics.TokenRate(engine.series)
 
     async def sample_rate() -> None:
@@ -210,7 +210,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
 
     def live_fields() -> dict[str, Any]:
         """What the entry says about this worker's state now."""
-        return {**admission.fields(), **engine.weight_identity(), "fleet_epoch": fence.newest}
+        return {**admission.fields(), **engine.serving_policy().stamped(), "fleet_epoch": fence.newest}
 
     def entry_now(entry: dict[str, Any]) -> dict[str, Any]:
         return {**{k: v for k, v in entry.items() if k not in ADMISSION_FIELDS},

@@ -16,17 +16,18 @@ from rlfleet.frontend.sglang import generate_body
 from rlfleet.protocol.openai import CompletionRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.rl import (
-    AdmissionError,
-    AdmissionRules,
+    CheckFailed,
     IdentityMismatch,
     LogprobsMisaligned,
     MixedPolicy,
     NotTerminal,
+    PolicyIdentity,
     PromptLogprobsShifted,
+    SampleRules,
     TokenIdsMissing,
     WeightSpan,
 )
-from rlfleet.rl.admission import (
+from rlfleet.rl.checks import (
     CHECKS,
     Expectation,
     identity,
@@ -46,6 +47,10 @@ PROMPT = [1000, 1001, 1002, 1003]
 TOKENS = [[5, 6, 7, 8], [9, 10, 11]]
 FIELDS = ["completion_token_ids", "prompt_token_ids", "prompt_logprobs", "worker_id",
           "detailed_finish_reason", "engine_data", "weight_versions"]
+
+
+def wspan(version: str, digest: str, start: int, end: int) -> WeightSpan:
+    return WeightSpan(version=version, digest=digest, start=start, end=end)
 
 
 def engine_result(n: int = 1, finish: str = "length", stream: bool = False) -> tuple[Result, list]:
@@ -96,12 +101,12 @@ def sglang_body(finish: str = "length") -> dict:
     return generate_body(req, res)
 
 
-def expectation(n: int = 1, **rules) -> Expectation:
-    rules = {"expected_version": "v1", "expected_digest": "d1", **rules}
-    return Expectation(RID, PROMPT, n, AdmissionRules(MODEL, **rules), prompt_logprobs=True)
+def expectation(n: int = 1, expected_version="v1", expected_digest="d1", **rules) -> Expectation:
+    expected = PolicyIdentity(version=expected_version, digest=expected_digest)
+    return Expectation(RID, PROMPT, n, SampleRules(MODEL, expected, **rules), prompt_logprobs=True)
 
 
-def rejects(check, gen, exp, error: type[AdmissionError]) -> AdmissionError:
+def rejects(check, gen, exp, error: type[CheckFailed]) -> CheckFailed:
     with pytest.raises(error) as info:
         check(gen, exp)
     assert info.value.check == error.check == check.__name__ or error is MixedPolicy
@@ -116,7 +121,7 @@ def test_a_good_openai_response_passes_every_check(n):
     for check in CHECKS:
         check(gen, expectation(n))
     assert [c.token_ids for c in gen.choices] == TOKENS[:n]
-    assert gen.worker_id == 7 and gen.weight_version == "v1" and gen.weight_digest == "d1"
+    assert gen.worker_id == 7 and gen.policy.version == "v1" and gen.policy.digest == "d1"
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -128,7 +133,7 @@ def test_a_good_openai_stream_folds_into_the_unary_response(n):
     assert [c.token_ids for c in streamed.choices] == [c.token_ids for c in unary.choices]
     assert [c.logprobs for c in streamed.choices] == [c.logprobs for c in unary.choices]
     assert streamed.prompt_logprobs == unary.prompt_logprobs
-    assert streamed.engine_data == unary.engine_data
+    assert streamed.policy == unary.policy
 
 
 def test_a_good_sglang_response_passes_every_check():
@@ -226,7 +231,7 @@ def test_prompt_logprobs_unshifted_needs_them_only_when_asked():
     del body["nvext"]["prompt_logprobs"]
     gen = parse_openai(body, RID)
     rejects(prompt_logprobs_unshifted, gen, expectation(), PromptLogprobsShifted)
-    prompt_logprobs_unshifted(gen, Expectation(RID, PROMPT, 1, AdmissionRules(MODEL)))
+    prompt_logprobs_unshifted(gen, Expectation(RID, PROMPT, 1, SampleRules(MODEL)))
 
 
 def test_prompt_logprobs_unshifted_on_sglang():
@@ -305,12 +310,12 @@ def test_single_policy_rejects_mixed_versions_unless_allowed():
     body["nvext"]["weight_versions"] = spans(("v1", 0, 2), ("v2", 2, 4))
     gen = parse_openai(body, RID)
     parsed = weight_spans(gen.choices[0].weight_spans, 4)
-    assert parsed == [WeightSpan("v1", "d-v1", 0, 2), WeightSpan("v2", "d-v2", 2, 4)]
+    assert parsed == [wspan("v1", "d-v1", 0, 2), wspan("v2", "d-v2", 2, 4)]
     with pytest.raises(MixedPolicy) as info:
-        single_policy(parsed, AdmissionRules(MODEL))
+        single_policy(parsed, SampleRules(MODEL))
     assert info.value.check == "single_policy"
-    single_policy(parsed, AdmissionRules(MODEL, allow_mixed_versions=True))
-    single_policy(weight_spans(spans(("v1", 0, 4)), 4), AdmissionRules(MODEL))
+    single_policy(parsed, SampleRules(MODEL, allow_mixed_versions=True))
+    single_policy(weight_spans(spans(("v1", 0, 4)), 4), SampleRules(MODEL))
 
 
 @pytest.mark.parametrize("raw", [

@@ -1,7 +1,8 @@
-"""The admission checks: what a response must prove before its sample goes to training.
+"""The sample checks: what a response must prove before its sample goes to training (and
+is admitted in the ledger).
 
 Each check is a function of the parsed response (`Generation`) and what was asked
-(`Expectation`); it returns None or raises its own `AdmissionError` subclass, which
+(`Expectation`); it returns None or raises its own `CheckFailed` subclass, which
 carries the check's name. `verify` runs the five checks of the integration reference in
 order; `single_policy` judges the weight-version spans of the (possibly resumed) sample.
 Only a sample that passes all of them is admitted.
@@ -14,26 +15,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.response import Generation
-from rlfleet.rl.sample import WeightSpan
 
 LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
 
 
 @dataclass(frozen=True)
-class AdmissionRules:
+class SampleRules:
     """What the trainer accepts. `model`: the served model name responses must carry;
-    `expected_version` / `expected_digest`: the policy the worker must report (None: no
-    expectation); `finish_reasons`: terminal states the framework recognises ("abort" is
+    `expected`: the policy the worker must report (each field that is None: no expectation
+    of it); `finish_reasons`: terminal states the framework recognises ("abort" is
     left to the partial-rollout policy); `allow_mixed_versions`: admit samples whose
     tokens come from more than one policy version (their spans come with the sample);
     `policy`: the staleness bound requests carry (nvext.policy) and admitted samples' spans
     must satisfy."""
 
     model: str
-    expected_version: Any = None
-    expected_digest: Any = None
+    expected: PolicyIdentity = UNKNOWN
     finish_reasons: frozenset[str] = frozenset({"length", "stop"})
     allow_mixed_versions: bool = False
     policy: PolicyBound | None = None
@@ -46,14 +46,14 @@ class Expectation:
     request_id: str
     prompt_ids: list[int]
     n: int
-    rules: AdmissionRules
+    rules: SampleRules
     prompt_logprobs: bool = False
 
 
-class AdmissionError(Exception):
-    """A response failed the admission check `check`; `message` says how."""
+class CheckFailed(Exception):
+    """A response failed the sample check `check`; `message` says how."""
 
-    check = "admission"
+    check = "sample_check"
 
     def __init__(self, message: str) -> None:
         super().__init__(f"{self.check}: {message}")
@@ -64,41 +64,15 @@ class AdmissionError(Exception):
         return self.check
 
 
-class TokenIdsMissing(AdmissionError):
-    check = "token_ids_present"
-
-
-class LogprobsMisaligned(AdmissionError):
-    check = "logprobs_aligned"
-
-
-class PromptLogprobsShifted(AdmissionError):
-    check = "prompt_logprobs_unshifted"
-
-
-class NotTerminal(AdmissionError):
-    check = "terminal_state"
-
-    def __init__(self, message: str, finish_reason: Any = None) -> None:
-        super().__init__(message)
-        self.finish_reason = finish_reason
-
-
-class IdentityMismatch(AdmissionError):
-    check = "identity"
-
-
-class MixedPolicy(AdmissionError):
-    check = "single_policy"
-
-
-class StalePolicy(AdmissionError):
-    check = "policy_bound"
-
-
 def _all_token_ids(ids: list[Any]) -> bool:
     """Every entry a non-negative int (bool is not a token ID)."""
     return all(type(t) is int for t in ids) and (not ids or min(ids) >= 0)
+
+
+class TokenIdsMissing(CheckFailed):
+    """A choice lacks its generated token IDs, or the engine's prompt is not the one sent."""
+
+    check = "token_ids_present"
 
 
 def token_ids_present(gen: Generation, exp: Expectation) -> None:
@@ -124,6 +98,12 @@ def _good_logprob(x: Any) -> bool:
         and x <= LOGPROB_TOLERANCE
 
 
+class LogprobsMisaligned(CheckFailed):
+    """The sampled tokens' logprobs are missing, or do not line up with the token IDs."""
+
+    check = "logprobs_aligned"
+
+
 def logprobs_aligned(gen: Generation, exp: Expectation) -> None:
     """The sampled tokens' logprobs match the generated IDs in length and order: one real
     logprob <= 0 per token, and the token each logprob names is the generated one."""
@@ -146,6 +126,12 @@ def logprobs_aligned(gen: Generation, exp: Expectation) -> None:
                                      f"not a log-probability")
 
 
+class PromptLogprobsShifted(CheckFailed):
+    """Prompt logprobs were asked for and are missing or shifted by a position."""
+
+    check = "prompt_logprobs_unshifted"
+
+
 def prompt_logprobs_unshifted(gen: Generation, exp: Expectation) -> None:
     """When prompt logprobs were asked for: one entry per prompt token, the first null
     (nothing predicts it), entry i holding prompt token i (no shift by one)."""
@@ -165,6 +151,16 @@ def prompt_logprobs_unshifted(gen: Generation, exp: Expectation) -> None:
             raise PromptLogprobsShifted(f"entry {i} has no logprob for prompt token {ids[i]}")
 
 
+class NotTerminal(CheckFailed):
+    """A choice did not end in a finish reason the trainer accepts (`finish_reason`)."""
+
+    check = "terminal_state"
+
+    def __init__(self, message: str, finish_reason: Any = None) -> None:
+        super().__init__(message)
+        self.finish_reason = finish_reason
+
+
 def terminal_state(gen: Generation, exp: Expectation) -> None:
     """Every choice ended with a finish reason the framework recognises."""
     for c in gen.choices:
@@ -172,6 +168,12 @@ def terminal_state(gen: Generation, exp: Expectation) -> None:
             raise NotTerminal(f"choice {c.index} ended with finish_reason {c.finish_reason!r}; "
                               f"admitted: {', '.join(sorted(exp.rules.finish_reasons))}",
                               c.finish_reason)
+
+
+class IdentityMismatch(CheckFailed):
+    """The response answers another request, model or policy than the one expected."""
+
+    check = "identity"
 
 
 def identity(gen: Generation, exp: Expectation) -> None:
@@ -189,14 +191,15 @@ def identity(gen: Generation, exp: Expectation) -> None:
     if gen.route == "openai" or gen.model is not None:
         if gen.model != rules.model:
             raise IdentityMismatch(f"served by model {gen.model!r}, expected {rules.model!r}")
-    for key, want in (("weight_version", rules.expected_version),
-                      ("weight_digest", rules.expected_digest)):
+    reported = gen.policy.to_dict() if gen.policy is not None else {}
+    for name, want in rules.expected.to_dict().items():
         if want is None:
             continue
-        if gen.engine_data is None or key not in gen.engine_data:
-            raise IdentityMismatch(f"the worker did not report its {key} (expected {want!r})")
-        if gen.engine_data[key] != want:
-            raise IdentityMismatch(f"the worker reports {key} {gen.engine_data[key]!r}, "
+        if reported.get(name) is None:
+            raise IdentityMismatch(f"the worker did not report its policy {name} "
+                                   f"(expected {want!r})")
+        if reported[name] != want:
+            raise IdentityMismatch(f"the worker reports policy {name} {reported[name]!r}, "
                                    f"expected {want!r}")
 
 
@@ -208,6 +211,12 @@ def verify(gen: Generation, exp: Expectation) -> None:
     """Run the five checks in order; the first failure raises."""
     for check in CHECKS:
         check(gen, exp)
+
+
+class MixedPolicy(CheckFailed):
+    """A choice's tokens come from more than one policy (or its spans are malformed)."""
+
+    check = "single_policy"
 
 
 def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
@@ -223,14 +232,14 @@ def weight_spans(raw: Any, length: int) -> list[WeightSpan]:
         if not (isinstance(start, int) and isinstance(end, int)) or start != pos or end < start:
             raise MixedPolicy(f"weight_versions[{i}] covers [{start!r}, {end!r}); expected a span "
                               f"starting at {pos}")
-        spans.append(WeightSpan(s.get("version"), s.get("digest"), start, end, s.get("step")))
+        spans.append(WeightSpan.of(PolicyIdentity.from_dict(s), start, end))
         pos = end
     if pos != length:
         raise MixedPolicy(f"weight_versions cover {pos} of {length} generated tokens")
     return spans
 
 
-def single_policy(spans: list[WeightSpan] | None, rules: AdmissionRules) -> None:
+def single_policy(spans: list[WeightSpan] | None, rules: SampleRules) -> None:
     """Unless mixed versions are allowed, all tokens of a choice come from one policy."""
     if rules.allow_mixed_versions or not spans:
         return
@@ -241,7 +250,13 @@ def single_policy(spans: list[WeightSpan] | None, rules: AdmissionRules) -> None
                           f"set allow_mixed_versions=True to admit such samples")
 
 
-def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: AdmissionRules) -> None:
+class StalePolicy(CheckFailed):
+    """A choice's tokens come from outside the request's staleness bound."""
+
+    check = "policy_bound"
+
+
+def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: SampleRules) -> None:
     """With a staleness bound, every token's policy is within it, as its spans say (every
     span names a step at or above `min_step`; the steps of one choice are at most `max_lag`
     apart), and the server did not mark the sample stale (its worker left the bound while
