@@ -19,10 +19,10 @@ from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.frontend")

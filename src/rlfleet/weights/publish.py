@@ -213,7 +213,7 @@ class TrainerServer:
 
     def __init__(self, directory: str | Path | None = None, host: str = "127.0.0.1",
                  port: int = 0) -> None:
-        from rlfleet.runtime.http import AppServer, bind_socket
+        from rlfleet.runtime.server import AppServer, bind_socket
 
         own = directory is None
         if own:

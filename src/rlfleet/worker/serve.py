@@ -17,9 +17,9 @@ from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
-from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.progress import Progress
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
 from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
 from rlfleet.worker.admission import Admission
