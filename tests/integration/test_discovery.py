@@ -585,11 +585,11 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
 
     import httpx
 
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
     from tests.conftest import wait_for_workers
 
     flags = ("--served-model-name", "mock", "--enable-rl", "--system-port", "0")
-    with Fleet(tmp_path, lease_ttl=6) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=6) as fleet:
         fleet.start_frontend(enable_rl=True)
         fleet.start_worker(*flags, kind="mocker")
         wait_for_workers(fleet.url, "mock", 1)

@@ -170,8 +170,9 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     return proc
 
 
-class Fleet:
-    """A local fleet: one frontend and any number of workers sharing one discovery store.
+class LocalFleet:
+    """A fleet of local processes: one frontend and any number of workers sharing one
+    discovery store (tests, benchmarks, the demo; the trainer's API is `rlfleet.rl.Fleet`).
     Use as a context manager; everything it started is stopped on exit, also on errors."""
 
     def __init__(self, workdir: Path, discovery: str | None = None,
@@ -232,7 +233,7 @@ class Fleet:
             p.stop()
         self.procs.clear()
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> LocalFleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
