@@ -13,6 +13,7 @@ import uvloop
 from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
+from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
 from rlfleet.runtime import tracing
@@ -109,8 +110,6 @@ async def serve(args: argparse.Namespace) -> None:
     servers = [AppServer(build_app(pool, client, runs), bind_socket(args.http_host, args.http_port),
                          limits=limits)]
     if args.enable_rl:
-        from rlfleet.frontend.rl import rl_app
-
         servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
                                  bind_socket(args.http_host, args.rl_port), limits=limits))
     for s in servers:

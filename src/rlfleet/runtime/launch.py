@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.runtime.discovery import default_discovery_url
+
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for engine processes: os.environ plus <venv>/rlfleet.env (the CPU or
@@ -319,8 +321,6 @@ class FleetSpec:
         if unknown:
             raise ValueError(f"fleet config: unknown keys {sorted(unknown)} (use discovery, "
                              "namespace, frontend, workers)")
-        from rlfleet.runtime.discovery import default_discovery_url
-
         disc = (discovery or cfg.get("discovery") or default_discovery_url()
                 or (Path(state_dir).absolute() / "discovery").as_uri())
         namespace = str(cfg.get("namespace") or os.environ.get("DYN_NAMESPACE", "dynamo"))
