@@ -19,7 +19,7 @@ import httpx
 
 from rlfleet.models import make_model
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 
 
 async def bare_reload(system_urls: list[str], path: Path, version: str) -> float:
@@ -53,7 +53,7 @@ def main() -> None:
         flags = ["--dtype", args.dtype, "--max-model-len", "512", "--enforce-eager",
                  "--enable-rl", "--system-port", "0", "--served-model-name", "bench",
                  "--allowed-weights-root", str(work / "ckpt")]
-        with Fleet(work / "fleet") as fleet:
+        with LocalFleet(work / "fleet") as fleet:
             fleet.start_frontend(enable_rl=True)
             procs = [fleet.start_worker("--model", str(ckpt["A"]), *flags, wait=False)
                      for _ in range(2)]

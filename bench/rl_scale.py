@@ -168,10 +168,10 @@ def main() -> None:
     p.add_argument("--shapes", default="streams,groups,disconnects")
     args = p.parse_args()
 
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rl-") as tmp, \
-            Fleet(Path(tmp) / "fleet", lease_ttl=30) as fleet:
+            LocalFleet(Path(tmp) / "fleet", lease_ttl=30) as fleet:
         fleet.start_frontend("--log-level", "warning")
         for _ in range(args.workers):
             fleet.start_worker("--served-model-name", MODEL, "--token-delay",

@@ -25,7 +25,7 @@ import httpx
 
 from rlfleet.rl import RolloutClient, SampleLedger, SampleRequest, SamplingSpec
 from rlfleet.rl.client import request_body
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 
 MODEL = "mock-model"
 
@@ -118,7 +118,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, Fleet(Path(tmp) / "fleet") as fleet:
+    with tempfile.TemporaryDirectory() as tmp, LocalFleet(Path(tmp) / "fleet") as fleet:
         fleet.start_frontend()
         for _ in range(2):
             fleet.start_worker(kind="mocker")

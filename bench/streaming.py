@@ -187,11 +187,11 @@ def main() -> None:
         serve_relay(args.port, args.arg)
         return
 
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-stream-") as tmp, \
-            Fleet(Path(tmp) / "fleet") as fleet:
+            LocalFleet(Path(tmp) / "fleet") as fleet:
         fleet.start_frontend("--log-level", "warning")
         fleet.start_worker("--served-model-name", MODEL, "--token-delay", str(args.token_delay),
                            "--max-model-len", str(args.tokens + 64), "--log-level", "warning",

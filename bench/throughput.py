@@ -75,9 +75,9 @@ def direct(args: argparse.Namespace) -> None:
 
 
 def through_frontend(args: argparse.Namespace, workdir: Path) -> tuple[int, float]:
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
 
-    with Fleet(workdir / "fleet") as fleet:
+    with LocalFleet(workdir / "fleet") as fleet:
         fleet.start_frontend()
         fleet.start_worker("--model", args.model, "--served-model-name", "bench",
                            *engine_flags(args), timeout=900)

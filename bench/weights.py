@@ -31,7 +31,7 @@ import torch
 
 from rlfleet.models import make_model
 from rlfleet.rl.refresh import PolicyRefresh, reference_probe
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.weights import artifacts as art
@@ -161,7 +161,7 @@ def main() -> None:
         flags = ["--dtype", "bfloat16", "--max-model-len", "512", "--enforce-eager",
                  "--enable-rl", "--system-port", "0", "--allowed-weights-root", str(work),
                  "--allowed-weights-root", str(store), "--no-warmup"]
-        with Fleet(work / "fleet") as fleet:
+        with LocalFleet(work / "fleet") as fleet:
             fleet.start_frontend(enable_rl=True)
             procs = [fleet.start_worker("--model", str(base), "--served-model-name", name, *flags,
                                         wait=False) for name in ("staged", "disk")]

@@ -16,7 +16,7 @@ from tests.ray_server import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.etcd_server import run_etcd
 from tests.s3_server import S3Server
 
@@ -66,7 +66,7 @@ def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) ->
 @pytest.fixture(scope="session")
 def vllm_fleet(tmp_path_factory, tiny_model, etcd_url):
     """Frontend (with the RL listener) + 2 real vLLM workers serving `tiny`, over etcd."""
-    with Fleet(tmp_path_factory.mktemp("fleet"), discovery=etcd_url, lease_ttl=3) as fleet:
+    with LocalFleet(tmp_path_factory.mktemp("fleet"), discovery=etcd_url, lease_ttl=3) as fleet:
         fleet.start_frontend(enable_rl=True)
         procs = [fleet.start_worker("--model", str(tiny_model), "--served-model-name", MODEL_NAME,
                                     "--enable-rl", "--system-port", "0",

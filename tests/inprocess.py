@@ -20,8 +20,8 @@ from rlfleet.frontend.router import WorkerPool
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.worker.serve import add_worker_args, serve_worker, staging_area
 
 

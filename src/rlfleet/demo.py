@@ -37,7 +37,7 @@ from rlfleet.models import make_model
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleLedger, SampleRequest, SamplingSpec
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.refresh import PolicyRefresh, Probe, RefreshResult
-from rlfleet.runtime.launch import Fleet, Proc
+from rlfleet.runtime.launch import LocalFleet, Proc
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.train.report import plot, write_json
@@ -98,7 +98,7 @@ class Run:
 # ---------------------------------------------------------------------- the fleet
 
 
-def record_processes(out: Path, fleet: Fleet) -> None:
+def record_processes(out: Path, fleet: LocalFleet) -> None:
     """OUT/processes.json: the process groups this run started, so that the next run can
     stop them should this one be killed before it could."""
     write_json({"pids": [p.pid for p in fleet.procs], "marker": str(out / "fleet")},
@@ -151,7 +151,7 @@ def prepare_out(out: Path) -> None:
     (out / "checkpoints").mkdir()
 
 
-def start_workers(fleet: Fleet, model: Path, checkpoints: Path, count: int) -> list[Proc]:
+def start_workers(fleet: LocalFleet, model: Path, checkpoints: Path, count: int) -> list[Proc]:
     """Start `count` RL workers, gated until the first refresh verifies them; no wait."""
     return [fleet.start_worker("--model", str(model), "--served-model-name", MODEL_NAME,
                                "--enable-rl", "--system-port", "0", "--start-gated",
@@ -271,7 +271,7 @@ def mean(xs: list[float]) -> float:
 # ---------------------------------------------------------------------- the loop
 
 
-async def train(run: Run, fleet: Fleet, trainer: GrpoTrainer, task: SevensTask,
+async def train(run: Run, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensTask,
                 base: Path, ids: set[int]) -> None:
     cfg, out = run.cfg, run.out
     ckpts = out / "checkpoints"
@@ -448,7 +448,7 @@ def _run(run: Run) -> None:
     base = make_model(out / "model", size="tiny", seed=cfg.seed, dtype="float32")
     # a namespace of its own: nothing registered by another fleet can join this one
     namespace = f"rlfleet-demo-{uuid.uuid4().hex[:8]}"
-    with Fleet(out / "fleet", namespace=namespace, lease_ttl=5) as fleet:
+    with LocalFleet(out / "fleet", namespace=namespace, lease_ttl=5) as fleet:
         fleet.start_frontend(enable_rl=True)
         record_processes(out, fleet)
         procs = start_workers(fleet, base, out / "checkpoints", cfg.workers)

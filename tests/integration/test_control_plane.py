@@ -73,9 +73,9 @@ def weights_root(tmp_path_factory, tiny_model, tiny_model_b) -> Path:
 @pytest.fixture(scope="module")
 def ctl(tmp_path_factory, tiny_model, weights_root):
     """One RL worker serving checkpoint A, with a frontend in front of it."""
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
 
-    with Fleet(tmp_path_factory.mktemp("ctl-fleet"), lease_ttl=3) as fleet:
+    with LocalFleet(tmp_path_factory.mktemp("ctl-fleet"), lease_ttl=3) as fleet:
         fleet.start_frontend()
         w = fleet.start_worker("--model", str(weights_root / "A"), "--served-model-name", MODEL,
                                "--enable-rl", "--system-port", "0", "--enable-fault-injection",

@@ -585,11 +585,11 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
 
     import httpx
 
-    from rlfleet.runtime.launch import Fleet
+    from rlfleet.runtime.launch import LocalFleet
     from tests.conftest import wait_for_workers
 
     flags = ("--served-model-name", "mock", "--enable-rl", "--system-port", "0")
-    with Fleet(tmp_path, lease_ttl=6) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=6) as fleet:
         fleet.start_frontend(enable_rl=True)
         fleet.start_worker(*flags, kind="mocker")
         wait_for_workers(fleet.url, "mock", 1)
@@ -621,3 +621,70 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
             t.join()
         assert statuses and set(statuses) == {200}, statuses
         wait_for_workers(fleet.url, "mock", 2, timeout=10)
+
+
+# ---------------------------------------------------------------- what a worker publishes
+
+#: the keys of a worker's entry, in the order the worker writes them (discovery v1)
+WORKER_ENTRY_KEYS = [
+    "namespace", "component", "instance_id", "transport", "stream_plane", "model",
+    "model_path", "vocab_size", "max_model_len", "pid", "system_url", "gated",
+    "weight_version", "weight_digest", "weight_step", "fleet_epoch", "endpoint",
+    "request_plane_url"]
+
+
+async def test_a_worker_publishes_its_entries_and_their_changes(tmp_path: Path) -> None:
+    """An in-process mocker worker registers one entry per endpoint (the shape frontends
+    and the RL listener read), and republishes both when a controller closes it."""
+    import httpx
+
+    from rlfleet.mocker.admin import MockAdmin
+    from rlfleet.mocker.engine import MockEngine
+    from rlfleet.protocol.identity import PolicyIdentity
+    from rlfleet.protocol.rl import RlWorker, WorkerEntry
+    from rlfleet.worker.serve import serve_worker
+    from tests.inprocess import mock_worker_args
+
+    url = (tmp_path / "discovery").as_uri()
+    args = mock_worker_args("--served-model-name", "m", "--enable-rl", "--system-port", "0",
+                            "--discovery", url, "--lease-ttl", "3")
+    engine = MockEngine(args)
+    worker = asyncio.create_task(serve_worker(engine, args, MockAdmin(engine, []).routes))
+    d = open_discovery(url)
+
+    async def entries(want: Callable[[Entries], bool]) -> Entries:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert not worker.done(), worker
+            got = await d.list("dynamo", "backend")
+            if want(got):
+                return got
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"entries never settled: {got}")
+
+    try:
+        gen, rl = await entries(lambda es: len(es) == 2)
+        assert [e["endpoint"] for e in (gen, rl)] == ["generate", "rl"]
+        for e in (gen, rl):
+            assert list(e) == WORKER_ENTRY_KEYS
+            assert e["request_plane_url"] == f"dyn://dynamo.backend.{e['endpoint']}"
+            assert e["gated"] is False and e["fleet_epoch"] == 0
+            assert PolicyIdentity.from_stamped(e) == engine.serving_policy()
+            assert WorkerEntry.from_entry(e).to_entry() == e
+        assert {k: v for k, v in gen.items() if k not in ("endpoint", "request_plane_url")} == \
+            {k: v for k, v in rl.items() if k not in ("endpoint", "request_plane_url")}
+        assert RlWorker.from_entry(rl).model == "m"
+        async with httpx.AsyncClient(base_url=gen["system_url"]) as http:
+            r = await http.post("/engine/set_admission", json={"open": False, "reason": "why"})
+            assert r.status_code == 200, r.text
+        closed = await entries(lambda es: all(e["gated"] for e in es))
+        for e in closed:
+            keys = list(e)
+            assert keys[keys.index("gated"):keys.index("weight_version")] == [
+                "gated", "gate_reason", "controlled"]
+            assert e["gate_reason"] == "why" and e["controlled"] is True
+    finally:
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+        await d.close()

@@ -25,7 +25,7 @@ import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 
 MODEL = "mock"
@@ -48,7 +48,7 @@ def worker_args(fleet) -> tuple[str, ...]:
 def fleet(tmp_path_factory):
     env = {"RLFLEET_ADMIN_TOKEN": TOKEN, "DYN_RL_REQUEST_TIMEOUT_SECS": "2"}
     base = tmp_path_factory.mktemp("faults")
-    with Fleet(base, lease_ttl=3) as f:
+    with LocalFleet(base, lease_ttl=3) as f:
         f.ckpts = base / "weights"
         write_mock_checkpoint(f.ckpts / "B", 8)
         f.start_frontend("--max-body-bytes", str(MAX_BODY), "--read-timeout", str(READ_TIMEOUT),

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 
 pytestmark = pytest.mark.engine
@@ -30,7 +30,7 @@ ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_model):
-    with Fleet(tmp_path_factory.mktemp("faults"), lease_ttl=LEASE) as f:
+    with LocalFleet(tmp_path_factory.mktemp("faults"), lease_ttl=LEASE) as f:
         f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
         procs = [f.start_worker("--model", str(tiny_model), "--served-model-name", MODEL,
                                 "--enable-rl", "--system-port", "0", "--enable-fault-injection",

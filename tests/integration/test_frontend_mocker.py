@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 
 MODEL = "mock"
@@ -24,7 +24,7 @@ def complete(url: str, **kw) -> httpx.Response:
 
 
 def test_least_loaded_routing_and_membership_changes(tmp_path):
-    with Fleet(tmp_path, lease_ttl=2) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=2) as fleet:
         fleet.start_frontend("--router-mode", "least-loaded")
         a = fleet.start_worker(*SLOW, kind="mocker")
         b = fleet.start_worker(*SLOW, kind="mocker")
@@ -48,7 +48,7 @@ def test_least_loaded_routing_and_membership_changes(tmp_path):
 
 
 def test_worker_failures_become_clear_errors(tmp_path):
-    with Fleet(tmp_path, lease_ttl=30) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=30) as fleet:
         fleet.start_frontend("--request-timeout", "2")
         w = fleet.start_worker(*SLOW, kind="mocker")
         wait_for_workers(fleet.url, MODEL, 1)
@@ -91,7 +91,7 @@ def test_worker_failures_become_clear_errors(tmp_path):
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
 def test_unknown_model_gets_a_clear_error_without_workers(tmp_path, route):
-    with Fleet(tmp_path) as fleet:
+    with LocalFleet(tmp_path) as fleet:
         fleet.start_frontend()
         body = {"model": MODEL, "prompt": [1], "messages": [{"role": "user", "content": "x"}],
                 "input_ids": [1]}
@@ -100,7 +100,7 @@ def test_unknown_model_gets_a_clear_error_without_workers(tmp_path, route):
 
 
 def test_requests_are_held_while_every_worker_is_gated(tmp_path):
-    with Fleet(tmp_path, lease_ttl=5) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=5) as fleet:
         fleet.start_frontend("--gated-hold", "3")
         w = fleet.start_worker(*SLOW, "--system-port", "0", "--start-gated", kind="mocker")
         wait_for_workers_listed = time.monotonic() + 10

@@ -27,7 +27,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rlfleet.runtime.launch import Fleet, Proc
+from rlfleet.runtime.launch import LocalFleet, Proc
 from tests.conftest import wait_for_workers
 
 MODEL = "mock"
@@ -248,7 +248,7 @@ def servers(tmp_path_factory):
     # the served fleet (frontend, RL listener, one worker) and, in another namespace, the
     # two workers whose system servers are fuzzed (a fuzzed pause or gate must not stall
     # the frontend's worker)
-    with Fleet(root / "serve") as serve, Fleet(root / "admin", namespace="fuzzadmin") as admin:
+    with LocalFleet(root / "serve") as serve, LocalFleet(root / "admin", namespace="fuzzadmin") as admin:
         serve.start_frontend("--request-timeout", "15", enable_rl=True, env=env)
         w = serve.start_worker(*mock, "--enable-rl", kind="mocker", env=env)
         wait_for_workers(serve.url, MODEL, 1)

@@ -24,7 +24,7 @@ import pytest
 from rlfleet.mocker.admin import EngineRoute, MockAdmin, parse_engine_routes, sglang_result
 from rlfleet.mocker.engine import CHECKPOINT_FILE, MockEngine, write_mock_checkpoint
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.launch import Fleet, Proc, spawn
+from rlfleet.runtime.launch import LocalFleet, Proc, spawn
 from rlfleet.worker.system_server import system_app
 
 PROMPT = [1101, 1102, 1103, 1104]
@@ -53,7 +53,7 @@ def weights(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-def start_sglang_worker(fleet: Fleet, name: str, *extra: str, routes: str = SGLANG_ROUTES) -> Proc:
+def start_sglang_worker(fleet: LocalFleet, name: str, *extra: str, routes: str = SGLANG_ROUTES) -> Proc:
     """An SGLang-schema mocker; env goes through `spawn` (DYN_SGLANG_ENGINE_ROUTES)."""
     argv = [sys.executable, "-m", "rlfleet.mocker", "--lease-ttl", str(fleet.lease_ttl),
             "--discovery", fleet.discovery, "--namespace", fleet.namespace,
@@ -68,7 +68,7 @@ def start_sglang_worker(fleet: Fleet, name: str, *extra: str, routes: str = SGLA
 def fleet(tmp_path_factory, weights):
     """Mockers started together: vLLM schema (RL-enabled), vLLM schema with an admin token,
     vLLM schema with fault injection, SGLang schema (with --enable-rl, which it ignores)."""
-    with Fleet(tmp_path_factory.mktemp("mock-admin"), lease_ttl=3) as f:
+    with LocalFleet(tmp_path_factory.mktemp("mock-admin"), lease_ttl=3) as f:
         common = ("--system-port", "0", "--token-delay", "0.02",
                   "--allowed-weights-root", str(weights["root"]))
         f.vllm = f.start_worker(*common, "--enable-rl", "--served-model-name", "mock-v",

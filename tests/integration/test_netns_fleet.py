@@ -22,7 +22,7 @@ import pytest
 
 from rlfleet.models import make_model
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import VLLM_FLAGS
 from tests.etcd_server import run_etcd
 from tests.netns import Host, Lab, unavailable
@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.engine,
 @dataclass
 class Net:
     lab: Lab
-    fleet: Fleet
+    fleet: LocalFleet
     ctl: Host
     w1: Host
     w2: Host
@@ -78,7 +78,7 @@ def net(tmp_path_factory) -> Iterator[Net]:
         ctl, w1, w2, w3, trn = (lab.add_host(n) for n in ("ctl", "w1", "w2", "w3", "trn"))
         with ctl.entered():
             etcd = stack.enter_context(run_etcd(host=ctl.ip))
-        fleet = stack.enter_context(Fleet(root / "fleet", discovery=etcd, lease_ttl=10))
+        fleet = stack.enter_context(LocalFleet(root / "fleet", discovery=etcd, lease_ttl=10))
         gloo = {"GLOO_SOCKET_IFNAME": "eth0"}  # gloo's own address: the host's interface
         with ctl.entered():
             fleet.start_frontend("--http-host", "0.0.0.0", "--request-timeout",

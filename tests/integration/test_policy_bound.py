@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rlfleet.rl import PolicyBound, RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 from tests.integration.test_refresh_mocker import MODEL
 
@@ -23,7 +23,7 @@ HOLD = 1.5  # the frontend's --gated-hold
 @pytest.fixture(scope="module")
 def bf(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bound")
-    with Fleet(tmp / "fleet", lease_ttl=2) as f:
+    with LocalFleet(tmp / "fleet", lease_ttl=2) as f:
         f.start_frontend("--gated-hold", str(HOLD))
         for _ in range(2):
             f.start_worker("--served-model-name", MODEL, "--system-port", "0",

@@ -17,7 +17,7 @@ import torch
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import wait_for_workers
 
@@ -32,7 +32,7 @@ def bf16(tmp_path_factory, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("bf16-weights")
     shutil.copytree(tiny_model, root / "A")
     shutil.copytree(tiny_model_b, root / "B")
-    with Fleet(tmp_path_factory.mktemp("bf16-fleet"), lease_ttl=3) as fleet:
+    with LocalFleet(tmp_path_factory.mktemp("bf16-fleet"), lease_ttl=3) as fleet:
         fleet.start_frontend(enable_rl=True)
         procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
                                     "--enable-rl", "--system-port", "0",

@@ -22,7 +22,7 @@ from rlfleet.rl.refresh import (
     SglangWorker,
     check_transition,
 )
-from rlfleet.runtime.launch import Fleet, spawn
+from rlfleet.runtime.launch import LocalFleet, spawn
 from tests.conftest import wait_for_workers
 
 MODEL = "mock-rl"
@@ -43,7 +43,7 @@ def ckpts(tmp_path) -> dict[str, Path]:
 
 @pytest.fixture
 def fleet(tmp_path, ckpts):
-    with Fleet(tmp_path / "fleet", lease_ttl=2) as f:
+    with LocalFleet(tmp_path / "fleet", lease_ttl=2) as f:
         f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
         for _ in range(2):
             f.start_worker(*mock_args(ckpts["root"]), kind="mocker")

@@ -16,7 +16,7 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl import Fleet as RlFleet
 from rlfleet.rl import PolicyRefresh, SampleRequest, SamplingSpec
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 from tests.integration.test_refresh_mocker import MODEL, mock_args, routed
 
@@ -29,7 +29,7 @@ def rf(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rolling")
     root = tmp / "weights"
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
-    with Fleet(tmp / "fleet", lease_ttl=2) as fleet:
+    with LocalFleet(tmp / "fleet", lease_ttl=2) as fleet:
         fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
         for _ in range(3):
             fleet.start_worker(*mock_args(root), kind="mocker")

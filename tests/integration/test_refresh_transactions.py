@@ -21,7 +21,7 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import TEST_HOOK, PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 from tests.integration.test_refresh_mocker import MODEL, fault, mock_args, routed
 
@@ -39,7 +39,7 @@ def txf(request, tmp_path_factory):
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
     journal = (str(tmp / "journal.sqlite") if request.param == "sqlite" else
                f"{request.getfixturevalue('etcd_url')}/{uuid.uuid4().hex[:8]}")
-    with Fleet(tmp / "fleet", lease_ttl=2) as fleet:
+    with LocalFleet(tmp / "fleet", lease_ttl=2) as fleet:
         fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
         for _ in range(2):
             fleet.start_worker(*mock_args(root), kind="mocker")

@@ -19,7 +19,7 @@ from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import reference_probe
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.conftest import VLLM_FLAGS, wait_for_workers
 
@@ -33,7 +33,7 @@ def setup(tmp_path_factory, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("refresh-weights")
     shutil.copytree(tiny_model, root / "A")
     shutil.copytree(tiny_model_b, root / "B")
-    with Fleet(tmp_path_factory.mktemp("refresh-fleet"), lease_ttl=3) as fleet:
+    with LocalFleet(tmp_path_factory.mktemp("refresh-fleet"), lease_ttl=3) as fleet:
         fleet.start_frontend(enable_rl=True)
         procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
                                     "--enable-rl", "--system-port", "0", "--enable-fault-injection",

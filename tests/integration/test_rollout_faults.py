@@ -32,7 +32,7 @@ from rlfleet.rl import (
     SampleLedger,
     SamplingSpec,
 )
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 
 MODEL = "mock-model"
@@ -43,7 +43,7 @@ WORKER_FLAGS = ("--token-delay", "0.004", "--token-delay-jitter", "0.012")
 
 @pytest.fixture
 def fleet(tmp_path):
-    with Fleet(tmp_path / "fleet", lease_ttl=2) as f:
+    with LocalFleet(tmp_path / "fleet", lease_ttl=2) as f:
         f.start_frontend()
         for i in range(3):
             # worker 0 is killed mid-run: its slower tokens keep several streams on it then

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 
 MODEL = "mock-s"
@@ -21,7 +21,7 @@ MODEL = "mock-s"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    with Fleet(tmp_path_factory.mktemp("stream-plane"), lease_ttl=5) as f:
+    with LocalFleet(tmp_path_factory.mktemp("stream-plane"), lease_ttl=5) as f:
         f.start_frontend()
         for _ in range(2):
             f.start_worker("--served-model-name", MODEL, "--token-delay", "0.01",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.publish import Publisher
 
 TOKEN = "admin-s3cret"
@@ -36,7 +36,7 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, store):
-    with Fleet(tmp_path_factory.mktemp("fleet")) as f:
+    with LocalFleet(tmp_path_factory.mktemp("fleet")) as f:
         f.start_frontend(enable_rl=True)
         for i in range(2):
             f.start_worker("--model-name", "mock", "--enable-rl", "--system-port", "0",

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, TrainerServer, weights_app
 from rlfleet.weights.staging import StageState, StagingArea

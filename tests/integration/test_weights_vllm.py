@@ -16,7 +16,7 @@ import torch
 
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.refresh import PolicyRefresh, reference_probe
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
@@ -61,7 +61,7 @@ def setup(tmp_path_factory, tiny_model, s3_server, policies):
     catalog = f"sqlite://{work / 'catalog.sqlite'}"
     flags = ("--model", str(tiny_model), "--served-model-name", MODEL, "--enable-rl",
              "--system-port", "0", "--weights-catalog", catalog, *VLLM_FLAGS)
-    with Fleet(work, lease_ttl=3) as fleet:
+    with LocalFleet(work, lease_ttl=3) as fleet:
         fleet.start_frontend(enable_rl=True)
         procs = [fleet.start_worker(*flags, env=s3_server.env, wait=False) for _ in range(2)]
         for p in procs:
@@ -80,7 +80,7 @@ def s3_env(monkeypatch, s3_server):
         monkeypatch.setenv(k, v)
 
 
-def _greedy(fleet: Fleet, n_requests: int = 6) -> list[list[int]]:
+def _greedy(fleet: LocalFleet, n_requests: int = 6) -> list[list[int]]:
     """Greedy completions of PROMPT through the frontend."""
     out = []
     for _ in range(n_requests):
@@ -92,7 +92,7 @@ def _greedy(fleet: Fleet, n_requests: int = 6) -> list[list[int]]:
     return out
 
 
-def _greedy_each(fleet: Fleet) -> list[list[int]]:
+def _greedy_each(fleet: LocalFleet) -> list[list[int]]:
     """Greedy completion of PROMPT on every worker's own request plane."""
     out = []
     for p in fleet.workers:
@@ -106,7 +106,7 @@ def _greedy_each(fleet: Fleet) -> list[list[int]]:
     return out
 
 
-def _versions(fleet: Fleet) -> list[tuple[str, str]]:
+def _versions(fleet: LocalFleet) -> list[tuple[str, str]]:
     out = []
     for p in fleet.workers:
         v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.runtime.launch import Fleet
+from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine
@@ -50,7 +50,7 @@ def living(pids: set[int]) -> set[int]:
 
 @pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["engine-in-child", "mp-on"])
 def test_sigkill_of_a_worker_leaves_no_process_behind(tmp_path, tiny_model, multiprocessing):
-    with Fleet(tmp_path, lease_ttl=3) as fleet:
+    with LocalFleet(tmp_path, lease_ttl=3) as fleet:
         w = fleet.start_worker("--model", str(tiny_model), *VLLM_FLAGS, "--no-warmup",
                                env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing},
                                timeout=600)

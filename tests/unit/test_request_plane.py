@@ -29,8 +29,8 @@ from rlfleet.protocol.engine import (
     TokenizeRequest,
 )
 from rlfleet.runtime import metrics
-from rlfleet.runtime.http import bind_socket
 from rlfleet.runtime.request_plane import FrameReader, WorkerClient, WorkerError
+from rlfleet.runtime.server import bind_socket
 from rlfleet.worker.request_plane import WorkerPlane
 
 PROMPT = [1101, 1102, 1103, 1104]

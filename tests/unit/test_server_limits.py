@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from rlfleet.runtime.http import ERROR_HANDLERS, AppServer, bind_socket, json_response
+from rlfleet.runtime.http import ERROR_HANDLERS, json_response
 from rlfleet.runtime.limits import ServerLimits
+from rlfleet.runtime.server import AppServer, bind_socket
 
 
 async def echo_size(request: Request) -> Response:

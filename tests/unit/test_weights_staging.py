@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from rlfleet.runtime.http import AppServer, bind_socket
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog, CatalogError, VersionState
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors

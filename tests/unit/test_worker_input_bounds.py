@@ -15,8 +15,8 @@ import pytest
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
-from rlfleet.runtime.http import bind_socket
 from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.server import bind_socket
 from rlfleet.worker.request_plane import MAX_BYTES_PER_TOKEN, WorkerPlane
 
 

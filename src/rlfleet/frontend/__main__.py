@@ -13,16 +13,17 @@ import uvloop
 from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
+from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
 from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.frontend")
@@ -110,8 +111,6 @@ async def serve(args: argparse.Namespace) -> None:
     servers = [AppServer(build_app(pool, client, runs), bind_socket(args.http_host, args.http_port),
                          limits=limits)]
     if args.enable_rl:
-        from rlfleet.frontend.rl import rl_app
-
         servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
                                  bind_socket(args.http_host, args.rl_port), limits=limits))
     for s in servers:

@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
-from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RequestIdConflict, Run, RunRegistry
+from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRun, RequestIdConflict, RunRegistry
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime import tracing
@@ -132,7 +132,7 @@ class Follower:
 
     __slots__ = ("runs", "run", "res", "_seen", "_ended")
 
-    def __init__(self, runs: RunRegistry, run: Run, res: Result) -> None:
+    def __init__(self, runs: RunRegistry, run: GenerationRun, res: Result) -> None:
         self.runs, self.run, self.res = runs, run, res
         self._seen = 0
         self._ended = False
@@ -287,7 +287,7 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
     followers: list[Follower] = []
     try:
         for greq, res in zip(greqs, results, strict=True):
-            def source(run: Run, greq: GenerateRequest = greq) -> AsyncIterator:
+            def source(run: GenerationRun, greq: GenerateRequest = greq) -> AsyncIterator:
                 # a run only this caller follows moves at the caller's pace; a kept run is
                 # read to its end whoever listens, so that a retry finds it whole
                 return dispatch(fe.pool, fe.client, model, greq,

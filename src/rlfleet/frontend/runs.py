@@ -84,7 +84,9 @@ class RequestIdConflict(Exception):
 
 
 @dataclass
-class Run:
+class GenerationRun:
+    """One generation the frontend owns: its events so far, who follows it, how it ended."""
+
     request_id: str
     fingerprint: str
     keep: bool  # outlives its callers (it has a caller-chosen request ID)
@@ -161,7 +163,7 @@ class RunRegistry:
     max_runs: int = 10_000
     max_kept_bytes: int = 2 << 30  # about this much of kept runs' events, at most
     admin_token: str | None = None  # may cancel any run
-    runs: OrderedDict[str, Run] = field(default_factory=OrderedDict)
+    runs: OrderedDict[str, GenerationRun] = field(default_factory=OrderedDict)
     kept_bytes: int = 0
 
     def _forget(self, request_id: str) -> None:
@@ -186,8 +188,8 @@ class RunRegistry:
                     break
 
     def start(self, request_id: str, body: bytes, keep: bool,
-              source: Callable[[Run], AsyncIterator[dict]], route: str = "",
-              cancel_token: str | None = None) -> tuple[Run, bool]:
+              source: Callable[[GenerationRun], AsyncIterator[dict]], route: str = "",
+              cancel_token: str | None = None) -> tuple[GenerationRun, bool]:
         """The run for `request_id`: an existing one (replayed) or a new one fed by `source`.
         Returns (run, replayed). Raises RequestIdConflict (the ID names another request) or
         HttpError 429 (kept runs in flight hold all the memory allowed)."""
@@ -207,13 +209,13 @@ class RunRegistry:
         if keep and self.kept_bytes > self.max_kept_bytes:
             raise HttpError(429, "this frontend holds as much of requests with an X-Request-Id "
                                  "as it may (runs in flight); retry shortly")
-        run = Run(request_id, fp, keep, cancel_token=_token_hash(cancel_token))
+        run = GenerationRun(request_id, fp, keep, cancel_token=_token_hash(cancel_token))
         run.task = asyncio.create_task(self._pump(run, source(run)))
         if keep:
             self.runs[request_id] = run
         return run, False
 
-    def may_cancel(self, run: Run, cancel_token: str | None, admin_token: str | None) -> bool:
+    def may_cancel(self, run: GenerationRun, cancel_token: str | None, admin_token: str | None) -> bool:
         """Whether a caller presenting these tokens owns the run (or administers the
         frontend)."""
         if self.admin_token and admin_token and hmac.compare_digest(
@@ -224,7 +226,7 @@ class RunRegistry:
         return run.cancel_token is not None and given is not None \
             and hmac.compare_digest(given, run.cancel_token)
 
-    async def _pump(self, run: Run, events: AsyncIterator[dict]) -> None:
+    async def _pump(self, run: GenerationRun, events: AsyncIterator[dict]) -> None:
         append = run.events.append
         keep = run.keep
         try:
@@ -248,13 +250,13 @@ class RunRegistry:
             run.ended_at = time.monotonic()
             run._publish()
 
-    def attach(self, run: Run) -> None:
+    def attach(self, run: GenerationRun) -> None:
         run.followers += 1
         if run._orphan_timer is not None:
             run._orphan_timer.cancel()
             run._orphan_timer = None
 
-    def detach(self, run: Run) -> None:
+    def detach(self, run: GenerationRun) -> None:
         """A caller stopped listening: abort the run if nobody can come back for it."""
         run.followers -= 1
         if run.followers > 0 or run.done or run.task is None:
@@ -265,6 +267,6 @@ class RunRegistry:
         run._orphan_timer = asyncio.get_running_loop().call_later(
             self.orphan_grace, lambda: run.followers == 0 and run.task.cancel())
 
-    def running(self, request_id: str) -> Run | None:
+    def running(self, request_id: str) -> GenerationRun | None:
         run = self.runs.get(request_id)
         return None if run is None or run.done else run

@@ -44,24 +44,12 @@ class Geometry:
 
 
 SIZES: dict[str, Geometry] = {
-    "tiny": Geometry(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        # vLLM's CPU attention supports head sizes 32, 64, 80, ... (16 fails at run time).
-        head_dim=32,
-        intermediate_size=128,
-    ),
+    # vLLM's CPU attention supports head sizes 32, 64, 80, ... (16 fails at run time).
+    "tiny": Geometry(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=32, intermediate_size=128),
     # Qwen3-0.6B geometry.
-    "small": Geometry(
-        hidden_size=1024,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=3072,
-    ),
+    "small": Geometry(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=3072),
 }
 
 

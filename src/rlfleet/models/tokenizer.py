@@ -23,35 +23,19 @@ ENDOFTEXT_ID = 151643
 IM_START_ID = 151644
 IM_END_ID = 151645
 
-#: Tokens after the plain vocabulary, in Qwen3's order: (text, special).
+#: Tokens after the plain vocabulary, in Qwen3's order (IDs from ENDOFTEXT_ID on): the
+#: special ones (151643-151656), then those the tokenizer treats as text (151657-151668).
+QWEN3_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+QWEN3_TEXT_TOKENS = (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>")
+#: (text, special) of each, in order
 QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
-    ("<|endoftext|>", True),  # 151643
-    ("<|im_start|>", True),  # 151644
-    ("<|im_end|>", True),  # 151645
-    ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True),
-    ("<|box_start|>", True),
-    ("<|box_end|>", True),
-    ("<|quad_start|>", True),
-    ("<|quad_end|>", True),
-    ("<|vision_start|>", True),
-    ("<|vision_end|>", True),
-    ("<|vision_pad|>", True),
-    ("<|image_pad|>", True),
-    ("<|video_pad|>", True),  # 151656
-    ("<tool_call>", False),  # 151657
-    ("</tool_call>", False),
-    ("<|fim_prefix|>", False),
-    ("<|fim_middle|>", False),
-    ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False),
-    ("<|repo_name|>", False),
-    ("<|file_sep|>", False),
-    ("<tool_response>", False),
-    ("</tool_response>", False),
-    ("<think>", False),
-    ("</think>", False),  # 151668
-)
+    *((t, True) for t in QWEN3_SPECIAL_TOKENS), *((t, False) for t in QWEN3_TEXT_TOKENS))
 #: Number of entries in the tokenizer (IDs 0..151668); IDs up to VOCAB_SIZE - 1 decode to "".
 TOKENIZER_SIZE = ENDOFTEXT_ID + len(QWEN3_ADDED_TOKENS)
 
@@ -220,7 +204,7 @@ def tokenizer_config() -> dict[str, Any]:
             }
             for offset, (text, special) in enumerate(QWEN3_ADDED_TOKENS)
         },
-        "additional_special_tokens": [t for t, special in QWEN3_ADDED_TOKENS[1:] if special],
+        "additional_special_tokens": list(QWEN3_SPECIAL_TOKENS[1:]),
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -236,7 +220,7 @@ def tokenizer_config() -> dict[str, Any]:
 def special_tokens_map() -> dict[str, Any]:
     """Contents of `special_tokens_map.json`."""
     return {
-        "additional_special_tokens": [t for t, special in QWEN3_ADDED_TOKENS[1:] if special],
+        "additional_special_tokens": list(QWEN3_SPECIAL_TOKENS[1:]),
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
     }

@@ -1,13 +1,67 @@
-"""GET /v1/rl/workers, protocol version 1."""
+"""Discovery v1: the entry a worker publishes for each of its endpoints (`WorkerEntry`),
+and GET /v1/rl/workers, protocol version 1, which lists the `rl` ones (`RlWorker`)."""
 
 from __future__ import annotations
 
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from rlfleet.protocol.identity import PolicyIdentity
+
 PROTOCOL_VERSION = 1
+
+#: the discovery component every worker registers under (`namespace/backend/<endpoint>/id`)
+WORKER_COMPONENT = "backend"
+GENERATE_ENDPOINT = "generate"  # what frontends route to
+RL_ENDPOINT = "rl"  # what GET /v1/rl/workers lists (--enable-rl)
+
+
+class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a worker publishes in discovery for one endpoint, republished whenever its
+    state (admission, policy, fleet epoch) changes. Stored as `to_entry()`: optional fields
+    are left out when absent, and the policy is spelled as its stamped fields
+    (`weight_version`, `weight_digest`, `weight_step`: `PolicyIdentity.stamped`), in place."""
+
+    namespace: str
+    component: str  # WORKER_COMPONENT
+    instance_id: int
+    transport: dict[str, str]  # {"http": the request plane's URL}
+    stream_plane: str  # host:port of the stream plane frontends use
+    model: str  # the served model name
+    model_path: str | None
+    vocab_size: int | None
+    max_model_len: int | None
+    pid: int
+    system_url: str | None = None  # the system server (admin routes), when it runs
+    # admission (rlfleet.worker.admission): open to rollouts or not, and why
+    gated: bool
+    gate_reason: str | None = None
+    weights_uncertain: str | None = None  # the worker's own hold
+    controlled: bool = False  # a controller called set_admission on it
+    fleet_policy: dict[str, Any] | None = None  # the policy it was last opened on
+    policy: PolicyIdentity  # the policy it applied (stored as weight_<field>)
+    fleet_epoch: int  # the newest fleet epoch it has seen
+    endpoint: str
+    request_plane_url: str  # dyn://<namespace>.<component>.<endpoint>
+
+    def to_entry(self) -> dict[str, Any]:
+        """The entry as discovery stores it."""
+        out: dict[str, Any] = {}
+        for name, value in msgspec.to_builtins(self).items():
+            if name == "policy":
+                out.update(self.policy.stamped())
+            else:
+                out[name] = value
+        return out
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any]) -> WorkerEntry:
+        """An entry as discovery stores it (keys it does not know are ignored);
+        msgspec.ValidationError says what is wrong with one that is not an entry."""
+        return msgspec.convert({**entry, "policy": PolicyIdentity.from_stamped(entry)}, cls)
 
 
 class RlWorker(BaseModel):

@@ -20,6 +20,8 @@ import os
 import socket
 import urllib.parse
 
+from rlfleet.runtime.discovery import default_discovery_url, open_discovery
+
 log = logging.getLogger("rlfleet.address")
 
 HOST_ENV_VARS = ("VLLM_HOST_IP", "POD_IP")
@@ -58,8 +60,6 @@ def route_source(host: str, port: int) -> str | None:
 
 def discovery_peer(url: str | None) -> tuple[str, int] | None:
     """The first network endpoint of a discovery URL (``etcd://h:p,...``); None for files."""
-    from rlfleet.runtime.discovery import default_discovery_url, open_discovery
-
     url = url or default_discovery_url()
     if not url or not url.lower().startswith("etcd://"):
         return None

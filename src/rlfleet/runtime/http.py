@@ -1,18 +1,17 @@
 """HTTP pieces every rlfleet server shares: the error type and its OpenAI-shaped body,
-fast JSON responses, binding, serving several apps in one process, and noticing that the
-caller went away (one watcher per request, nothing per streamed event)."""
+fast JSON responses, streamed responses, and noticing that the caller went away (one watcher
+per request, nothing per streamed event). Binding and serving an app under the server
+limits is `rlfleet.runtime.server`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import re
-import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
-import uvicorn
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -122,65 +121,6 @@ def validation_message(exc: Exception) -> str:
         msg = e.get("msg", "invalid").removeprefix("Value error, ")
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; port 0 picks a free one (read it back with getsockname).
-    Connections accepted on it send small writes at once (TCP_NODELAY): a response head
-    and its body in two writes must not wait for the client's delayed ACK (~40 ms)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
-    sock.setblocking(False)
-    return sock
-
-
-class _Server(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the process that runs it."""
-
-    def capture_signals(self):  # type: ignore[override]
-        return contextlib.nullcontext()
-
-
-class AppServer:
-    """One ASGI app on one bound socket, started and stopped as an asyncio task."""
-
-    def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
-                 limits: Any = None) -> None:
-        """`limits`: a `rlfleet.runtime.limits.ServerLimits` (default: its defaults)."""
-        from rlfleet.runtime.limits import BodyLimit, ServerLimits, guarded_protocol
-
-        limits = limits or ServerLimits()
-        self.sock = sock
-        host, port = sock.getsockname()[:2]
-        self.host, self.port = host, port
-        self._server = _Server(uvicorn.Config(BodyLimit(app, limits), log_level=log_level,
-                                              lifespan="off", access_log=False,
-                                              timeout_keep_alive=limits.idle_timeout,
-                                              timeout_graceful_shutdown=5,
-                                              http=guarded_protocol(limits)))
-        self._task: asyncio.Task | None = None
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-            await asyncio.sleep(0.01)
-
-    async def stop(self) -> None:
-        self._server.should_exit = True
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
 
 class ClientWatch:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.runtime.discovery import default_discovery_url
+
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for engine processes: os.environ plus <venv>/rlfleet.env (the CPU or
@@ -170,8 +172,9 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     return proc
 
 
-class Fleet:
-    """A local fleet: one frontend and any number of workers sharing one discovery store.
+class LocalFleet:
+    """A fleet of local processes: one frontend and any number of workers sharing one
+    discovery store (tests, benchmarks, the demo; the trainer's API is `rlfleet.rl.Fleet`).
     Use as a context manager; everything it started is stopped on exit, also on errors."""
 
     def __init__(self, workdir: Path, discovery: str | None = None,
@@ -232,7 +235,7 @@ class Fleet:
             p.stop()
         self.procs.clear()
 
-    def __enter__(self) -> Fleet:
+    def __enter__(self) -> LocalFleet:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -318,8 +321,6 @@ class FleetSpec:
         if unknown:
             raise ValueError(f"fleet config: unknown keys {sorted(unknown)} (use discovery, "
                              "namespace, frontend, workers)")
-        from rlfleet.runtime.discovery import default_discovery_url
-
         disc = (discovery or cfg.get("discovery") or default_discovery_url()
                 or (Path(state_dir).absolute() / "discovery").as_uri())
         namespace = str(cfg.get("namespace") or os.environ.get("DYN_NAMESPACE", "dynamo"))

@@ -25,6 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rlfleet.runtime import tracing
+
 FORMATS = ("text", "json")
 
 # attributes every LogRecord has: anything else on a record came from `extra=`
@@ -110,8 +112,6 @@ class _TraceFields(logging.Filter):
     while tracing is on: otherwise there is no span to name)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        from rlfleet.runtime import tracing
-
         if tracing.enabled() and getattr(record, "trace_id", None) is None:
             ids = tracing.current_ids()
             if ids is not None:

@@ -441,9 +441,7 @@ class Catalog:
 
     async def release_lease(self, version: str, lease_id: str) -> None:
         """Drop a lease (idempotent)."""
-        def change(v: WeightVersion) -> None:
-            v.leases.pop(lease_id, None)
-        await self._update(version, change)
+        await self._update(version, lambda v: v.leases.pop(lease_id, None))
 
     async def evict(self, version: str,
                     remove_bytes: Callable[[WeightVersion], Any] | None = None) -> bool:
@@ -476,6 +474,5 @@ class Catalog:
         return await self._update(version, change)
 
     async def remove_holder(self, version: str, worker: str) -> None:
-        def change(v: WeightVersion) -> None:
-            v.holders.pop(worker, None)
-        await self._update(version, change)
+        """`worker` no longer holds `version` (idempotent)."""
+        await self._update(version, lambda v: v.holders.pop(worker, None))

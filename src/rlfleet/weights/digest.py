@@ -14,6 +14,8 @@ import blake3
 import torch
 from safetensors import safe_open
 
+from rlfleet.runtime.progress import Progress
+
 DIGEST_PREFIX = "blake3:"
 _TENSOR_DOMAIN = b"rlfleet.tensor.v1\0"
 _ROOT_DOMAIN = b"rlfleet.checkpoint.v1\0"
@@ -149,8 +151,6 @@ def iter_checkpoint_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def checkpoint_digest(path: Path) -> str:
     """Root digest (`"blake3:<hex>"`) over all tensors of all safetensors files in `path`
     (its progress is logged: rlfleet.runtime.progress)."""
-    from rlfleet.runtime.progress import Progress
-
     total = sum(f.stat().st_size for f in checkpoint_files(path))
     builder = DigestBuilder()
     with Progress(f"digest of {path}", total) as p:

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
+from fastapi import FastAPI, Request  # resolved at import: FastAPI reads the handler's annotations
 
 from rlfleet.runtime.progress import Progress
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
@@ -199,8 +200,6 @@ def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
 
 def weights_app(lookup) -> Any:
     """A FastAPI app serving ``GET /weights/{version}/{file}`` (see add_weights_route)."""
-    from fastapi import FastAPI
-
     app = FastAPI(title="rlfleet weights", docs_url=None, redoc_url=None)
     add_weights_route(app, lookup)
     return app
@@ -213,8 +212,6 @@ class TrainerServer:
 
     def __init__(self, directory: str | Path | None = None, host: str = "127.0.0.1",
                  port: int = 0) -> None:
-        from rlfleet.runtime.http import AppServer, bind_socket
-
         own = directory is None
         if own:
             base = "/dev/shm" if Path("/dev/shm").is_dir() else None

@@ -9,7 +9,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -188,6 +188,10 @@ class Opened:
                                  "trace_id": tracing.trace_id_of(req.traceparent)})
 
 
+async def _http_metrics(request: Request) -> Response:
+    return metrics.metrics_response(metrics.WORKER)
+
+
 class WorkerPlane:
     """A worker's request plane: one engine, served on the stream plane (`serve`) and over
     HTTP (`http_app`). Both go through `open` and `rest`, so they behave the same."""
@@ -284,85 +288,83 @@ class WorkerPlane:
 
     def http_app(self) -> Starlette:
         """POST /generate (NDJSON events), POST /abort, POST /tokenize, GET /health, /metrics."""
-
-        async def generate(request: Request) -> Response:
-            raw = await request.body()
-            try:
-                req = msgspec.json.decode(raw, type=GenerateRequest)
-            except (msgspec.DecodeError, ValueError, RecursionError) as e:
-                self.engine.series.requests["rejected"].inc()
-                return error_response(400, _decode_error(e, raw))
-            watch = ClientWatch(request)
-            try:
-                opened = await self.open(req)
-            except HttpError as e:
-                watch.finish()
-                return e.response()
-            except asyncio.CancelledError as e:
-                watch.finish()
-                if watch.gone_on(e):
-                    return error_response(499, "the caller went away before the first token")
-                raise
-
-            async def lines() -> AsyncIterator[bytes]:
-                try:
-                    yield _json.encode(opened.head) + b"\n"
-                    async for kind, ev in self.rest(opened):
-                        if kind is Frame.ERROR:
-                            ev = ErrorEvent(error=ev)
-                        yield _json.encode(ev) + b"\n"
-                except (GeneratorExit, asyncio.CancelledError):
-                    opened.left()
-                    raise
-                finally:
-                    await opened.aclose()
-
-            return StreamResponse(lines(), watch, "application/x-ndjson")
-
-        async def abort(request: Request) -> Response:
-            """End a running request now; its stream finishes with its partial output and
-            finish reason `abort`."""
-            try:
-                rid = msgspec.json.decode(await request.body(), type=CancelRequest).request_id
-            except (msgspec.DecodeError, ValueError, RecursionError):
-                return error_response(400, "request_id is required")
-            await self.engine.abort(rid)
-            return json_response(Cancelled(status="ok", request_id=rid))
-
-        async def tokenize(request: Request) -> Response:
-            raw = await request.body()
-            try:
-                req = msgspec.json.decode(raw, type=TokenizeRequest)
-                return json_response(await self.tokenize(req))
-            except (msgspec.DecodeError, ValueError, RecursionError) as e:
-                return error_response(400, _decode_error(e, raw))
-
-        async def health(request: Request) -> Response:
-            return json_response({"status": "ok", "model": self.engine.info.served_model_name})
-
-        async def metrics_route(request: Request) -> Response:
-            return metrics.metrics_response(metrics.WORKER)
-
-        def authenticated(route):
-            if not self.admin_token:
-                return route
-
-            async def checked(request: Request) -> Response:
-                auth = request.headers.get("authorization", "")
-                if not (auth[:7].lower() == "bearer " and _same(auth[7:], self.admin_token)):
-                    return error_response(401, "this worker's request plane requires "
-                                               "Authorization: Bearer <its admin token>")
-                return await route(request)
-            return checked
-
-        generate, abort, tokenize = map(authenticated, (generate, abort, tokenize))
+        checked = self._authenticated
         return Starlette(routes=[
-            Route("/generate", generate, methods=["POST"]),
-            Route("/abort", abort, methods=["POST"]),
-            Route("/tokenize", tokenize, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics_route, methods=["GET"]),
+            Route("/generate", checked(self._http_generate), methods=["POST"]),
+            Route("/abort", checked(self._http_abort), methods=["POST"]),
+            Route("/tokenize", checked(self._http_tokenize), methods=["POST"]),
+            Route("/health", self._http_health, methods=["GET"]),
+            Route("/metrics", _http_metrics, methods=["GET"]),
         ], exception_handlers=ERROR_HANDLERS)
+
+    def _authenticated(self, route: Callable[[Request], Awaitable[Response]]
+                       ) -> Callable[[Request], Awaitable[Response]]:
+        """`route`, refused with 401 without this worker's admin token (when it has one)."""
+        if not self.admin_token:
+            return route
+
+        async def checked(request: Request) -> Response:
+            auth = request.headers.get("authorization", "")
+            if not (auth[:7].lower() == "bearer " and _same(auth[7:], self.admin_token)):
+                return error_response(401, "this worker's request plane requires "
+                                           "Authorization: Bearer <its admin token>")
+            return await route(request)
+        return checked
+
+    async def _http_generate(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            req = msgspec.json.decode(raw, type=GenerateRequest)
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:
+            self.engine.series.requests["rejected"].inc()
+            return error_response(400, _decode_error(e, raw))
+        watch = ClientWatch(request)
+        try:
+            opened = await self.open(req)
+        except HttpError as e:
+            watch.finish()
+            return e.response()
+        except asyncio.CancelledError as e:
+            watch.finish()
+            if watch.gone_on(e):
+                return error_response(499, "the caller went away before the first token")
+            raise
+        return StreamResponse(self._ndjson(opened), watch, "application/x-ndjson")
+
+    async def _ndjson(self, opened: Opened) -> AsyncIterator[bytes]:
+        """The head and every event of an opened request, one JSON line each."""
+        try:
+            yield _json.encode(opened.head) + b"\n"
+            async for kind, ev in self.rest(opened):
+                if kind is Frame.ERROR:
+                    ev = ErrorEvent(error=ev)
+                yield _json.encode(ev) + b"\n"
+        except (GeneratorExit, asyncio.CancelledError):
+            opened.left()
+            raise
+        finally:
+            await opened.aclose()
+
+    async def _http_abort(self, request: Request) -> Response:
+        """End a running request now; its stream finishes with its partial output and
+        finish reason `abort`."""
+        try:
+            rid = msgspec.json.decode(await request.body(), type=CancelRequest).request_id
+        except (msgspec.DecodeError, ValueError, RecursionError):
+            return error_response(400, "request_id is required")
+        await self.engine.abort(rid)
+        return json_response(Cancelled(status="ok", request_id=rid))
+
+    async def _http_tokenize(self, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            req = msgspec.json.decode(raw, type=TokenizeRequest)
+            return json_response(await self.tokenize(req))
+        except (msgspec.DecodeError, ValueError, RecursionError) as e:
+            return error_response(400, _decode_error(e, raw))
+
+    async def _http_health(self, request: Request) -> Response:
+        return json_response({"status": "ok", "model": self.engine.info.served_model_name})
 
     async def tokenize(self, req: TokenizeRequest) -> Tokens:
         """Raises BadRequest (a ValueError) for messages the template cannot render."""

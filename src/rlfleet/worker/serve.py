@@ -13,23 +13,23 @@ from typing import Any
 
 import uvloop
 
+from rlfleet.protocol.rl import GENERATE_ENDPOINT, RL_ENDPOINT, WORKER_COMPONENT, WorkerEntry
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
-from rlfleet.runtime.http import AppServer, bind_socket
 from rlfleet.runtime.logs import add_log_args, setup_logging
 from rlfleet.runtime.progress import Progress
+from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
-from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
+from rlfleet.weights.publish import add_weights_route
+from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import Engine
 from rlfleet.worker.request_plane import WorkerPlane
 from rlfleet.worker.system_server import FaultInjector, FleetFence, Route, system_app
 
 log = logging.getLogger("rlfleet.worker")
-
-COMPONENT = "backend"
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -98,11 +98,9 @@ def settle_worker_args(args: argparse.Namespace) -> None:
     settle_admin_token(args)
 
 
-def staging_area(args: argparse.Namespace, engine: Any = None):
+def staging_area(args: argparse.Namespace, engine: Any = None) -> StagingArea:
     """The worker's staging area for versions pulled while it serves (stage_weights); the
     engine prepares each one for a short apply before it is READY."""
-    from rlfleet.weights.staging import StagingArea
-
     return StagingArea(args.weights_staging_dir, catalog=args.weights_catalog,
                        allowed_roots=args.allowed_weights_root, admin_token=args.admin_token,
                        engine=engine)
@@ -114,7 +112,8 @@ async def joins_controlled_fleet(discovery: Discovery, namespace: str, model: st
     starts with are not the fleet's verified policy until the controller says so. None
     when no worker of the model is controlled (or the store cannot tell: then as before)."""
     try:
-        entries = await asyncio.wait_for(discovery.list(namespace, COMPONENT, "generate"), 10)
+        entries = await asyncio.wait_for(
+            discovery.list(namespace, WORKER_COMPONENT, GENERATE_ENDPOINT), 10)
     except Exception as e:  # registration will say whether the store works
         log.warning("cannot tell whether the fleet is controlled: %r", e)
         return None
@@ -146,6 +145,210 @@ async def _watch_engine(engine: Engine, admission: Admission) -> None:
             return
 
 
+async def _sample_rate(rate: metrics.TokenRate) -> None:
+    """Tokens per second from a once-a-second sample of the token counter."""
+    while True:
+        rate.sample()
+        await asyncio.sleep(1.0)
+
+
+class WorkerProcess:
+    """One started engine, served: its request plane (HTTP and the stream plane), its
+    system server (with --system-port), and its discovery entries, which carry the
+    admission state, the applied policy and the newest fleet epoch, and are republished
+    whenever one of them changes."""
+
+    def __init__(self, engine: Engine, args: argparse.Namespace,
+                 admin_routes: Callable[[], list[Route]] | None = None, staging: Any = None,
+                 admission: Admission | None = None, fence: FleetFence | None = None) -> None:
+        self.engine, self.args = engine, args
+        self.admin_routes, self.staging = admin_routes, staging
+        self.admission = admission or Admission()
+        if args.start_gated:
+            self.admission.gate_reason = "started gated: not yet verified"
+        self.fence = fence if fence is not None else FleetFence()
+        self.instance_id = new_instance_id()
+        self.faults = FaultInjector() if args.enable_fault_injection else None
+        self.plane = WorkerPlane(engine, self.faults, args.trust_request_chat_template,
+                                 args.admin_token)
+        self.endpoints = [GENERATE_ENDPOINT, RL_ENDPOINT] if args.enable_rl else [GENERATE_ENDPOINT]
+        self.discovery = open_discovery(args.discovery)
+        self.serving = asyncio.Event()  # set once registered; /health says "ready" from then on
+        self.servers: list[AppServer] = []
+        self.regs: list[Registration] = []
+        self.request_url = self.stream_address = ""
+        self.system_url: str | None = None
+        self._toward = discovery_peer(args.discovery)
+        self._publishing = asyncio.Lock()  # one entry write at a time, each from the current state
+        self._background: set[asyncio.Future] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._rate = metrics.TokenRate(engine.series)
+        self._state_key: Any = None
+
+    async def start(self) -> None:
+        """Serve, register, and say so on stdout."""
+        await self._serve_request_plane()
+        # what the status page and dashboards read: the policy and the gate at scrape time
+        self._state_key = metrics.WORKER_STATE.add(self.engine.info.served_model_name,
+                                                   self.engine.serving_policy,
+                                                   lambda: self.admission.gated)
+        self._tasks.append(asyncio.create_task(_sample_rate(self._rate)))
+        if self.args.system_port is not None:
+            await self._serve_system()
+        if self.staging is not None:
+            self.staging.attach(str(self.instance_id), self.system_url)
+        await self._register()
+        self.serving.set()
+        self._tasks.append(asyncio.create_task(_watch_engine(self.engine, self.admission),
+                                               name="engine-watch"))
+        model = self.engine.info.served_model_name
+        # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
+        print(f"RLFLEET_WORKER_READY instance_id={self.instance_id} url={self.request_url} "
+              f"system_url={self.system_url or ''} model={model} "
+              f"stream={self.stream_address}", flush=True)
+        log.info("worker %s serving %s at %s (system server: %s, discovery: %s)",
+                 self.instance_id, model, self.request_url, self.system_url, self.discovery.url)
+
+    async def _serve_request_plane(self) -> None:
+        args = self.args
+        rp = AppServer(self.plane.http_app(), bind_socket(args.host, args.port))
+        await rp.start()
+        self.servers.append(rp)
+        host = advertised_host(args.host, args.advertise_host, self._toward)
+        warn_if_unreachable("this worker", host, args.discovery)
+        self.request_url = http_url(host, rp.port)
+        # the stream plane (what frontends use) on a free port beside the HTTP request plane
+        self.stream = await self.plane.serve(bind_socket(args.host, 0))
+        port = self.stream.port
+        self.stream_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _serve_system(self) -> None:
+        args = self.args
+        # never behind a long control call: a worker can always be taken out of rotation
+        routes = (self.admin_routes() if self.admin_routes else []) + [
+            Route("set_admission", self.admission.set_admission, serialized=False)]
+        app = system_app(routes, admin_token=args.admin_token, faults=self.faults,
+                         health=self.health, ready=self.serving.is_set, fence=self.fence,
+                         changed=self.changed)
+        system_host = args.system_host or args.host
+        ss = AppServer(app, bind_socket(system_host, args.system_port))
+        await ss.start()
+        self.servers.append(ss)
+        self.system_url = http_url(advertised_host(system_host, args.advertise_host,
+                                                   self._toward), ss.port)
+        if self.staging is not None:
+            add_weights_route(app, self.staging.resident_dir, args.admin_token)
+
+    # ---------------------------------------------------------------- what it says about itself
+
+    def live_fields(self) -> dict[str, Any]:
+        """What the entries and /health say about this worker's state now."""
+        return {**self.admission.fields(), **self.engine.serving_policy().stamped(),
+                "fleet_epoch": self.fence.newest}
+
+    def health(self) -> dict[str, Any]:
+        state = "ready" if self.serving.is_set() else "notready"
+        return {"endpoints": dict.fromkeys(self.endpoints, state),
+                "instance_id": self.instance_id, "model": self.engine.info.served_model_name,
+                "running": self.engine.num_running(), "tokens_per_s": self._rate.rate(),
+                **self.live_fields()}
+
+    def entry(self, endpoint: str) -> dict[str, Any]:
+        """This worker's discovery entry for `endpoint`, from its state now."""
+        info = self.engine.info
+        return WorkerEntry(
+            namespace=self.args.namespace, component=WORKER_COMPONENT,
+            instance_id=self.instance_id, transport={"http": self.request_url},
+            stream_plane=self.stream_address, model=info.served_model_name,
+            model_path=info.model_path, vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len, pid=os.getpid(), system_url=self.system_url,
+            **self.admission.fields(),
+            policy=self.engine.serving_policy(),
+            fleet_epoch=self.fence.newest, endpoint=endpoint,
+            request_plane_url=f"dyn://{self.args.namespace}.{WORKER_COMPONENT}.{endpoint}",
+        ).to_entry()
+
+    # ---------------------------------------------------------------- discovery
+
+    async def _register(self) -> None:
+        if not self.admission.gated:
+            await self._gate_if_controlled()
+        for endpoint in self.endpoints:
+            reg = await self.discovery.register(self.entry(endpoint), ttl=self.args.lease_ttl)
+            self.regs.append(reg)
+        await self.admission.attach(self.publish)
+        for reg in self.regs:
+            reg.on_lapse = self._rejoined
+
+    async def _gate_if_controlled(self, context: str = "") -> bool:
+        """Close the worker if it joins a fleet a controller manages; whether it did."""
+        why = await joins_controlled_fleet(self.discovery, self.args.namespace,
+                                           self.engine.info.served_model_name)
+        if not why:
+            return False
+        reason = f"{context}: {why}" if context else why
+        log.warning("%s", reason)
+        self.admission.gate_reason = reason
+        return True
+
+    async def publish(self) -> None:
+        """Write the entries again if the state they describe changed."""
+        async with self._publishing:
+            for reg in self.regs:
+                entry = self.entry(reg.entry["endpoint"])
+                if entry != reg.entry:
+                    await reg.update(entry)
+
+    async def changed(self) -> None:
+        try:
+            await self.publish()
+        except Exception as e:  # noqa: BLE001 - the keep-alive publishes it once it can
+            log.warning("could not publish this worker's new state in discovery: %r", e)
+
+    async def _rejoined(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """The worker was out of discovery for a while (stopped, cut off): a controlled
+        fleet may have moved on without it, so it re-joins gated, as a new worker would."""
+        if not self.admission.gated and await self._gate_if_controlled(
+                "re-joined after its lease lapsed"):
+            # the other registrations too (each waits for its own keep-alive's lock)
+            task = asyncio.ensure_future(self.changed())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return self.entry(entry["endpoint"])
+
+    # ---------------------------------------------------------------- shutdown
+
+    async def stop(self) -> None:
+        """Deregister, stop serving, shut the engine down."""
+        log.info("shutting down worker %s", self.instance_id)
+        self.serving.clear()
+        for task in self._tasks:
+            task.cancel()
+        if self._state_key is not None:
+            metrics.WORKER_STATE.remove(self._state_key)
+        for reg in self.regs:
+            try:
+                await asyncio.wait_for(reg.close(), 5)
+            except Exception as e:  # the lease will expire anyway
+                log.warning("deregistration failed: %r", e)
+        await self.discovery.close()
+        await self.stream.stop()
+        for s in self.servers:
+            await s.stop()
+        if self.staging is not None:
+            await self.staging.close()
+        await self.engine.shutdown()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 def run_worker(engine: Engine, args: argparse.Namespace,
                admin_routes: Callable[[], list[Route]] | None = None, staging=None,
                admission: Admission | None = None, fence: FleetFence | None = None) -> None:
@@ -162,169 +365,16 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     `staging` area, the system server also serves the applied version's files to peers
     (GET /weights/<version>/<file>). `admission`: the one the admin routes share (they
     hold the worker closed while its weights are uncertain); `fence`: the fleet epoch the
-    admin routes report (EngineAdmin.fence). The discovery entry carries the admission
-    state, the applied policy (weight_version, weight_digest, weight_step) and the newest
-    fleet epoch, and is republished whenever one of them changes."""
+    admin routes report (EngineAdmin.fence). See `WorkerProcess`."""
     setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
     tracing.setup(f"rlfleet-worker {engine.info.served_model_name}",
                   getattr(args, "otlp_traces_endpoint", None))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
+    stop = _stop_on_signals()
     with Progress(f"starting the engine for {engine.info.served_model_name}"):
         await engine.start()
-    instance_id = new_instance_id()
-    faults = FaultInjector() if args.enable_fault_injection else None
-    plane = WorkerPlane(engine, faults, args.trust_request_chat_template, args.admin_token)
-    rp = AppServer(plane.http_app(), bind_socket(args.host, args.port))
-    await rp.start()
-    servers = [rp]
-    toward = discovery_peer(args.discovery)
-    host = advertised_host(args.host, args.advertise_host, toward)
-    warn_if_unreachable("this worker", host, args.discovery)
-    request_url = http_url(host, rp.port)
-    # the stream plane (what frontends use) on a free port beside the HTTP request plane
-    stream = await plane.serve(bind_socket(args.host, 0))
-    stream_address = f"[{host}]:{stream.port}" if ":" in host else f"{host}:{stream.port}"
-    system_url = None
-    regs: list[Registration] = []
-    admission = admission or Admission()
-    if args.start_gated:
-        admission.gate_reason = "started gated: not yet verified"
-    serving = asyncio.Event()  # set once registered; /health says "ready" from then on
-    fence = fence if fence is not None else FleetFence()
-    publishing = asyncio.Lock()  # one entry write at a time, each from the current state
-    # what the status page and dashboards read: the policy and the gate at scrape time,
-    # tokens per second from a once-a-second sample of the token counter
-    state_key = metrics.WORKER_STATE.add(engine.info.served_model_name,
-                                         engine.serving_policy, lambda: admission.gated)
-    rate = metrics.TokenRate(engine.series)
-
-    async def sample_rate() -> None:
-        while True:
-            rate.sample()
-            await asyncio.sleep(1.0)
-    sampler = asyncio.create_task(sample_rate())
-
-    def live_fields() -> dict[str, Any]:
-        """What the entry says about this worker's state now."""
-        return {**admission.fields(), **engine.serving_policy().stamped(), "fleet_epoch": fence.newest}
-
-    def entry_now(entry: dict[str, Any]) -> dict[str, Any]:
-        return {**{k: v for k, v in entry.items() if k not in ADMISSION_FIELDS},
-                **live_fields()}
-
-    async def publish() -> None:
-        """Write the entries again if the state they describe changed."""
-        async with publishing:
-            for reg in regs:
-                entry = entry_now(reg.entry)
-                if entry != reg.entry:
-                    await reg.update(entry)
-
-    async def changed() -> None:
-        try:
-            await publish()
-        except Exception as e:  # noqa: BLE001 - the keep-alive publishes it once it can
-            log.warning("could not publish this worker's new state in discovery: %r", e)
-
-    if args.system_port is not None:
-        # never behind a long control call: a worker can always be taken out of rotation
-        routes = (admin_routes() if admin_routes else []) + [
-            Route("set_admission", admission.set_admission, serialized=False)]
-        endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
-
-        def health() -> dict[str, Any]:
-            state = "ready" if serving.is_set() else "notready"
-            return {"endpoints": dict.fromkeys(endpoints, state), "instance_id": instance_id,
-                    "model": engine.info.served_model_name, "running": engine.num_running(),
-                    "tokens_per_s": rate.rate(), **live_fields()}
-
-        app = system_app(routes, admin_token=args.admin_token, faults=faults, health=health,
-                         ready=serving.is_set, fence=fence, changed=changed)
-        system_host = args.system_host or args.host
-        ss = AppServer(app, bind_socket(system_host, args.system_port))
-        await ss.start()
-        servers.append(ss)
-        system_url = http_url(advertised_host(system_host, args.advertise_host, toward), ss.port)
-        if staging is not None:
-            from rlfleet.weights.publish import add_weights_route
-
-            add_weights_route(app, staging.resident_dir, args.admin_token)
-    if staging is not None:
-        staging.attach(str(instance_id), system_url)
-
-    info = engine.info
-    base: dict[str, Any] = {
-        "namespace": args.namespace, "component": COMPONENT, "instance_id": instance_id,
-        "transport": {"http": request_url}, "stream_plane": stream_address,
-        "model": info.served_model_name,
-        "model_path": info.model_path, "vocab_size": info.vocab_size,
-        "max_model_len": info.max_model_len, "pid": os.getpid(),
-    }
-    if system_url:
-        base["system_url"] = system_url
-    discovery = open_discovery(args.discovery)
-    if not admission.gated:
-        why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
-        if why:
-            log.warning("%s", why)
-            admission.gate_reason = why
-    base.update(live_fields())
-    regs.append(await discovery.register(
-        {**base, "endpoint": "generate",
-         "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.generate"}, ttl=args.lease_ttl))
-    if args.enable_rl:
-        regs.append(await discovery.register(
-            {**base, "endpoint": "rl", "request_plane_url": f"dyn://{args.namespace}.{COMPONENT}.rl"},
-            ttl=args.lease_ttl))
-    await admission.attach(publish)
-
-    background: set[asyncio.Future] = set()
-
-    async def rejoined(entry: dict[str, Any]) -> dict[str, Any]:
-        """The worker was out of discovery for a while (stopped, cut off): a controlled
-        fleet may have moved on without it, so it re-joins gated, as a new worker would."""
-        if not admission.gated:
-            why = await joins_controlled_fleet(discovery, args.namespace, info.served_model_name)
-            if why:
-                log.warning("re-joined after its lease lapsed: %s", why)
-                admission.gate_reason = f"re-joined after its lease lapsed: {why}"
-                # the other registrations too (each waits for its own keep-alive's lock)
-                task = asyncio.ensure_future(changed())
-                background.add(task)
-                task.add_done_callback(background.discard)
-        return entry_now(entry)
-
-    for reg in regs:
-        reg.on_lapse = rejoined
-    serving.set()
-    watch = asyncio.create_task(_watch_engine(engine, admission), name="engine-watch")
-    # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
-    print(f"RLFLEET_WORKER_READY instance_id={instance_id} url={request_url} "
-          f"system_url={system_url or ''} model={info.served_model_name} "
-          f"stream={stream_address}", flush=True)
-    log.info("worker %s serving %s at %s (system server: %s, discovery: %s)", instance_id,
-             info.served_model_name, request_url, system_url, discovery.url)
+    worker = WorkerProcess(engine, args, admin_routes, staging, admission, fence)
+    await worker.start()
     try:
         await stop.wait()
     finally:
-        log.info("shutting down worker %s", instance_id)
-        serving.clear()
-        watch.cancel()
-        sampler.cancel()
-        metrics.WORKER_STATE.remove(state_key)
-        for reg in regs:
-            try:
-                await asyncio.wait_for(reg.close(), 5)
-            except Exception as e:  # the lease will expire anyway
-                log.warning("deregistration failed: %r", e)
-        await discovery.close()
-        await stream.stop()
-        for s in servers:
-            await s.stop()
-        if staging is not None:
-            await staging.close()
-        await engine.shutdown()
+        await worker.stop()

@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
@@ -124,6 +124,15 @@ class Listing:
 
     entries: Entries
     skipped: list[Skipped] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, items: Iterable[tuple[str, Entry]], skipped: list[Skipped],
+           namespace: str | None, component: str | None, endpoint: str | None) -> Listing:
+        """The listing a filter selects from a store's (key, entry) items and skipped
+        entries (every store lists through this)."""
+        return cls(_sorted_entries([(key, entry) for key, entry in items
+                                    if _matches(entry, namespace, component, endpoint)]),
+                   [s for s in skipped if s.matches(namespace, component, endpoint)])
 
 
 # ---------------------------------------------------------------- registration

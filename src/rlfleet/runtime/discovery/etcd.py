@@ -25,8 +25,6 @@ from rlfleet.runtime.discovery.base import (
     Registration,
     Skipped,
     _filter_prefix,
-    _matches,
-    _sorted_entries,
     entry_key,
     log,
 )
@@ -250,7 +248,8 @@ class EtcdDiscovery(Discovery):
                     endpoint: str | None) -> Listing:
         prefix = self._etcd_key(_filter_prefix(namespace, component, endpoint))
         result = await self._call(f"list {prefix.decode()}", lambda c: c.get_prefix(prefix))
-        items, skipped = [], []
+        items: list[tuple[str, Entry]] = []
+        skipped: list[Skipped] = []
         for kv in result.kvs:
             name = kv.key.decode("utf-8", errors="replace")
             try:
@@ -262,10 +261,8 @@ class EtcdDiscovery(Discovery):
             except (ValueError, TypeError) as exc:
                 skipped.append(Skipped(name, str(exc), self._key_of(name)))
                 continue
-            if _matches(entry, namespace, component, endpoint):
-                items.append((key, entry))
-        return Listing(_sorted_entries(items),
-                       [s for s in skipped if s.matches(namespace, component, endpoint)])
+            items.append((key, entry))
+        return Listing.of(items, skipped, namespace, component, endpoint)
 
     def _key_of(self, etcd_key: str) -> str | None:
         key = etcd_key.removeprefix(self.prefix)

@@ -32,8 +32,6 @@ from rlfleet.runtime.discovery.base import (
     Listing,
     Registration,
     Skipped,
-    _matches,
-    _sorted_entries,
     entry_key,
     log,
 )
@@ -266,8 +264,7 @@ class FileDiscovery(Discovery):
     async def _list(self, namespace: str | None, component: str | None,
                     endpoint: str | None) -> Listing:
         live, skipped = await self._io(self._scan)
-        items = [(key, entry) for key, (entry, _) in live.items()
-                 if _matches(entry, namespace, component, endpoint)]
-        # callers get private copies
-        return Listing(json.loads(json.dumps(_sorted_entries(items))),
-                       [s for s in skipped if s.matches(namespace, component, endpoint)])
+        listing = Listing.of(((key, entry) for key, (entry, _) in live.items()), skipped,
+                             namespace, component, endpoint)
+        listing.entries = json.loads(json.dumps(listing.entries))  # callers get private copies
+        return listing
