@@ -6,8 +6,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlfleet.runtime.logs import add_log_args, setup_logging
+
+if TYPE_CHECKING:
+    from rlfleet.rl.hooks import RefreshHooks
+    from rlfleet.rl.refresh import PolicyRefresh
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -76,22 +81,14 @@ def default_journal() -> Path:
     return Path(os.environ.get("RLFLEET_JOURNAL", base / "rlfleet" / "journal.sqlite"))
 
 
-def _coordinator(args: argparse.Namespace):
-    from rlfleet.rl.refresh import PolicyRefresh, SglangWorker
+def coordinator(args: argparse.Namespace, hooks: RefreshHooks | None = None) -> PolicyRefresh:
+    """The coordinator `rlfleet refresh` / `rlfleet recover` run (`hooks`: tests only)."""
+    from rlfleet.rl.config import RefreshConfig
+    from rlfleet.rl.hooks import NO_HOOKS
+    from rlfleet.rl.refresh import PolicyRefresh
 
-    sglang = [SglangWorker(*pair.split(",", 1)) for pair in args.sglang_worker]
-    return PolicyRefresh(
-        args.rl_url, model=args.model,
-        path="vllm-staged" if getattr(args, "staged", False) else args.path,
-        sglang_workers=sglang,
-        journal=args.journal, on_failure=args.on_failure, retries=args.retries,
-        pause_mode=args.pause_mode, probe_tokens=args.probe_tokens,
-        probe_tolerance=args.probe_tolerance, probe_from_checkpoint=args.probe_from_checkpoint,
-        transfer_backend=args.transfer_backend, master_address=args.master_address,
-        master_port=args.master_port, admin_token=args.admin_token,
-        mode=getattr(args, "mode", "sync"), max_lag=getattr(args, "max_lag", 1),
-        min_serving=getattr(args, "min_serving", 1), wave_size=getattr(args, "wave_size", None),
-        on_event=lambda msg: print(msg, flush=True))
+    return PolicyRefresh(config=RefreshConfig.from_args(args), hooks=hooks or NO_HOOKS,
+                         on_event=lambda msg: print(msg, flush=True))
 
 
 def _report(result, journal: str) -> int:
@@ -110,7 +107,8 @@ def _report(result, journal: str) -> int:
     return 0 if result.ok else 1
 
 
-def _refresh(args: argparse.Namespace) -> int:
+def run_refresh(args: argparse.Namespace, hooks: RefreshHooks | None = None) -> int:
+    """`rlfleet refresh` (`hooks`: tests only, see tests/refresh_hooked.py)."""
     import asyncio
 
     source = None
@@ -123,16 +121,15 @@ def _refresh(args: argparse.Namespace) -> int:
         source = source_from_uri(args.source, args.s3_endpoint_url) if args.source else None
     elif not args.checkpoint:
         raise ValueError("--checkpoint is required (or --staged --source URI)")
-    coordinator = _coordinator(args)
-    result = asyncio.run(coordinator.refresh(args.checkpoint, args.version, digest=args.digest,
-                                             step=args.step, source=source))
+    result = asyncio.run(coordinator(args, hooks).refresh(
+        args.checkpoint, args.version, digest=args.digest, step=args.step, source=source))
     return _report(result, args.journal)
 
 
 def _recover(args: argparse.Namespace) -> int:
     import asyncio
 
-    result = asyncio.run(_coordinator(args).recover())
+    result = asyncio.run(coordinator(args).recover())
     if result is None:
         print(f"nothing to recover: every transaction in {args.journal} finished")
         return 0
@@ -304,11 +301,8 @@ def _down(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
-    add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_tools(sub: argparse._SubParsersAction) -> None:
+    """`make-model`, `digest`, `publish`."""
     mm = sub.add_parser("make-model", help="write a random Qwen3-architecture test checkpoint")
     mm.add_argument("out", help="output directory")
     mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
@@ -339,46 +333,52 @@ def build_parser() -> argparse.ArgumentParser:
                     help="cast floating-point tensors before publishing")
     pb.set_defaults(func=_publish)
 
-    journal_help = ("the refresh journal: a SQLite file, or etcd://host:port[/name] for "
-                    "coordinators on several hosts; every coordinator of one fleet uses the same "
-                    "one (it holds the fleet's epochs; a refresh started on it recovers an "
-                    "unfinished one and knows the last verified policy, what --on-failure "
-                    "rollback returns to)")
 
-    def coordinator_args(cp: argparse.ArgumentParser) -> None:
-        cp.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL",
-                                                           "http://127.0.0.1:8001"),
-                        help="the frontend's RL listener")
-        cp.add_argument("--model", default=None, help="only workers serving this model")
-        cp.add_argument("--path", default="vllm-disk",
-                        choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
-        cp.add_argument("--sglang-worker", action="append", default=[],
-                        metavar="SYSTEM_URL,REQUEST_URL")
-        cp.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
-        cp.add_argument("--retries", type=int, default=1)
-        cp.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
-        cp.add_argument("--probe-tokens", type=int, default=8,
-                        help="tokens each worker generates in the post-update probe")
-        cp.add_argument("--probe-tolerance", type=float, default=None,
-                        help="max logprob difference in the probe (default: by the dtype each "
-                             "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
-        cp.add_argument("--probe-from-checkpoint", action="store_true",
-                        help="check every worker against a transformers forward pass of the "
-                             "checkpoint (loads the whole model here); default: the workers "
-                             "must agree with each other on a prompt their tokenizer makes")
-        cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
-                        help="process-group backend of --path vllm-distributed (nccl needs "
-                             "CUDA here)")
-        cp.add_argument("--master-address", default=None,
-                        help="address the workers reach this host at for --path "
-                             "vllm-distributed (default: this host's address on the route to "
-                             "the workers)")
-        cp.add_argument("--master-port", type=int, default=None,
-                        help="rendezvous port for --path vllm-distributed (default: a free "
-                             "port)")
-        cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
-        cp.add_argument("--journal", default=str(default_journal()), help=journal_help)
+JOURNAL_HELP = ("the refresh journal: a SQLite file, or etcd://host:port[/name] for "
+                "coordinators on several hosts; every coordinator of one fleet uses the same "
+                "one (it holds the fleet's epochs; a refresh started on it recovers an "
+                "unfinished one and knows the last verified policy, what --on-failure "
+                "rollback returns to)")
 
+
+def _coordinator_args(cp: argparse.ArgumentParser) -> None:
+    """What `rlfleet refresh` and `rlfleet recover` share (RefreshConfig.from_args reads it)."""
+    cp.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL",
+                                                       "http://127.0.0.1:8001"),
+                    help="the frontend's RL listener")
+    cp.add_argument("--model", default=None, help="only workers serving this model")
+    cp.add_argument("--path", default="vllm-disk",
+                    choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
+    cp.add_argument("--sglang-worker", action="append", default=[],
+                    metavar="SYSTEM_URL,REQUEST_URL")
+    cp.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
+    cp.add_argument("--retries", type=int, default=1)
+    cp.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
+    cp.add_argument("--probe-tokens", type=int, default=8,
+                    help="tokens each worker generates in the post-update probe")
+    cp.add_argument("--probe-tolerance", type=float, default=None,
+                    help="max logprob difference in the probe (default: by the dtype each "
+                         "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
+    cp.add_argument("--probe-from-checkpoint", action="store_true",
+                    help="check every worker against a transformers forward pass of the "
+                         "checkpoint (loads the whole model here); default: the workers "
+                         "must agree with each other on a prompt their tokenizer makes")
+    cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
+                    help="process-group backend of --path vllm-distributed (nccl needs "
+                         "CUDA here)")
+    cp.add_argument("--master-address", default=None,
+                    help="address the workers reach this host at for --path "
+                         "vllm-distributed (default: this host's address on the route to "
+                         "the workers)")
+    cp.add_argument("--master-port", type=int, default=None,
+                    help="rendezvous port for --path vllm-distributed (default: a free "
+                         "port)")
+    cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
+    cp.add_argument("--journal", default=str(default_journal()), help=JOURNAL_HELP)
+
+
+def _add_refresh(sub: argparse._SubParsersAction) -> None:
+    """`refresh` and `recover`."""
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
     rf.add_argument("--checkpoint", default=None,
                     help="checkpoint directory the workers can read (required unless --staged "
@@ -406,8 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rolling: never fewer workers serving than this")
     rf.add_argument("--wave-size", type=int, default=None,
                     help="rolling: workers updated at once (default: all but --min-serving)")
-    coordinator_args(rf)
-    rf.set_defaults(func=_refresh)
+    _coordinator_args(rf)
+    rf.set_defaults(func=run_refresh)
 
     rc = sub.add_parser("recover", help="recover a fleet whose refresh never finished (its "
                                         "coordinator crashed or was stopped)",
@@ -415,9 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "every worker holds the interrupted target, else back to "
                                     "the last verified policy; the fleet reopens only on one "
                                     "verified policy. `rlfleet refresh` does this first too.")
-    coordinator_args(rc)
+    _coordinator_args(rc)
     rc.set_defaults(func=_recover)
 
+
+def _add_journal(sub: argparse._SubParsersAction) -> None:
+    """`journal`."""
     jn = sub.add_parser("journal", help="show past policy refreshes")
     jn.add_argument("--journal", default=str(default_journal()),
                     help="a SQLite file or etcd://host:port[/name]")
@@ -425,6 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     jn.add_argument("--json", action="store_true")
     jn.set_defaults(func=_journal)
 
+
+def _add_fleet(sub: argparse._SubParsersAction) -> None:
+    """`up`, `status`, `down`."""
     from rlfleet.runtime.launch import default_state_dir
 
     state_help = "where the running fleet is recorded (default: $RLFLEET_STATE or ~/.local/state)"
@@ -462,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     dn.add_argument("--state", default=str(default_state_dir()), help=state_help)
     dn.set_defaults(func=_down)
 
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    """`demo`."""
     de = sub.add_parser("demo", help="GRPO training on a local fleet of two vLLM workers")
     de.add_argument("--out", default="rlfleet-demo",
                     help="output directory (the demo's earlier files there are replaced)")
@@ -474,6 +483,14 @@ def build_parser() -> argparse.ArgumentParser:
     de.add_argument("--no-learning-check", action="store_true",
                     help="do not require the reward to improve (for short runs)")
     de.set_defaults(func=_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
+    add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_tools, _add_refresh, _add_journal, _add_fleet, _add_demo):
+        add(sub)
     return p
 
 

@@ -36,7 +36,9 @@ import httpx
 from rlfleet.models import make_model
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleLedger, SampleRequest, SamplingSpec
 from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.refresh import PolicyRefresh, Probe, RefreshResult
+from rlfleet.rl.probe import Probe
+from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.rl.transaction import RefreshResult
 from rlfleet.runtime.launch import LocalFleet, Proc
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
@@ -78,7 +80,7 @@ class DemoFailed(RuntimeError):
 
 
 @dataclass
-class Run:
+class DemoRun:
     """What one demo run has done so far (the report is built from it, also on failure)."""
 
     cfg: DemoConfig
@@ -271,14 +273,14 @@ def mean(xs: list[float]) -> float:
 # ---------------------------------------------------------------------- the loop
 
 
-async def train(run: Run, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensTask,
+async def train(run: DemoRun, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensTask,
                 base: Path, ids: set[int]) -> None:
     cfg, out = run.cfg, run.out
     ckpts = out / "checkpoints"
-    gate = RolloutGate()
+    rollout_gate = RolloutGate()
     events = run.events
     coordinator = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, journal=out / "journal.sqlite",
-                                gate=gate, min_workers=len(ids), timeout=120,
+                                rollout_gate=rollout_gate, min_workers=len(ids), timeout=120,
                                 on_event=events.append)
     candidates = [task.prompt(a, b, c) for a, b, c in
                   ((0, 0, 0), (1, 2, 3), (4, 5, 6), (7, 8, 9), (3, 1, 4), (2, 7, 1))]
@@ -308,7 +310,7 @@ async def train(run: Run, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensT
         return rec, digest
 
     async with httpx.AsyncClient() as http, \
-            rollout_client(fleet.url, out / "ledger.sqlite", gate) as client:
+            rollout_client(fleet.url, out / "ledger.sqlite", rollout_gate) as client:
         await wait_listed(http, fleet.rl_url, ids)
         run.initial_refresh, digest = await publish(http, client, 0)  # admits the gated workers
         print(f"step-0 (warmed-up policy) on {len(ids)} workers, verified in "
@@ -355,7 +357,7 @@ async def train(run: Run, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensT
 # ---------------------------------------------------------------------- report and checks
 
 
-def build_report(run: Run) -> dict[str, Any]:
+def build_report(run: DemoRun) -> dict[str, Any]:
     cfg = run.cfg
     steps = run.steps
     rewards = [s["mean_reward"] for s in steps]
@@ -418,7 +420,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     (and SIGTERM) stop the fleet and re-raise KeyboardInterrupt; other errors stop it and
     propagate, after the report of what ran is written."""
     out = Path(cfg.out).resolve()
-    run = Run(cfg, out)
+    run = DemoRun(cfg, out)
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     prepared = False
@@ -442,7 +444,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return report
 
 
-def _run(run: Run) -> None:
+def _run(run: DemoRun) -> None:
     cfg, out = run.cfg, run.out
     t0 = time.monotonic()
     base = make_model(out / "model", size="tiny", seed=cfg.seed, dtype="float32")

@@ -13,13 +13,13 @@ import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.rl.control import SglangWorker
 from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.refresh import (
+from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.rl.transaction import (
     TRANSITIONS,
     IllegalRefreshTransition,
-    PolicyRefresh,
     RefreshState,
-    SglangWorker,
     check_transition,
 )
 from rlfleet.runtime.launch import LocalFleet, spawn
@@ -132,7 +132,7 @@ def test_transfer_failure_after_a_peer_succeeded_holds(fleet, ckpts, tmp_path):
     r = coordinator(fleet, tmp_path, on_failure="hold")
     res = to(r, ckpts, "B", 2)
     assert res.decision == "held" and "transfer failed on 1 of 2" in res.reason
-    assert routed(fleet, 0) == set() and not r.gate.is_open
+    assert routed(fleet, 0) == set() and not r.rollout_gate.is_open
     entry = r.journal.get(res.refresh_id)
     calls = [c for w in entry["workers"].values() for c in w["calls"]
              if c["route"] == "update_weights_from_disk"]
@@ -154,7 +154,7 @@ def test_transfer_failure_rollback_returns_to_a_verified(fleet, ckpts, tmp_path)
     assert res.decision == "rolled_back", res.reason
     assert set(versions(fleet).values()) == {("A", "mock:1")}
     assert res.policy.version == "A" and r.current.version == "A"
-    assert len(routed(fleet, 2)) == 2 and r.gate.is_open
+    assert len(routed(fleet, 2)) == 2 and r.rollout_gate.is_open
     assert any(s["name"] == "rollback" for s in res.steps)
 
 
@@ -177,7 +177,7 @@ def test_a_coordinator_on_an_existing_journal_rolls_back(fleet, ckpts, tmp_path)
     res = to(second, ckpts, "B", 2)
     assert res.decision == "rolled_back" and "rolled back to A" in res.reason, res.reason
     assert set(versions(fleet).values()) == {("A", "mock:1")}
-    assert len(routed(fleet, 2)) == 2 and second.gate.is_open
+    assert len(routed(fleet, 2)) == 2 and second.rollout_gate.is_open
     assert coordinator(fleet, tmp_path).current.version == "A"  # and the next one knows
 
 
@@ -208,7 +208,7 @@ def test_probe_uses_the_models_own_tokenizer_and_workers_must_agree(fleet, ckpts
     assert res.reason.startswith("workers disagree on the post-update probe: worker "
                                  f"{odd.ready['instance_id']} puts token "), res.reason
     assert " first at position " in res.reason and " where worker " in res.reason
-    assert not r.gate.is_open
+    assert not r.rollout_gate.is_open
     deadline = time.monotonic() + 10  # the frontend sees the gated entries on its next poll
     while True:
         usable = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
@@ -235,7 +235,7 @@ def test_version_mismatch_keeps_the_fleet_closed(fleet, ckpts, tmp_path):
     r = coordinator(fleet, tmp_path)
     res = to(r, ckpts, "B", 2)
     assert res.decision == "held" and "version check differs" in res.reason
-    assert routed(fleet, 0) == set() and not r.gate.is_open
+    assert routed(fleet, 0) == set() and not r.rollout_gate.is_open
 
 
 def test_post_update_generation_failure_keeps_worker_out(fleet, ckpts, tmp_path):

@@ -122,11 +122,14 @@ def test_a_rolling_refresh_refuses_what_it_cannot_do_safely(rf):
     try:
         res = asyncio.run(r.refresh(f.ckpts["C"], "C", digest="mock:3", step=start + 2))
         assert res.decision == "held" and "2 steps ahead of a serving worker" in res.reason
-        r.min_serving = 3
+    finally:
+        r.close()
+    r = PolicyRefresh(config=r.config.replace(min_serving=3))
+    try:
         res = asyncio.run(r.refresh(f.ckpts["C"], "C", digest="mock:3"))
         assert res.decision == "held" and "fewer than min_serving=3" in res.reason
     finally:
         r.close()
-    assert policy(f) == before and len(routed(f, 3)) == 3 and r.gate.is_open
+    assert policy(f) == before and len(routed(f, 3)) == 3 and r.rollout_gate.is_open
     with pytest.raises(ValueError, match="does not roll back"):
         PolicyRefresh(f.rl_url, mode="rolling", on_failure="rollback")

@@ -2,7 +2,7 @@
 fleet's epochs) in SQLite and in a real etcd: coordinators killed at each step of the
 lifecycle and recovered by the next one, two coordinators at once, a coordinator stopped
 while another takes the fleet over. Interrupted coordinators are `rlfleet refresh`
-processes stopped at a named step by the test-only hook (RLFLEET_TEST_REFRESH_HOOK)."""
+processes stopped at a named step by a test-only hooks object (tests/refresh_hooked.py)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,21 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import open_journal
-from rlfleet.rl.refresh import TEST_HOOK, PolicyRefresh
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import LocalFleet
 from tests.conftest import wait_for_workers
 from tests.integration.test_refresh_mocker import MODEL, fault, mock_args, routed
 
 SEEDS = {"A": 1, "B": 2, "C": 3}
+#: `rlfleet refresh` with a coordinator that kills or stops itself at a named point
+HOOKED = Path(__file__).resolve().parents[1] / "refresh_hooked.py"
 # the state each hook point leaves in the journal
 STATE_AT = {"gated": "resolved", "paused": "paused", "apply_half": "paused",
             "verified": "verified", "before_reopen": "probed"}
@@ -75,12 +78,16 @@ def settle_on_a(f) -> int:
     return res.policy.step
 
 
-def cli_refresh(f, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "rlfleet.cli", "refresh", "--checkpoint", str(f.ckpts[name]),
-            "--version", name, "--digest", f"mock:{SEEDS[name]}", "--rl-url", f.rl_url,
-            "--model", MODEL, "--journal", f.journal]
+def cli_refresh(f, name: str, hook: str | None = None) -> subprocess.Popen:
+    """`rlfleet refresh` to `name` in a process of its own; with `hook` ("POINT=kill" or
+    "POINT=stop"), one that kills or stops itself at that point (tests/refresh_hooked.py)."""
+    args = ["refresh", "--checkpoint", str(f.ckpts[name]), "--version", name, "--digest",
+            f"mock:{SEEDS[name]}", "--rl-url", f.rl_url, "--model", MODEL, "--journal",
+            f.journal]
+    argv = ([sys.executable, str(HOOKED), hook, *args[1:]] if hook else
+            [sys.executable, "-m", "rlfleet.cli", *args])
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            start_new_session=True)
 
 
 def finish(p: subprocess.Popen, timeout: float = 120) -> tuple[int, str, str]:
@@ -111,7 +118,7 @@ def test_a_coordinator_killed_at_each_step_is_recovered(txf, point):
     journal says what happened."""
     f = txf
     step_a = settle_on_a(f)
-    code, out, err = finish(cli_refresh(f, "B", {TEST_HOOK: f"{point}=kill"}))
+    code, out, err = finish(cli_refresh(f, "B", f"{point}=kill"))
     assert code == -signal.SIGKILL, out + err
     assert f"RLFLEET_TEST_HOOK {point} kill" in out
     with journal_of(f) as j:
@@ -181,7 +188,7 @@ def test_a_stopped_coordinator_is_refused_after_another_took_over(txf):
     (its epoch is older) and stops with a clear error, changing nothing."""
     f = txf
     settle_on_a(f)
-    first = cli_refresh(f, "B", {TEST_HOOK: "paused=stop"})
+    first = cli_refresh(f, "B", "paused=stop")
     deadline = time.monotonic() + 60
     while not stopped(first.pid):
         assert first.poll() is None and time.monotonic() < deadline, finish(first)

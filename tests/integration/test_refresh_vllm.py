@@ -50,7 +50,7 @@ def test_refresh_a_to_b_under_load(setup, tmp_path):
     digest = {name: checkpoint_digest(root / name) for name in ("A", "B")}
     gate = RolloutGate()
     journal = SqliteJournal(tmp_path / "journal.sqlite")
-    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, journal=journal, gate=gate,
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, journal=journal, rollout_gate=gate,
                                 probe_tolerance=1e-4)
     admitted = []
     spec = SamplingSpec(max_tokens=24, temperature=1.0, ignore_eos=True)

@@ -72,3 +72,36 @@ def test_transfer_settings_are_checked() -> None:
             PolicyRefresh("http://127.0.0.1:1", path="vllm-distributed",
                           transfer_backend="nccl")
     assert address_toward("http://127.0.0.1:8081") == "127.0.0.1"
+
+
+def test_refresh_config_is_checked_in_one_place_and_read_from_the_cli() -> None:
+    import dataclasses
+
+    from rlfleet.cli import build_parser
+    from rlfleet.rl.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
+
+    args = build_parser().parse_args(
+        ["refresh", "--checkpoint", "/tmp/c", "--version", "v", "--rl-url", "http://x:1",
+         "--mode", "rolling", "--max-lag", "2", "--wave-size", "1", "--pause-mode", "keep",
+         "--journal", ":memory:"])
+    c = RefreshConfig.from_args(args)
+    assert (c.rl_url, c.mode, c.max_lag, c.wave_size, c.pause_mode, c.path) == (
+        "http://x:1", RefreshMode.ROLLING, 2, 1, PauseMode.KEEP, UpdatePath.VLLM_DISK)
+    assert c.on_failure is OnFailure.HOLD and c.journal == ":memory:"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.max_lag = 3  # type: ignore[misc]
+    assert c.replace(min_serving=2).min_serving == 2
+    with pytest.raises(ValueError, match="does not roll back"):
+        c.replace(on_failure="rollback")
+    with pytest.raises(ValueError, match="pause_mode must be one of keep, wait, abort"):
+        RefreshConfig(rl_url="http://x:1", pause_mode="drain")
+    with pytest.raises(ValueError, match="need rl_url"):
+        RefreshConfig()
+    with pytest.raises(ValueError, match="min_serving must be at least 1"):
+        RefreshConfig(rl_url="http://x:1", min_serving=0)
+    # PolicyRefresh takes a config, or RefreshConfig's fields as keywords (the same thing)
+    for r in (PolicyRefresh(config=c),
+              PolicyRefresh("http://x:1", mode="rolling", max_lag=2, wave_size=1,
+                            pause_mode="keep")):
+        assert r.config == c and r.mode is RefreshMode.ROLLING
+        r.close()

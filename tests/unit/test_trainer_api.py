@@ -334,7 +334,7 @@ def test_a_held_refresh_stops_rollouts_with_a_clear_error():
                transport=fe.transport(), retry=FAST, timeout=2) as fleet:
         result = fleet.refresh(None, "v2", digest="d2")
         assert result.decision == "held" and not result.fleet_moved and not result.ok
-        assert fleet.held is result and not fleet.gate.is_open
+        assert fleet.held is result and not fleet.rollout_gate.is_open
         with pytest.raises(FleetHeld, match="held by refresh"):
             fleet.rollout([SampleRequest("s", [1, 2], SamplingSpec(max_tokens=2))])
     assert fe.requests == []

@@ -46,8 +46,9 @@ import torch
 from transformers import TrainerCallback
 
 from rlfleet.rl.fleet import Fleet
-from rlfleet.rl.refresh import Probe, RefreshResult
+from rlfleet.rl.probe import Probe
 from rlfleet.rl.sample import Chat, SampleRequest, SamplingSpec
+from rlfleet.rl.transaction import RefreshResult
 from rlfleet.train.checkpoint import save_checkpoint
 
 #: a probe whose best and second-best logits are closer than this could flip on float noise
@@ -184,13 +185,13 @@ class FleetRollout:
     tokenizer files go next to each saved policy (default: the model's `name_or_path`);
     sampling: a SamplingSpec instead of TRL's settings; retries: extra rounds for samples
     not admitted; keep_checkpoints: saved policies kept on disk (the one served and the one
-    before it, for rollback); run_id: prefix of the sample IDs (default: random)."""
+    before it, for rollback); run_id: prefix of the sample IDs (default: random). The probe
+    has the fleet's `RefreshConfig.probe_tokens` tokens."""
 
     def __init__(self, fleet: Fleet, checkpoints: str | Path, *, base: str | Path | None = None,
                  sampling: SamplingSpec | None = None, retries: int = 1,
                  check_logprobs: bool = True, max_logprob_diff: float | None = None,
-                 keep_checkpoints: int = 2, run_id: str | None = None,
-                 probe_tokens: int = 8) -> None:
+                 keep_checkpoints: int = 2, run_id: str | None = None) -> None:
         if fleet.coordinator is None:
             raise ValueError("the Fleet needs an rl_url to refresh the policy after each step")
         self.fleet = fleet
@@ -200,7 +201,6 @@ class FleetRollout:
         self.check_logprobs, self.max_logprob_diff = check_logprobs, max_logprob_diff
         self.keep_checkpoints = max(1, keep_checkpoints)
         self.run_id = run_id or uuid.uuid4().hex[:8]
-        self.probe_tokens = probe_tokens
         self.stats = FleetRolloutStats()
         self.callback = _RefreshEachStep(self)
         self._calls = 0
@@ -301,7 +301,7 @@ class FleetRollout:
         try:
             vocab = model.get_input_embeddings().weight.shape[0]
             prompts = self._probe_prompts or [[t % vocab for t in p] for p in PROBE_PROMPTS]
-            probe = policy_probe(model, prompts, self.probe_tokens)
+            probe = policy_probe(model, prompts, self.fleet.coordinator.config.probe_tokens)
         finally:
             model.train(was_training)
         result = self.fleet.refresh(path, version, probe=probe, step=step)

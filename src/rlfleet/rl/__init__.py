@@ -1,7 +1,8 @@
 """The framework side: the trainer-facing Fleet (rollouts and refreshes from any thread),
 rollouts admitted exactly once (RolloutClient, admission checks, sample ledger, retry and
 partial-rollout policies; prompts as token IDs, text, chat or a next turn) and fleet policy
-refresh (PolicyRefresh, its journal, and the RolloutGate between them)."""
+refresh (PolicyRefresh, its RefreshConfig, its journal, and the trainer-side RolloutGate
+between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
@@ -19,24 +20,17 @@ from rlfleet.rl.checks import (
     TokenIdsMissing,
 )
 from rlfleet.rl.client import RolloutClient, TokenizeFailed
+from rlfleet.rl.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
+from rlfleet.rl.control import FleetFenced, SglangWorker
 from rlfleet.rl.fleet import Fleet, FleetHeld
 from rlfleet.rl.gate import RolloutGate
+from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.journal import EtcdJournal, SqliteJournal, open_journal
 from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
 from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
-from rlfleet.rl.probe import probe_from_model
-from rlfleet.rl.refresh import (
-    FleetFenced,
-    OnFailure,
-    Policy,
-    PolicyRefresh,
-    Probe,
-    RefreshMode,
-    RefreshResult,
-    RefreshState,
-    SglangWorker,
-    UpdatePath,
-)
+from rlfleet.rl.policy import Policy
+from rlfleet.rl.probe import Probe, probe_from_model
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
@@ -48,3 +42,4 @@ from rlfleet.rl.sample import (
     SampleRequest,
     SamplingSpec,
 )
+from rlfleet.rl.transaction import RefreshResult, RefreshState

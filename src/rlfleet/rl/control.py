@@ -28,7 +28,7 @@ from rlfleet.protocol.rl import PROTOCOL_VERSION
 from rlfleet.runtime import tracing
 
 if TYPE_CHECKING:
-    from rlfleet.rl.refresh import Policy
+    from rlfleet.rl.policy import Policy
 
 log = logging.getLogger("rlfleet.refresh")
 

@@ -39,10 +39,12 @@ import httpx
 
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.client import RolloutClient
+from rlfleet.rl.config import RefreshConfig, RefreshMode
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.ledger import SampleLedger
 from rlfleet.rl.partial import PartialRolloutPolicy
-from rlfleet.rl.refresh import PolicyRefresh, Probe, RefreshMode, RefreshResult
+from rlfleet.rl.probe import Probe
+from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import (
     AdmittedSample,
@@ -51,6 +53,7 @@ from rlfleet.rl.sample import (
     SampleRequest,
     SamplingSpec,
 )
+from rlfleet.rl.transaction import RefreshResult
 
 T = TypeVar("T")
 
@@ -71,39 +74,42 @@ class Fleet:
 
     url: the frontend; model: the served model name; rl_url: the frontend's RL listener
     (needed for `refresh`); ledger: a `SampleLedger`, a path for one, or None (in memory);
-    journal: the refresh journal's path (or ":memory:"); retry, partial, route, stream:
-    as for `RolloutClient`; concurrency: samples in flight per `rollout` call;
-    rollout_timeout: seconds after which a `rollout` or `generate` call starts no attempt
-    and stops waiting for a closed gate (None: no bound; each attempt still has the retry
-    policy's timeout); expected_version / expected_digest: the policy the fleet serves at
-    start, if known (a refresh sets them). Other keyword arguments go to `PolicyRefresh`
-    (on_failure, pause_mode, min_workers, probe_prompt, probe_tolerance, timeout,
-    admin_token, path, ...)."""
+    journal: the refresh journal (a path, ":memory:" or etcd://...; default: the config's);
+    retry, partial, route, stream: as for `RolloutClient`; concurrency: samples in flight
+    per `rollout` call; rollout_timeout: seconds after which a `rollout` or `generate` call
+    starts no attempt and stops waiting for a closed gate (None: no bound; each attempt
+    still has the retry policy's timeout); expected_version / expected_digest: the policy
+    the fleet serves at start, if known (a refresh sets them). How it refreshes: `refresh`
+    (a `RefreshConfig`), with the other keyword arguments (RefreshConfig's fields:
+    on_failure, pause_mode, min_workers, probe_tolerance, timeout, admin_token, path, mode,
+    max_lag, ...; or PolicyRefresh's on_event, hooks) set in it."""
 
     def __init__(self, url: str, model: str, *, rl_url: str | None = None,
                  ledger: SampleLedger | str | Path | None = None,
-                 journal: str | Path = ":memory:", retry: RetryPolicy | None = None,
+                 journal: str | Path | None = None, retry: RetryPolicy | None = None,
                  partial: PartialRolloutPolicy | None = None, route: str = "openai",
                  stream: bool = False, concurrency: int = 64,
                  rollout_timeout: float | None = 600.0,
                  expected_version: Any = None, expected_digest: Any = None,
                  allow_mixed_versions: bool = False,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 **refresh_options: Any) -> None:
+                 refresh: RefreshConfig | None = None, **refresh_options: Any) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        rl_url = rl_url or (refresh.rl_url if refresh else None)
         self.url, self.model, self.rl_url = url, model, rl_url
         self.concurrency, self.rollout_timeout = concurrency, rollout_timeout
         self._own_ledger = not isinstance(ledger, SampleLedger)
         self.ledger = ledger if isinstance(ledger, SampleLedger) else SampleLedger(ledger or ":memory:")
-        self.gate = RolloutGate()
+        self.rollout_gate = RolloutGate()
         self.client = RolloutClient(url, model, ledger=self.ledger, retry=retry, partial=partial,
                                     expected_version=expected_version,
                                     expected_digest=expected_digest,
                                     allow_mixed_versions=allow_mixed_versions, route=route,
-                                    stream=stream, gate=self.gate, transport=transport)
-        self.coordinator = PolicyRefresh(rl_url, model=model, journal=journal, gate=self.gate,
-                                         **refresh_options) if rl_url else None
+                                    stream=stream, gate=self.rollout_gate, transport=transport)
+        self.coordinator = PolicyRefresh(
+            rl_url, config=refresh, model=model, journal=journal,
+            rollout_gate=self.rollout_gate, **refresh_options) if rl_url else None
         self.last_refresh: RefreshResult | None = None
         self.held: RefreshResult | None = None  # the refresh that left the fleet gated
         self._refreshing = 0
@@ -152,7 +158,7 @@ class Fleet:
 
     def _check_open(self) -> None:
         """A fleet left gated by a held refresh serves nothing: say so at once."""
-        if self.held is not None and not self.gate.is_open and not self._refreshing:
+        if self.held is not None and not self.rollout_gate.is_open and not self._refreshing:
             raise FleetHeld(self.held)
 
     # ------------------------------------------------------------ rollouts
@@ -221,7 +227,7 @@ class Fleet:
             rolling = self.coordinator.mode is RefreshMode.ROLLING
             if rolling:  # the bound moves before the first wave serves the new step
                 step = self.coordinator.next_step(step)
-                lag = self.coordinator.max_lag
+                lag = self.coordinator.config.max_lag
                 self.client.expect(None, None)
                 self.client.bound(PolicyBound(min_step=max(0, step - lag), max_lag=lag))
             self._refreshing += 1

@@ -1,5 +1,6 @@
-"""The trainer-side rollout gate: closed while the fleet's policy is being refreshed.
-`RolloutClient` waits on it before starting any attempt.
+"""The trainer-side rollout gate (`RolloutGate`): closed while the fleet's policy is being
+refreshed. `RolloutClient` waits on it before starting any attempt. (Not the workers' own
+admission, which a refresh closes and opens per worker: rlfleet.rl.control.)
 
 A refresh that reopens the fleet hands the gate the policy the fleet serves now, and the
 gate passes it to its clients before any waiting attempt starts: no attempt after the
@@ -11,7 +12,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-Policy = tuple[Any, Any]  # (version, digest)
+VersionDigest = tuple[Any, Any]  # the policy the fleet serves: (version, digest)
 
 
 class RolloutGate:
@@ -19,7 +20,7 @@ class RolloutGate:
         self._open = asyncio.Event()
         self._open.set()
         self.reason: str | None = None
-        self.policy: Policy | None = None  # what the fleet serves, since the last reopen
+        self.policy: VersionDigest | None = None  # what the fleet serves, since the last reopen
         self._subscribers: list[Callable[[Any, Any], None]] = []
 
     @property
@@ -35,7 +36,7 @@ class RolloutGate:
         self.reason = reason
         self._open.clear()
 
-    def open(self, policy: Policy | None = None) -> None:
+    def open(self, policy: VersionDigest | None = None) -> None:
         """Reopen; with `policy` (version, digest), on that policy."""
         if policy is not None:
             self.policy = policy

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+
 #: the agreement probe's prompt, tokenised by the workers themselves
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Policy refresh probe:"
 #: max |logprob difference| accepted, by the dtype a worker serves in. float32: vLLM on CPU
@@ -78,6 +80,53 @@ def reference_probe(checkpoint: str | Path, prompt: Sequence[int] | None, n: int
         prompt = AutoTokenizer.from_pretrained(str(checkpoint)).encode(PROBE_TEXT)
     model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     return probe_from_model(model, prompt, n)
+
+
+# ---------------------------------------------------------------------- asking a worker
+
+
+def probe_request(request_id: str, probe: Probe | None, probe_text: str) -> GenerateRequest:
+    """The request-plane request of one worker's probe. An expected probe is
+    teacher-forced: the worker prefills prompt + expected[:-1] (prompt logprobs: each
+    expected token, its rank and logprob) and generates the last token greedily, so every
+    expected token is checked in one decode step. Without one, the worker's own first
+    choice at every position of `probe_text`, then one token."""
+    if probe is not None:
+        return GenerateRequest(request_id=request_id,
+                               prompt_token_ids=probe.prompt + probe.token_ids[:-1],
+                               stream=False, sampling=SamplingOptions(
+                                   temperature=0.0, max_tokens=1, logprobs=0,
+                                   prompt_logprobs=0, ignore_eos=True))
+    return GenerateRequest(request_id=request_id, prompt=probe_text, stream=False,
+                           sampling=SamplingOptions(temperature=0.0, max_tokens=1, logprobs=0,
+                                                    prompt_logprobs=1, ignore_eos=True))
+
+
+def read_answer(worker: int, req: GenerateRequest, events: list[dict[str, Any]],
+                probe: Probe | None, digest: str | None, tol: float) -> Answer | str:
+    """A worker's answer from the events of its probe request (`probe_request`), or why it
+    has none (the stream ended early, or ran on weights other than `digest`)."""
+    if not events or not events[-1].get("done"):
+        return "post-update generation failed: the stream ended early"
+    head = events[0]
+    if head.get("weight_digest") != digest:
+        return (f"post-update generation ran on digest {head.get('weight_digest')}, not the "
+                f"target {digest}")
+    tokens: list[tuple[int, int | None, float | None]] = []
+    prompt_lps = events[-1].get("prompt_logprobs") or []
+    if probe is not None:
+        for t, e in zip(probe.token_ids[:-1], prompt_lps[len(probe.prompt):], strict=False):
+            entry = (e or {}).get(str(t), {})
+            tokens.append((t, entry.get("rank"), entry.get("logprob")))
+    else:
+        for e in prompt_lps[1:]:
+            first = [(int(t), v.get("rank"), v.get("logprob")) for t, v in (e or {}).items()
+                     if v.get("rank") == 1]
+            tokens.append(first[0] if first else (-1, None, None))
+    tokens += [(lp["token_id"], lp.get("rank"), lp.get("logprob")) for ev in events
+               for c in ev.get("choices", []) for lp in (c.get("logprobs") or [])]
+    prompt = head.get("prompt_token_ids") or list(req.prompt_token_ids or [])
+    return Answer(worker, prompt, tokens, tol)
 
 
 # ---------------------------------------------------------------------- judging answers

@@ -24,7 +24,7 @@ from rlfleet.rl.control import (
 )
 
 if TYPE_CHECKING:
-    from rlfleet.rl.refresh import Policy
+    from rlfleet.rl.policy import Policy
 
 STAGED_ROUTES = frozenset({"stage_weights", "get_staged_weights", "apply_staged_weights",
                            "release_staged_weights"})
