@@ -13,6 +13,7 @@ from typing import Any
 
 import uvloop
 
+from rlfleet.protocol.admin import SET_ADMISSION
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.auth import settle_admin_token
@@ -233,7 +234,7 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     if args.system_port is not None:
         # never behind a long control call: a worker can always be taken out of rotation
         routes = (admin_routes() if admin_routes else []) + [
-            Route("set_admission", admission.set_admission, serialized=False)]
+            Route(SET_ADMISSION, admission.set_admission)]
         endpoints = ["generate", "rl"] if args.enable_rl else ["generate"]
 
         def health() -> dict[str, Any]:
