@@ -209,10 +209,11 @@ class MockAdmin:
     def _native_methods(self) -> dict[str, Callable[..., Awaitable[Any]]]:
         """The engine / tokenizer-manager methods the mocker can expose; either target
         reaches the same simulated engine."""
-        return {"pause_generation": self.sgl_pause_generation,
-                "continue_generation": self.sgl_continue_generation,
-                "flush_cache": self.sgl_flush_cache,
-                "get_weight_version": self.sgl_get_weight_version}
+        methods = {admin.NATIVE_PAUSE_GENERATION: self.sgl_pause_generation,
+                   admin.NATIVE_CONTINUE_GENERATION: self.sgl_continue_generation,
+                   admin.NATIVE_FLUSH_CACHE: self.sgl_flush_cache,
+                   admin.NATIVE_GET_WEIGHT_VERSION: self.sgl_get_weight_version}
+        return {route.name: fn for route, fn in methods.items()}
 
     @staticmethod
     def _native_handler(fn: Callable[..., Awaitable[Any]], spec: AdminRoute) -> Handler:

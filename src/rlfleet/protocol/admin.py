@@ -455,8 +455,31 @@ class StageReply(Reply, kw_only=True):
     version: str | UnsetType = UNSET
 
 
+class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One staging handle as get_staged_weights lists it (rlfleet.weights.staging), or a
+    coordinator's own account of a staging that got no handle (`unreachable`: it could not
+    reach the worker; never on the wire)."""
+
+    handle: str | None = None
+    version: str | None = None
+    state: str  # STAGING | READY | APPLIED | FAILED | RELEASED ...
+    format: str | None = None
+    base_version: str | None = None
+    source: dict[str, Any] | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    digest: str | None = None
+    error: str | None = None
+    applied: bool = False
+    prepared: str | None = None  # how the engine prepared it while serving
+    seconds: float | None = None
+    unreachable: bool = False
+
+
 class StagedListReply(Reply, kw_only=True):
-    staged: list[dict[str, Any]] | UnsetType = UNSET  # each handle's summary
+    staged: list[StagedSummary] | UnsetType = UNSET  # each handle's summary
     resident: dict[str, Any] | None | UnsetType = UNSET  # {version, digest} (all handles)
 
 
@@ -575,6 +598,8 @@ NATIVE_METHODS = {r.name: r for r in (
 )}
 NATIVE_PAUSE_GENERATION = NATIVE_METHODS["pause_generation"]
 NATIVE_CONTINUE_GENERATION = NATIVE_METHODS["continue_generation"]
+NATIVE_FLUSH_CACHE = NATIVE_METHODS["flush_cache"]
+NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
 
 #: every fixed route, by name (the native methods' paths are configured)
 ROUTES = {r.name: r for r in (
