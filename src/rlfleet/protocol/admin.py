@@ -641,9 +641,8 @@ def _explain(route: AdminRoute, error: str) -> str:
     if m := _MISSING.fullmatch(error):
         return messages.get(m["field"], f"{m['field']} is required by {route.name}")
     if m := _TYPE.fullmatch(error):
-        name = re.split(r"[.\[]", m["at"], maxsplit=1)[0]
-        return messages.get(name, f"{m['at']} must be {m['want']}, not {m['got']} "
-                                  f"({route.name})")
+        generic = f"{m['at']} must be {m['want']}, not {m['got']} ({route.name})"
+        return messages.get(m["at"], generic)  # a nested field: its path
     return f"{route.name}: {error}"
 
 
