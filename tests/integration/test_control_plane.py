@@ -306,8 +306,8 @@ def test_trainer_pushes_weights_over_gloo(ctl, tiny_model_b, weights_root):
     finally:
         admin(ctl, "resume_generation")
     try:
-        assert results[0]["status"] == "ok", results
-        assert results[0]["weight_digest"] == checkpoint_digest(tiny_model_b)
+        assert results[0].body["status"] == "ok", results
+        assert results[0].body["weight_digest"] == checkpoint_digest(tiny_model_b)
         assert greedy(ctl)[0] == transformers_greedy(tiny_model_b, 16)[0]
     finally:
         set_weights(ctl, weights_root / "A", "A")
@@ -453,7 +453,7 @@ def test_a_trainer_broadcast_of_non_finite_weights_is_refused(ctl, tiny_model_b)
         results = asyncio.run(push_weights([ctl.system_url], tensors, "nan", timeout=30))
     finally:
         admin(ctl, "resume_generation")
-    assert results[0]["status"] == "error" and "non-finite" in results[0]["message"], results
+    assert results[0].body["status"] == "error" and "non-finite" in results[0].message, results
     assert admin(ctl, "get_weight_version")["weight_digest"] == digest
     live = admin(ctl, "liveness_probe")
     assert (live["status"], live["alive"]) == ("ok", True)

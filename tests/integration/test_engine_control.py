@@ -6,7 +6,9 @@ test_mocker_admin.py (mocker)."""
 from __future__ import annotations
 
 import shutil
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -37,6 +39,11 @@ async def greedy(engine, n: int = 8) -> tuple[list[int], list[float]]:
     return ids, lps
 
 
+async def installed(admin: EngineAdmin, *args: Any, **kw: Any) -> dict:
+    """install_tensors' reply as JSON."""
+    return msgspec.to_builtins(await admin.install_tensors(*args, **kw))
+
+
 async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) -> None:
     a = shutil.copytree(tiny_model, tmp_path / "A")
     engine = VllmEngine(parse_args(["--model", str(a), *VLLM_FLAGS, "--no-warmup"]))
@@ -45,17 +52,17 @@ async def test_vllm_installs_staged_tensors(tmp_path, tiny_model, tiny_model_b) 
     try:
         before = await greedy(engine)
         staged = dict(iter_checkpoint_tensors(tiny_model_b))
-        out = await admin.install_tensors(staged, "B")
+        out = await installed(admin, staged, "B")
         assert out == {"status": "error",
                        "message": "generation is not paused: call pause_generation first"}
         await engine.pause("wait")
         wrong = {**staged, "model.norm.weight": torch.ones(3)}
-        out = await admin.install_tensors(wrong, "B")
+        out = await installed(admin, wrong, "B")
         assert out["status"] == "error" and "do not fit the served model" in out["message"]
         assert "still serving" in out["message"]
         assert engine.applied().policy.digest == checkpoint_digest(a)  # nothing changed
 
-        out = await admin.install_tensors(staged, "B", step=7)
+        out = await installed(admin, staged, "B", step=7)
         assert out == {"status": "ok", "version": "B", "version_declared": True,
                        "weight_digest": checkpoint_digest(tiny_model_b), "step": 7}
         assert engine.serving_policy().stamped() == {"weight_version": "B", "weight_step": 7,
@@ -79,9 +86,9 @@ async def test_mocker_installs_staged_tensors() -> None:
     engine = MockEngine(seed=1)
     admin = EngineAdmin(engine)
     await engine.pause("wait")
-    out = await admin.install_tensors({"w": torch.zeros(2)}, "v")
+    out = await installed(admin, {"w": torch.zeros(2)}, "v")
     assert out["status"] == "error" and SEED_TENSOR in out["message"]
-    assert await admin.install_tensors({SEED_TENSOR: torch.tensor([5])}, "v5") == {
+    assert await installed(admin, {SEED_TENSOR: torch.tensor([5])}, "v5") == {
         "status": "ok", "version": "v5", "version_declared": True, "weight_digest": "mock:5",
         "step": None}
     assert engine.serving_policy().stamped() == {"weight_version": "v5", "weight_digest": "mock:5",

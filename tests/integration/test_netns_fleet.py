@@ -176,7 +176,7 @@ def test_gloo_broadcast_from_the_trainer_host_to_the_worker_hosts(
             for u in urls:
                 httpx.post(f"{u}/engine/resume_generation", json={}, timeout=30)
         digest = checkpoint_digest(net.ckpt["B"])
-        assert [o["status"] for o in out] == ["ok", "ok"], out
+        assert [o.body["status"] for o in out] == ["ok", "ok"], out
         for u in urls:
             v = httpx.post(f"{u}/engine/get_weight_version", json={}, timeout=30).json()
             assert v["weight_digest"] == digest, v

@@ -19,10 +19,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 from safetensors.torch import save_file
 
+from rlfleet.protocol.admin import ROUTES, AdmissionRequest, read_request
 from rlfleet.rl.probe import reference_probe
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
@@ -33,6 +35,12 @@ from rlfleet.worker.admin import EngineAdmin
 from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
 from tests.conftest import VLLM_FLAGS
 from tests.integration.test_engine_control import PROMPT, greedy
+
+
+async def served(admin: EngineAdmin, route: str, body: dict | None = None) -> dict:
+    """Run the route's handler on `body` as the system server does; the reply as JSON."""
+    request = read_request(ROUTES[route], body or {})
+    return msgspec.to_builtins(await getattr(admin, route)(request))
 
 pytestmark = [pytest.mark.engine, pytest.mark.asyncio(loop_scope="module")]
 
@@ -68,11 +76,12 @@ class Worker:
 
     async def admission_open(self) -> dict:
         """What a coordinator's set_admission(open) gets."""
-        return await self.admin.admission.set_admission({"open": True})
+        return msgspec.to_builtins(
+            await self.admin.admission.set_admission(AdmissionRequest(open=True)))
 
     async def paused(self, route: str, body: dict) -> dict:
         await self.engine.pause("wait")
-        return await getattr(self.admin, route)(body)
+        return await served(self.admin, route, body)
 
     async def greedy_matches(self, checkpoint: Path) -> None:
         ref = reference_probe(checkpoint, PROMPT, 8)
@@ -118,10 +127,10 @@ async def test_non_finite_weights_are_refused_before_install(worker):
         staged = dict(iter_checkpoint_tensors(a))
         staged["model.norm.weight"] = staged["model.norm.weight"].clone()
         staged["model.norm.weight"][3] = math.inf
-        out = await worker.admin.install_tensors(staged, "y")
+        out = msgspec.to_builtins(await worker.admin.install_tensors(staged, "y"))
         assert out["status"] == "error" and "infinite" in out["message"], out
     finally:
-        assert (await worker.admin.resume_generation({}))["status"] == "ok"
+        assert (await served(worker.admin, "resume_generation"))["status"] == "ok"
     assert worker.engine.applied().policy.digest == digest == checkpoint_digest(a)
     assert (await worker.entry())["gated"] is False
     await worker.greedy_matches(a)
@@ -133,11 +142,11 @@ async def test_weights_that_produce_nan_close_the_worker_and_restoring_restores(
                               {"model_path": str(worker.root / "overflow"), "weight_version": "o"})
     assert out["status"] == "ok", out  # finite: nothing to refuse before the install
     assert (await worker.entry())["gated"] is True  # closed until the self-check passes
-    out = await worker.admin.resume_generation({})
+    out = await served(worker.admin, "resume_generation")
     assert out["status"] == "error" and "self-check" in out["message"], out
     entry = await worker.entry()
     assert entry["gated"] is True and "non-finite" in entry["weights_uncertain"], entry
-    live = await worker.admin.liveness_probe({})
+    live = await served(worker.admin, "liveness_probe")
     assert live["status"] == "error" and "non-finite" in live["weights_uncertain"], live
     refused = await worker.admission_open()
     assert refused["status"] == "error" and "holds itself closed" in refused["message"]
@@ -145,9 +154,9 @@ async def test_weights_that_produce_nan_close_the_worker_and_restoring_restores(
     out = await worker.paused("update_weights_from_disk",
                               {"model_path": str(a), "weight_version": "A"})
     assert out["status"] == "ok" and out["weight_digest"] == checkpoint_digest(a), out
-    assert (await worker.admin.resume_generation({}))["status"] == "ok"
+    assert (await served(worker.admin, "resume_generation"))["status"] == "ok"
     assert (await worker.entry())["gated"] is False
-    assert await worker.admin.liveness_probe({}) == {"status": "ok", "alive": True}
+    assert await served(worker.admin, "liveness_probe") == {"status": "ok", "alive": True}
     await worker.greedy_matches(a)  # what the restored digest certifies is what is served
 
 
@@ -155,24 +164,24 @@ async def test_a_half_done_load_without_the_previous_weights_keeps_the_worker_cl
     a, b = worker.root / "A", shutil.copytree(worker.root / "B", worker.root / "B-gone")
     out = await worker.paused("update_weights_from_disk", {"model_path": str(b)})
     assert out["status"] == "ok", out
-    assert (await worker.admin.resume_generation({}))["status"] == "ok"
+    assert (await served(worker.admin, "resume_generation"))["status"] == "ok"
     await worker.greedy_matches(b)
     shutil.rmtree(b)  # the previous checkpoint is gone: a failed load cannot be undone
 
     await worker.engine.pause("wait")
     await worker.engine._rpc("fault_fail_next_load", 30, 5)
-    out = await worker.admin.update_weights_from_disk({"model_path": str(a)})
+    out = await served(worker.admin, "update_weights_from_disk", {"model_path": str(a)})
     assert out["status"] == "error" and "replace this worker" in out["message"], out
     entry = await worker.entry()
     assert entry["gated"] is True and "weights uncertain" in entry["weights_uncertain"], entry
-    live = await worker.admin.liveness_probe({})
+    live = await served(worker.admin, "liveness_probe")
     assert live["status"] == "error" and live["alive"] is False, live  # it cannot serve
     assert "hold no data" in live["message"], live
     assert (await worker.admission_open())["status"] == "error"
 
-    out = await worker.admin.update_weights_from_disk({"model_path": str(a)})
+    out = await served(worker.admin, "update_weights_from_disk", {"model_path": str(a)})
     assert out["status"] == "ok", out
-    assert (await worker.admin.resume_generation({}))["status"] == "ok"
+    assert (await served(worker.admin, "resume_generation"))["status"] == "ok"
     assert (await worker.entry())["gated"] is False
     await worker.greedy_matches(a)
 
@@ -186,26 +195,26 @@ async def test_staged_versions_are_swapped_in_between_in_place_loads(worker, tmp
     admin = EngineAdmin(worker.engine, [str(worker.root)], staging=area)
 
     async def staged(path: Path) -> None:
-        out = await admin.stage_weights({"version": path.name, "source": {"kind": "disk",
-                                                                          "path": str(path)}})
+        out = await served(admin, "stage_weights", {"version": path.name,
+                                                    "source": {"kind": "disk", "path": str(path)}})
         h = area.get(out["handle"])
         await asyncio.wait_for(h.done.wait(), 120)
         assert h.state is StageState.READY and h.prepared == "swap", h.summary()
         await worker.engine.pause("wait")
-        out = await admin.apply_staged_weights({"handle": h.handle})
+        out = await served(admin, "apply_staged_weights", {"handle": h.handle})
         assert out["status"] == "ok" and out["weight_digest"] == checkpoint_digest(path), out
-        assert (await admin.resume_generation({}))["status"] == "ok"
+        assert (await served(admin, "resume_generation"))["status"] == "ok"
         await worker.greedy_matches(path)
 
     try:
         await staged(b)
         out = await worker.paused("update_weights_from_disk", {"model_path": str(a)})
         assert out["status"] == "ok", out
-        assert (await worker.admin.resume_generation({}))["status"] == "ok"
+        assert (await served(worker.admin, "resume_generation"))["status"] == "ok"
         await worker.greedy_matches(a)
         await staged(b)
     finally:
         await area.close()
         if worker.engine.applied().policy.digest != checkpoint_digest(a):
             await worker.paused("update_weights_from_disk", {"model_path": str(a)})
-        await worker.admin.resume_generation({})
+        await served(worker.admin, "resume_generation")

@@ -12,16 +12,20 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.worker.system_server import (
-    FaultInjector,
-    FleetFence,
-    Route,
-    failed,
-    ok,
-    system_app,
-)
+from rlfleet.protocol.admin import AdminRoute, Reply
+from rlfleet.worker.system_server import FaultInjector, FleetFence, system_app
+from rlfleet.worker.system_server import Route as ServedRoute
 
 TOKEN = "s3cret"
+
+
+def Route(name: str, handler, **flags: Any) -> ServedRoute:  # noqa: N802
+    """A test route: its body is any JSON object, handed to the handler as it is."""
+    return ServedRoute(AdminRoute(name, dict[str, Any], Reply, **flags), handler)
+
+
+def ok(**fields: Any) -> dict[str, Any]:
+    return {"status": "ok", **fields}
 
 
 async def echo(body: dict[str, Any]) -> dict[str, Any]:
@@ -32,11 +36,11 @@ async def boom(body: dict[str, Any]) -> dict[str, Any]:
     raise RuntimeError("kaputt")
 
 
-async def expected_failure(body: dict[str, Any]) -> dict[str, Any]:
-    return failed("not now")
+async def expected_failure(body: dict[str, Any]) -> Reply:
+    return Reply.failed("not now")
 
 
-def client_for(routes: list[Route], **kw: Any) -> httpx.AsyncClient:
+def client_for(routes: list[ServedRoute], **kw: Any) -> httpx.AsyncClient:
     app = system_app(routes, **kw)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://system")
 

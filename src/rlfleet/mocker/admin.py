@@ -28,8 +28,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    AdminRoute,
+    AnyBody,
+    SglangDiskReply,
+    SglangDiskRequest,
+    SglangReply,
+    SglangVersionReply,
+    SglangVersionRequest,
+)
 from rlfleet.worker.admin import EngineAdmin
 from rlfleet.worker.system_server import Handler, Route
 
@@ -124,7 +135,7 @@ class MockAdmin:
                 if er.method not in methods:
                     raise ValueError(f"DYN_SGLANG_ENGINE_ROUTES: the mocker's {er.target} has no "
                                      f"method {er.method!r} (it has {', '.join(sorted(methods))})")
-                if er.path in fixed or er.path == "fault_injection":
+                if er.path in fixed or er.path == admin.FAULT_INJECTION.name:
                     raise ValueError(f"DYN_SGLANG_ENGINE_ROUTES: route path {er.path!r} is "
                                      "already taken")
                 self.native.append((er, methods[er.method]))
@@ -134,50 +145,36 @@ class MockAdmin:
             return self.vllm.routes()
         routes = self._sglang_fixed()
         for er, fn in self.native:
-            reads = er.method == "get_weight_version"  # like the vLLM table's reader
-            routes.append(Route(er.path, self._native_handler(fn), mutating=not reads,
-                                serialized=not reads))
+            spec = admin.NATIVE_METHODS[er.method]
+            routes.append(Route(spec.at(er.path), self._native_handler(fn, spec)))
         return routes
 
     # ---------------------------------------------------------------- sglang: fixed routes
 
     def _sglang_fixed(self) -> list[Route]:
         return [
-            Route("control/update_weights_from_disk", self.sgl_update_weights_from_disk),
-            Route("control/update_weights_from_distributed", self._unsupported("distributed")),
-            Route("control/update_weights_from_tensor", self._unsupported("tensor")),
-            Route("control/update_weights_from_ipc", self._unsupported("IPC")),
-            Route("control/update_weight_version", self.sgl_update_weight_version),
+            Route(admin.SGLANG_UPDATE_WEIGHTS_FROM_DISK, self.sgl_update_weights_from_disk),
+            Route(admin.SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED, self._unsupported("distributed")),
+            Route(admin.SGLANG_UPDATE_WEIGHTS_FROM_TENSOR, self._unsupported("tensor")),
+            Route(admin.SGLANG_UPDATE_WEIGHTS_FROM_IPC, self._unsupported("IPC")),
+            Route(admin.SGLANG_UPDATE_WEIGHT_VERSION, self.sgl_update_weight_version),
         ]
 
     @staticmethod
     def _unsupported(what: str) -> Handler:
-        async def handler(body: dict) -> dict:
-            return {"success": False,
-                    "message": f"weight updates from {what} are not supported by the mocker; "
-                               "use control/update_weights_from_disk with a mock checkpoint"}
+        async def handler(req: AnyBody) -> SglangReply:
+            return SglangReply.failed(
+                f"weight updates from {what} are not supported by the mocker; use "
+                f"{admin.SGLANG_UPDATE_WEIGHTS_FROM_DISK.name} with a mock checkpoint")
         return handler
 
-    async def sgl_update_weights_from_disk(self, body: dict) -> dict:
+    async def sgl_update_weights_from_disk(self, req: SglangDiskRequest) -> SglangDiskReply:
         """SGLang's disk update (see the module doc for the mocker's semantics)."""
-
-        def fail(message: str) -> dict:
-            return {"success": False, "message": message, "num_paused_requests": 0}
-
-        flags = {k: body.get(k, k == "flush_cache")
-                 for k in ("flush_cache", "keep_pause", "abort_all_requests")}
-        try:
-            version = admin.weight_version(body)
-            step = admin.policy_step(body)
-            bad = [k for k, v in flags.items() if not isinstance(v, bool)]
-            if bad:
-                raise admin.AdminRequestError(f"{bad[0]} must be a boolean")
-            path: Path = self.vllm.checkpoint_path(body.get("model_path"))
-        except admin.AdminRequestError as e:
-            return fail(str(e))
+        version, step = req.weight_version, req.step
+        path: Path = self.vllm.checkpoint_path(req.model_path)  # refused: the route's failure
         engine = self.engine
         was_paused = await engine.is_paused()
-        if flags["abort_all_requests"]:
+        if req.abort_all_requests:
             await engine.abort_all()
         if not was_paused:
             await engine.pause("wait")
@@ -188,47 +185,43 @@ class MockAdmin:
             await engine.set_version(version if version is not None else applied.policy.version,
                                      declared=version is not None or applied.declared,
                                      digest=digest, step=step)
-            if flags["flush_cache"]:
+            if req.flush_cache:
                 await engine.reset_cache()
         finally:
-            if not was_paused and not flags["keep_pause"]:
+            if not was_paused and not req.keep_pause:
                 await engine.resume()
         message = "Succeeded to update model weights."
         if version is not None:
             message += f" Weight version updated to {version}."
-        return {"success": True, "message": message, "num_paused_requests": held}
+        return SglangDiskReply(success=True, message=message, num_paused_requests=held)
 
-    async def sgl_update_weight_version(self, body: dict) -> dict:
+    async def sgl_update_weight_version(self, req: SglangVersionRequest) -> SglangVersionReply:
         """Version metadata only. The version may come as `weight_version` or, as SGLang
         names it, `new_version`; `abort_all_requests` (default false) aborts requests first."""
-        v = body.get("weight_version", body.get("new_version"))
-        abort = body.get("abort_all_requests", False)
-        if not isinstance(v, str) or not v:
-            return {"success": False,
-                    "message": "weight_version is required (a non-empty string)"}
-        if not isinstance(abort, bool):
-            return {"success": False, "message": "abort_all_requests must be a boolean"}
-        if abort:
+        if req.abort_all_requests:
             await self.engine.abort_all()
-        await self.engine.set_version(v)
-        return {"success": True, "message": f"Weight version updated to {v}", "new_version": v}
+        await self.engine.set_version(req.version)
+        return SglangVersionReply(success=True, message=f"Weight version updated to "
+                                  f"{req.version}", new_version=req.version)
 
     # ---------------------------------------------------------------- sglang: native methods
 
     def _native_methods(self) -> dict[str, Callable[..., Awaitable[Any]]]:
         """The engine / tokenizer-manager methods the mocker can expose; either target
         reaches the same simulated engine."""
-        return {"pause_generation": self.sgl_pause_generation,
-                "continue_generation": self.sgl_continue_generation,
-                "flush_cache": self.sgl_flush_cache,
-                "get_weight_version": self.sgl_get_weight_version}
+        methods = {admin.NATIVE_PAUSE_GENERATION: self.sgl_pause_generation,
+                   admin.NATIVE_CONTINUE_GENERATION: self.sgl_continue_generation,
+                   admin.NATIVE_FLUSH_CACHE: self.sgl_flush_cache,
+                   admin.NATIVE_GET_WEIGHT_VERSION: self.sgl_get_weight_version}
+        return {route.name: fn for route, fn in methods.items()}
 
     @staticmethod
-    def _native_handler(fn: Callable[..., Awaitable[Any]]) -> Handler:
-        """The body's fields are the method's keyword arguments (an unknown one raises:
-        HTTP 500, as a real SGLang method would)."""
-        async def handler(body: dict) -> dict:
-            return sglang_result(await fn(**body))
+    def _native_handler(fn: Callable[..., Awaitable[Any]], spec: AdminRoute) -> Handler:
+        """The request's fields are the method's keyword arguments (the system server
+        refuses an unknown one with HTTP 500, as a real SGLang method would)."""
+        async def handler(req: msgspec.Struct) -> Any:
+            return msgspec.convert(sglang_result(await fn(**msgspec.structs.asdict(req))),
+                                   spec.reply)
         return handler
 
     async def sgl_pause_generation(self, mode: str = "abort") -> None:

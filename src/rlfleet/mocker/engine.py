@@ -604,8 +604,7 @@ class MockEngine(Engine, EngineControl):
         return self._swap(int(t.reshape(-1)[0]))
 
     def announced_mismatch(self, d: DistributedRequest) -> str | None:
-        seed = d.extra.get("mock_seed")
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if d.mock_seed is None:
             return ("mock_seed is required by the mocker: an integer, the seed of the "
                     "simulated weights being sent")
         return None
@@ -614,7 +613,7 @@ class MockEngine(Engine, EngineControl):
         """Nothing to join: the mocker simulates the transfer (the seed is in the request)."""
 
     async def receive(self, d: DistributedRequest, timeout: float) -> int:
-        self._received = d.extra["mock_seed"]
+        self._received = d.mock_seed
         return 0
 
     async def apply_received(self) -> str:

@@ -1,142 +1,652 @@
-"""Request bodies of the vLLM-flavoured /engine routes, parsed and checked in one place for
-every engine (the vLLM worker and the mocker). A bad body raises `AdminRequestError`, which
-the system server answers with the contract's 200 `{"status": "error", "message"}`."""
+"""The admin contract between a refresh coordinator and a worker's system server, as data:
+every route of both flavours (vLLM-style `/engine/<route>`, SGLang-style fixed `control/*`
+routes and the allow-listed native methods) with its request Struct, its reply Struct and
+its flags, in one table (`ROUTES`, `NATIVE_METHODS`). The system server decodes a body
+against the route's request Struct once (`read_request`: an unknown field is refused by
+name, a wrong type names the field); callers build the same Structs
+(`rlfleet.runtime.admin_client`). Shapes: shared/spec/CONTRACT.md.
+
+A request Struct encodes only the fields its caller set (`omit_defaults`); a reply field
+that the contract sometimes omits is `UNSET` until a handler sets it. A failure the route
+expects is its reply's `failed(message)`: `{"status": "error", "message"}` (HTTP 200) on
+the vLLM-style routes, `{"success": false, "message"}` on SGLang's; a native method with a
+bad body raises instead (HTTP 500), as SGLang's own methods do."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-PAUSE_MODES = ("keep", "wait", "abort")
+import msgspec
+from msgspec import UNSET, UnsetType
 
+from rlfleet.protocol.identity import PolicyIdentity
+
+# ---------------------------------------------------------------- headers and errors
+
+#: the admin token, as `Bearer <token>`, on every mutating call when the worker has one
+AUTH_HEADER = "Authorization"
 # a refresh coordinator's fleet epoch on every control call; a worker that has seen a newer
 # one answers 409 with this `error` (rlfleet.worker.system_server.FleetFence)
 EPOCH_HEADER = "X-Fleet-Epoch"
 STALE_EPOCH = "Stale fleet epoch"
+#: the URL prefix of every route on a worker's system server (GET it: the route listing)
+ROUTE_PREFIX = "/engine"
+
+
+def bearer(token: str) -> str:
+    """The `Authorization` value that carries the admin token."""
+    return f"Bearer {token}"
 
 
 class AdminRequestError(ValueError):
     """The request body is not acceptable; the message says what to send instead."""
 
 
-@dataclass(frozen=True)
-class PauseRequest:
-    mode: str
-    clear_cache: bool
+class HttpError(msgspec.Struct, kw_only=True):
+    """The body of every non-200 answer but 409 (400, 401, 404, 405, 499, 500)."""
+
+    error: str
+    message: str
 
 
-@dataclass(frozen=True)
-class GroupRequest:
+class StaleEpochError(HttpError, kw_only=True):
+    """HTTP 409: a call from an older fleet epoch than the newest the worker has seen."""
+
+    fleet_epoch: int
+    newest_fleet_epoch: int
+
+
+# ---------------------------------------------------------------- bases
+
+
+class Request(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True,
+              omit_defaults=True):
+    """A route's body. `MESSAGES`: what to tell a caller who left a field out or sent it
+    with the wrong type (else a message that names the field and the type)."""
+
+    MESSAGES: ClassVar[dict[str, str]] = {}
+
+
+class NoFields(Request, kw_only=True, frozen=True, forbid_unknown_fields=True,
+               omit_defaults=True):
+    """A route that reads no field (an empty body, or `{}`)."""
+
+
+class Reply(msgspec.Struct, kw_only=True):
+    """A vLLM-style reply: `status` "ok" or "error" (with `message`)."""
+
+    status: str = "ok"
+    message: str | UnsetType = UNSET
+
+    @classmethod
+    def failed(cls, message: str, **fields: Any) -> Any:
+        """The failure the route expects: HTTP 200 with status "error"."""
+        return cls(status="error", message=message, **fields)
+
+
+class SglangReply(msgspec.Struct, kw_only=True):
+    """An SGLang-style reply: `success` and `message`."""
+
+    success: bool = True
+    message: str = ""
+
+    @classmethod
+    def failed(cls, message: str, **fields: Any) -> Any:
+        return cls(success=False, message=message, **fields)
+
+
+class _Identified:
+    """A reply that carries the policy identity (the contract's `version`, `weight_digest`,
+    `step`: PolicyIdentity.reply_fields)."""
+
+    __slots__ = ()
+
+    def policy(self) -> PolicyIdentity:
+        """The identity reported. An install without a declared version reports "unknown"
+        (the version is null then)."""
+        fields = {k: None if v is UNSET else v for k, v in
+                  ((f, getattr(self, f, None)) for f in PolicyIdentity().reply_fields())}
+        ident = PolicyIdentity.from_reply(fields)
+        if ident.version == "unknown" and getattr(self, "version_declared", None) is False:
+            ident = msgspec.structs.replace(ident, version=None)
+        return ident
+
+
+# ---------------------------------------------------------------- vLLM-style requests
+
+PAUSE_MODES = ("keep", "wait", "abort")
+_STEP = "step must be a non-negative integer (the policy's fleet step)"
+_VERSION = "weight_version must be a string"
+_MODEL_PATH = "model_path is required (a checkpoint directory on this worker's disk)"
+
+
+def _check_step(step: int | None) -> None:
+    if step is not None and step < 0:
+        raise AdminRequestError(f"{_STEP}, not {step!r}")
+
+
+class PauseRequest(Request, kw_only=True, frozen=True):
+    mode: str = "keep"  # keep | wait | abort (PAUSE_MODES)
+    clear_cache: bool = False
+    MESSAGES: ClassVar[dict[str, str]] = {"clear_cache": "clear_cache must be a boolean"}
+
+    def __post_init__(self) -> None:
+        if self.mode not in PAUSE_MODES:
+            raise AdminRequestError(f"Invalid mode {self.mode!r}; expected keep|wait|abort")
+
+
+class AbortRequest(Request, kw_only=True, frozen=True):
+    request_id: str  # the X-Request-Id or response id of the request
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "request_id": "request_id is required (the X-Request-Id or response id of the request)"}
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise AdminRequestError(self.MESSAGES["request_id"])
+
+
+class DiskUpdateRequest(Request, kw_only=True, frozen=True):
+    model_path: str | None = None  # checked by weights_path (the worker's roots)
+    weight_version: str | None = None
+    step: int | None = None  # the policy's fleet step (rlfleet)
+    MESSAGES: ClassVar[dict[str, str]] = {"model_path": _MODEL_PATH, "weight_version": _VERSION,
+                                          "step": _STEP}
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+
+
+class SetVersionRequest(Request, kw_only=True, frozen=True):
+    weight_version: str | None  # required; an explicit null counts as declared
+    step: int | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "weight_version": "weight_version is required (a string, or null)", "step": _STEP}
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+
+
+_GROUP = "master_address (string), master_port (int) and world_size (int) are required"
+GROUP_BACKENDS = ("gloo", "nccl")
+
+
+class GroupRequest(Request, kw_only=True, frozen=True):
     master_address: str
     master_port: int
     world_size: int
-    rank_offset: int
-    backend: str
-    timeout: float
-    group_name: str | None
+    rank_offset: int = 1  # this worker's first rank in the group, in [1, world_size)
+    backend: str | None = None  # gloo | nccl; None: the engine's (`resolved`)
+    timeout: float | None = None  # seconds; None: the worker's default (`resolved`)
+    group_name: str | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "master_address": _GROUP, "master_port": _GROUP, "world_size": _GROUP,
+        "rank_offset": "rank_offset must be an integer in [1, world_size)",
+        "timeout": "timeout must be a positive number of seconds"}
+
+    def __post_init__(self) -> None:
+        if not 0 < self.rank_offset < self.world_size:
+            raise AdminRequestError(f"rank_offset must be an integer in [1, world_size); got "
+                                    f"{self.rank_offset!r}")
+        if self.backend and self.backend not in GROUP_BACKENDS:
+            raise AdminRequestError(f"backend must be gloo or nccl, not {self.backend!r}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise AdminRequestError(self.MESSAGES["timeout"])
+
+    def resolved(self, backend: str, timeout: float) -> GroupRequest:
+        """With the worker's defaults for what the caller left out."""
+        return msgspec.structs.replace(self, backend=self.backend or backend,
+                                       timeout=timeout if self.timeout is None else self.timeout)
 
 
-@dataclass(frozen=True)
-class DistributedRequest:
+_TENSORS = "names, dtypes and shapes are required: equal-length, non-empty lists"
+
+
+class DistributedRequest(Request, kw_only=True, frozen=True):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
-    version: str | None
-    reset_prefix_cache: bool
-    allow_unpaused: bool
+    weight_version: str | None = None
+    reset_prefix_cache: bool = True
+    allow_unpaused: bool = False  # apply while generating (only without the cache reset)
     step: int | None = None  # the policy's fleet step (rlfleet)
-    # fields this contract does not define, for an engine that reads its own (the mocker's
-    # simulated `mock_seed`)
-    extra: dict[str, Any] = field(default_factory=dict)
+    mock_seed: int | None = None  # the mocker's simulated weights (rlfleet.mocker.engine)
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "names": _TENSORS, "dtypes": _TENSORS, "shapes": _TENSORS, "weight_version": _VERSION,
+        "step": _STEP,
+        "reset_prefix_cache": "reset_prefix_cache and allow_unpaused must be booleans",
+        "allow_unpaused": "reset_prefix_cache and allow_unpaused must be booleans"}
+
+    def __post_init__(self) -> None:
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes) and self.names):
+            raise AdminRequestError(_TENSORS)
+        if self.allow_unpaused and self.reset_prefix_cache:
+            raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
+                                    "send reset_prefix_cache: false, or pause first")
+        _check_step(self.step)
+
+    @property
+    def version(self) -> str | None:
+        return self.weight_version
 
 
-def pause_request(body: dict[str, Any]) -> PauseRequest:
-    mode = body.get("mode", "keep")
-    clear_cache = body.get("clear_cache", False)
-    if mode not in PAUSE_MODES:
-        raise AdminRequestError(f"Invalid mode {mode!r}; expected keep|wait|abort")
-    if not isinstance(clear_cache, bool):
-        raise AdminRequestError("clear_cache must be a boolean")
-    return PauseRequest(mode, clear_cache)
+_SOURCE = ('source is required: {"kind": "disk", "path": DIR} | {"kind": "s3", "uri": '
+           '"s3://bucket/prefix/VERSION"} | {"kind": "trainer", "url": URL} | {"kind": "peer"'
+           '[, "url": SYSTEM_URL]}')
+_STAGE_VERSION = ('version is required (the name of the version to stage), with source: '
+                  '{"kind": "disk"|"s3"|"trainer"|"peer", ...}')
+_HANDLE = "handle is required (the one stage_weights returned; get_staged_weights lists them)"
 
 
-def request_id(body: dict[str, Any]) -> str:
-    rid = body.get("request_id")
-    if not isinstance(rid, str) or not rid:
-        raise AdminRequestError("request_id is required (the X-Request-Id or response id of "
-                                "the request)")
-    return rid
+class StageRequest(Request, kw_only=True, frozen=True):
+    version: str  # the name of the version to stage
+    source: dict[str, Any]  # checked by rlfleet.weights.staging.parse_source
+    digest: str | None = None  # the version's content digest, when the caller knows it
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "version": _STAGE_VERSION, "source": _SOURCE,
+        "digest": "digest must be a string (blake3:<hex>)"}
+
+    def __post_init__(self) -> None:
+        if not self.version:
+            raise AdminRequestError(_STAGE_VERSION)
 
 
-def weight_version(body: dict[str, Any]) -> str | None:
-    """The optional `weight_version` of an update."""
-    v = body.get("weight_version")
-    if v is not None and not isinstance(v, str):
-        raise AdminRequestError("weight_version must be a string")
-    return v
+def _check_handle(handle: str | None) -> None:
+    if handle is not None and not handle:
+        raise AdminRequestError(_HANDLE)
 
 
-def policy_step(body: dict[str, Any]) -> int | None:
-    """The optional fleet `step` of the policy being installed (or relabelled): a
-    non-negative integer that the refresh coordinator increases with every policy."""
-    step = body.get("step")
-    if step is not None and (type(step) is not int or step < 0):
-        raise AdminRequestError(f"step must be a non-negative integer (the policy's fleet "
-                                f"step), not {step!r}")
-    return step
+class StagedQuery(Request, kw_only=True, frozen=True):
+    handle: str | None = None  # one handle; None: all of them
+    MESSAGES: ClassVar[dict[str, str]] = {"handle": _HANDLE}
+
+    def __post_init__(self) -> None:
+        _check_handle(self.handle)
 
 
-def declared_version(body: dict[str, Any]) -> str | None:
-    """`set_weight_version`'s required `weight_version` (an explicit null counts)."""
-    if "weight_version" not in body:
-        raise AdminRequestError("weight_version is required (a string, or null)")
-    v = body["weight_version"]
-    if v is not None and not isinstance(v, str):
-        raise AdminRequestError("weight_version must be a string or null")
-    return v
+class HandleRequest(Request, kw_only=True, frozen=True):
+    handle: str
+    MESSAGES: ClassVar[dict[str, str]] = {"handle": _HANDLE}
+
+    def __post_init__(self) -> None:
+        _check_handle(self.handle)
 
 
-def group_request(body: dict[str, Any], default_backend: str,
-                  default_timeout: float) -> GroupRequest:
-    addr, port = body.get("master_address"), body.get("master_port")
-    world, rank = body.get("world_size"), body.get("rank_offset", 1)
-    backend = body.get("backend") or default_backend
-    timeout = body.get("timeout", default_timeout)
-    if not isinstance(addr, str) or not isinstance(port, int) or not isinstance(world, int):
-        raise AdminRequestError("master_address (string), master_port (int) and world_size "
-                                "(int) are required")
-    if not isinstance(rank, int) or not 0 < rank < world:
-        raise AdminRequestError(f"rank_offset must be an integer in [1, world_size); got {rank!r}")
-    if backend not in ("gloo", "nccl"):
-        raise AdminRequestError(f"backend must be gloo or nccl, not {backend!r}")
-    if not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise AdminRequestError("timeout must be a positive number of seconds")
-    return GroupRequest(addr, port, world, rank, backend, float(timeout), body.get("group_name"))
+class ApplyStagedRequest(Request, kw_only=True, frozen=True):
+    handle: str
+    weight_version: str | None = None  # default: the staged version's name
+    step: int | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {"handle": _HANDLE, "weight_version": _VERSION,
+                                          "step": _STEP}
+
+    def __post_init__(self) -> None:
+        _check_handle(self.handle)
+        _check_step(self.step)
 
 
-def distributed_request(body: dict[str, Any]) -> DistributedRequest:
-    version = weight_version(body)
-    names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-    reset = body.get("reset_prefix_cache", True)
-    unpaused = body.get("allow_unpaused", False)
-    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-            and len(names) == len(dtypes) == len(shapes) and names):
-        raise AdminRequestError("names, dtypes and shapes are required: equal-length, "
-                                "non-empty lists")
-    if not isinstance(reset, bool) or not isinstance(unpaused, bool):
-        raise AdminRequestError("reset_prefix_cache and allow_unpaused must be booleans")
-    if unpaused and reset:
-        raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
-                                "send reset_prefix_cache: false, or pause first")
-    extra = {k: v for k, v in body.items() if k not in _DISTRIBUTED_FIELDS}
-    return DistributedRequest(names, dtypes, shapes, version, reset, unpaused,
-                              policy_step(body), extra)
+class AdmissionRequest(Request, kw_only=True, frozen=True):
+    """Open or close a worker to rollout traffic (rlfleet.worker.admission)."""
+
+    open: bool
+    reason: str | None = None
+    policy: dict[str, Any] | None = None  # {"version", "digest"} it is opened on
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "open": "open (boolean) is required", "reason": "reason must be a string",
+        "policy": "policy must be an object {version, digest}"}
 
 
-_DISTRIBUTED_FIELDS = frozenset({"names", "dtypes", "shapes", "weight_version",
-                                 "reset_prefix_cache", "allow_unpaused", "step"})
+# error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
+# exit: the process dies; respond: answer with the given `body` instead of running the route;
+# delay: sleep hang_seconds, then run the route as usual
+FAULT_MODES = ("error", "http500", "hang", "exit", "respond", "delay")
+_FAULT_ROUTE = "route is required (the name of the route to fail)"
+
+
+class FaultRequest(Request, kw_only=True, frozen=True):
+    """Make a named route fail `times` times (tests only; 0 disarms)."""
+
+    route: str
+    mode: str = "error"  # FAULT_MODES
+    times: int = 1
+    hang_seconds: float = 3600.0
+    body: dict[str, Any] | None = None  # what mode respond answers with
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "route": _FAULT_ROUTE, "times": "times must be a non-negative integer (0 disarms)",
+        "hang_seconds": "hang_seconds must be a non-negative number",
+        "body": "mode respond needs body (the JSON object to answer with)"}
+
+    def __post_init__(self) -> None:
+        if not self.route:
+            raise AdminRequestError(_FAULT_ROUTE)
+        if self.mode not in FAULT_MODES:
+            raise AdminRequestError(f"Invalid mode {self.mode!r}; expected "
+                                    f"{'|'.join(FAULT_MODES)}")
+        for name in ("times", "hang_seconds"):
+            if getattr(self, name) < 0:
+                raise AdminRequestError(self.MESSAGES[name])
+        if self.mode == "respond" and self.body is None:
+            raise AdminRequestError(self.MESSAGES["body"])
+
+
+# ---------------------------------------------------------------- SGLang-style requests
+
+
+class SglangDiskRequest(Request, kw_only=True, frozen=True):
+    """`control/update_weights_from_disk`: SGLang's UpdateWeightFromDiskReqInput."""
+
+    model_path: str | None = None
+    weight_version: str | None = None  # replaces the version; else the previous one stays
+    step: int | None = None  # rlfleet: the new policy's fleet step
+    flush_cache: bool = True
+    keep_pause: bool = False  # stay paused after the update
+    abort_all_requests: bool = False
+    # SGLang's own, read by SGLang and accepted (unused) by the mocker
+    load_format: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "model_path": _MODEL_PATH, "weight_version": _VERSION, "step": _STEP,
+        **{k: f"{k} must be a boolean" for k in ("flush_cache", "keep_pause",
+                                                  "abort_all_requests")}}
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+
+
+class SglangVersionRequest(Request, kw_only=True, frozen=True):
+    """`control/update_weight_version`: the version as `weight_version` or, as SGLang names
+    it, `new_version`."""
+
+    weight_version: str | None = None
+    new_version: str | None = None
+    abort_all_requests: bool = False
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "weight_version": "weight_version is required (a non-empty string)",
+        "new_version": "weight_version is required (a non-empty string)",
+        "abort_all_requests": "abort_all_requests must be a boolean"}
+
+    def __post_init__(self) -> None:
+        if not self.version:
+            raise AdminRequestError(self.MESSAGES["weight_version"])
+
+    @property
+    def version(self) -> str | None:
+        return self.weight_version if self.weight_version is not None else self.new_version
+
+
+class AnyBody(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A body the route does not read (the update routes the mocker does not support): it
+    accepts whatever SGLang's own route would."""
+
+    MESSAGES: ClassVar[dict[str, str]] = {}
+
+
+class NativePauseRequest(Request, kw_only=True, frozen=True):
+    mode: str = "abort"  # abort | retract | in_place (checked by the method: HTTP 500)
+
+
+class NativeContinueRequest(Request, kw_only=True, frozen=True):
+    torch_empty_cache: bool = True
+
+
+class NativeFlushRequest(Request, kw_only=True, frozen=True):
+    timeout_s: float | None = None
+
+
+# ---------------------------------------------------------------- replies
+
+
+class MessageReply(Reply, kw_only=True):
+    """`{"status", "message"}` and, when the worker holds itself closed, why."""
+
+    weights_uncertain: str | None | UnsetType = UNSET
+
+
+class LivenessReply(Reply, kw_only=True):
+    alive: bool | UnsetType = UNSET
+    weights_uncertain: str | None | UnsetType = UNSET  # why the worker holds itself closed
+    busy: bool | UnsetType = UNSET  # a long control call runs (only when true)
+    self_check: str | UnsetType = UNSET  # "pending": installed weights not yet checked
+
+
+class PauseReply(Reply, kw_only=True):
+    mode: str | UnsetType = UNSET
+    clear_cache: bool | UnsetType = UNSET
+
+
+class AbortReply(Reply, kw_only=True):
+    request_id: str | UnsetType = UNSET
+
+
+class InstallReply(_Identified, Reply, kw_only=True):
+    """Every install route's reply (from disk, from a trainer, staged)."""
+
+    version: str | None | UnsetType = UNSET  # "unknown" when none was declared
+    version_declared: bool | UnsetType = UNSET
+    weight_digest: str | None | UnsetType = UNSET
+    step: int | None | UnsetType = UNSET
+    weights_uncertain: str | None | UnsetType = UNSET
+    handle: str | UnsetType = UNSET  # apply_staged_weights: the handle applied
+    staged_digest: str | None | UnsetType = UNSET  # ... and the staged copy's digest
+
+
+class VersionReply(_Identified, Reply, kw_only=True):
+    version: str | None | UnsetType = UNSET
+    version_declared: bool | UnsetType = UNSET
+    weight_digest: str | None | UnsetType = UNSET
+    step: int | None | UnsetType = UNSET
+    fleet_epoch: int | UnsetType = UNSET  # the newest fleet epoch the worker has seen
+    dtype: str | UnsetType = UNSET  # what the engine computes in, when known
+
+
+class SetVersionReply(Reply, kw_only=True):
+    version: str | None | UnsetType = UNSET
+    step: int | None | UnsetType = UNSET
+
+
+class StageReply(Reply, kw_only=True):
+    handle: str | UnsetType = UNSET
+    state: str | UnsetType = UNSET  # STAGING | READY | APPLIED | FAILED | RELEASED ...
+    version: str | UnsetType = UNSET
+
+
+class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One staging handle as get_staged_weights lists it (rlfleet.weights.staging), or a
+    coordinator's own account of a staging that got no handle (`unreachable`: it could not
+    reach the worker; never on the wire)."""
+
+    handle: str | None = None
+    version: str | None = None
+    state: str  # STAGING | READY | APPLIED | FAILED | RELEASED ...
+    format: str | None = None
+    base_version: str | None = None
+    source: dict[str, Any] | None = None
+    bytes_done: int | None = None
+    bytes_total: int | None = None
+    tensors_done: int | None = None
+    tensors_total: int | None = None
+    digest: str | None = None
+    error: str | None = None
+    applied: bool = False
+    prepared: str | None = None  # how the engine prepared it while serving
+    seconds: float | None = None
+    unreachable: bool = False
+
+
+class StagedListReply(Reply, kw_only=True):
+    staged: list[StagedSummary] | UnsetType = UNSET  # each handle's summary
+    resident: dict[str, Any] | None | UnsetType = UNSET  # {version, digest} (all handles)
+
+
+class AdmissionReply(Reply, kw_only=True):
+    open: bool | UnsetType = UNSET
+    reason: str | None | UnsetType = UNSET
+    weights_uncertain: str | None | UnsetType = UNSET
+
+
+class FaultReply(Reply, kw_only=True):
+    route: str | UnsetType = UNSET
+    mode: str | UnsetType = UNSET
+    times: int | UnsetType = UNSET
+
+
+class SglangDiskReply(SglangReply, kw_only=True):
+    num_paused_requests: int = 0  # requests held by the pause while the weights changed
+
+
+class SglangVersionReply(SglangReply, kw_only=True):
+    new_version: str | UnsetType = UNSET
+
+
+class NativeReply(msgspec.Struct, kw_only=True):
+    """A native method's result (rlfleet.mocker.admin.sglang_result): None is
+    `{"status": "ok"}`, a (success, message[, num_paused_requests]) tuple those keys."""
+
+    status: str | UnsetType = UNSET
+    success: bool | UnsetType = UNSET
+    message: str | UnsetType = UNSET
+    num_paused_requests: int | UnsetType = UNSET
+
+
+class NativeVersionReply(msgspec.Struct, kw_only=True):
+    weight_version: str | None = None
+
+
+# ---------------------------------------------------------------- the route table
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminRoute:
+    """One route: its name under /engine/, its request and reply types and its flags."""
+
+    name: str
+    request: type
+    reply: type
+    mutating: bool = True  # needs the admin token when one is set; advances the fleet epoch
+    serialized: bool = True  # runs under the worker's control lock, one call at a time
+    fenced: bool = True  # refused from an older fleet epoch (all but fault injection)
+    native: bool = False  # an SGLang native method: a bad body raises (HTTP 500)
+
+    def failure(self, message: str) -> Any:
+        """The reply the route gives for a request it refuses."""
+        return self.reply.failed(message)
+
+    def at(self, path: str) -> AdminRoute:
+        """The same route served under another path (a native method's configured one)."""
+        return dataclasses.replace(self, name=path)
+
+
+def _read(name: str, request: type, reply: type) -> AdminRoute:
+    return AdminRoute(name, request, reply, mutating=False, serialized=False)
+
+
+LIVENESS_PROBE = _read("liveness_probe", NoFields, LivenessReply)
+PAUSE_GENERATION = AdminRoute("pause_generation", PauseRequest, PauseReply)
+RESUME_GENERATION = AdminRoute("resume_generation", NoFields, MessageReply)
+FLUSH_CACHE = AdminRoute("flush_cache", NoFields, MessageReply)
+ABORT_REQUEST = AdminRoute("abort_request", AbortRequest, AbortReply, serialized=False)
+UPDATE_WEIGHTS_FROM_DISK = AdminRoute("update_weights_from_disk", DiskUpdateRequest,
+                                      InstallReply)
+GET_WEIGHT_VERSION = _read("get_weight_version", NoFields, VersionReply)
+SET_WEIGHT_VERSION = AdminRoute("set_weight_version", SetVersionRequest, SetVersionReply)
+INIT_WEIGHTS_UPDATE_GROUP = AdminRoute("init_weights_update_group", GroupRequest, MessageReply)
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = AdminRoute("update_weights_from_distributed",
+                                             DistributedRequest, InstallReply)
+DESTROY_WEIGHTS_UPDATE_GROUP = AdminRoute("destroy_weights_update_group", NoFields,
+                                          MessageReply)
+STAGE_WEIGHTS = AdminRoute("stage_weights", StageRequest, StageReply)
+GET_STAGED_WEIGHTS = _read("get_staged_weights", StagedQuery, StagedListReply)
+APPLY_STAGED_WEIGHTS = AdminRoute("apply_staged_weights", ApplyStagedRequest, InstallReply)
+RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", HandleRequest, StageReply)
+SET_ADMISSION = AdminRoute("set_admission", AdmissionRequest, AdmissionReply, serialized=False)
+FAULT_INJECTION = AdminRoute("fault_injection", FaultRequest, FaultReply, fenced=False)
+
+SGLANG_UPDATE_WEIGHTS_FROM_DISK = AdminRoute("control/update_weights_from_disk",
+                                             SglangDiskRequest, SglangDiskReply)
+SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED = AdminRoute("control/update_weights_from_distributed",
+                                                    AnyBody, SglangReply)
+SGLANG_UPDATE_WEIGHTS_FROM_TENSOR = AdminRoute("control/update_weights_from_tensor", AnyBody,
+                                               SglangReply)
+SGLANG_UPDATE_WEIGHTS_FROM_IPC = AdminRoute("control/update_weights_from_ipc", AnyBody,
+                                            SglangReply)
+SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
+                                          SglangVersionRequest, SglangVersionReply)
+
+#: the lifecycle every vLLM-style refresh path needs
+VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,
+                  FLUSH_CACHE)
+VLLM_GROUP = (INIT_WEIGHTS_UPDATE_GROUP, UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+              DESTROY_WEIGHTS_UPDATE_GROUP)
+STAGED = (STAGE_WEIGHTS, GET_STAGED_WEIGHTS, APPLY_STAGED_WEIGHTS, RELEASE_STAGED_WEIGHTS)
+SGLANG_FIXED = (SGLANG_UPDATE_WEIGHTS_FROM_DISK, SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+                SGLANG_UPDATE_WEIGHTS_FROM_TENSOR, SGLANG_UPDATE_WEIGHTS_FROM_IPC,
+                SGLANG_UPDATE_WEIGHT_VERSION)
+
+#: the allow-listed SGLang native methods, by method name; a deployment serves each under the
+#: path it configures (DYN_SGLANG_ENGINE_ROUTES: `NATIVE_METHODS[m].at(path)`)
+NATIVE_METHODS = {r.name: r for r in (
+    AdminRoute("pause_generation", NativePauseRequest, NativeReply, native=True),
+    AdminRoute("continue_generation", NativeContinueRequest, NativeReply, native=True),
+    AdminRoute("flush_cache", NativeFlushRequest, NativeReply, native=True),
+    AdminRoute("get_weight_version", NoFields, NativeVersionReply, mutating=False,
+               serialized=False, native=True),
+)}
+NATIVE_PAUSE_GENERATION = NATIVE_METHODS["pause_generation"]
+NATIVE_CONTINUE_GENERATION = NATIVE_METHODS["continue_generation"]
+NATIVE_FLUSH_CACHE = NATIVE_METHODS["flush_cache"]
+NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
+
+#: every fixed route, by name (the native methods' paths are configured)
+ROUTES = {r.name: r for r in (
+    LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
+    UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
+    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED)}
+
+
+def route_names(routes: tuple[AdminRoute, ...] | list[AdminRoute]) -> frozenset[str]:
+    return frozenset(r.name for r in routes)
+
+
+# ---------------------------------------------------------------- decoding a body
+
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<field>[^`]*)`(?: - at `(?P<at>[^`]*)`)?")
+_MISSING = re.compile(r"Object missing required field `(?P<field>[^`]*)`")
+_TYPE = re.compile(r"Expected `(?P<want>[^`]*)`, got `(?P<got>[^`]*)` - at `\$\.(?P<at>[^`]*)`")
+
+
+def read_request(route: AdminRoute, body: dict[str, Any]) -> Any:
+    """The body as the route's request; AdminRequestError says what is wrong: a field the
+    route does not take (by name, with the ones it does), a missing one, a wrong type, or
+    a rule the request breaks."""
+    try:
+        return msgspec.convert(body, route.request)
+    except msgspec.ValidationError as e:
+        if isinstance(e.__cause__, AdminRequestError):
+            raise e.__cause__ from None
+        raise AdminRequestError(_explain(route, str(e))) from None
+
+
+def _explain(route: AdminRoute, error: str) -> str:
+    messages: dict[str, str] = getattr(route.request, "MESSAGES", {})
+    fields = getattr(route.request, "__struct_fields__", ())
+    if m := _UNKNOWN.fullmatch(error):
+        where = f" (in {m['at'].removeprefix('$.')})" if m["at"] else ""
+        takes = ", ".join(fields) if fields else "no fields"
+        return (f"unknown field {m['field']!r}{where}: {route.name} takes {takes}")
+    if m := _MISSING.fullmatch(error):
+        return messages.get(m["field"], f"{m['field']} is required by {route.name}")
+    if m := _TYPE.fullmatch(error):
+        generic = f"{m['at']} must be {m['want']}, not {m['got']} ({route.name})"
+        return messages.get(m["at"], generic)  # a nested field: its path
+    return f"{route.name}: {error}"
+
+
+# ---------------------------------------------------------------- checkpoint paths
 
 
 def weights_path(raw: Any, roots: list[Path]) -> Path:
@@ -179,36 +689,3 @@ def _escaping_links(path: Path, roots: list[Path]) -> list[str]:
             if entry.is_symlink() and not _within(entry.resolve(), roots):
                 out.append(str(entry.relative_to(path)))
     return out
-
-
-# ---------------------------------------------------------------- staged weights (issue 11)
-
-
-@dataclass(frozen=True)
-class StageRequest:
-    version: str
-    source: dict[str, Any]  # checked by rlfleet.weights.staging.parse_source
-    digest: str | None  # the version's content digest, when the caller knows it
-
-
-def stage_request(body: dict[str, Any]) -> StageRequest:
-    """`stage_weights` `{"version", "source": {"kind": ...}, "digest"?}`."""
-    version, source, digest = body.get("version"), body.get("source"), body.get("digest")
-    if not isinstance(version, str) or not version:
-        raise AdminRequestError('version is required (the name of the version to stage), with '
-                                'source: {"kind": "disk"|"s3"|"trainer"|"peer", ...}')
-    if not isinstance(source, dict):
-        raise AdminRequestError('source is required: {"kind": "disk", "path": DIR} | {"kind": '
-                                '"s3", "uri": "s3://bucket/prefix/VERSION"} | {"kind": "trainer", '
-                                '"url": URL} | {"kind": "peer"[, "url": SYSTEM_URL]}')
-    if digest is not None and not isinstance(digest, str):
-        raise AdminRequestError("digest must be a string (blake3:<hex>)")
-    return StageRequest(version, source, digest)
-
-
-def staging_handle(body: dict[str, Any]) -> str:
-    handle = body.get("handle")
-    if not isinstance(handle, str) or not handle:
-        raise AdminRequestError("handle is required (the one stage_weights returned; "
-                                "get_staged_weights lists them)")
-    return handle

@@ -2,9 +2,10 @@
 flavour (vLLM from disk, vLLM from the trainer's process group, SGLang from disk). The
 lifecycle in `rlfleet.rl.refresh` calls these steps and never asks which flavour it has.
 
-Every call goes to the worker's system server (`POST {system_url}/engine/<route>`) with a
-deadline and the transaction's fleet epoch (`X-Fleet-Epoch`), and is recorded on the worker
-for the journal. A worker that has seen a newer epoch refuses the call (409): the
+Every call goes to the worker's system server through the typed admin client
+(`rlfleet.runtime.admin_client`: a route of `rlfleet.protocol.admin`'s table and its request
+Struct) with a deadline and the transaction's fleet epoch, and is recorded on the worker for
+the journal. A worker that has seen a newer epoch refuses the call (409): the
 coordinator has been taken over and stops (`FleetFenced`)."""
 
 from __future__ import annotations
@@ -19,13 +20,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import httpx
-import msgspec
-
-from rlfleet.protocol.admin import EPOCH_HEADER, STALE_EPOCH
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    AdminRoute,
+    AdmissionRequest,
+    DiskUpdateRequest,
+    InstallReply,
+    NativeContinueRequest,
+    NativePauseRequest,
+    PauseRequest,
+    SglangDiskRequest,
+)
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.rl import PROTOCOL_VERSION
-from rlfleet.runtime import tracing
+from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
@@ -53,11 +61,6 @@ class RefreshHeld(Exception):
 class FleetFenced(Exception):
     """Another coordinator has taken the fleet over (a worker refused this transaction's
     epoch, or the journal shows it recovered): stop at once, touch nothing more."""
-
-
-def stale_epoch(status: int | None, data: Any) -> bool:
-    """Whether a reply is a worker's refusal of an older fleet epoch."""
-    return status == 409 and isinstance(data, dict) and data.get("error") == STALE_EPOCH
 
 
 @dataclass
@@ -104,59 +107,30 @@ class FleetWorker:
 
 
 @dataclass
-class Channel:
-    """The coordinator's HTTP client for control calls, with its token, deadline and the
-    transaction's fleet epoch."""
+class Channel(AdminClient):
+    """The coordinator's admin client (its token, deadline and the transaction's fleet
+    epoch), calling one worker at a time and recording each call on it."""
 
-    http: httpx.AsyncClient
-    timeout: float
-    admin_token: str | None = None
-    epoch: int | None = None
-
-    @property
-    def headers(self) -> dict[str, str]:
-        out = {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
-        if self.epoch is not None:
-            out[EPOCH_HEADER] = str(self.epoch)
-        tp = tracing.outgoing()  # the worker's span joins the refresh phase's
-        if tp:
-            out["traceparent"] = tp
-        return out
-
-    async def call(self, w: FleetWorker, step: str, route: str,
-                   body: dict[str, Any] | None = None, timeout: float | None = None
-                   ) -> tuple[bool, dict[str, Any]]:
-        """POST {system_url}/engine/<route>; ok means HTTP 200 and a body that says so."""
-        try:
-            r = await self.http.post(f"{w.system_url}/engine/{route}", json=body or {},
-                                     headers=self.headers, timeout=timeout or self.timeout)
-            status = r.status_code
-            try:
-                data = r.json()
-            except ValueError:
-                data = {"raw": r.text[:500]}
-        except httpx.HTTPError as e:
-            w.record(step, route, None, {"error": repr(e)})
-            return False, {"unreachable": True, "message": repr(e)}
-        w.record(step, route, status, data)
-        if stale_epoch(status, data):
-            raise FleetFenced(f"worker {w.instance_id} refused {route}: {data.get('message')}")
-        good = status == 200 and isinstance(data, dict) and (
-            data.get("status") == "ok" or data.get("success") is True)
-        return good, data if isinstance(data, dict) else {"body": data}
+    async def on(self, w: FleetWorker, step: str, route: AdminRoute, request: Any = None,
+                 timeout: float | None = None) -> CallResult[Any]:
+        """Call `route` on `w` for lifecycle `step`; a refusal of this epoch raises
+        FleetFenced."""
+        res = await self.call(w.system_url, route, request, timeout)
+        record(w, step, res)
+        if res.stale_epoch:
+            raise FleetFenced(f"worker {w.instance_id} refused {route.name}: {res.message}")
+        return res
 
 
-def _message(data: dict[str, Any]) -> Any:
-    return data.get("message", data)
+def record(w: FleetWorker, step: str, res: CallResult[Any]) -> None:
+    """The call in the worker's journal record, as plain JSON."""
+    w.record(step, res.route.name, res.http_status, res.body)
 
 
-def held(reply: dict[str, Any]) -> PolicyIdentity:
-    """The identity an install or version reply reports. An install without a declared
-    version reports "unknown" (the version is null then)."""
-    ident = PolicyIdentity.from_reply(reply)
-    if ident.version == "unknown" and reply.get("version_declared") is False:
-        ident = msgspec.structs.replace(ident, version=None)
-    return ident
+def lost(res: CallResult[Any]) -> str:
+    """The status of a worker a failed call excludes: missing when it could not be
+    reached."""
+    return "missing" if res.unreachable else "excluded"
 
 
 def address_toward(url: str) -> str:
@@ -215,9 +189,9 @@ class WorkerControl(abc.ABC):
         transaction's epoch is taken above it."""
         return 0
 
-    async def inspect(self, ch: Channel, w: FleetWorker) -> dict[str, Any] | None:
-        """What the worker holds now ({version, digest, step}, also kept in `w.holds`);
-        None when this flavour cannot tell."""
+    async def inspect(self, ch: Channel, w: FleetWorker) -> PolicyIdentity | None:
+        """What the worker holds now (also kept in `w.holds`); None when this flavour
+        cannot tell."""
         return None
 
     async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:  # noqa: B027
@@ -226,14 +200,15 @@ class WorkerControl(abc.ABC):
 
     async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
         """Stop routing rollouts to the worker (its own admission flag in discovery)."""
-        if "set_admission" in w.routes:
-            await ch.call(w, "gate", "set_admission", {"open": False, "reason": reason})
+        if admin.SET_ADMISSION.name in w.routes:
+            await ch.on(w, "gate", admin.SET_ADMISSION, AdmissionRequest(open=False,
+                                                                         reason=reason))
 
     async def open(self, ch: Channel, w: FleetWorker) -> None:
-        if "set_admission" in w.routes:
-            ok, body = await ch.call(w, "reopen", "set_admission", {"open": True})
-            if not ok:
-                w.exclude(f"reopen failed: {_message(body)}")
+        if admin.SET_ADMISSION.name in w.routes:
+            res = await ch.on(w, "reopen", admin.SET_ADMISSION, AdmissionRequest(open=True))
+            if not res.ok:
+                w.exclude(f"reopen failed: {res.message}")
 
     @abc.abstractmethod
     async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None: ...
@@ -255,27 +230,30 @@ class WorkerControl(abc.ABC):
     @abc.abstractmethod
     async def resume(self, ch: Channel, w: FleetWorker) -> None: ...
 
-    async def _transfer_each(self, ch: Channel, ws: list[FleetWorker], route: str,
-                             body: dict[str, Any]) -> list[FleetWorker]:
+    async def _transfer_each(self, ch: Channel, ws: list[FleetWorker], route: AdminRoute,
+                             request: Any) -> list[FleetWorker]:
         """One update call per worker, all at once."""
         failed: list[FleetWorker] = []
 
         async def one(w: FleetWorker) -> None:
-            ok, data = await ch.call(w, "apply", route, body)
-            if ok:
-                if data.get("weight_digest"):
-                    w.holds = held(data)
-            elif data.get("unreachable"):
-                w.exclude(f"unreachable at transfer: {data.get('message')}", "missing")
-            else:
-                w.reason = f"transfer failed: {_message(data)}"
-                failed.append(w)
+            applied(w, await ch.on(w, "apply", route, request), failed)
         await gather_all(one(w) for w in ws)
         return failed
 
 
-_LIFECYCLE = frozenset({"pause_generation", "resume_generation", "get_weight_version",
-                        "liveness_probe", "flush_cache"})
+def applied(w: FleetWorker, res: CallResult[Any], failed: list[FleetWorker]) -> None:
+    """Judge an install call: the worker holds what it reports, is missing, or failed."""
+    if res.ok:
+        if isinstance(res.reply, InstallReply) and res.reply.weight_digest:
+            w.holds = res.reply.policy()
+    elif res.unreachable:
+        w.exclude(f"unreachable at transfer: {res.message}", "missing")
+    else:
+        w.reason = f"transfer failed: {res.message}"
+        failed.append(w)
+
+
+LIFECYCLE_ROUTES = admin.route_names(admin.VLLM_LIFECYCLE)
 
 
 class VllmControl(WorkerControl):
@@ -304,9 +282,8 @@ class VllmControl(WorkerControl):
         self.distributed = distributed
         self.backend, self.master_address, self.master_port = backend, master_address, master_port
         self.path = "vllm-distributed" if distributed else "vllm-disk"
-        self.required_routes = _LIFECYCLE | (
-            {"init_weights_update_group", "update_weights_from_distributed",
-             "destroy_weights_update_group"} if distributed else {"update_weights_from_disk"})
+        self.required_routes = LIFECYCLE_ROUTES | admin.route_names(
+            admin.VLLM_GROUP if distributed else (admin.UPDATE_WEIGHTS_FROM_DISK,))
 
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
         r = await ch.http.get(f"{self.rl_url}/v1/rl/workers", timeout=ch.timeout)
@@ -338,28 +315,32 @@ class VllmControl(WorkerControl):
         await self.discover(ch)
         return max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
 
-    async def inspect(self, ch: Channel, w: FleetWorker) -> dict[str, Any] | None:
-        ok, v = await ch.call(w, "inspect", "get_weight_version")
-        if not ok:
-            w.exclude(f"version check failed: {_message(v)}",
-                      "missing" if v.get("unreachable") else "excluded")
+    async def inspect(self, ch: Channel, w: FleetWorker) -> PolicyIdentity | None:
+        res = await ch.on(w, "inspect", admin.GET_WEIGHT_VERSION)
+        if not res.ok:
+            w.exclude(f"version check failed: {res.message}", lost(res))
             return None
-        w.holds, w.dtype = held(v), v.get("dtype")
+        w.holds, w.dtype = res.reply.policy(), res.reply.dtype or None
         return w.holds
 
     async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None:
-        ok, data = await ch.call(w, "pause", "pause_generation",
-                                 {"mode": mode, "clear_cache": False})
-        if not ok:
-            w.exclude(f"pause failed: {_message(data)}",
-                      "missing" if data.get("unreachable") else "excluded")
+        res = await ch.on(w, "pause", admin.PAUSE_GENERATION,
+                          PauseRequest(mode=mode, clear_cache=False))
+        if not res.ok:
+            w.exclude(f"pause failed: {res.message}", lost(res))
 
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
         if not self.distributed:
-            return await self._transfer_each(ch, ws, "update_weights_from_disk", {
-                "model_path": target.path, "weight_version": target.version,
-                "step": target.step})
+            return await self._transfer_each(ch, ws, admin.UPDATE_WEIGHTS_FROM_DISK,
+                                             DiskUpdateRequest(model_path=target.path,
+                                                               weight_version=target.version,
+                                                               step=target.step))
+        return await self._broadcast(ch, ws, target)
+
+    async def _broadcast(self, ch: Channel, ws: list[FleetWorker], target: Policy
+                         ) -> list[FleetWorker]:
+        """The distributed path: the coordinator is rank 0 and broadcasts the tensors."""
         from rlfleet.weights.broadcast import TransferError, free_port, push_weights
 
         tensors = await asyncio.to_thread(_tensors_of, target)
@@ -370,56 +351,58 @@ class VllmControl(WorkerControl):
         try:
             results = await push_weights([w.system_url for w in ws], tensors, target.version,
                                          host=host, port=port, backend=self.backend,
-                                         timeout=ch.timeout, admin_token=ch.admin_token,
-                                         epoch=ch.epoch, step=target.step)
+                                         timeout=ch.timeout, client=ch, step=target.step)
         except TransferError as e:
-            for w, r in zip(ws, e.results or [{}] * len(ws), strict=False):
-                w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
+            for i, w in enumerate(ws):
                 w.reason = f"transfer failed: {e}"
-            self._raise_if_fenced(ws, e.results or [])
+                if i < len(e.results):
+                    record(w, "apply", e.results[i])
+                else:  # the broadcast failed: no answer to record
+                    w.record("apply", admin.UPDATE_WEIGHTS_FROM_DISTRIBUTED.name, None, {})
+            self._raise_if_fenced(ws, e.results)
             return list(ws)
-        failed = []
+        failed: list[FleetWorker] = []
         for w, r in zip(ws, results, strict=True):
-            w.record("apply", "update_weights_from_distributed", r.get("http_status"), r)
-            if r.get("status") != "ok":
-                w.reason = f"transfer failed: {r.get('message')}"
-                failed.append(w)
+            record(w, "apply", r)
+            if r.ok:
+                w.holds = r.reply.policy()
             else:
-                w.holds = held(r)
+                w.reason = f"transfer failed: {r.message}"
+                failed.append(w)
         self._raise_if_fenced(ws, results)
         return failed
 
     @staticmethod
-    def _raise_if_fenced(ws: list[FleetWorker], results: list[dict[str, Any]]) -> None:
+    def _raise_if_fenced(ws: list[FleetWorker], results: list[CallResult[Any]]) -> None:
         for w, r in zip(ws, results, strict=False):
-            if stale_epoch(r.get("http_status"), r):
+            if r.stale_epoch:
                 raise FleetFenced(f"worker {w.instance_id} refused the weight transfer: "
-                                  f"{r.get('message')}")
+                                  f"{r.message}")
 
     async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:
-        ok, data = await ch.call(w, "reset_cache", "flush_cache")
-        if not ok:
-            w.exclude(f"cache reset failed: {_message(data)}")
+        res = await ch.on(w, "reset_cache", admin.FLUSH_CACHE)
+        if not res.ok:
+            w.exclude(f"cache reset failed: {res.message}")
 
     async def verify(self, ch: Channel, w: FleetWorker, target: Policy) -> str | None:
-        (ok, v), (alive, live) = await gather_all((
-            ch.call(w, "verify", "get_weight_version"),
-            ch.call(w, "verify", "liveness_probe")))
-        if not ok:
-            w.exclude(f"version check failed: {_message(v)}")
+        v, live = await gather_all((ch.on(w, "verify", admin.GET_WEIGHT_VERSION),
+                                    ch.on(w, "verify", admin.LIVENESS_PROBE)))
+        if not v.ok:
+            w.exclude(f"version check failed: {v.message}")
             return None
-        w.holds, w.dtype = held(v), v.get("dtype")
-        if v.get("version") != target.version or v.get("weight_digest") != target.digest:
+        reply = v.reply
+        w.holds, w.dtype = reply.policy(), reply.dtype or None
+        if reply.version != target.version or reply.weight_digest != target.digest:
             w.exclude("version or digest differs from the target")
-            return f"{w.instance_id} reports {v.get('version')!r} / {v.get('weight_digest')}"
-        if not alive:
-            w.exclude(f"liveness probe failed: {_message(live)}")
+            return f"{w.instance_id} reports {reply.version!r} / {reply.weight_digest}"
+        if not live.ok:
+            w.exclude(f"liveness probe failed: {live.message}")
         return None
 
     async def resume(self, ch: Channel, w: FleetWorker) -> None:
-        ok, data = await ch.call(w, "resume", "resume_generation")
-        if not ok:
-            w.exclude(f"resume failed: {_message(data)}")
+        res = await ch.on(w, "resume", admin.RESUME_GENERATION)
+        if not res.ok:
+            w.exclude(f"resume failed: {res.message}")
 
 
 class SglangControl(WorkerControl):
@@ -442,25 +425,26 @@ class SglangControl(WorkerControl):
 
     async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
         # the routes of an SGLang worker are not listed anywhere: try, a failure is no harm
-        await ch.call(w, "gate", "set_admission", {"open": False, "reason": reason})
+        await ch.on(w, "gate", admin.SET_ADMISSION, AdmissionRequest(open=False, reason=reason))
 
     async def open(self, ch: Channel, w: FleetWorker) -> None:
-        await ch.call(w, "reopen", "set_admission", {"open": True})
+        await ch.on(w, "reopen", admin.SET_ADMISSION, AdmissionRequest(open=True))
 
     async def pause(self, ch: Channel, w: FleetWorker, mode: str) -> None:
-        ok, data = await ch.call(w, "pause", "pause_generation", {})
-        if not ok:
-            w.exclude(f"pause failed: {_message(data)}",
-                      "missing" if data.get("unreachable") else "excluded")
+        res = await ch.on(w, "pause", admin.NATIVE_PAUSE_GENERATION, NativePauseRequest())
+        if not res.ok:
+            w.exclude(f"pause failed: {res.message}", lost(res))
 
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
-        return await self._transfer_each(ch, ws, "control/update_weights_from_disk", {
-            "model_path": target.path, "weight_version": target.version, "step": target.step,
-            "flush_cache": True, "keep_pause": True})
+        return await self._transfer_each(ch, ws, admin.SGLANG_UPDATE_WEIGHTS_FROM_DISK,
+                                         SglangDiskRequest(model_path=target.path,
+                                                           weight_version=target.version,
+                                                           step=target.step, flush_cache=True,
+                                                           keep_pause=True))
 
     async def resume(self, ch: Channel, w: FleetWorker) -> None:
-        ok, data = await ch.call(w, "resume", "continue_generation",
-                                 {"torch_empty_cache": False})
-        if not ok:
-            w.exclude(f"resume failed: {_message(data)}")
+        res = await ch.on(w, "resume", admin.NATIVE_CONTINUE_GENERATION,
+                          NativeContinueRequest(torch_empty_cache=False))
+        if not res.ok:
+            w.exclude(f"resume failed: {res.message}")

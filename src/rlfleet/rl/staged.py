@@ -12,22 +12,31 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    ApplyStagedRequest,
+    HandleRequest,
+    StagedListReply,
+    StagedQuery,
+    StagedSummary,
+    StageRequest,
+)
 from rlfleet.rl.control import (
-    _LIFECYCLE,
+    LIFECYCLE_ROUTES,
     Channel,
     FleetWorker,
     RefreshHeld,
     VllmControl,
-    _message,
+    applied,
     gather_all,
-    held,
 )
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
 
-STAGED_ROUTES = frozenset({"stage_weights", "get_staged_weights", "apply_staged_weights",
-                           "release_staged_weights"})
+STAGED_ROUTES = admin.route_names(admin.STAGED)
 
 
 def source_from_uri(uri: str, endpoint_url: str | None = None) -> dict[str, Any]:
@@ -72,10 +81,10 @@ class VllmStagedControl(VllmControl):
                  stage_timeout: float = 600.0, poll: float = 0.1) -> None:
         super().__init__(rl_url, model)
         self.path = "vllm-staged"
-        self.required_routes = _LIFECYCLE | STAGED_ROUTES
+        self.required_routes = LIFECYCLE_ROUTES | STAGED_ROUTES
         self.stage_timeout = stage_timeout
         self.poll = poll
-        self.staged: dict[int, dict[str, Any]] = {}  # worker -> its last staging summary
+        self.staged: dict[int, StagedSummary] = {}  # worker -> its last staging summary
         self.holders: dict[str, list[str]] = {}  # version -> system URLs that applied it
 
     def _sources(self, target: Policy, w: FleetWorker) -> list[dict[str, Any]]:
@@ -84,40 +93,41 @@ class VllmStagedControl(VllmControl):
         own = [dict(target.source, timeout=self.stage_timeout)] if target.source else []
         return peers + own
 
-    async def _stage(self, ch: Channel, w: FleetWorker, target: Policy) -> dict[str, Any]:
+    async def _stage(self, ch: Channel, w: FleetWorker, target: Policy) -> StagedSummary:
         """Stage `target` on `w` (each source in turn until one is READY); the summary."""
-        summary: dict[str, Any] = {"state": "FAILED", "error": "no source for this version"}
+        summary = StagedSummary(state="FAILED", error="no source for this version")
         for source in self._sources(target, w):
-            ok, data = await ch.call(w, "stage", "stage_weights", {
-                "version": target.version, "source": source, "digest": target.digest})
-            if not ok:
-                summary = {"state": "FAILED", "source": source, "error": _message(data),
-                           "unreachable": bool(data.get("unreachable"))}
-                if data.get("unreachable"):
+            res = await ch.on(w, "stage", admin.STAGE_WEIGHTS, StageRequest(
+                version=target.version, source=source, digest=target.digest))
+            if not res.ok:
+                summary = StagedSummary(state="FAILED", source=source, error=str(res.message),
+                                        unreachable=res.unreachable)
+                if res.unreachable:
                     break
                 continue
-            summary = await self._wait(ch, w, data["handle"])
-            if summary.get("state") == "READY":
+            summary = await self._wait(ch, w, res.reply.handle)
+            if summary.state == "READY":
                 break
         self.staged[w.instance_id] = summary
         return summary
 
-    async def _wait(self, ch: Channel, w: FleetWorker, handle: str) -> dict[str, Any]:
+    async def _wait(self, ch: Channel, w: FleetWorker, handle: str) -> StagedSummary:
         deadline = time.monotonic() + self.stage_timeout + 30
         while True:
-            ok, data = await ch.call(w, "stage", "get_staged_weights", {"handle": handle})
+            res = await ch.on(w, "stage", admin.GET_STAGED_WEIGHTS, StagedQuery(handle=handle))
             w.calls.pop()  # polls are not journaled; the final summary is
-            if ok and data.get("staged"):
-                summary = data["staged"][0]
-                if summary.get("state") != "STAGING":
+            listed: StagedListReply | None = res.reply
+            if res.ok and listed.staged:
+                summary = listed.staged[0]
+                if summary.state != "STAGING":
                     return summary
-            elif data.get("unreachable"):
-                return {"handle": handle, "state": "FAILED", "unreachable": True,
-                        "error": f"worker unreachable while staging: {data.get('message')}"}
+            elif res.unreachable:
+                return StagedSummary(handle=handle, state="FAILED", unreachable=True,
+                                     error=f"worker unreachable while staging: {res.message}")
             if time.monotonic() > deadline:
-                await ch.call(w, "stage", "release_staged_weights", {"handle": handle})
-                return {"handle": handle, "state": "FAILED",
-                        "error": f"not READY within {self.stage_timeout:.0f}s"}
+                await ch.on(w, "stage", admin.RELEASE_STAGED_WEIGHTS, HandleRequest(handle=handle))
+                return StagedSummary(handle=handle, state="FAILED",
+                                     error=f"not READY within {self.stage_timeout:.0f}s")
             await asyncio.sleep(self.poll)
 
     async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:
@@ -127,11 +137,11 @@ class VllmStagedControl(VllmControl):
         found = await self.discover(ch)
         ws = [w for i, w in found.items() if w.active and i not in skip]
         results = await gather_all(self._stage(ch, w, target) for w in ws)
-        if ws and not any(r.get("state") == "READY" for r in results):
+        if ws and not any(r.state == "READY" for r in results):
             raise RefreshHeld(
                 f"staging {target.version} failed on every worker, nothing was gated and the "
                 "fleet keeps serving its policy: " + "; ".join(
-                    f"{w.instance_id}: {r.get('error')}" for w, r in zip(ws, results, strict=True)))
+                    f"{w.instance_id}: {r.error}" for w, r in zip(ws, results, strict=True)))
 
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
@@ -141,31 +151,24 @@ class VllmStagedControl(VllmControl):
 
         async def one(w: FleetWorker) -> None:
             summary = self.staged.pop(w.instance_id, None)
-            if summary is None or summary.get("state") != "READY" \
-                    or summary.get("version") != target.version:
+            if summary is None or summary.state != "READY" or summary.version != target.version:
                 summary = await self._stage(ch, w, target)
                 self.staged.pop(w.instance_id, None)
-            w.record("stage", "staged", 200, summary)
-            if summary.get("state") != "READY":
-                if summary.get("unreachable"):
-                    w.exclude(f"unreachable while staging: {summary.get('error')}", "missing")
+            w.record("stage", "staged", 200, msgspec.to_builtins(summary))
+            if summary.state != "READY":
+                if summary.unreachable:
+                    w.exclude(f"unreachable while staging: {summary.error}", "missing")
                 else:
-                    w.reason = f"staging failed: {summary.get('error')}"
+                    w.reason = f"staging failed: {summary.error}"
                     failed.append(w)
                 return
-            ok, data = await ch.call(w, "apply", "apply_staged_weights", {
-                "handle": summary["handle"], "weight_version": target.version,
-                "step": target.step})
-            if ok:
-                w.holds = held(data)
+            res = await ch.on(w, "apply", admin.APPLY_STAGED_WEIGHTS, ApplyStagedRequest(
+                handle=summary.handle, weight_version=target.version, step=target.step))
+            applied(w, res, failed)
+            if res.ok:
                 urls = self.holders.setdefault(target.version, [])
                 if w.system_url not in urls:
                     urls.append(w.system_url)
-            elif data.get("unreachable"):
-                w.exclude(f"unreachable at transfer: {data.get('message')}", "missing")
-            else:
-                w.reason = f"transfer failed: {_message(data)}"
-                failed.append(w)
         await gather_all(one(w) for w in ws)
         return failed
 

@@ -13,7 +13,9 @@ from typing import Any
 import httpx
 import torch
 
-from rlfleet.protocol.admin import EPOCH_HEADER
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -67,66 +69,59 @@ class TrainerGroup:
 
 
 class TransferError(RuntimeError):
-    def __init__(self, message: str, results: list[dict[str, Any]]) -> None:
+    def __init__(self, message: str, results: list[CallResult[Any]]) -> None:
         super().__init__(message)
-        self.results = results
-
-
-async def _post(http: httpx.AsyncClient, url: str, body: dict, timeout: float,
-                headers: dict[str, str]) -> dict[str, Any]:
-    try:
-        r = await http.post(url, json=body, timeout=timeout, headers=headers)
-        data = r.json()
-    except (httpx.HTTPError, ValueError) as e:
-        return {"status": "error", "message": f"{url}: {e!r}", "http_status": None}
-    if not isinstance(data, dict):
-        data = {"status": "error", "message": f"{url}: non-object response"}
-    data["http_status"] = r.status_code
-    return data
-
-
-def _ok(res: dict[str, Any]) -> bool:
-    return res.get("http_status") == 200 and res.get("status") == "ok"
+        self.results = results  # the workers' answers to joining the group, when they came
 
 
 async def push_weights(system_urls: Sequence[str], tensors: Sequence[tuple[str, torch.Tensor]],
                        version: str | None, *, host: str = "127.0.0.1", port: int | None = None,
                        backend: str = "gloo", timeout: float = 60.0,
-                       admin_token: str | None = None, epoch: int | None = None,
-                       step: int | None = None) -> list[dict[str, Any]]:
+                       client: AdminClient | None = None, step: int | None = None
+                       ) -> list[CallResult[Any]]:
     """Broadcast `tensors` to the workers at `system_urls` (already paused) and return each
-    worker's update response. Raises TransferError when the group cannot be formed.
-    `epoch`: the refresh's fleet epoch (X-Fleet-Epoch); `step`: the policy's fleet step."""
-    port = port or free_port(host)
-    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-    if epoch is not None:
-        headers[EPOCH_HEADER] = str(epoch)
-    group = TrainerGroup(host, port, 1 + len(system_urls), backend, timeout)
-    async with httpx.AsyncClient() as http:
-        joins = [_post(http, f"{u}/engine/init_weights_update_group",
-                       {"master_address": host, "master_port": port, "rank_offset": i + 1,
-                        "world_size": 1 + len(system_urls), "backend": backend,
-                        "timeout": timeout}, timeout + 15, headers)
-                 for i, u in enumerate(system_urls)]
-        connected, *inits = await asyncio.gather(asyncio.to_thread(group.connect), *joins,
-                                                 return_exceptions=True)
+    worker's answer to update_weights_from_distributed. Raises TransferError when the group
+    cannot be formed. `client`: the caller's admin client (its token and fleet epoch;
+    default: none); `step`: the policy's fleet step."""
+    if client is None:
+        async with httpx.AsyncClient() as http:
+            return await _push(AdminClient(http, timeout), system_urls, tensors, version,
+                               host, port or free_port(host), backend, timeout, step)
+    return await _push(client, system_urls, tensors, version, host, port or free_port(host),
+                       backend, timeout, step)
+
+
+async def _push(client: AdminClient, system_urls: Sequence[str],
+                tensors: Sequence[tuple[str, torch.Tensor]], version: str | None, host: str,
+                port: int, backend: str, timeout: float, step: int | None
+                ) -> list[CallResult[Any]]:
+    world = 1 + len(system_urls)
+    group = TrainerGroup(host, port, world, backend, timeout)
+    joins = [client.call(u, admin.INIT_WEIGHTS_UPDATE_GROUP,
+                         GroupRequest(master_address=host, master_port=port, rank_offset=i + 1,
+                                      world_size=world, backend=backend, timeout=timeout),
+                         timeout + 15)
+             for i, u in enumerate(system_urls)]
+    connected, *inits = await asyncio.gather(asyncio.to_thread(group.connect), *joins,
+                                             return_exceptions=True)
+    try:
+        if isinstance(connected, BaseException) or not all(r.ok for r in inits):
+            raise TransferError(f"weight update group not formed: {connected!r}", inits)
+        meta = DistributedRequest(names=[n for n, _ in tensors],
+                                  dtypes=[dtype_name(t) for _, t in tensors],
+                                  shapes=[list(t.shape) for _, t in tensors],
+                                  weight_version=version, step=step)
+        updates = [asyncio.create_task(
+            client.call(u, admin.UPDATE_WEIGHTS_FROM_DISTRIBUTED, meta,
+                        timeout * (len(tensors) + 2))) for u in system_urls]
         try:
-            if isinstance(connected, BaseException) or not all(_ok(r) for r in inits):
-                raise TransferError(f"weight update group not formed: {connected!r}", inits)
-            meta = {"names": [n for n, _ in tensors], "dtypes": [dtype_name(t) for _, t in tensors],
-                    "shapes": [list(t.shape) for _, t in tensors], "weight_version": version,
-                    **({"step": step} if step is not None else {})}
-            updates = [asyncio.create_task(
-                _post(http, f"{u}/engine/update_weights_from_distributed", meta,
-                      timeout * (len(tensors) + 2), headers)) for u in system_urls]
-            try:
-                await asyncio.to_thread(group.send, tensors)
-            except Exception as e:  # the workers report their side below
-                for t in updates:
-                    t.cancel()
-                raise TransferError(f"broadcast failed: {e!r}", []) from e
-            return list(await asyncio.gather(*updates))
-        finally:
-            group.close()
-            await asyncio.gather(*(_post(http, f"{u}/engine/destroy_weights_update_group", {}, 30,
-                                         headers) for u in system_urls))
+            await asyncio.to_thread(group.send, tensors)
+        except Exception as e:  # the workers report their side below
+            for t in updates:
+                t.cancel()
+            raise TransferError(f"broadcast failed: {e!r}", []) from e
+        return list(await asyncio.gather(*updates))
+    finally:
+        group.close()
+        await asyncio.gather(*(client.call(u, admin.DESTROY_WEIGHTS_UPDATE_GROUP, None, 30)
+                               for u in system_urls))

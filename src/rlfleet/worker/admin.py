@@ -18,11 +18,36 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from msgspec import UNSET
+
 from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    AbortReply,
+    AbortRequest,
+    ApplyStagedRequest,
+    DiskUpdateRequest,
+    DistributedRequest,
+    GroupRequest,
+    HandleRequest,
+    InstallReply,
+    LivenessReply,
+    MessageReply,
+    NoFields,
+    PauseReply,
+    PauseRequest,
+    SetVersionReply,
+    SetVersionRequest,
+    StagedListReply,
+    StagedQuery,
+    StageReply,
+    StageRequest,
+    VersionReply,
+)
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
-from rlfleet.worker.system_server import FleetFence, Route, failed, ok
+from rlfleet.worker.system_server import FleetFence, Route
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
@@ -48,31 +73,30 @@ class EngineAdmin:
         self.engine = engine
         self.fence = fence if fence is not None else FleetFence()  # give it to system_app
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
-        self.group: admin.GroupRequest | None = None  # the trainer's group, once joined
+        self.group: GroupRequest | None = None  # the trainer's group, once joined
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
         self.admission = Admission(identity=self._policy)
         self.check_pending = False  # weights installed since the last self-check
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [
-            Route("stage_weights", self.stage_weights),
-            Route("get_staged_weights", self.get_staged_weights, mutating=False,
-                  serialized=False),
-            Route("apply_staged_weights", self.apply_staged_weights),
-            Route("release_staged_weights", self.release_staged_weights),
+            Route(admin.STAGE_WEIGHTS, self.stage_weights),
+            Route(admin.GET_STAGED_WEIGHTS, self.get_staged_weights),
+            Route(admin.APPLY_STAGED_WEIGHTS, self.apply_staged_weights),
+            Route(admin.RELEASE_STAGED_WEIGHTS, self.release_staged_weights),
         ]
         return staged + [
-            Route("liveness_probe", self.liveness_probe, mutating=False, serialized=False),
-            Route("pause_generation", self.pause_generation),
-            Route("resume_generation", self.resume_generation),
-            Route("flush_cache", self.flush_cache),
-            Route("abort_request", self.abort_request, serialized=False),
-            Route("update_weights_from_disk", self.update_weights_from_disk),
-            Route("get_weight_version", self.get_weight_version, mutating=False, serialized=False),
-            Route("set_weight_version", self.set_weight_version),
-            Route("init_weights_update_group", self.init_weights_update_group),
-            Route("update_weights_from_distributed", self.update_weights_from_distributed),
-            Route("destroy_weights_update_group", self.destroy_weights_update_group),
+            Route(admin.LIVENESS_PROBE, self.liveness_probe),
+            Route(admin.PAUSE_GENERATION, self.pause_generation),
+            Route(admin.RESUME_GENERATION, self.resume_generation),
+            Route(admin.FLUSH_CACHE, self.flush_cache),
+            Route(admin.ABORT_REQUEST, self.abort_request),
+            Route(admin.UPDATE_WEIGHTS_FROM_DISK, self.update_weights_from_disk),
+            Route(admin.GET_WEIGHT_VERSION, self.get_weight_version),
+            Route(admin.SET_WEIGHT_VERSION, self.set_weight_version),
+            Route(admin.INIT_WEIGHTS_UPDATE_GROUP, self.init_weights_update_group),
+            Route(admin.UPDATE_WEIGHTS_FROM_DISTRIBUTED, self.update_weights_from_distributed),
+            Route(admin.DESTROY_WEIGHTS_UPDATE_GROUP, self.destroy_weights_update_group),
         ]
 
     # ---------------------------------------------------------------- lifecycle
@@ -81,7 +105,7 @@ class EngineAdmin:
         policy = self.engine.applied().policy
         return {"version": policy.version, "digest": policy.digest}
 
-    async def liveness_probe(self, body: dict) -> dict:
+    async def liveness_probe(self, req: NoFields) -> LivenessReply:
         """The engine answers and its model can run on the weights it holds (both checked
         each time, cheaply); a worker that holds itself closed says why. While the engine
         runs a long control call, the answer says so instead of waiting behind it."""
@@ -90,38 +114,37 @@ class EngineAdmin:
             await self.engine.check_health()
         except Exception as e:
             await self.admission.hold(f"the engine is not healthy: {e!r}")
-            return failed(f"engine is not healthy: {e!r}", alive=False,
-                          weights_uncertain=self.admission.hold_reason)
+            return LivenessReply.failed(f"engine is not healthy: {e!r}", alive=False,
+                                        weights_uncertain=self.admission.hold_reason)
         try:
             problem = None if busy else await self.engine.weights_problem()
         except Exception as e:  # e.g. no answer in time: said, not held against it
-            return failed(f"the engine did not answer a check of its weights: {e!r}",
-                          alive=False)
+            return LivenessReply.failed(f"the engine did not answer a check of its weights: "
+                                        f"{e!r}", alive=False)
         if problem:
             await self.admission.hold(f"weights uncertain: {problem}")
-        extra: dict[str, Any] = {"busy": busy} if busy else {}
-        if self.check_pending:
-            extra["self_check"] = "pending"
+        said = LivenessReply(alive=True, busy=True if busy else UNSET,
+                             self_check="pending" if self.check_pending else UNSET)
         why = self.admission.hold_reason
         if why and why != PENDING:  # a pending self-check is no fault: it runs on resume
-            return failed(f"this worker holds itself closed: {why}", alive=not problem,
-                          weights_uncertain=why, **extra)
-        return ok(alive=True, **extra)
+            said.status, said.message = "error", f"this worker holds itself closed: {why}"
+            said.alive, said.weights_uncertain = not problem, why
+        return said
 
-    async def pause_generation(self, body: dict) -> dict:
-        p = admin.pause_request(body)
-        await self.engine.pause(p.mode, clear_cache=p.clear_cache)
-        return ok(message="Engine paused", mode=p.mode, clear_cache=p.clear_cache)
+    async def pause_generation(self, req: PauseRequest) -> PauseReply:
+        await self.engine.pause(req.mode, clear_cache=req.clear_cache)
+        return PauseReply(message="Engine paused", mode=req.mode, clear_cache=req.clear_cache)
 
-    async def resume_generation(self, body: dict) -> dict:
+    async def resume_generation(self, req: NoFields) -> MessageReply:
         await self.engine.resume()
         if self.check_pending:
             why = await self.vouch()
             if why:
-                return failed(f"generation resumed, but {why}; this worker holds itself "
-                              "closed to rollouts until weights that pass are installed",
-                              weights_uncertain=self.admission.hold_reason)
-        return ok(message="Engine resumed")
+                return MessageReply.failed(
+                    f"generation resumed, but {why}; this worker holds itself closed to "
+                    "rollouts until weights that pass are installed",
+                    weights_uncertain=self.admission.hold_reason)
+        return MessageReply(message="Engine resumed")
 
     # ---------------------------------------------------------------- self-check
 
@@ -177,37 +200,34 @@ class EngineAdmin:
         await self.admission.release()
         return None
 
-    async def flush_cache(self, body: dict) -> dict:
+    async def flush_cache(self, req: NoFields) -> MessageReply:
         if not await self.engine.reset_cache():
-            return failed("the prefix cache was not reset because requests are running; "
-                          "pause generation first")
-        return ok(message="Cache flushed")
+            return MessageReply.failed("the prefix cache was not reset because requests are "
+                                       "running; pause generation first")
+        return MessageReply(message="Cache flushed")
 
-    async def abort_request(self, body: dict) -> dict:
-        rid = admin.request_id(body)
-        await self.engine.abort(rid)
-        return ok(request_id=rid)
+    async def abort_request(self, req: AbortRequest) -> AbortReply:
+        await self.engine.abort(req.request_id)
+        return AbortReply(request_id=req.request_id)
 
     # ---------------------------------------------------------------- versions
 
-    async def get_weight_version(self, body: dict) -> dict:
+    async def get_weight_version(self, req: NoFields) -> VersionReply:
         applied = self.engine.applied()
-        served = {"dtype": applied.dtype} if applied.dtype else {}  # what the probe tolerance needs
-        policy = applied.policy
-        return ok(version=policy.version, version_declared=applied.declared,
-                  weight_digest=policy.digest, step=policy.step, fleet_epoch=self.fence.newest,
-                  **served)
+        return VersionReply(**applied.policy.reply_fields(), version_declared=applied.declared,
+                            fleet_epoch=self.fence.newest,
+                            dtype=applied.dtype or UNSET)  # what the probe tolerance needs
 
-    async def set_weight_version(self, body: dict) -> dict:
-        v = admin.declared_version(body)
-        await self.engine.set_version(v, declared=True, step=admin.policy_step(body))
-        return ok(version=v, step=self.engine.applied().policy.step)
+    async def set_weight_version(self, req: SetVersionRequest) -> SetVersionReply:
+        await self.engine.set_version(req.weight_version, declared=True, step=req.step)
+        return SetVersionReply(version=req.weight_version,
+                               step=self.engine.applied().policy.step)
 
     # ---------------------------------------------------------------- installing weights
 
     async def _install(self, load: Callable[[], Awaitable[str]], version: str | None, *,
                        what: str, step: int | None = None, reset_cache: bool = True,
-                       staged: bool = False) -> dict:
+                       staged: bool = False) -> InstallReply:
         """Run `load` (new weights live when it returns their digest), record the identity
         (with the policy's fleet `step`), drop KV computed under the old weights; the
         route's reply."""
@@ -217,9 +237,9 @@ class EngineAdmin:
             if e.uncertain:
                 await self.admission.hold(f"weights uncertain: {what} failed and the previous "
                                           f"weights could not be put back ({e})")
-                return failed(f"{what} failed: {e}",
-                              weights_uncertain=self.admission.hold_reason)
-            return failed(f"{what} failed: {e}")
+                return InstallReply.failed(f"{what} failed: {e}",
+                                           weights_uncertain=self.admission.hold_reason)
+            return InstallReply.failed(f"{what} failed: {e}")
         if self.staging is not None and not staged:  # the resident staged copy is stale now
             await self.staging.weights_replaced()
         await self.engine.set_version(version, declared=version is not None, digest=digest,
@@ -230,22 +250,24 @@ class EngineAdmin:
         if reset_cache and not await self.engine.reset_cache(running=True):
             await self.admission.hold("weights were applied but the prefix cache could not be "
                                       "reset")
-            return failed("weights were applied but the prefix cache could not be reset; "
-                          "do not admit this worker", weight_digest=digest)
+            return InstallReply.failed("weights were applied but the prefix cache could not "
+                                       "be reset; do not admit this worker",
+                                       weight_digest=digest)
         if not await self.engine.is_paused():
             why = await self.vouch()
             if why:
-                return failed(f"{what}: the weights were applied but {why}",
-                              weight_digest=digest, weights_uncertain=why)
-        return ok(version=version if version is not None else "unknown",
-                  version_declared=version is not None, weight_digest=digest, step=step)
+                return InstallReply.failed(f"{what}: the weights were applied but {why}",
+                                           weight_digest=digest, weights_uncertain=why)
+        installed = PolicyIdentity(version="unknown" if version is None else version,
+                                   digest=digest, step=step)
+        return InstallReply(**installed.reply_fields(), version_declared=version is not None)
 
     async def install_tensors(self, tensors: Mapping[str, Any], version: str | None,
-                              step: int | None = None) -> dict:
+                              step: int | None = None) -> InstallReply:
         """Install tensors staged in host memory (only while paused); the reply has the shape
         of update_weights_from_disk's. For routes that apply staged weights."""
         if not await self.engine.is_paused():
-            return failed(NOT_PAUSED)
+            return InstallReply.failed(NOT_PAUSED)
 
         async def load() -> str:
             try:
@@ -256,44 +278,41 @@ class EngineAdmin:
 
     # ---------------------------------------------------------------- staged weights
 
-    async def stage_weights(self, body: dict) -> dict:
+    async def stage_weights(self, req: StageRequest) -> StageReply:
         """Start pulling a version into host buffers while the engine serves; returns at once
         with the handle (STAGING). Bad sources and wrong bases are refused here when they can
         be seen without the transfer, else the handle ends FAILED with the reason."""
-        req = admin.stage_request(body)
         policy = self.engine.applied().policy
         h = await self.staging.stage(req.version, req.source, digest=req.digest,
                                      applied=(policy.version, policy.digest))
-        return ok(handle=h.handle, state=h.state.value, version=h.version)
+        return StageReply(handle=h.handle, state=h.state.value, version=h.version)
 
-    async def get_staged_weights(self, body: dict) -> dict:
+    async def get_staged_weights(self, req: StagedQuery) -> StagedListReply:
         """Every handle (or the one named) with its state, progress and error."""
-        if body.get("handle") is not None:
-            return ok(staged=[self.staging.get(admin.staging_handle(body)).summary()])
+        if req.handle is not None:
+            return StagedListReply(staged=[self.staging.get(req.handle).summary()])
         r = self.staging.resident
-        return ok(staged=self.staging.summaries(),
-                  resident={"version": r.version, "digest": r.digest} if r else None)
+        return StagedListReply(staged=self.staging.summaries(),
+                               resident={"version": r.version, "digest": r.digest} if r else None)
 
-    async def apply_staged_weights(self, body: dict) -> dict:
+    async def apply_staged_weights(self, req: ApplyStagedRequest) -> InstallReply:
         """Install a READY handle (only while paused); the reply is update_weights_from_disk's
         (version, weight_digest). `weight_version` defaults to the staged version's name."""
-        handle = admin.staging_handle(body)
-        version = admin.weight_version(body)
-        step = admin.policy_step(body)
-        h, staged = self.staging.ready(handle)
+        h, staged = self.staging.ready(req.handle)
         if not await self.engine.is_paused():
-            return failed(NOT_PAUSED)
-        version = h.version if version is None else version
+            return InstallReply.failed(NOT_PAUSED)
+        version = h.version if req.weight_version is None else req.weight_version
         reply = await self._install(lambda: self.engine.load_staged(staged.dir, staged.digest),
-                                    version, what=f"applying staged {h.version}", step=step,
+                                    version, what=f"applying staged {h.version}", step=req.step,
                                     staged=True)
-        if reply.get("status") == "ok":
-            await self.staging.applied(handle, reply.get("weight_digest"))
-        return {**reply, "handle": handle, "staged_digest": staged.digest}
+        if reply.status == "ok":
+            await self.staging.applied(req.handle, reply.weight_digest)
+        reply.handle, reply.staged_digest = req.handle, staged.digest
+        return reply
 
-    async def release_staged_weights(self, body: dict) -> dict:
-        h = await self.staging.release(admin.staging_handle(body))
-        return ok(handle=h.handle, state=h.state.value)
+    async def release_staged_weights(self, req: HandleRequest) -> StageReply:
+        h = await self.staging.release(req.handle)
+        return StageReply(handle=h.handle, state=h.state.value)
 
     # ---------------------------------------------------------------- from disk
 
@@ -309,48 +328,48 @@ class EngineAdmin:
                 f"checkpoint {raw} does not fit the served model's architecture: {why}")
         return path
 
-    async def update_weights_from_disk(self, body: dict) -> dict:
-        version = admin.weight_version(body)
-        step = admin.policy_step(body)
+    async def update_weights_from_disk(self, req: DiskUpdateRequest) -> InstallReply:
         if not await self.engine.is_paused():
-            return failed(NOT_PAUSED)
-        path = self.checkpoint_path(body.get("model_path"))
-        return await self._install(lambda: self.engine.load_path(path), version,
-                                   what=f"loading {path}", step=step)
+            return InstallReply.failed(NOT_PAUSED)
+        path = self.checkpoint_path(req.model_path)
+        return await self._install(lambda: self.engine.load_path(path), req.weight_version,
+                                   what=f"loading {path}", step=req.step)
 
     # ---------------------------------------------------------------- from a trainer
 
-    async def init_weights_update_group(self, body: dict) -> dict:
-        g = admin.group_request(body, self.engine.group_backend, GROUP_TIMEOUT)
+    async def init_weights_update_group(self, req: GroupRequest) -> MessageReply:
+        g = req.resolved(self.engine.group_backend, GROUP_TIMEOUT)
         try:
             await self.engine.join_group(g)
         except Exception as e:
-            return failed(f"weight update group initialisation failed (within {g.timeout}s): "
-                          f"{e!r}")
+            return MessageReply.failed(f"weight update group initialisation failed (within "
+                                       f"{g.timeout}s): {e!r}")
         self.group = g
-        return ok(message="Weight update group initialized")
+        return MessageReply(message="Weight update group initialized")
 
-    async def update_weights_from_distributed(self, body: dict) -> dict:
-        d = admin.distributed_request(body)
+    async def update_weights_from_distributed(self, d: DistributedRequest) -> InstallReply:
         why = self.engine.announced_mismatch(d)
         if why:
-            return failed(why)
+            return InstallReply.failed(why)
         if self.group is None:
-            return failed("no weight update group: call init_weights_update_group first")
+            return InstallReply.failed("no weight update group: call init_weights_update_group "
+                                       "first")
         if not d.allow_unpaused and not await self.engine.is_paused():
-            return failed(f"{NOT_PAUSED} (or allow_unpaused with reset_prefix_cache: false)")
+            return InstallReply.failed(f"{NOT_PAUSED} (or allow_unpaused with "
+                                       "reset_prefix_cache: false)")
         try:
             received = await self.engine.receive(d, self.group.timeout)
         except Exception as e:
-            return failed(f"weight transfer failed: {e!r}; the previous weights are still serving")
+            return InstallReply.failed(f"weight transfer failed: {e!r}; the previous weights "
+                                       "are still serving")
         log.info("received %d tensors (%d bytes) from the trainer", len(d.names), received)
         return await self._install(self.engine.apply_received, d.version,
                                    what="applying received weights", step=d.step,
                                    reset_cache=d.reset_prefix_cache)
 
-    async def destroy_weights_update_group(self, body: dict) -> dict:
+    async def destroy_weights_update_group(self, req: NoFields) -> MessageReply:
         try:
             await self.engine.leave_group()
         finally:
             self.group = None
-        return ok(message="Weight update group destroyed")
+        return MessageReply(message="Weight update group destroyed")

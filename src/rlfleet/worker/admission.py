@@ -19,8 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rlfleet.protocol.admin import AdmissionReply, AdmissionRequest
 from rlfleet.runtime.discovery import DiscoveryError
-from rlfleet.worker.system_server import failed, ok
 
 log = logging.getLogger("rlfleet.admission")
 
@@ -93,24 +93,17 @@ class Admission:
 
     # ---------------------------------------------------------------- set_admission
 
-    async def set_admission(self, body: dict) -> dict:
-        """Open or close this worker to rollout traffic. `{"open": bool, "reason"?: str,
-        "policy"?: {"version", "digest"}}`; opening a worker that holds itself is refused."""
-        open_ = body.get("open")
-        if not isinstance(open_, bool):
-            return failed("open (boolean) is required")
-        reason = body.get("reason")
-        if reason is not None and not isinstance(reason, str):
-            return failed("reason must be a string")
-        policy = body.get("policy")
-        if policy is not None and not isinstance(policy, dict):
-            return failed("policy must be an object {version, digest}")
+    async def set_admission(self, req: AdmissionRequest) -> AdmissionReply:
+        """Open or close this worker to rollout traffic (`policy`: what it is opened on,
+        default the one it serves); opening a worker that holds itself is refused."""
+        policy = req.policy
         self.controlled = True
-        if open_:
+        if req.open:
             if self.hold_reason is not None:
                 await self._publish()  # `controlled` is news
-                return failed(f"this worker holds itself closed: {self.hold_reason}",
-                              open=False, weights_uncertain=self.hold_reason)
+                return AdmissionReply.failed(
+                    f"this worker holds itself closed: {self.hold_reason}", open=False,
+                    weights_uncertain=self.hold_reason)
             self.gate_reason = None
             if policy is None and self.identity is not None:
                 policy = self.identity()
@@ -118,6 +111,6 @@ class Admission:
                 self.fleet_policy = {"version": policy.get("version"),
                                      "digest": policy.get("digest")}
         else:
-            self.gate_reason = reason or "closed by set_admission"
+            self.gate_reason = req.reason or "closed by set_admission"
         await self._publish()
-        return ok(open=not self.gated, reason=self.reason)
+        return AdmissionReply(open=not self.gated, reason=self.reason)

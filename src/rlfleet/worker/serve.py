@@ -13,6 +13,7 @@ from typing import Any
 
 import uvloop
 
+from rlfleet.protocol.admin import SET_ADMISSION
 from rlfleet.protocol.rl import GENERATE_ENDPOINT, RL_ENDPOINT, WORKER_COMPONENT, WorkerEntry
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
@@ -226,7 +227,7 @@ class WorkerProcess:
         args = self.args
         # never behind a long control call: a worker can always be taken out of rotation
         routes = (self.admin_routes() if self.admin_routes else []) + [
-            Route("set_admission", self.admission.set_admission, serialized=False)]
+            Route(SET_ADMISSION, self.admission.set_admission)]
         app = system_app(routes, admin_token=args.admin_token, faults=self.faults,
                          health=self.health, ready=self.serving.is_set, fence=self.fence,
                          changed=self.changed)

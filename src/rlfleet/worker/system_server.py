@@ -1,7 +1,9 @@
 """A worker's system server: /health (and /live), /metrics and POST /engine/<route>, with the
 contract's shared HTTP behaviour, bearer-token auth on mutating routes, per-worker
 serialisation of control calls, fleet-epoch fencing, and (tests only) fault injection. The
-route table is data: each engine flavour hands in its `Route`s.
+route table is data (rlfleet.protocol.admin): each engine flavour hands in its `Route`s, a
+route of the table with its handler, which takes the route's request Struct and returns its
+reply Struct; a body is decoded against the request once, here.
 
 Fencing (an rlfleet extension): a refresh coordinator sends its fleet epoch in
 `X-Fleet-Epoch` on every call. The worker remembers the newest epoch a mutating call
@@ -26,34 +28,42 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rlfleet.protocol.admin import EPOCH_HEADER, STALE_EPOCH, AdminRequestError
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    EPOCH_HEADER,
+    STALE_EPOCH,
+    AdminRequestError,
+    AdminRoute,
+    FaultReply,
+    FaultRequest,
+    HttpError,
+    Reply,
+    StaleEpochError,
+)
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.system")
 
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+Handler = Callable[[Any], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
 class Route:
-    name: str
+    """A route of the admin table and the handler that serves it on this worker: it takes
+    the route's request Struct and returns its reply Struct."""
+
+    spec: AdminRoute
     handler: Handler
-    mutating: bool = True  # needs the admin token when one is set
-    serialized: bool = True  # runs under the worker's control lock
 
-
-def ok(**fields: Any) -> dict[str, Any]:
-    return {"status": "ok", **fields}
-
-
-def failed(message: str, **fields: Any) -> dict[str, Any]:
-    """A failure the handler expected: HTTP 200 with status "error"."""
-    return {"status": "error", "message": message, **fields}
+    @property
+    def name(self) -> str:
+        return self.spec.name
 
 
 class InjectedFault(Exception):
@@ -69,10 +79,10 @@ class StaleEpoch(Exception):
                          "fleet; this one must stop (its calls are refused)")
         self.epoch, self.newest = epoch, newest
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": STALE_EPOCH, "message": str(self),
-                             "fleet_epoch": self.epoch, "newest_fleet_epoch": self.newest},
-                            status_code=409)
+    def response(self) -> Response:
+        return _encoded(StaleEpochError(error=STALE_EPOCH, message=str(self),
+                                        fleet_epoch=self.epoch, newest_fleet_epoch=self.newest),
+                        409)
 
 
 @dataclass
@@ -104,40 +114,21 @@ class FleetFence:
             self.newest = epoch
 
 
-# error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
-# exit: the process dies; respond: answer with the given `body` instead of running the route;
-# delay: sleep hang_seconds, then run the route as usual
-FAULT_MODES = ("error", "http500", "hang", "exit", "respond", "delay")
-
-
 @dataclass
 class FaultInjector:
     """Makes named routes fail a given number of times (tests only)."""
 
     faults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def arm(self, body: dict[str, Any]) -> dict[str, Any]:
-        route, mode = body.get("route"), body.get("mode", "error")
-        if not isinstance(route, str) or not route:
-            return failed("route is required (the name of the route to fail)")
-        if mode not in FAULT_MODES:
-            return failed(f"Invalid mode {mode!r}; expected {'|'.join(FAULT_MODES)}")
-        times = body.get("times", 1)
-        if not isinstance(times, int) or times < 0:
-            return failed("times must be a non-negative integer (0 disarms)")
-        hang = body.get("hang_seconds", 3600)
-        if not isinstance(hang, (int, float)) or hang < 0:
-            return failed("hang_seconds must be a non-negative number")
-        if mode == "respond" and not isinstance(body.get("body"), dict):
-            return failed("mode respond needs body (the JSON object to answer with)")
-        if times == 0:
-            self.faults.pop(route, None)
+    async def arm(self, req: FaultRequest) -> FaultReply:
+        if req.times == 0:
+            self.faults.pop(req.route, None)
         else:
-            self.faults[route] = {"mode": mode, "times": times, "hang_seconds": float(hang),
-                                  "body": body.get("body")}
-        return ok(route=route, mode=mode, times=times)
+            self.faults[req.route] = {"mode": req.mode, "times": req.times,
+                                      "hang_seconds": float(req.hang_seconds), "body": req.body}
+        return FaultReply(route=req.route, mode=req.mode, times=req.times)
 
-    async def check(self, route: str) -> dict[str, Any] | None:
+    async def check(self, route: str) -> Any:
         """Apply an armed fault for `route`: returns an error body, raises, hangs or exits."""
         f = self.faults.get(route)
         if f is None:
@@ -157,7 +148,16 @@ class FaultInjector:
             raise InjectedFault(f"injected failure of {route}")
         if f["mode"] == "respond":
             return dict(f["body"])
-        return failed(f"injected failure of {route}")
+        return Reply.failed(f"injected failure of {route}")
+
+
+def _encoded(body: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status_code,
+                    media_type="application/json")
+
+
+def _http_error(error: str, message: str, status_code: int) -> Response:
+    return _encoded(HttpError(error=error, message=message), status_code)
 
 
 def system_app(routes: list[Route], *, admin_token: str | None = None,
@@ -171,36 +171,53 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     app's own); `changed` is awaited after every mutating call (under the control lock for
     serialized routes), for a worker that publishes its state (discovery)."""
     table = {r.name: r for r in routes}
-    fence = fence if fence is not None else FleetFence()
-    started = time.monotonic_ns()
-    lock = asyncio.Lock()  # serialised control calls, one at a time
-    running: list[str] = []  # the one that holds the lock
+    if faults is not None:
+        table_with_faults = {**table, admin.FAULT_INJECTION.name:
+                             Route(admin.FAULT_INJECTION, faults.arm)}
+    else:
+        table_with_faults = table
     app = FastAPI(title="rlfleet worker system server", docs_url=None, redoc_url=None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # the contract's error shape for paths and methods no route serves too
-        if exc.status_code == 404:
-            body = {"error": "Route not found", "message": f"Route {request.url.path} not found"}
-        elif exc.status_code == 405:
-            body = {"error": "Method not allowed",
-                    "message": f"{request.method} is not allowed on {request.url.path}"}
-        else:
-            body = {"error": str(exc.detail), "message": str(exc.detail)}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
+    app.add_exception_handler(StarletteHTTPException, _route_not_served)
     # a coordinator's control calls join its trace (a policy refresh: a span per call)
-    app.add_middleware(tracing.ServerSpans, match=lambda path: path.startswith("/engine/"))
+    app.add_middleware(tracing.ServerSpans,
+                       match=lambda path: path.startswith(f"{admin.ROUTE_PREFIX}/"))
+    _add_status_routes(app, health, ready)
+    calls = _Calls(table_with_faults, admin_token, faults,
+                   fence if fence is not None else FleetFence(), changed)
+
+    @app.get(admin.ROUTE_PREFIX)
+    async def _routes():
+        """The advertised route table (what the RL listener probes; fault name `engine`)."""
+        return await calls.listing(sorted(table))
+
+    @app.api_route(admin.ROUTE_PREFIX + "/{name:path}", methods=["GET", "POST"])
+    async def _engine_route(name: str, request: Request):
+        return await calls.serve(name, request)
+
+    return app
+
+
+async def _route_not_served(request: Request, exc: Exception) -> Response:
+    """The contract's error shape for paths and methods no route serves too."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        body = HttpError(error="Route not found", message=f"Route {request.url.path} not found")
+    elif exc.status_code == 405:
+        body = HttpError(error="Method not allowed",
+                         message=f"{request.method} is not allowed on {request.url.path}")
+    else:
+        body = HttpError(error=str(exc.detail), message=str(exc.detail))
+    return Response(msgspec.json.encode(body), status_code=exc.status_code, headers=exc.headers,
+                    media_type="application/json")
+
+
+def _add_status_routes(app: FastAPI, health: Callable[[], dict[str, Any]] | None,
+                       ready: Callable[[], bool] | None) -> None:
+    started = time.monotonic_ns()
 
     @app.get("/metrics")
     async def _metrics():
         return metrics.metrics_response(metrics.WORKER)
-
-    def authorized(request: Request) -> bool:
-        if not admin_token:
-            return True
-        got = request.headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {admin_token}".encode())
 
     @app.get("/health")
     @app.get("/live")
@@ -212,88 +229,107 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                 **(health() if health else {})}
         return JSONResponse(body, status_code=200 if serving else 503)
 
-    @app.get("/engine")
-    async def _routes():
-        """The advertised route table (what the RL listener probes; fault name `engine`)."""
-        if faults is not None:
+
+@dataclass
+class _Calls:
+    """How a call to a route is served: authorised, decoded, fenced, serialised, answered."""
+
+    table: dict[str, Route]
+    admin_token: str | None
+    faults: FaultInjector | None
+    fence: FleetFence
+    changed: Callable[[], Awaitable[None]] | None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # control calls, one at a time
+    running: list[str] = field(default_factory=list)  # the one that holds the lock
+
+    async def listing(self, names: list[str]) -> Any:
+        if self.faults is not None:
             try:
-                injected = await faults.check("engine")
+                injected = await self.faults.check("engine")
             except InjectedFault as e:
-                return JSONResponse({"error": "Handler error", "message": str(e)},
-                                    status_code=500)
+                return _http_error("Handler error", str(e), 500)
             if injected is not None:
-                return injected
-        return {"routes": sorted(table)}
+                return _encoded(injected)
+        return {"routes": names}
 
-    @app.api_route("/engine/{name:path}", methods=["GET", "POST"])
-    async def engine_route(name: str, request: Request):
-        if name == "fault_injection" and faults is not None:
-            route: Route | None = Route("fault_injection", _arm(faults))
-        else:
-            route = table.get(name)
+    def authorized(self, request: Request) -> bool:
+        if not self.admin_token:
+            return True
+        got = request.headers.get(admin.AUTH_HEADER, "")
+        return hmac.compare_digest(got.encode(), admin.bearer(self.admin_token).encode())
+
+    async def serve(self, name: str, request: Request) -> Response:
+        route = self.table.get(name)
         if route is None:
-            return JSONResponse({"error": "Route not found",
-                                 "message": f"Route /engine/{name} not found"}, status_code=404)
-        if route.mutating and not authorized(request):
-            return JSONResponse({"error": "Unauthorized",
-                                 "message": "this route needs 'Authorization: Bearer <admin token>'"},
-                                status_code=401)
+            return _http_error("Route not found",
+                               f"Route {admin.ROUTE_PREFIX}/{name} not found", 404)
+        spec = route.spec
+        if spec.mutating and not self.authorized(request):
+            return _http_error("Unauthorized", f"this route needs '{admin.AUTH_HEADER}: "
+                               "Bearer <admin token>'", 401)
         raw = await request.body()
-        if raw.strip():
-            try:
-                body = _read_json(raw)
-            except (ValueError, RecursionError) as e:
-                return JSONResponse({"error": "Invalid JSON", "message": bad_json_message(e)},
-                                    status_code=400)
-        else:
-            body = {}
+        try:
+            body = _read_json(raw) if raw.strip() else {}
+        except (ValueError, RecursionError) as e:
+            return _http_error("Invalid JSON", bad_json_message(e), 400)
         if not isinstance(body, dict):
-            return failed("request body must be a JSON object")
-        fenced = route.name != "fault_injection"
+            return _encoded(Reply.failed("request body must be a JSON object"))
         try:
-            epoch = FleetFence.parse(request.headers.get(EPOCH_HEADER)) if fenced else None
+            epoch = FleetFence.parse(request.headers.get(EPOCH_HEADER)) if spec.fenced else None
         except ValueError as e:
-            return JSONResponse({"error": "Invalid fleet epoch", "message": str(e)},
-                                status_code=400)
-
-        async def run() -> dict[str, Any]:
-            fence.check(epoch, advance=route.mutating)  # again: a newer one may have come
-            try:
-                return await route.handler(body)
-            finally:
-                if route.mutating and changed is not None and fenced:
-                    await changed()
+            return _http_error("Invalid fleet epoch", str(e), 400)
         try:
-            fence.check(epoch, advance=route.mutating)
-            if faults is not None and fenced:
-                injected = await faults.check(route.name)
-                if injected is not None:
-                    return injected
-            if route.serialized:
-                if not await _acquire_unless_gone(lock, request):
-                    log.warning("%s: the caller left while it waited behind %s; not run", name,
-                                running[0] if running else "another call")
-                    return JSONResponse({"error": "Client closed request",
-                                         "message": "the caller left before the call ran"},
-                                        status_code=499)
-                try:
-                    running[:] = [name]
-                    return await run()
-                finally:
-                    running.clear()
-                    lock.release()
-            return await run()
+            return _encoded(await self.answer(route, body, epoch, request))
         except StaleEpoch as e:
             log.warning("refused %s: %s", name, e)
             return e.response()
         except AdminRequestError as e:  # a bad body: the contract's expected failure
-            return failed(str(e))
+            if spec.native:  # SGLang's own methods raise on a bad argument
+                return _http_error("Handler error", f"bad arguments: {e}", 500)
+            return _encoded(spec.failure(str(e)))
+        except _CallerLeft:
+            log.warning("%s: the caller left while it waited behind %s; not run", name,
+                        self.running[0] if self.running else "another call")
+            return _http_error("Client closed request", "the caller left before the call ran",
+                               499)
         except Exception as e:  # the contract's 500: the handler raised
             log.exception("route %s failed", name)
-            return JSONResponse({"error": "Handler error", "message": f"{type(e).__name__}: {e}"},
-                                status_code=500)
+            return _http_error("Handler error", f"{type(e).__name__}: {e}", 500)
 
-    return app
+    async def answer(self, route: Route, body: dict[str, Any], epoch: int | None,
+                     request: Request) -> Any:
+        """The route's reply: the fence and armed faults first, then the handler (under the
+        control lock for a serialized route)."""
+        spec = route.spec
+        self.fence.check(epoch, advance=spec.mutating)
+        if self.faults is not None and spec.fenced:
+            injected = await self.faults.check(spec.name)
+            if injected is not None:
+                return injected
+        req = admin.read_request(spec, body)
+        if not spec.serialized:
+            return await self.run(route, req, epoch)
+        if not await _acquire_unless_gone(self.lock, request):
+            raise _CallerLeft
+        try:
+            self.running[:] = [spec.name]
+            return await self.run(route, req, epoch)
+        finally:
+            self.running.clear()
+            self.lock.release()
+
+    async def run(self, route: Route, req: Any, epoch: int | None) -> Any:
+        spec = route.spec
+        self.fence.check(epoch, advance=spec.mutating)  # again: a newer one may have come
+        try:
+            return await route.handler(req)
+        finally:
+            if spec.mutating and spec.fenced and self.changed is not None:
+                await self.changed()
+
+
+class _CallerLeft(Exception):
+    """The caller went away while its call waited for the control lock."""
 
 
 async def _acquire_unless_gone(lock: asyncio.Lock, request: Request) -> bool:
@@ -331,9 +367,3 @@ def _read_json(raw: bytes) -> Any:
     body = json.loads(raw, parse_constant=_not_json)
     json.dumps(body, ensure_ascii=False).encode()  # UnicodeEncodeError on a lone surrogate
     return body
-
-
-def _arm(faults: FaultInjector) -> Handler:
-    async def handler(body: dict[str, Any]) -> dict[str, Any]:
-        return faults.arm(body)
-    return handler

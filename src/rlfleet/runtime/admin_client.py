@@ -1,0 +1,105 @@
+"""The one client of the admin routes (`rlfleet.protocol.admin`): a call names a route of
+the table and passes its request Struct; the answer carries the HTTP status, the reply as
+the route's reply Struct, and the body as it came (plain JSON, for a journal). Every call
+has a deadline and carries the admin token, the caller's fleet epoch and its traceparent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import httpx
+import msgspec
+
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import AdminRoute
+from rlfleet.runtime import tracing
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class CallResult(Generic[R]):
+    """What a call came back with. `reply` is the route's reply Struct when the worker
+    answered 200 with a body of that shape; `body` is the JSON as it came (or, when the
+    worker could not be reached, `{"error": ...}`)."""
+
+    route: AdminRoute
+    http_status: int | None  # None: the worker could not be reached
+    body: Any
+    reply: R | None = None
+    error: str | None = None  # why the call failed before an answer (unreachable)
+
+    @property
+    def unreachable(self) -> bool:
+        return self.http_status is None
+
+    @property
+    def ok(self) -> bool:
+        """HTTP 200 with a reply of the route's shape that says so (`status: ok` or SGLang's
+        `success: true`)."""
+        b = self.body
+        return self.http_status == 200 and self.reply is not None and isinstance(b, dict) and (
+            b.get("status") == "ok" or b.get("success") is True)
+
+    @property
+    def stale_epoch(self) -> bool:
+        """Whether the worker refused the caller's fleet epoch (HTTP 409)."""
+        return self.http_status == 409 and isinstance(self.body, dict) and \
+            self.body.get("error") == admin.STALE_EPOCH
+
+    @property
+    def message(self) -> Any:
+        """What the worker (or the transport) said."""
+        if self.error is not None:
+            return self.error
+        if isinstance(self.body, dict):
+            return self.body.get("message", self.body)
+        return self.body
+
+
+@dataclass
+class AdminClient:
+    """Calls to workers' system servers with one token, deadline and fleet epoch."""
+
+    http: httpx.AsyncClient
+    timeout: float
+    admin_token: str | None = None
+    epoch: int | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        out = {admin.AUTH_HEADER: admin.bearer(self.admin_token)} if self.admin_token else {}
+        if self.epoch is not None:
+            out[admin.EPOCH_HEADER] = str(self.epoch)
+        tp = tracing.outgoing()  # the worker's span joins the caller's
+        if tp:
+            out["traceparent"] = tp
+        return out
+
+    async def call(self, system_url: str, route: AdminRoute, request: Any = None,
+                   timeout: float | None = None) -> CallResult[Any]:
+        """POST {system_url}/engine/<route> with `request` (the route's request Struct;
+        None: no fields)."""
+        content = msgspec.json.encode(request) if request is not None else b"{}"
+        try:
+            r = await self.http.post(f"{system_url}{admin.ROUTE_PREFIX}/{route.name}",
+                                     content=content, timeout=timeout or self.timeout,
+                                     headers={**self.headers,
+                                              "content-type": "application/json"})
+        except httpx.HTTPError as e:
+            return CallResult(route, None, {"error": repr(e)}, error=repr(e))
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"raw": r.text[:500]}
+        return CallResult(route, r.status_code, body, _reply(route, r.status_code, body))
+
+
+def _reply(route: AdminRoute, status: int, body: Any) -> Any:
+    if status != 200 or not isinstance(body, dict):
+        return None
+    try:
+        return msgspec.convert(body, route.reply)
+    except msgspec.ValidationError:
+        return None
