@@ -50,14 +50,8 @@ import msgspec
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
-from rlfleet.worker.engine import (
-    AppliedWeights,
-    BadRequest,
-    Engine,
-    EngineControl,
-    EngineInfo,
-    WeightLoadError,
-)
+from rlfleet.worker import engine as contract
+from rlfleet.worker.engine import BadRequest, Engine, EngineControl, WeightLoadError
 
 QWEN_EOS = 151645
 ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
@@ -200,7 +194,7 @@ class MockEngine(Engine, EngineControl):
         if o["max_model_len"] < 2:
             raise ValueError("max-model-len must be at least 2")
         name = o["served_model_name"] or o["model_name"]
-        self.info = EngineInfo(served_model_name=name, model_path=f"mock://{name}",
+        self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",
                                vocab_size=vocab, max_model_len=o["max_model_len"],
                                eos_token_ids=(eos,))
         self.eos = eos
@@ -574,8 +568,8 @@ class MockEngine(Engine, EngineControl):
         self.weights = MockWeights(seed, self.weights.version, self.weights.step)
         return self.weights.policy.digest or ""
 
-    def applied(self) -> AppliedWeights:
-        return AppliedWeights(self.weights.policy, self.version_declared)
+    def applied(self) -> contract.AppliedWeights:
+        return contract.AppliedWeights(self.weights.policy, self.version_declared)
 
     async def set_version(self, version: str | None, declared: bool = True,
                           digest: str | None = None, step: int | None = None) -> None:

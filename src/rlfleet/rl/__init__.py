@@ -32,14 +32,5 @@ from rlfleet.rl.policy import Policy
 from rlfleet.rl.probe import Probe, probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.retry import RetryPolicy
-from rlfleet.rl.sample import (
-    AdmittedSample,
-    Chat,
-    Completion,
-    NextTurn,
-    RolloutOutcome,
-    SampleFailed,
-    SampleRequest,
-    SamplingSpec,
-)
+from rlfleet.rl.sample import *  # noqa: F403  (its __all__: what a trainer builds and gets back)
 from rlfleet.rl.transaction import RefreshResult, RefreshState

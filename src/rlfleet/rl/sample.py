@@ -22,6 +22,9 @@ from typing import Any, TypeAlias
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 
 #: bounds the frontend enforces (protocol/openai.py); refused here first, with the field named
+__all__ = ["AdmittedSample", "Chat", "Completion", "NextTurn", "RolloutOutcome", "SampleFailed",
+           "SampleRequest", "SamplingSpec"]
+
 _PENALTY = (-2.0, 2.0)
 _LOGIT_BIAS = (-100.0, 100.0)
 

@@ -24,17 +24,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from rlfleet.runtime.discovery.base import (
-    ChangeSource,
-    Discovery,
-    DiscoveryError,
-    Entry,
-    Listing,
-    Registration,
-    Skipped,
-    entry_key,
-    log,
-)
+from rlfleet.runtime.discovery import base
+from rlfleet.runtime.discovery.base import DiscoveryError, Entry, Skipped, entry_key, log
 
 # file name -> (inode, mtime_ns, size), the parsed record or None, the reason it is unusable
 _Cached = tuple[tuple[int, int, int], dict[str, Any] | None, str | None]
@@ -48,7 +39,7 @@ def default_file_dir() -> Path:
     return Path("/tmp") / f"rlfleet-{os.getuid()}" / "discovery"
 
 
-class _FileRegistration(Registration):
+class _FileRegistration(base.Registration):
     _owner: FileDiscovery
 
     async def _establish(self) -> None:
@@ -65,7 +56,7 @@ class _FileRegistration(Registration):
         await self._owner._io(self._owner._delete, self.key)
 
 
-class FileDiscovery(Discovery):
+class FileDiscovery(base.Discovery):
     """``<dir>/<quoted key>.json`` = ``{"entry", "expires_at", "ttl"}``."""
 
     GC_TTLS = 3.0  # delete files expired for longer than this many ttls
@@ -82,11 +73,11 @@ class FileDiscovery(Discovery):
         self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
         self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
 
-    def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
+    def _new_registration(self, key: str, entry: Entry, ttl: float) -> base.Registration:
         return _FileRegistration(self, key, entry, ttl)
 
-    def _changes(self, namespace: str | None) -> ChangeSource:
-        return ChangeSource()
+    def _changes(self, namespace: str | None) -> base.ChangeSource:
+        return base.ChangeSource()
 
     async def _io(self, fn, *args):
         """Run a file operation in a thread under the lock and a deadline."""
@@ -262,9 +253,9 @@ class FileDiscovery(Discovery):
     # ------------------------------------------------------------ on the loop
 
     async def _list(self, namespace: str | None, component: str | None,
-                    endpoint: str | None) -> Listing:
+                    endpoint: str | None) -> base.Listing:
         live, skipped = await self._io(self._scan)
-        listing = Listing.of(((key, entry) for key, (entry, _) in live.items()), skipped,
+        listing = base.Listing.of(((key, entry) for key, (entry, _) in live.items()), skipped,
                              namespace, component, endpoint)
         listing.entries = json.loads(json.dumps(listing.entries))  # callers get private copies
         return listing
