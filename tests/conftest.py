@@ -1,12 +1,14 @@
-"""Shared fixtures: locally made test models and real fleets (vLLM workers, etcd)."""
+"""Shared fixtures: locally made test models, real servers (etcd, S3, a Ray head) and
+fleets (the session's vLLM fleet; the `start_fleet` / `start_module_fleet` factories for a
+fleet with a module's own settings). The start-up code is in tests/fleets.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.ray_server import LOOPBACK_ENV
@@ -16,13 +18,17 @@ from tests.ray_server import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
-from rlfleet.runtime.launch import Fleet
-from tests.etcd_server import run_etcd
-from tests.s3_server import S3Server
-
-# float32 so logprobs can be compared with transformers; eager for a quick start
-VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
-MODEL_NAME = "tiny"
+from rlfleet.runtime.launch import Fleet  # noqa: E402
+from tests.etcd_server import run_etcd  # noqa: E402
+from tests.fleets import (  # noqa: E402
+    MODEL_NAME,
+    RL_PROBE_ENV,
+    VLLM_FLEET_LEASE,
+    local_fleet,
+    replace_dead_workers,
+    vllm_worker_args,
+)
+from tests.s3_server import S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,35 +55,6 @@ def s3_server():
         yield server
 
 
-def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) -> list[dict]:
-    """Block until the frontend at `url` routes to `count` usable workers of `model`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = [w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]
-                   if w["model"] == model and w["usable"]]
-        if len(workers) == count:
-            return workers
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"frontend sees {len(workers)} usable workers of {model}, "
-                               f"expected {count}")
-        time.sleep(0.2)
-
-
-@pytest.fixture(scope="session")
-def vllm_fleet(tmp_path_factory, tiny_model, etcd_url):
-    """Frontend (with the RL listener) + 2 real vLLM workers serving `tiny`, over etcd."""
-    with Fleet(tmp_path_factory.mktemp("fleet"), discovery=etcd_url, lease_ttl=3) as fleet:
-        fleet.start_frontend(enable_rl=True)
-        procs = [fleet.start_worker("--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-                                    "--enable-rl", "--system-port", "0",
-                                    "--enable-fault-injection", *VLLM_FLAGS, wait=False)
-                 for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(fleet.url, MODEL_NAME, 2)
-        yield fleet
-
-
 @pytest.fixture(scope="session")
 def ray_head():
     """One local Ray head (127.0.0.1) for the whole session; drivers and `rlfleet` processes
@@ -91,3 +68,69 @@ def ray_head():
         pytest.fail("ray was imported before tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     with run_ray_head() as address:
         yield address
+
+
+# ---------------------------------------------------------------- fleets
+
+
+@pytest.fixture(scope="session")
+def _session_vllm_fleet(tmp_path_factory, tiny_model, etcd_url) -> Iterator[Fleet]:
+    with local_fleet(tmp_path_factory.mktemp("fleet"), [vllm_worker_args(tiny_model)] * 2,
+                     kind="vllm", model=MODEL_NAME, lease_ttl=VLLM_FLEET_LEASE,
+                     discovery=etcd_url, enable_rl=True, frontend_env=RL_PROBE_ENV) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(_session_vllm_fleet, tiny_model) -> Fleet:
+    """Frontend (with the RL listener, probing workers with a 2 s timeout) + 2 real vLLM
+    workers serving `tiny` with fault injection, over etcd: one per test process, whole
+    at the start of every module (a worker a test killed is replaced)."""
+    replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+    return _session_vllm_fleet
+
+
+StartFleet = Callable[..., Fleet]
+
+
+@contextlib.contextmanager
+def _fleet_factory(tmp_path_factory) -> Iterator[StartFleet]:
+    with contextlib.ExitStack() as fleets:
+        def start(workers, *, name: str = "fleet", **settings) -> Fleet:
+            """`workers`: one argument list per worker; settings: tests.fleets.local_fleet's."""
+            return fleets.enter_context(local_fleet(tmp_path_factory.mktemp(name), workers,
+                                                    **settings))
+        yield start
+
+
+@pytest.fixture
+def start_fleet(tmp_path_factory) -> Iterator[StartFleet]:
+    """Start fleets for one test (tests.fleets.local_fleet's parameters); stopped after it."""
+    with _fleet_factory(tmp_path_factory) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_module_fleet(tmp_path_factory) -> Iterator[StartFleet]:
+    """Start fleets for a module (tests.fleets.local_fleet's parameters); stopped after it."""
+    with _fleet_factory(tmp_path_factory) as start:
+        yield start
+
+
+# ---------------------------------------------------------------- test processes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadgroup` (make test), a module's tests run in one process, and so do
+    all the modules on the session's vLLM fleet: it starts once, not once per process."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    def module(item: pytest.Item) -> str:
+        return item.nodeid.split("::", 1)[0]
+
+    on_session_fleet = {module(item) for item in items
+                        if "vllm_fleet" in getattr(item, "fixturenames", ())}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(
+            "vllm_fleet" if module(item) in on_session_fleet else module(item)))

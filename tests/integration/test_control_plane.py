@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from rlfleet.rl.probe import reference_probe
 from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers
 
 pytestmark = pytest.mark.engine
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rlfleet.runtime.launch import Fleet
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers
 
 pytestmark = pytest.mark.engine
 

@@ -19,7 +19,7 @@ from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
-from tests.conftest import wait_for_workers
+from tests.fleets import wait_for_workers
 
 pytestmark = pytest.mark.engine
 

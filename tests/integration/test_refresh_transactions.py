@@ -21,9 +21,8 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import TEST_HOOK, PolicyRefresh
-from rlfleet.runtime.launch import Fleet
-from tests.conftest import wait_for_workers
-from tests.integration.test_refresh_mocker import MODEL, fault, mock_args, routed
+from tests.fleets import RL_MOCK_MODEL as MODEL
+from tests.fleets import RL_PROBE_ENV, fault, mock_args, routed
 
 SEEDS = {"A": 1, "B": 2, "C": 3}
 # the state each hook point leaves in the journal
@@ -32,20 +31,17 @@ STATE_AT = {"gated": "resolved", "paused": "paused", "apply_half": "paused",
 
 
 @pytest.fixture(scope="module", params=["sqlite", "etcd"])
-def txf(request, tmp_path_factory):
+def txf(request, tmp_path_factory, start_module_fleet):
     """A fleet of two mocker workers and the store of its journal."""
     tmp = tmp_path_factory.mktemp(f"tx-{request.param}")
     root = tmp / "weights"
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
     journal = (str(tmp / "journal.sqlite") if request.param == "sqlite" else
                f"{request.getfixturevalue('etcd_url')}/{uuid.uuid4().hex[:8]}")
-    with Fleet(tmp / "fleet", lease_ttl=2) as fleet:
-        fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
-        for _ in range(2):
-            fleet.start_worker(*mock_args(root), kind="mocker")
-        wait_for_workers(fleet.url, MODEL, 2)
-        fleet.ckpts, fleet.journal, fleet.tmp = ckpts, journal, tmp
-        yield fleet
+    fleet = start_module_fleet([mock_args(root)] * 2, model=MODEL, enable_rl=True,
+                               frontend_env=RL_PROBE_ENV)
+    fleet.ckpts, fleet.journal, fleet.tmp = ckpts, journal, tmp
+    return fleet
 
 
 @contextlib.contextmanager

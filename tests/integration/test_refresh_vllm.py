@@ -21,7 +21,7 @@ from rlfleet.rl.probe import reference_probe
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import Fleet
 from rlfleet.weights.digest import checkpoint_digest
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers
 
 pytestmark = pytest.mark.engine
 

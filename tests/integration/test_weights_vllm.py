@@ -20,7 +20,7 @@ from rlfleet.runtime.launch import Fleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers
 from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine

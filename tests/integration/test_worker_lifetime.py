@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.runtime.launch import Fleet
-from tests.conftest import VLLM_FLAGS
+from tests.fleets import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine
 
