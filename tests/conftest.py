@@ -5,7 +5,9 @@ fleet with a module's own settings). The start-up code is in tests/fleets.py."""
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -118,6 +120,25 @@ def start_module_fleet(tmp_path_factory) -> Iterator[StartFleet]:
 
 
 # ---------------------------------------------------------------- test processes
+
+UNIT_TESTS = Path(__file__).parent / "unit"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch) -> None:
+    """A test under tests/unit that starts a process (a server, a worker, a command) fails
+    and says where it belongs."""
+    if UNIT_TESTS not in Path(request.path).parents:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: unit tests start none; "
+                             "it belongs in tests/integration")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+
 
 
 @pytest.hookimpl(tryfirst=True)
