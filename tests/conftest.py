@@ -5,8 +5,10 @@ fleet with a module's own settings). The start-up code is in tests/fleets.py."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing.process
 import os
+import re
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -141,17 +143,35 @@ def _unit_tests_start_no_process(request, monkeypatch) -> None:
 
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under `--dist loadgroup` (make test), a module's tests run in one process, and so do
-    all the modules on the session's vLLM fleet: it starts once, not once per process."""
-    if not getattr(config.option, "loadgroup", False):
-        return
-    def module(item: pytest.Item) -> str:
-        return item.nodeid.split("::", 1)[0]
+SESSION_FLEET_SCOPE = "modules on the session vLLM fleet"
 
-    on_session_fleet = {module(item) for item in items
-                        if "vllm_fleet" in getattr(item, "fixturenames", ())}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(
-            "vllm_fleet" if module(item) in on_session_fleet else module(item)))
+
+@functools.cache
+def takes_session_fleet(module: Path) -> bool:
+    """Whether a test module uses the session's vLLM fleet (names the vllm_fleet fixture,
+    also through request.getfixturevalue)."""
+    try:
+        return re.search(r"\bvllm_fleet\b", module.read_text(errors="replace")) is not None
+    except OSError:
+        return False
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (make test) with one change: every module on the session's vLLM fleet
+    runs in the same process, so that the fleet starts once, not once per process."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SessionFleetScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SESSION_FLEET_SCOPE if takes_session_fleet(config.rootpath / module) else module
+
+    return SessionFleetScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that kill a worker of the session fleet run after the others that use it (the
+    fleet replaces the worker for the next module: that way it never has to)."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_session_worker") is not None)

@@ -15,7 +15,7 @@ import pytest
 
 from tests.fleets import MODEL_NAME, VLLM_FLEET_LEASE, wait_for_workers
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kills_session_worker]
 
 MODEL = MODEL_NAME
 LEASE = VLLM_FLEET_LEASE
