@@ -22,7 +22,7 @@ from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import TEST_HOOK, PolicyRefresh
 from tests.fleets import RL_MOCK_MODEL as MODEL
-from tests.fleets import RL_PROBE_ENV, fault, mock_args, routed
+from tests.fleets import RL_PROBE_ENV, fault, local_fleet, mock_args, routed
 
 SEEDS = {"A": 1, "B": 2, "C": 3}
 # the state each hook point leaves in the journal
@@ -31,17 +31,18 @@ STATE_AT = {"gated": "resolved", "paused": "paused", "apply_half": "paused",
 
 
 @pytest.fixture(scope="module", params=["sqlite", "etcd"])
-def txf(request, tmp_path_factory, start_module_fleet):
+def txf(request, tmp_path_factory):
     """A fleet of two mocker workers and the store of its journal."""
     tmp = tmp_path_factory.mktemp(f"tx-{request.param}")
     root = tmp / "weights"
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
     journal = (str(tmp / "journal.sqlite") if request.param == "sqlite" else
                f"{request.getfixturevalue('etcd_url')}/{uuid.uuid4().hex[:8]}")
-    fleet = start_module_fleet([mock_args(root)] * 2, model=MODEL, enable_rl=True,
-                               frontend_env=RL_PROBE_ENV)
-    fleet.ckpts, fleet.journal, fleet.tmp = ckpts, journal, tmp
-    return fleet
+    # not start_module_fleet: each store's fleet stops before the next one starts
+    with local_fleet(tmp / "fleet", [mock_args(root)] * 2, model=MODEL, enable_rl=True,
+                     frontend_env=RL_PROBE_ENV) as fleet:
+        fleet.ckpts, fleet.journal, fleet.tmp = ckpts, journal, tmp
+        yield fleet
 
 
 @contextlib.contextmanager
