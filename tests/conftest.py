@@ -22,7 +22,7 @@ from tests.ray_server import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
-from rlfleet.runtime.launch import Fleet  # noqa: E402
+from rlfleet.runtime.launch import Fleet, Proc  # noqa: E402
 from tests.etcd_server import run_etcd  # noqa: E402
 from tests.fleets import (  # noqa: E402
     MODEL_NAME,
@@ -94,6 +94,17 @@ def vllm_fleet(_session_vllm_fleet, tiny_model) -> Fleet:
     return _session_vllm_fleet
 
 
+@pytest.fixture
+def session_vllm_worker(_session_vllm_fleet, tiny_model) -> Proc:
+    """A live worker of the session vLLM fleet, for a test that kills it: its module is
+    marked kills_session_worker, so it runs after the other modules on that fleet."""
+    live = [p for p in _session_vllm_fleet.workers if p.popen.poll() is None]
+    if not live:
+        replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+        live = list(_session_vllm_fleet.workers)
+    return live[-1]
+
+
 StartFleet = Callable[..., Fleet]
 
 
@@ -144,14 +155,15 @@ def _unit_tests_start_no_process(request, monkeypatch) -> None:
 
 
 SESSION_FLEET_SCOPE = "modules on the session vLLM fleet"
+SESSION_FLEET_FIXTURES = re.compile(r"\b(vllm_fleet|session_vllm_worker)\b")
 
 
 @functools.cache
 def takes_session_fleet(module: Path) -> bool:
-    """Whether a test module uses the session's vLLM fleet (names the vllm_fleet fixture,
-    also through request.getfixturevalue)."""
+    """Whether a test module uses the session's vLLM fleet (names one of its fixtures, also
+    through request.getfixturevalue)."""
     try:
-        return re.search(r"\bvllm_fleet\b", module.read_text(errors="replace")) is not None
+        return SESSION_FLEET_FIXTURES.search(module.read_text(errors="replace")) is not None
     except OSError:
         return False
 
