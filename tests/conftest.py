@@ -153,7 +153,6 @@ def _unit_tests_start_no_process(request, monkeypatch) -> None:
     monkeypatch.setattr(os, "fork", refuse)
 
 
-
 SESSION_FLEET_SCOPE = "modules on the session vLLM fleet"
 SESSION_FLEET_FIXTURES = re.compile(r"\b(vllm_fleet|session_vllm_worker)\b")
 
@@ -168,6 +167,7 @@ def takes_session_fleet(module: Path) -> bool:
         return False
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """`--dist loadfile` (make test) with one change: every module on the session's vLLM fleet
     runs in the same process, so that the fleet starts once, not once per process."""
