@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENVFILE := $(VENV)/rlfleet.env
 RUN := set -a; . ./$(ENVFILE); set +a;
-# the suite runs in this many processes (pytest-xdist), a whole module in one (its fleet starts once)
+# the suite runs in this many processes (pytest-xdist), a whole module in one (its fleet starts
+# once), and every module on the session vLLM fleet in one (tests/conftest.py's scheduler)
 TEST_PROCESSES ?= 2
 
 .PHONY: setup demo test lint bench clean

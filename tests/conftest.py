@@ -1,12 +1,18 @@
-"""Shared fixtures: locally made test models and real fleets (vLLM workers, etcd)."""
+"""Shared fixtures: locally made test models, real servers (etcd, S3, a Ray head) and
+fleets (the session's vLLM fleet; the `start_fleet` / `start_module_fleet` factories for a
+fleet with a module's own settings). The start-up code is in tests/fleets.py."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import multiprocessing.process
 import os
-import time
+import re
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.ray_server import LOOPBACK_ENV
@@ -16,13 +22,17 @@ from tests.ray_server import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
-from rlfleet.runtime.launch import LocalFleet
-from tests.etcd_server import run_etcd
-from tests.s3_server import S3Server
-
-# float32 so logprobs can be compared with transformers; eager for a quick start
-VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
-MODEL_NAME = "tiny"
+from rlfleet.runtime.launch import LocalFleet, Proc  # noqa: E402
+from tests.etcd_server import run_etcd  # noqa: E402
+from tests.fleets import (  # noqa: E402
+    MODEL_NAME,
+    RL_PROBE_ENV,
+    VLLM_FLEET_LEASE,
+    local_fleet,
+    replace_dead_workers,
+    vllm_worker_args,
+)
+from tests.s3_server import S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -49,35 +59,6 @@ def s3_server():
         yield server
 
 
-def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) -> list[dict]:
-    """Block until the frontend at `url` routes to `count` usable workers of `model`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        workers = [w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]
-                   if w["model"] == model and w["usable"]]
-        if len(workers) == count:
-            return workers
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"frontend sees {len(workers)} usable workers of {model}, "
-                               f"expected {count}")
-        time.sleep(0.2)
-
-
-@pytest.fixture(scope="session")
-def vllm_fleet(tmp_path_factory, tiny_model, etcd_url):
-    """Frontend (with the RL listener) + 2 real vLLM workers serving `tiny`, over etcd."""
-    with LocalFleet(tmp_path_factory.mktemp("fleet"), discovery=etcd_url, lease_ttl=3) as fleet:
-        fleet.start_frontend(enable_rl=True)
-        procs = [fleet.start_worker("--model", str(tiny_model), "--served-model-name", MODEL_NAME,
-                                    "--enable-rl", "--system-port", "0",
-                                    "--enable-fault-injection", *VLLM_FLAGS, wait=False)
-                 for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(fleet.url, MODEL_NAME, 2)
-        yield fleet
-
-
 @pytest.fixture(scope="session")
 def ray_head():
     """One local Ray head (127.0.0.1) for the whole session; drivers and `rlfleet` processes
@@ -91,3 +72,118 @@ def ray_head():
         pytest.fail("ray was imported before tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     with run_ray_head() as address:
         yield address
+
+
+# ---------------------------------------------------------------- fleets
+
+
+@pytest.fixture(scope="session")
+def _session_vllm_fleet(tmp_path_factory, tiny_model, etcd_url) -> Iterator[LocalFleet]:
+    with local_fleet(tmp_path_factory.mktemp("fleet"), [vllm_worker_args(tiny_model)] * 2,
+                     kind="vllm", model=MODEL_NAME, lease_ttl=VLLM_FLEET_LEASE,
+                     discovery=etcd_url, enable_rl=True, frontend_env=RL_PROBE_ENV) as fleet:
+        yield fleet
+
+
+@pytest.fixture(scope="module")
+def vllm_fleet(_session_vllm_fleet, tiny_model) -> LocalFleet:
+    """Frontend (with the RL listener, probing workers with a 2 s timeout) + 2 real vLLM
+    workers serving `tiny` with fault injection, over etcd: one per test process, whole
+    at the start of every module (a worker a test killed is replaced)."""
+    replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+    return _session_vllm_fleet
+
+
+@pytest.fixture
+def session_vllm_worker(_session_vllm_fleet, tiny_model) -> Proc:
+    """A live worker of the session vLLM fleet, for a test that kills it: its module is
+    marked kills_session_worker, so it runs after the other modules on that fleet."""
+    live = [p for p in _session_vllm_fleet.workers if p.popen.poll() is None]
+    if not live:
+        replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+        live = list(_session_vllm_fleet.workers)
+    return live[-1]
+
+
+StartFleet = Callable[..., LocalFleet]
+
+
+@contextlib.contextmanager
+def _fleet_factory(tmp_path_factory) -> Iterator[StartFleet]:
+    with contextlib.ExitStack() as fleets:
+        def start(workers, *, name: str = "fleet", **settings) -> LocalFleet:
+            """`workers`: one argument list per worker; settings: tests.fleets.local_fleet's."""
+            return fleets.enter_context(local_fleet(tmp_path_factory.mktemp(name), workers,
+                                                    **settings))
+        yield start
+
+
+@pytest.fixture
+def start_fleet(tmp_path_factory) -> Iterator[StartFleet]:
+    """Start fleets for one test (tests.fleets.local_fleet's parameters); stopped after it."""
+    with _fleet_factory(tmp_path_factory) as start:
+        yield start
+
+
+@pytest.fixture(scope="module")
+def start_module_fleet(tmp_path_factory) -> Iterator[StartFleet]:
+    """Start fleets for a module (tests.fleets.local_fleet's parameters); stopped after it."""
+    with _fleet_factory(tmp_path_factory) as start:
+        yield start
+
+
+# ---------------------------------------------------------------- test processes
+
+UNIT_TESTS = Path(__file__).parent / "unit"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch) -> None:
+    """A test under tests/unit that starts a process (a server, a worker, a command) fails
+    and says where it belongs."""
+    if UNIT_TESTS not in Path(request.path).parents:
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process: unit tests start none; "
+                             "it belongs in tests/integration")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+
+
+SESSION_FLEET_SCOPE = "modules on the session vLLM fleet"
+SESSION_FLEET_FIXTURES = re.compile(r"\b(vllm_fleet|session_vllm_worker)\b")
+
+
+@functools.cache
+def takes_session_fleet(module: Path) -> bool:
+    """Whether a test module uses the session's vLLM fleet (names one of its fixtures, also
+    through request.getfixturevalue)."""
+    try:
+        return SESSION_FLEET_FIXTURES.search(module.read_text(errors="replace")) is not None
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (make test) with one change: every module on the session's vLLM fleet
+    runs in the same process, so that the fleet starts once, not once per process."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SessionFleetScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return SESSION_FLEET_SCOPE if takes_session_fleet(config.rootpath / module) else module
+
+    return SessionFleetScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules that kill a worker of the session fleet run after the others that use it (the
+    fleet replaces the worker for the next module: that way it never has to)."""
+    items.sort(key=lambda item: item.get_closest_marker("kills_session_worker") is not None)

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from rlfleet.rl.probe import reference_probe
 from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import vllm_worker_args
 
 pytestmark = pytest.mark.engine
 
@@ -71,19 +71,14 @@ def weights_root(tmp_path_factory, tiny_model, tiny_model_b) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ctl(tmp_path_factory, tiny_model, weights_root):
+def ctl(start_module_fleet, weights_root):
     """One RL worker serving checkpoint A, with a frontend in front of it."""
-    from rlfleet.runtime.launch import LocalFleet
-
-    with LocalFleet(tmp_path_factory.mktemp("ctl-fleet"), lease_ttl=3) as fleet:
-        fleet.start_frontend()
-        w = fleet.start_worker("--model", str(weights_root / "A"), "--served-model-name", MODEL,
-                               "--enable-rl", "--system-port", "0", "--enable-fault-injection",
-                               "--allowed-weights-root", str(weights_root), *VLLM_FLAGS,
-                               timeout=600)
-        wait_for_workers(fleet.url, MODEL, 1)
-        fleet.system_url = w.ready["system_url"]
-        yield fleet
+    worker = vllm_worker_args(weights_root / "A", MODEL,
+                              "--allowed-weights-root", str(weights_root))
+    fleet = start_module_fleet([worker], name="ctl-fleet", kind="vllm", model=MODEL,
+                               lease_ttl=3)
+    fleet.system_url = fleet.workers[0].ready["system_url"]
+    return fleet
 
 
 def admin(fleet, route: str, body: dict | None = None, timeout: float = 60) -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import MODEL_NAME, VLLM_FLAGS
+from tests.fleets import MODEL_NAME, VLLM_FLAGS
 
 pytestmark = pytest.mark.engine
 

@@ -586,7 +586,7 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
     import httpx
 
     from rlfleet.runtime.launch import LocalFleet
-    from tests.conftest import wait_for_workers
+    from tests.fleets import wait_for_workers
 
     flags = ("--served-model-name", "mock", "--enable-rl", "--system-port", "0")
     with LocalFleet(tmp_path, lease_ttl=6) as fleet:

@@ -13,30 +13,15 @@ import pytest
 import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.rl.probe import reference_probe
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.worker.admin import EngineAdmin
-from tests.conftest import VLLM_FLAGS
+from tests.engines import PROMPT, greedy
+from tests.fleets import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine
-
-PROMPT = [151644, 8948, 198, 40, 1079]
-
-
-async def greedy(engine, n: int = 8) -> tuple[list[int], list[float]]:
-    req = GenerateRequest(request_id=f"g-{torch.randint(1 << 30, ()).item()}",
-                          prompt_token_ids=PROMPT,
-                          sampling=SamplingOptions(max_tokens=n, temperature=0.0, logprobs=0,
-                                                   ignore_eos=True))
-    ids, lps = [], []
-    async for ev in engine.generate(req, PROMPT):
-        for c in ev.get("choices", []):
-            ids += c["token_ids"]
-            lps += [lp["logprob"] for lp in c["logprobs"] or []]
-    return ids, lps
 
 
 async def installed(admin: EngineAdmin, *args: Any, **kw: Any) -> dict:

@@ -19,14 +19,14 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
+from tests.fleets import RL_PROBE_ENV
 
 MODEL = "mock"
 TOKEN = "fault-suite-admin-token"
@@ -39,28 +39,25 @@ WORKER = ("--served-model-name", MODEL, "--seed", "7", "--token-delay", "0.005",
           "--max-model-len", "4096")
 
 
-def worker_args(fleet) -> tuple[str, ...]:
+def worker_args(ckpts: Path) -> tuple[str, ...]:
     return (*WORKER, "--enable-rl", "--system-port", "0", "--enable-fault-injection",
-            "--allowed-weights-root", str(fleet.ckpts))
+            "--allowed-weights-root", str(ckpts))
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    env = {"RLFLEET_ADMIN_TOKEN": TOKEN, "DYN_RL_REQUEST_TIMEOUT_SECS": "2"}
+def fleet(tmp_path_factory, start_module_fleet):
+    env = {"RLFLEET_ADMIN_TOKEN": TOKEN, **RL_PROBE_ENV}
     base = tmp_path_factory.mktemp("faults")
-    with LocalFleet(base, lease_ttl=3) as f:
-        f.ckpts = base / "weights"
-        write_mock_checkpoint(f.ckpts / "B", 8)
-        f.start_frontend("--max-body-bytes", str(MAX_BODY), "--read-timeout", str(READ_TIMEOUT),
-                         "--idle-timeout", "2", "--max-connections", "400",
-                         "--stall-timeout", str(STALL), "--max-response-entries", "200000",
-                         enable_rl=True, env=env)
-        procs = [f.start_worker(*worker_args(f), kind="mocker", env=env, wait=False)
-                 for _ in range(2)]
-        for p in procs:
-            p.wait_ready(60)
-        wait_for_workers(f.url, MODEL, 2)
-        yield f
+    ckpts = base / "weights"
+    write_mock_checkpoint(ckpts / "B", 8)
+    f = start_module_fleet(
+        [worker_args(ckpts)] * 2, model=MODEL, lease_ttl=3, enable_rl=True,
+        frontend=("--max-body-bytes", str(MAX_BODY), "--read-timeout", str(READ_TIMEOUT),
+                  "--idle-timeout", "2", "--max-connections", "400",
+                  "--stall-timeout", str(STALL), "--max-response-entries", "200000"),
+        frontend_env=env, worker_env=env)
+    f.ckpts = ckpts
+    return f
 
 
 def post(fleet, body: dict, path: str = "/v1/completions", headers: dict | None = None,
@@ -320,7 +317,7 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
 
 
 def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
-    victim = fleet.start_worker(*worker_args(fleet), kind="mocker",
+    victim = fleet.start_worker(*worker_args(fleet.ckpts), kind="mocker",
                                 env={"RLFLEET_ADMIN_TOKEN": TOKEN})
     iid = int(victim.ready["instance_id"])
     deadline = time.monotonic() + 30

@@ -1,4 +1,5 @@
-"""A two-worker vLLM fleet on file discovery: the RL listener, request-ID retries, client
+"""The session's two-worker vLLM fleet (conftest's vllm_fleet: etcd discovery, the RL
+listener probing with a 2 s timeout): the RL listener, request-ID retries, client
 disconnects, and a worker killed mid-stream. The kill comes last (tests run in order)."""
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import MODEL_NAME, VLLM_FLEET_LEASE, wait_for_workers
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kills_session_worker]
 
-MODEL = "tiny-f"
-LEASE = 2.0
+MODEL = MODEL_NAME
+LEASE = VLLM_FLEET_LEASE
 ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
                  "get_weight_version", "init_weights_update_group", "liveness_probe",
                  "pause_generation", "resume_generation", "set_admission", "set_weight_version",
@@ -29,16 +29,10 @@ ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_model):
-    with LocalFleet(tmp_path_factory.mktemp("faults"), lease_ttl=LEASE) as f:
-        f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
-        procs = [f.start_worker("--model", str(tiny_model), "--served-model-name", MODEL,
-                                "--enable-rl", "--system-port", "0", "--enable-fault-injection",
-                                *VLLM_FLAGS, wait=False) for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(f.url, MODEL, 2)
-        yield f
+def fleet(vllm_fleet):
+    """The session's fleet: a test here kills one of its workers, which the next module
+    that takes vllm_fleet finds replaced."""
+    return vllm_fleet
 
 
 def rl_workers(fleet) -> list[dict]:

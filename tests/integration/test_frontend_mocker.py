@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
+from tests.fleets import wait_for_workers
 
 MODEL = "mock"
 SLOW = ("--served-model-name", MODEL, "--token-delay", "0.02")

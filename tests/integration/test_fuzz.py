@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from rlfleet.runtime.launch import LocalFleet, Proc
-from tests.conftest import wait_for_workers
+from tests.fleets import wait_for_workers
 
 MODEL = "mock"
 FUZZ_EXAMPLES = int(os.environ.get("RLFLEET_FUZZ_EXAMPLES", 2000))  # per server kind (the

@@ -23,8 +23,8 @@ import pytest
 from rlfleet.models import make_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import VLLM_FLAGS
 from tests.etcd_server import run_etcd
+from tests.fleets import VLLM_FLAGS
 from tests.netns import Host, Lab, unavailable
 
 MODEL = "Qwen/Qwen3-0.6B"  # a local directory of that name: served under that name

@@ -13,24 +13,18 @@ import httpx
 import pytest
 
 from rlfleet.rl import PolicyBound, RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
-from tests.integration.test_refresh_mocker import MODEL
+from tests.fleets import RL_MOCK_MODEL as MODEL
 
 HOLD = 1.5  # the frontend's --gated-hold
 
 
 @pytest.fixture(scope="module")
-def bf(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bound")
-    with LocalFleet(tmp / "fleet", lease_ttl=2) as f:
-        f.start_frontend("--gated-hold", str(HOLD))
-        for _ in range(2):
-            f.start_worker("--served-model-name", MODEL, "--system-port", "0",
-                           "--token-delay", "0.01", "--seed", "1", kind="mocker")
-        wait_for_workers(f.url, MODEL, 2)
-        f.ids = [int(p.ready["instance_id"]) for p in f.workers]
-        yield f
+def bf(start_module_fleet):
+    f = start_module_fleet([("--served-model-name", MODEL, "--system-port", "0",
+                             "--token-delay", "0.01", "--seed", "1")] * 2,
+                           model=MODEL, frontend=("--gated-hold", str(HOLD)))
+    f.ids = [int(p.ready["instance_id"]) for p in f.workers]
+    return f
 
 
 def set_step(f, i: int, step: int) -> None:

@@ -21,7 +21,7 @@ import yaml
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl import PolicyRefresh, RetryPolicy, RolloutClient, SampleLedger, SamplingSpec
 from rlfleet.rl.sample import SampleRequest
-from tests.conftest import VLLM_FLAGS
+from tests.fleets import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine
 

@@ -17,9 +17,7 @@ import torch
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.digest import checkpoint_digest
-from tests.conftest import wait_for_workers
 
 pytestmark = pytest.mark.engine
 
@@ -28,20 +26,15 @@ BF16_FLAGS = ("--dtype", "bfloat16", "--max-model-len", "1024", "--enforce-eager
 
 
 @pytest.fixture(scope="module")
-def bf16(tmp_path_factory, tiny_model, tiny_model_b):
+def bf16(tmp_path_factory, start_module_fleet, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("bf16-weights")
     shutil.copytree(tiny_model, root / "A")
     shutil.copytree(tiny_model_b, root / "B")
-    with LocalFleet(tmp_path_factory.mktemp("bf16-fleet"), lease_ttl=3) as fleet:
-        fleet.start_frontend(enable_rl=True)
-        procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
-                                    "--enable-rl", "--system-port", "0",
-                                    "--allowed-weights-root", str(root), *BF16_FLAGS, wait=False)
-                 for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(fleet.url, MODEL, 2)
-        yield fleet, root
+    worker = ("--model", str(root / "A"), "--served-model-name", MODEL, "--enable-rl",
+              "--system-port", "0", "--allowed-weights-root", str(root), *BF16_FLAGS)
+    fleet = start_module_fleet([worker] * 2, name="bf16-fleet", kind="vllm", model=MODEL,
+                               lease_ttl=3, enable_rl=True)
+    return fleet, root
 
 
 def test_default_refresh_of_a_bf16_fleet_reopens(bf16, tmp_path):

@@ -22,16 +22,10 @@ from rlfleet.rl.transaction import (
     RefreshState,
     check_transition,
 )
-from rlfleet.runtime.launch import LocalFleet, spawn
-from tests.conftest import wait_for_workers
+from rlfleet.runtime.launch import spawn
+from tests.fleets import RL_MOCK_MODEL, RL_PROBE_ENV, fault, mock_args, routed, wait_for_workers
 
-MODEL = "mock-rl"
-
-
-def mock_args(root: Path, *extra: str) -> tuple[str, ...]:
-    return ("--served-model-name", MODEL, "--enable-rl", "--system-port", "0",
-            "--enable-fault-injection", "--allowed-weights-root", str(root),
-            "--token-delay", "0.002", "--seed", "1", *extra)
+MODEL = RL_MOCK_MODEL
 
 
 @pytest.fixture
@@ -42,13 +36,9 @@ def ckpts(tmp_path) -> dict[str, Path]:
 
 
 @pytest.fixture
-def fleet(tmp_path, ckpts):
-    with LocalFleet(tmp_path / "fleet", lease_ttl=2) as f:
-        f.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
-        for _ in range(2):
-            f.start_worker(*mock_args(ckpts["root"]), kind="mocker")
-        wait_for_workers(f.url, MODEL, 2)
-        yield f
+def fleet(start_fleet, ckpts):
+    return start_fleet([mock_args(ckpts["root"])] * 2, model=MODEL, enable_rl=True,
+                       frontend_env=RL_PROBE_ENV)
 
 
 def coordinator(fleet, tmp_path, **kw) -> PolicyRefresh:
@@ -67,24 +57,6 @@ def versions(fleet) -> dict[int, tuple]:
             v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={}).json()
             out[int(p.ready["instance_id"])] = (v["version"], v["weight_digest"])
     return out
-
-
-def fault(proc, route: str, mode: str = "error", **kw) -> None:
-    r = httpx.post(f"{proc.ready['system_url']}/engine/fault_injection",
-                   json={"route": route, "mode": mode, **kw}, timeout=5)
-    assert r.json()["status"] == "ok", r.text
-
-
-def routed(fleet, expected: int | None = None, timeout: float = 5.0) -> set[int]:
-    """Workers the frontend routes to; with `expected`, wait until that many are (discovery
-    reaches the frontend within its poll interval)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
-               if w["usable"]}
-        if expected is None or len(got) == expected or time.monotonic() > deadline:
-            return got
-        time.sleep(0.1)
 
 
 def test_transition_table():

@@ -16,26 +16,22 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl import Fleet as RlFleet
 from rlfleet.rl import PolicyRefresh, SampleRequest, SamplingSpec
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
-from tests.integration.test_refresh_mocker import MODEL, mock_args, routed
+from tests.fleets import RL_MOCK_MODEL as MODEL
+from tests.fleets import RL_PROBE_ENV, mock_args, routed
 
 SEEDS = {"A": 1, "B": 2, "C": 3, "D": 4}
 N_SAMPLES = 2000
 
 
 @pytest.fixture(scope="module")
-def rf(tmp_path_factory):
+def rf(tmp_path_factory, start_module_fleet):
     tmp = tmp_path_factory.mktemp("rolling")
     root = tmp / "weights"
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
-    with LocalFleet(tmp / "fleet", lease_ttl=2) as fleet:
-        fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
-        for _ in range(3):
-            fleet.start_worker(*mock_args(root), kind="mocker")
-        wait_for_workers(fleet.url, MODEL, 3)
-        fleet.ckpts, fleet.journal = ckpts, str(tmp / "journal.sqlite")
-        yield fleet
+    fleet = start_module_fleet([mock_args(root)] * 3, model=MODEL, enable_rl=True,
+                               frontend_env=RL_PROBE_ENV)
+    fleet.ckpts, fleet.journal = ckpts, str(tmp / "journal.sqlite")
+    return fleet
 
 
 def policy(f) -> dict[int, tuple]:

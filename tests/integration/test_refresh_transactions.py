@@ -22,9 +22,8 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
-from tests.integration.test_refresh_mocker import MODEL, fault, mock_args, routed
+from tests.fleets import RL_MOCK_MODEL as MODEL
+from tests.fleets import RL_PROBE_ENV, fault, local_fleet, mock_args, routed
 
 SEEDS = {"A": 1, "B": 2, "C": 3}
 #: `rlfleet refresh` with a coordinator that kills or stops itself at a named point
@@ -42,11 +41,9 @@ def txf(request, tmp_path_factory):
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
     journal = (str(tmp / "journal.sqlite") if request.param == "sqlite" else
                f"{request.getfixturevalue('etcd_url')}/{uuid.uuid4().hex[:8]}")
-    with LocalFleet(tmp / "fleet", lease_ttl=2) as fleet:
-        fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "2"})
-        for _ in range(2):
-            fleet.start_worker(*mock_args(root), kind="mocker")
-        wait_for_workers(fleet.url, MODEL, 2)
+    # not start_module_fleet: each store's fleet stops before the next one starts
+    with local_fleet(tmp / "fleet", [mock_args(root)] * 2, model=MODEL, enable_rl=True,
+                     frontend_env=RL_PROBE_ENV) as fleet:
         fleet.ckpts, fleet.journal, fleet.tmp = ckpts, journal, tmp
         yield fleet
 

@@ -19,9 +19,8 @@ from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.probe import reference_probe
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.digest import checkpoint_digest
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import vllm_worker_args
 
 pytestmark = pytest.mark.engine
 
@@ -29,20 +28,14 @@ MODEL = "tiny-r"
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model, tiny_model_b):
+def setup(tmp_path_factory, start_module_fleet, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("refresh-weights")
     shutil.copytree(tiny_model, root / "A")
     shutil.copytree(tiny_model_b, root / "B")
-    with LocalFleet(tmp_path_factory.mktemp("refresh-fleet"), lease_ttl=3) as fleet:
-        fleet.start_frontend(enable_rl=True)
-        procs = [fleet.start_worker("--model", str(root / "A"), "--served-model-name", MODEL,
-                                    "--enable-rl", "--system-port", "0", "--enable-fault-injection",
-                                    "--allowed-weights-root", str(root), *VLLM_FLAGS, wait=False)
-                 for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(fleet.url, MODEL, 2)
-        yield fleet, root
+    worker = vllm_worker_args(root / "A", MODEL, "--allowed-weights-root", str(root))
+    fleet = start_module_fleet([worker] * 2, name="refresh-fleet", kind="vllm", model=MODEL,
+                               lease_ttl=3, enable_rl=True)
+    return fleet, root
 
 
 def test_refresh_a_to_b_under_load(setup, tmp_path):

@@ -32,8 +32,6 @@ from rlfleet.rl import (
     SampleLedger,
     SamplingSpec,
 )
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
 
 MODEL = "mock-model"
 SAMPLES = 2000
@@ -42,16 +40,11 @@ WORKER_FLAGS = ("--token-delay", "0.004", "--token-delay-jitter", "0.012")
 
 
 @pytest.fixture
-def fleet(tmp_path):
-    with LocalFleet(tmp_path / "fleet", lease_ttl=2) as f:
-        f.start_frontend()
-        for i in range(3):
-            # worker 0 is killed mid-run: its slower tokens keep several streams on it then
-            # (a fast frontend leaves a worker of this fleet idle most of the time)
-            slow = ("--token-delay", "0.02") if i == 0 else ()
-            f.start_worker(*WORKER_FLAGS, *slow, kind="mocker")
-        wait_for_workers(f.url, MODEL, 3)
-        yield f
+def fleet(start_fleet):
+    # worker 0 is killed mid-run: its slower tokens keep several streams on it then
+    # (a fast frontend leaves a worker of this fleet idle most of the time)
+    slow = ("--token-delay", "0.02")
+    return start_fleet([(*WORKER_FLAGS, *slow), WORKER_FLAGS, WORKER_FLAGS], model=MODEL)
 
 
 async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_path):

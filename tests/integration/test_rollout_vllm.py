@@ -12,7 +12,7 @@ from rlfleet.rl import RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
 from rlfleet.rl.checks import CHECKS, Expectation, SampleRules, single_policy, weight_spans
 from rlfleet.rl.client import request_body
 from rlfleet.rl.response import parse_openai, parse_sglang
-from tests.conftest import MODEL_NAME
+from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 

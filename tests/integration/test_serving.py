@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from tests.conftest import MODEL_NAME
+from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 

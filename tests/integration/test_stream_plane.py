@@ -13,21 +13,13 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import wait_for_workers
-
 MODEL = "mock-s"
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    with LocalFleet(tmp_path_factory.mktemp("stream-plane"), lease_ttl=5) as f:
-        f.start_frontend()
-        for _ in range(2):
-            f.start_worker("--served-model-name", MODEL, "--token-delay", "0.01",
-                           "--max-model-len", "8192", kind="mocker")
-        wait_for_workers(f.url, MODEL, 2)
-        yield f
+def fleet(start_module_fleet):
+    return start_module_fleet([("--served-model-name", MODEL, "--token-delay", "0.01",
+                                "--max-model-len", "8192")] * 2, model=MODEL, lease_ttl=5)
 
 
 def worker_metric(fleet, name: str, **labels: str) -> float:

@@ -24,7 +24,7 @@ from rlfleet.rl import (
     SampleRequest,
     SamplingSpec,
 )
-from tests.conftest import MODEL_NAME
+from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 

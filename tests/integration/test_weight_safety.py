@@ -33,8 +33,8 @@ from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.staging import StageState, StagingArea
 from rlfleet.worker.admin import EngineAdmin
 from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
-from tests.conftest import VLLM_FLAGS
-from tests.integration.test_engine_control import PROMPT, greedy
+from tests.engines import PROMPT, greedy
+from tests.fleets import VLLM_FLAGS
 
 
 async def served(admin: EngineAdmin, route: str, body: dict | None = None) -> dict:

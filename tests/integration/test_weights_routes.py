@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR
-from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights.publish import Publisher
 
 TOKEN = "admin-s3cret"
@@ -35,15 +34,11 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, store):
-    with LocalFleet(tmp_path_factory.mktemp("fleet")) as f:
-        f.start_frontend(enable_rl=True)
-        for i in range(2):
-            f.start_worker("--model-name", "mock", "--enable-rl", "--system-port", "0",
-                           "--admin-token", TOKEN, "--weights-catalog", store["catalog"],
-                           "--allowed-weights-root", str(store["root"]), kind="mocker",
-                           name=f"mock-{i}")
-        yield f
+def fleet(start_module_fleet, store):
+    return start_module_fleet([("--model-name", "mock", "--enable-rl", "--system-port", "0",
+                                "--admin-token", TOKEN, "--weights-catalog", store["catalog"],
+                                "--allowed-weights-root", str(store["root"]))] * 2,
+                              lease_ttl=10, enable_rl=True)
 
 
 def _post(url: str, route: str, body: dict | None = None, token: str | None = TOKEN) -> dict:

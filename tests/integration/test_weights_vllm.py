@@ -20,7 +20,7 @@ from rlfleet.runtime.launch import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
-from tests.conftest import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers
 from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
@@ -54,24 +54,20 @@ def policies(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_model, s3_server, policies):
+def setup(tmp_path_factory, start_module_fleet, tiny_model, s3_server, policies):
     if s3_server.proc is None:
         s3_server.start()
     work = tmp_path_factory.mktemp("staged-fleet")
     catalog = f"sqlite://{work / 'catalog.sqlite'}"
     flags = ("--model", str(tiny_model), "--served-model-name", MODEL, "--enable-rl",
              "--system-port", "0", "--weights-catalog", catalog, *VLLM_FLAGS)
-    with LocalFleet(work, lease_ttl=3) as fleet:
-        fleet.start_frontend(enable_rl=True)
-        procs = [fleet.start_worker(*flags, env=s3_server.env, wait=False) for _ in range(2)]
-        for p in procs:
-            p.wait_ready(600)
-        wait_for_workers(fleet.url, MODEL, 2)
-        coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged",
-                                    journal=SqliteJournal(work / "journal.sqlite"),
-                                    probe_tokens=N, probe_tolerance=1e-4,
-                                    timeout=300)
-        yield {"fleet": fleet, "catalog": catalog, "coordinator": coordinator, "flags": flags}
+    fleet = start_module_fleet([flags] * 2, name="staged-fleet", kind="vllm", model=MODEL,
+                               lease_ttl=3, enable_rl=True, worker_env=s3_server.env)
+    coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged",
+                                journal=SqliteJournal(work / "journal.sqlite"),
+                                probe_tokens=N, probe_tolerance=1e-4,
+                                timeout=300)
+    return {"fleet": fleet, "catalog": catalog, "coordinator": coordinator, "flags": flags}
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,8 @@
 """Nothing of a vLLM worker outlives it: SIGKILL the worker process alone (not its group),
 and its engine core, the engine's own workers and multiprocessing's resource tracker are
 gone within seconds, with the engine core in the worker process's child (the CPU set-up)
-and in a process of its own (multiprocessing on, the GPU default)."""
+and in a process of its own (multiprocessing on, the GPU default). The worker whose engines
+run as the session fleet's is one of that fleet's (killed after the other modules on it)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rlfleet.runtime.launch import LocalFleet
-from tests.conftest import VLLM_FLAGS
+from rlfleet.runtime.launch import Proc, engine_env
+from tests.fleets import VLLM_FLAGS
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.kills_session_worker]
 
 
 def _processes() -> dict[int, tuple[int, str]]:
@@ -48,19 +49,29 @@ def living(pids: set[int]) -> set[int]:
     return {p for p in pids if p in procs and procs[p][1] != "Z"}
 
 
-@pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["engine-in-child", "mp-on"])
-def test_sigkill_of_a_worker_leaves_no_process_behind(tmp_path, tiny_model, multiprocessing):
-    with LocalFleet(tmp_path, lease_ttl=3) as fleet:
-        w = fleet.start_worker("--model", str(tiny_model), *VLLM_FLAGS, "--no-warmup",
-                               env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing},
-                               timeout=600)
-        children = descendants(w.pid)
-        assert children, "a vLLM worker starts an engine-core process"
-        os.kill(w.pid, signal.SIGKILL)  # the worker alone: its group is left to the kernel
-        w.popen.wait(10)
-        deadline = time.monotonic() + 10
-        while living(children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
-                for p in living(children)}
-        assert not left, f"processes of the killed worker still alive: {left}"
+@pytest.fixture(params=["0", "1"], ids=["engine-in-child", "mp-on"])
+def worker(request, start_fleet, tiny_model) -> Proc:
+    """A vLLM worker with its engine core in the worker process's child (multiprocessing
+    off, the CPU set-up) or in a process of its own (multiprocessing on, the GPU default):
+    a worker of the session fleet where that fleet's engines run so, else one of its own."""
+    multiprocessing = request.param
+    if engine_env().get("VLLM_ENABLE_V1_MULTIPROCESSING") == multiprocessing:
+        return request.getfixturevalue("session_vllm_worker")
+    fleet = start_fleet([("--model", str(tiny_model), *VLLM_FLAGS, "--no-warmup")],
+                        kind="vllm", frontend=None, lease_ttl=3,
+                        worker_env={"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing})
+    return fleet.workers[0]
+
+
+def test_sigkill_of_a_worker_leaves_no_process_behind(worker):
+    w = worker
+    children = descendants(w.pid)
+    assert children, "a vLLM worker starts an engine-core process"
+    os.kill(w.pid, signal.SIGKILL)  # the worker alone: its group is left to the kernel
+    w.popen.wait(10)
+    deadline = time.monotonic() + 10
+    while living(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
+            for p in living(children)}
+    assert not left, f"processes of the killed worker still alive: {left}"

@@ -1,18 +1,13 @@
 """The simulated engine (rlfleet.mocker): determinism, sampling options, logprobs, abort,
-pause modes and weight switches, driven directly, through the request-plane app, and
-as a `python -m rlfleet.mocker` process."""
+pause modes and weight switches, driven directly and through the request-plane app (as a
+`python -m rlfleet.mocker` process: tests/integration/test_worker_commands.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -470,38 +465,3 @@ async def test_request_plane_refuses_bad_prompts(client: httpx.AsyncClient, body
                                                  words: str) -> None:
     resp = await client.post("/generate", json={"request_id": "bad", **body})
     assert resp.status_code == 400 and words in resp.json()["error"]["message"]
-
-
-# ---------------------------------------------------------------- the process
-
-
-def test_worker_process(tmp_path: Path) -> None:
-    try:
-        import rlfleet.worker.serve  # noqa: F401 - needs rlfleet.runtime.discovery
-    except ImportError as e:
-        pytest.skip(f"the worker runtime is not importable yet: {e}")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlfleet.mocker", "--discovery", f"file://{tmp_path}",
-         "--port", "0", "--served-model-name", "sim", "--token-delay", "0.001"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 30
-        line = ""
-        while not line.startswith("RLFLEET_WORKER_READY"):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
-            line = proc.stdout.readline()
-        fields = dict(f.split("=", 1) for f in line.split()[1:])
-        assert fields["model"] == "sim"
-        resp = httpx.post(f"{fields['url']}/generate", timeout=10, json={
-            "request_id": "p1", "prompt": "hello", "sampling": {"max_tokens": 6, "ignore_eos": True}})
-        events = ndjson(resp)
-        assert events[0]["weight_digest"] == "mock:0" and events[-1]["done"]
-        assert sum(len(ev["choices"][0]["token_ids"]) for ev in events[1:-1]) == 6
-        assert list(tmp_path.rglob("*")), "the worker did not register in discovery"
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -1,0 +1,115 @@
+"""Fleets for tests, started one way: a frontend and its workers (mocker or vLLM) as local
+processes (rlfleet.runtime.launch). The fixtures in tests/conftest.py start them; a module
+that needs other settings passes them to the `start_fleet` / `start_module_fleet`
+factories there instead of copying the start-up."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from rlfleet.runtime.launch import LocalFleet, Proc
+
+# float32 so logprobs can be compared with transformers; eager for a quick start
+VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
+MODEL_NAME = "tiny"  # what the session's vLLM fleet serves tiny_model as
+VLLM_FLEET_LEASE = 3.0  # the session vLLM fleet's lease TTL (seconds)
+# the frontend's timeout for asking a worker on the RL listener's behalf: short, so that a
+# hung worker is listed with an error quickly
+RL_PROBE_ENV = {"DYN_RL_REQUEST_TIMEOUT_SECS": "2"}
+
+
+def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) -> list[dict]:
+    """Block until the frontend at `url` routes to `count` usable workers of `model`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = [w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]
+                   if w["model"] == model and w["usable"]]
+        if len(workers) == count:
+            return workers
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"frontend sees {len(workers)} usable workers of {model}, "
+                               f"expected {count}")
+        time.sleep(0.2)
+
+
+def vllm_worker_args(model_dir: Path, served_name: str = MODEL_NAME, *extra: str) -> tuple[str, ...]:
+    """An RL-enabled vLLM worker with fault injection, serving `model_dir` as `served_name`."""
+    return ("--model", str(model_dir), "--served-model-name", served_name, "--enable-rl",
+            "--system-port", "0", "--enable-fault-injection", *extra, *VLLM_FLAGS)
+
+
+def start_workers(fleet: LocalFleet, workers: Sequence[Sequence[str]], *, kind: str,
+                  env: Mapping[str, str] | None = None, timeout: float | None = None) -> list[Proc]:
+    """Start one worker per argument list, all at once, and wait until each is ready."""
+    timeout = timeout or (600 if kind == "vllm" else 120)
+    procs = [fleet.start_worker(*args, kind=kind, env=dict(env or {}), wait=False)
+             for args in workers]
+    for p in procs:
+        p.wait_ready(timeout)
+    return procs
+
+
+@contextlib.contextmanager
+def local_fleet(workdir: Path, workers: Sequence[Sequence[str]], *, kind: str = "mocker",
+                model: str | None = None, lease_ttl: float = 2.0, discovery: str | None = None,
+                frontend: Sequence[str] | None = (), enable_rl: bool = False,
+                frontend_env: Mapping[str, str] | None = None,
+                worker_env: Mapping[str, str] | None = None) -> Iterator[LocalFleet]:
+    """A frontend (`frontend`: its extra flags; None for no frontend) and one worker per
+    argument list in `workers`; with `model`, until the frontend routes to all of them.
+    Everything is stopped on exit."""
+    with LocalFleet(workdir, discovery=discovery, lease_ttl=lease_ttl) as fleet:
+        if frontend is not None:
+            fleet.start_frontend(*frontend, enable_rl=enable_rl, env=dict(frontend_env or {}))
+        start_workers(fleet, workers, kind=kind, env=worker_env)
+        if model is not None and frontend is not None:
+            wait_for_workers(fleet.url, model, len(workers))
+        yield fleet
+
+
+def replace_dead_workers(fleet: LocalFleet, worker_args: Sequence[str], model: str) -> None:
+    """Start a worker like the others for each one that has exited (a test killed it), so
+    that the next module finds the fleet whole; the dead ones leave `fleet.workers`."""
+    dead = [p for p in fleet.workers if p.popen.poll() is not None]
+    for p in dead:
+        fleet.workers.remove(p)
+        fleet.procs.remove(p)
+    if dead:
+        start_workers(fleet, [worker_args] * len(dead), kind="vllm")
+    wait_for_workers(fleet.url, model, len(fleet.workers), timeout=60)
+
+
+# ---------------------------------------------------------------- the refresh mocker fleet
+
+RL_MOCK_MODEL = "mock-rl"  # what the refresh modules' mocker workers serve
+
+
+def mock_args(root: Path, *extra: str) -> tuple[str, ...]:
+    """An RL-enabled mocker worker with fault injection, loading weights under `root`."""
+    return ("--served-model-name", RL_MOCK_MODEL, "--enable-rl", "--system-port", "0",
+            "--enable-fault-injection", "--allowed-weights-root", str(root),
+            "--token-delay", "0.002", "--seed", "1", *extra)
+
+
+def fault(proc: Proc, route: str, mode: str = "error", **kw) -> None:
+    """Arm the worker's fault injection on `route`."""
+    r = httpx.post(f"{proc.ready['system_url']}/engine/fault_injection",
+                   json={"route": route, "mode": mode, **kw}, timeout=5)
+    assert r.json()["status"] == "ok", r.text
+
+
+def routed(fleet: LocalFleet, expected: int | None = None, timeout: float = 5.0) -> set[int]:
+    """Workers the frontend routes to; with `expected`, wait until that many are (discovery
+    reaches the frontend within its poll interval)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
+               if w["usable"]}
+        if expected is None or len(got) == expected or time.monotonic() > deadline:
+            return got
+        time.sleep(0.1)
