@@ -9,6 +9,7 @@ import pytest
 from rlfleet.frontend import openai as render
 from rlfleet.frontend.dispatch import Result
 from rlfleet.frontend.sglang import generate_body
+from rlfleet.protocol.admin import InstallReply, VersionReply
 from rlfleet.protocol.engine import Delta, Frame, Head
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.openai import CompletionRequest
@@ -149,6 +150,13 @@ def test_a_new_field_flows_through_every_surface():
 def test_every_stamped_surface_has_a_field_for_each_identity_field(surface, names):
     missing = set(POLICY.stamped()) - names
     assert not missing, f"{surface} lacks {missing}: add them where PolicyIdentity grew"
+
+
+@pytest.mark.parametrize("reply", [InstallReply, VersionReply])
+def test_every_identity_reply_has_a_field_for_each_identity_field(reply):
+    missing = set(POLICY.reply_fields()) - set(reply.__struct_fields__)
+    assert not missing, f"{reply.__name__} lacks {missing}: add them where PolicyIdentity grew"
+    assert reply(**POLICY.reply_fields()).policy() == POLICY
 
 
 def test_a_weight_span_has_every_identity_field_first():
