@@ -17,9 +17,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.protocol.rl import RlWorker
 from tests.inprocess import InProcessFleet
 
 MODEL = "mock-dynamo17"
@@ -30,11 +31,12 @@ REQUIRED_ROUTES = frozenset({"control/pause_generation", "control/resume_generat
 
 
 class Dynamo17Worker(BaseModel):
-    """One worker of GET /v1/rl/workers, strictly."""
+    """One worker of GET /v1/rl/workers, strictly: Dynamo 1.7's fields, and beside them
+    only rlfleet's documented extensions (the fields of protocol.rl.RlWorker that 1.7
+    lacks: the policy applied, the fleet epoch, admission)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)
 
-    # Dynamo 1.7's RlWorkerInfo
     namespace: str = Field(min_length=1)
     component: str = Field(min_length=1)
     endpoint: str = Field(min_length=1)
@@ -47,12 +49,13 @@ class Dynamo17Worker(BaseModel):
     routes: list[str]
     world_size: int = Field(gt=0)
     error: str | None = None
-    # rlfleet's extensions (protocol.rl.RlWorker): the policy applied, epoch, admission
-    weight_version: str | None = None
-    weight_digest: str | None = None
-    weight_step: int | None = Field(None, ge=0)
-    fleet_epoch: int | None = Field(None, ge=0)
-    gated: bool | None = None
+
+    @model_validator(mode="after")
+    def _only_declared_extensions(self) -> Dynamo17Worker:
+        unknown = set(self.model_extra or {}) - set(RlWorker.model_fields)
+        if unknown:
+            raise ValueError(f"extra fields not permitted: {sorted(unknown)}")
+        return self
 
     @field_validator("admin_base_url")
     @classmethod
@@ -149,7 +152,8 @@ async def test_a_dynamo17_client_moves_a_worker_to_the_new_policy(tmp_path: Path
         assert after["weight_version"] == "7" != before["weight_version"]
         assert after["weight_digest"] == flat["weight_digest"] != before["weight_digest"]
         [relisted] = await listed(fleet.rl_url)
-        assert (relisted.weight_version, relisted.weight_digest) == ("7", flat["weight_digest"])
+        policy = relisted.model_extra or {}
+        assert (policy["weight_version"], policy["weight_digest"]) == ("7", flat["weight_digest"])
 
 
 async def test_the_namespaced_routes_refuse_bad_bodies_by_name(tmp_path: Path) -> None:
