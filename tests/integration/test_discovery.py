@@ -628,7 +628,8 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
 #: the keys of a worker's entry, in the order the worker writes them (discovery v1)
 WORKER_ENTRY_KEYS = [
     "namespace", "component", "instance_id", "transport", "stream_plane", "model",
-    "model_path", "vocab_size", "max_model_len", "pid", "system_url", "gated",
+    "model_path", "vocab_size", "max_model_len", "pid", "system_url", "admin_base_url",
+    "world_size", "gated",
     "weight_version", "weight_digest", "weight_step", "fleet_epoch", "endpoint",
     "request_plane_url"]
 
@@ -669,6 +670,7 @@ async def test_a_worker_publishes_its_entries_and_their_changes(tmp_path: Path) 
             assert list(e) == WORKER_ENTRY_KEYS
             assert e["request_plane_url"] == f"dyn://dynamo.backend.{e['endpoint']}"
             assert e["gated"] is False and e["fleet_epoch"] == 0
+            assert e["world_size"] == 1 and e["admin_base_url"] == e["system_url"]
             assert PolicyIdentity.from_stamped(e) == engine.serving_policy()
             assert WorkerEntry.from_entry(e).to_entry() == e
         assert {k: v for k, v in gen.items() if k not in ("endpoint", "request_plane_url")} == \

@@ -25,7 +25,11 @@ ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
                  "update_weights_from_disk", "update_weights_from_distributed",
                  # staged weights (issue 11)
                  "stage_weights", "get_staged_weights", "apply_staged_weights",
-                 "release_staged_weights"])
+                 "release_staged_weights",
+                 # Dynamo 1.7's names (issue 22)
+                 "control/pause_generation", "control/resume_generation",
+                 "control/is_paused", "control/get_weight_version",
+                 "update/update_weight_version"])
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +70,8 @@ def test_rl_listener_lists_both_workers(fleet):
         assert (w["namespace"], w["component"], w["endpoint"]) == ("dynamo", "backend", "rl")
         assert w["request_plane_url"] == "dyn://dynamo.backend.rl"
         assert len(w["transport"]) == 1 and "error" not in w
-        assert not {"admin_base_url", "world_size"} & w.keys()  # omitted, never null
+        # Dynamo 1.7: vLLM's native RL routes are on the system server; one rank (TP=PP=DP=1)
+        assert w["admin_base_url"] == p.ready["system_url"] and w["world_size"] == 1
     assert httpx.get(f"{fleet.url}/v1/rl/workers", timeout=5).status_code == 404
     # the control plane is not reachable through the frontend
     for port_url in (fleet.url, fleet.rl_url):

@@ -198,7 +198,10 @@ def test_vllm_route_table(vw) -> None:
         "init_weights_update_group", "liveness_probe", "pause_generation", "resume_generation",
         "set_admission", "set_weight_version", "update_weights_from_disk",
         "update_weights_from_distributed", "stage_weights", "get_staged_weights",
-        "apply_staged_weights", "release_staged_weights"])}
+        "apply_staged_weights", "release_staged_weights",
+        # Dynamo 1.7's names (issue 22)
+        "control/pause_generation", "control/resume_generation", "control/is_paused",
+        "control/get_weight_version", "update/update_weight_version"])}
     assert call(vw, "liveness_probe") == {"status": "ok", "alive": True}
     assert call(vw, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     assert call(vw, "liveness_probe", method="GET")["alive"] is True

@@ -160,6 +160,18 @@ class DiskUpdateRequest(Request, kw_only=True, frozen=True):
         _check_step(self.step)
 
 
+class NewVersionRequest(Request, kw_only=True, frozen=True):
+    """Dynamo 1.7's `update/update_weight_version`: relabel the weights served."""
+
+    new_version: str
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "new_version": "new_version is required (a non-empty string)"}
+
+    def __post_init__(self) -> None:
+        if not self.new_version:
+            raise AdminRequestError(self.MESSAGES["new_version"])
+
+
 class SetVersionRequest(Request, kw_only=True, frozen=True):
     weight_version: str | None  # required; an explicit null counts as declared
     step: int | None = None
@@ -444,6 +456,19 @@ class VersionReply(_Identified, Reply, kw_only=True):
     dtype: str | UnsetType = UNSET  # what the engine computes in, when known
 
 
+class IsPausedReply(Reply, kw_only=True):
+    """Dynamo 1.7's `control/is_paused`."""
+
+    is_paused: bool | UnsetType = UNSET
+
+
+class WeightVersionReply(Reply, kw_only=True):
+    """Dynamo 1.7's `control/get_weight_version` and `update/update_weight_version`: the
+    version label alone (null while none has been declared)."""
+
+    weight_version: str | None = None
+
+
 class SetVersionReply(Reply, kw_only=True):
     version: str | None | UnsetType = UNSET
     step: int | None | UnsetType = UNSET
@@ -577,6 +602,18 @@ SGLANG_UPDATE_WEIGHTS_FROM_IPC = AdminRoute("control/update_weights_from_ipc", A
 SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
                                           SglangVersionRequest, SglangVersionReply)
 
+# Dynamo 1.7's layout of the vLLM worker's routes, beside 1.6's flat names (the same
+# handlers where both name one): what a 1.7 client requires in a worker's `routes`.
+# 1.7 also lists `collective_rpc`, served with vLLM's native RL routes, not here.
+CONTROL_PAUSE_GENERATION = PAUSE_GENERATION.at("control/pause_generation")
+CONTROL_RESUME_GENERATION = RESUME_GENERATION.at("control/resume_generation")
+CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, IsPausedReply)
+CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, WeightVersionReply)
+UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", NewVersionRequest,
+                                          WeightVersionReply)
+DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAUSED,
+             CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION)
+
 #: the lifecycle every vLLM-style refresh path needs
 VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,
                   FLUSH_CACHE)
@@ -605,7 +642,7 @@ NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
 ROUTES = {r.name: r for r in (
     LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
     UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
-    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED)}
+    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17)}
 
 
 def route_names(routes: tuple[AdminRoute, ...] | list[AdminRoute]) -> frozenset[str]:

@@ -36,6 +36,9 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     max_model_len: int | None
     pid: int
     system_url: str | None = None  # the system server (admin routes), when it runs
+    # where vLLM's native RL routes are served (the system server): Dynamo 1.7's name for it
+    admin_base_url: str | None = None
+    world_size: int  # the engine's ranks, TP x PP x DP (1 for the mocker)
     # admission (rlfleet.worker.admission): open to rollouts or not, and why
     gated: bool
     gate_reason: str | None = None

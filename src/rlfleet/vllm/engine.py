@@ -202,6 +202,7 @@ class VllmEngine(Engine, EngineControl):
         self.info.vocab_size = mc.get_vocab_size()
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
+        self.info.world_size = self.llm.vllm_config.parallel_config.world_size_across_dp
         self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
         self.traced = self.llm.observability_config.otlp_traces_endpoint is not None
         if Path(self.args.model).is_dir():

@@ -30,8 +30,10 @@ from rlfleet.protocol.admin import (
     GroupRequest,
     HandleRequest,
     InstallReply,
+    IsPausedReply,
     LivenessReply,
     MessageReply,
+    NewVersionRequest,
     NoFields,
     PauseReply,
     PauseRequest,
@@ -42,6 +44,7 @@ from rlfleet.protocol.admin import (
     StageReply,
     StageRequest,
     VersionReply,
+    WeightVersionReply,
 )
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity
@@ -97,6 +100,12 @@ class EngineAdmin:
             Route(admin.INIT_WEIGHTS_UPDATE_GROUP, self.init_weights_update_group),
             Route(admin.UPDATE_WEIGHTS_FROM_DISTRIBUTED, self.update_weights_from_distributed),
             Route(admin.DESTROY_WEIGHTS_UPDATE_GROUP, self.destroy_weights_update_group),
+            # Dynamo 1.7's names (rlfleet.protocol.admin.DYNAMO_17)
+            Route(admin.CONTROL_PAUSE_GENERATION, self.pause_generation),
+            Route(admin.CONTROL_RESUME_GENERATION, self.resume_generation),
+            Route(admin.CONTROL_IS_PAUSED, self.is_paused),
+            Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
+            Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
         ]
 
     # ---------------------------------------------------------------- lifecycle
@@ -145,6 +154,9 @@ class EngineAdmin:
                     "rollouts until weights that pass are installed",
                     weights_uncertain=self.admission.hold_reason)
         return MessageReply(message="Engine resumed")
+
+    async def is_paused(self, req: NoFields) -> IsPausedReply:
+        return IsPausedReply(is_paused=await self.engine.is_paused())
 
     # ---------------------------------------------------------------- self-check
 
@@ -222,6 +234,18 @@ class EngineAdmin:
         await self.engine.set_version(req.weight_version, declared=True, step=req.step)
         return SetVersionReply(version=req.weight_version,
                                step=self.engine.applied().policy.step)
+
+    async def weight_version(self, req: NoFields) -> WeightVersionReply:
+        """The version label alone, as Dynamo 1.7 answers (null until one is declared)."""
+        applied = self.engine.applied()
+        return WeightVersionReply(weight_version=applied.policy.version if applied.declared
+                                  else None)
+
+    async def update_weight_version(self, req: NewVersionRequest) -> WeightVersionReply:
+        """Relabel the weights served (Dynamo 1.7's update/update_weight_version): the
+        digest and the fleet step stay."""
+        await self.engine.set_version(req.new_version, declared=True)
+        return WeightVersionReply(weight_version=req.new_version)
 
     # ---------------------------------------------------------------- installing weights
 

@@ -29,6 +29,7 @@ class EngineInfo:
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
+    world_size: int = 1  # the engine's ranks: TP x PP x DP (what a trainer's group counts)
 
 
 class Engine(abc.ABC):

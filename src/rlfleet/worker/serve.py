@@ -263,6 +263,7 @@ class WorkerProcess:
             stream_plane=self.stream_address, model=info.served_model_name,
             model_path=info.model_path, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, pid=os.getpid(), system_url=self.system_url,
+            admin_base_url=self.system_url, world_size=info.world_size,
             **self.admission.fields(),
             policy=self.engine.serving_policy(),
             fleet_epoch=self.fence.newest, endpoint=endpoint,
