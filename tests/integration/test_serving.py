@@ -152,6 +152,37 @@ def test_sampling_controls(vllm_fleet):
     assert text[5:9] not in cut["choices"][0]["text"]
 
 
+def test_engine_data_carries_the_engines_tokens_for_a_chat_rollout(vllm_fleet):
+    """A Dynamo token client asks only for engine_data: the engine's IDs and sampled
+    logprobs, unary and streamed, and turn 2 as nvext.token_data is prompted with them."""
+    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hi"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "nvext": {"extra_fields": ["engine_data"]}}
+    ref = post(vllm_fleet, "/v1/chat/completions", {
+        **chat, "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True,
+        "nvext": {"extra_fields": ["completion_token_ids", "prompt_token_ids"]}}).json()
+    content = ref["choices"][0]["logprobs"]["content"]
+    ids = ref["nvext"]["completion_token_ids"]
+    assert [int(e["token"].removeprefix("token_id:")) for e in content] == ids
+    unary = post(vllm_fleet, "/v1/chat/completions", chat).json()["nvext"]["engine_data"]
+    with httpx.stream("POST", f"{vllm_fleet.url}/v1/chat/completions",
+                      json={**chat, "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [e["nvext"]["engine_data"] for e in events
+                if any(c.get("finish_reason") for c in e["choices"])]
+    for data in (unary, *streamed):
+        assert data["completion_token_ids"] == ids and data["finished"] is True
+        assert data["prompt_token_ids"] == ref["nvext"]["prompt_token_ids"]
+        assert data["completion_logprobs"] == pytest.approx([e["logprob"] for e in content],
+                                                            abs=1e-4)
+    turn = unary["prompt_token_ids"] + unary["completion_token_ids"] + [198]
+    again = post(vllm_fleet, "/v1/chat/completions", {
+        "model": MODEL_NAME, "max_tokens": 2, "nvext": {
+            "token_data": turn, "extra_fields": ["engine_data"]}}).json()
+    assert again["nvext"]["engine_data"]["prompt_token_ids"] == turn
+
+
 def test_streaming_matches_unary(vllm_fleet):
     body = {"model": MODEL_NAME, "prompt": [151644, 8948, 198], "max_tokens": 12,
             "temperature": 0, "ignore_eos": True, "logprobs": 0,

@@ -108,7 +108,8 @@ def test_the_frontend_stamps_it_and_the_rollout_client_reads_it_back(policy):
         "model": "m", "prompt": PROMPT, "max_tokens": 2,
         "nvext": {"extra_fields": ["engine_data", "weight_versions", "completion_token_ids"]}})
     body = render.completion_response(req, res, "m")
-    assert body["nvext"]["engine_data"] == policy.stamped()
+    assert body["nvext"]["engine_data"] == {**policy.stamped(), "completion_token_ids": [5, 6],
+                                            "finished": True, "prompt_token_ids": PROMPT}
     gen = parse_openai(body, "rid-1")
     assert gen.policy == policy
     assert weight_spans(gen.choices[0].weight_spans, 2) == [WeightSpan.of(policy, 0, 2)]

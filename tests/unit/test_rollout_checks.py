@@ -146,7 +146,8 @@ def test_a_good_sglang_response_passes_every_check():
 # ---------------------------------------------------------------- 1. token_ids_present
 
 @pytest.mark.parametrize("tamper", [
-    lambda b: b["nvext"].pop("completion_token_ids"),
+    lambda b: (b["nvext"].pop("completion_token_ids"),
+               b["nvext"]["engine_data"].pop("completion_token_ids")),
     lambda b: b["nvext"].update(completion_token_ids="5 6 7 8"),
     lambda b: b["nvext"]["completion_token_ids"].__setitem__(1, -6),
     lambda b: b["nvext"]["completion_token_ids"].__setitem__(1, "6"),

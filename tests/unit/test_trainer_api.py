@@ -57,7 +57,7 @@ def chatml(messages: list[dict], add_generation_prompt: bool) -> str:
 class Frontend:
     """An in-process frontend: /v1/completions (token IDs or text), /v1/chat/completions and
     /tokenize, rendered with the frontend's own renderers. `fail(body)` may return an HTTP
-    status to answer instead; `omit_prompt_ids` drops nvext.prompt_token_ids."""
+    status to answer instead; `omit_prompt_ids` drops nvext.prompt_token_ids (and engine_data's)."""
 
     def __init__(self, fail=None, omit_prompt_ids: bool = False,
                  abort_first_after: int | None = None) -> None:
@@ -109,6 +109,7 @@ class Frontend:
             render.completion_response(req, res, MODEL)
         if self.omit_prompt_ids:
             out["nvext"].pop("prompt_token_ids", None)
+            out["nvext"]["engine_data"].pop("prompt_token_ids", None)
         return httpx.Response(200, json=out, headers={"x-request-id": rid})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 from starlette.requests import Request
@@ -76,7 +77,7 @@ async def completions(request: Request) -> Response:
     model = served_model(request, req.model)
     rid = request_id(request, "cmpl", req.request_id)
     prompts = req.prompts
-    logprobs = req.logprobs
+    logprobs = req.engine_logprobs
     echo = bool(req.echo)
 
     def build() -> list[GenerateRequest]:
@@ -92,7 +93,7 @@ async def completions(request: Request) -> Response:
         return out
 
     greqs = engine_request(build)
-    results = [Result(rid, req.n, keep_output=not req.stream) for _ in greqs]
+    results = [Result(rid, req.n, keep_output=keeps_output(req)) for _ in greqs]
     call = await follow(request, model, greqs, results, req.nvext.policy)
     if not req.stream:
         return await call.unary(lambda: completion_body(req, results, model))
@@ -139,7 +140,7 @@ async def chat(request: Request) -> Response:
             echo=bool(req.return_prompt_text), **opts)
 
     greq = engine_request(build)
-    res = Result(rid, req.n, keep_output=not req.stream)
+    res = Result(rid, req.n, keep_output=keeps_output(req))
     call = await follow(request, model, greq, res, req.nvext.policy)
     if not req.stream:
         return await call.unary(lambda: chat_body(req, res, model))
@@ -207,6 +208,12 @@ def _usage_so_far(res: Result, choice: int) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
 
 
+def keeps_output(req: Req) -> bool:
+    """Whether a request's results keep each choice's whole output: unary responses render
+    it, and a stream's nvext.engine_data carries it at the choice's end."""
+    return not req.stream or req.nvext.wants("engine_data")
+
+
 def token_str(tid: int, decoded: str, as_ids: bool | None) -> str:
     return f"token_id:{tid}" if as_ids else decoded
 
@@ -240,8 +247,8 @@ def nvext_body(req: Req, res: Result, choice: Choice | Delta | None, final: bool
                 out.stop_reason = choice.stop_reason
             if "weight_versions" in wanted:  # whole, also when streamed
                 out.weight_versions = res.spans(res.choices[choice.index])
-    if "engine_data" in wanted:  # on every chunk: a broken stream still names its policy
-        out.engine_data = res.policy.stamped()
+    if "engine_data" in wanted:
+        out.engine_data = engine_data(res, choice)
     if final:
         if "prompt_token_ids" in wanted:
             out.prompt_token_ids = res.prompt_token_ids
@@ -256,6 +263,26 @@ def nvext_body(req: Req, res: Result, choice: Choice | Delta | None, final: bool
 
 
 _EMPTY = NvExtResponse()
+
+
+def engine_data(res: Result, choice: Choice | Delta | None) -> dict[str, Any]:
+    """nvext.engine_data: the policy identity on every chunk (a broken stream still names
+    its policy) and, where a choice ends (its last chunk, or the unary choice), the
+    choice's tokens as Dynamo's vLLM handler reports them: the whole
+    `completion_token_ids`, `finished`, `completion_logprobs` (the sampled tokens', 1:1
+    with the IDs) and the `prompt_token_ids` the engine was prompted with."""
+    data: dict[str, Any] = res.policy.stamped()
+    if choice is None or choice.finish_reason is None:
+        return data
+    whole = res.choices[choice.index]
+    data["completion_token_ids"] = list(whole.token_ids)
+    data["finished"] = True  # rlfleet ends a failed choice with an error event instead
+    lps = whole.logprobs
+    if lps is not None and len(lps) == len(whole.token_ids):
+        data["completion_logprobs"] = [_floor(lp.logprob) for lp in lps]
+    if res.prompt_token_ids:
+        data["prompt_token_ids"] = res.prompt_token_ids
+    return data
 
 
 def _unary_nvext(req: Req, results: Sequence[Result]) -> NvExtResponse | None:

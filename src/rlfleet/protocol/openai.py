@@ -262,6 +262,14 @@ class CompletionRequest(_Request):
         return list(p or [])  # type: ignore[arg-type]
 
     @property
+    def engine_logprobs(self) -> int | None:
+        """The logprobs the engine computes: the requested ones; asked for none, the
+        sampled token's when nvext.engine_data is requested (it carries them)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return 0 if self.nvext.wants("engine_data") else None
+
+    @property
     def engine_prompt_logprobs(self) -> int | None:
         """vLLM: echo computes prompt logprobs at the requested `logprobs` unless
         `prompt_logprobs` says otherwise."""
@@ -358,7 +366,11 @@ class ChatCompletionRequest(_Request):
 
     @property
     def engine_logprobs(self) -> int | None:
-        return (self.top_logprobs or 0) if self.logprobs else None
+        """The logprobs the engine computes: the requested ones; asked for none, the
+        sampled token's when nvext.engine_data is requested (it carries them)."""
+        if self.logprobs:
+            return self.top_logprobs or 0
+        return 0 if self.nvext.wants("engine_data") else None
 
     @property
     def engine_prompt_logprobs(self) -> int | None:

@@ -93,13 +93,25 @@ def _engine_policy(nv: dict) -> PolicyIdentity | None:
     return PolicyIdentity.from_stamped(data) if isinstance(data, dict) else None
 
 
+def _engine_tokens(nv: dict, key: str) -> list | None:
+    """A token list from nvext.engine_data (Dynamo's shape: a choice's whole
+    `completion_token_ids` and its `prompt_token_ids`, where the choice ends)."""
+    return _list(_dict(nv.get("engine_data")).get(key))
+
+
+def _token_ids(nv: dict, key: str) -> list | None:
+    """nvext's own `key` (malformed: None), else, where it is absent, engine_data's (a
+    server that fills only engine_data)."""
+    return _list(nv[key]) if key in nv else _engine_tokens(nv, key)
+
+
 def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
     """A unary /v1/completions or /v1/chat/completions response."""
     body = _dict(body)
     nv = _dict(body.get("nvext"))
     per_choice = _list(nv.get("choices"))
     gen = Generation("openai", echoed_request_id, body.get("id"), body.get("model"),
-                     prompt_token_ids=_list(nv.get("prompt_token_ids")),
+                     prompt_token_ids=_token_ids(nv, "prompt_token_ids"),
                      prompt_logprobs=_list(nv.get("prompt_logprobs")),
                      policy=_engine_policy(nv),
                      worker_id=_worker_id(nv))
@@ -111,7 +123,7 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
             and 0 <= index < len(per_choice) else nv if index == 0 else {}
         values, tokens = _openai_logprobs(raw.get("logprobs"))
         gen.choices.append(GeneratedChoice(
-            index=index, token_ids=_list(cnv.get("completion_token_ids")), logprobs=values,
+            index=index, token_ids=_token_ids(cnv, "completion_token_ids"), logprobs=values,
             logprob_token_ids=tokens, finish_reason=raw.get("finish_reason"),
             detailed_finish_reason=cnv.get("detailed_finish_reason"),
             weight_spans=_list(cnv.get("weight_versions")),
@@ -122,8 +134,9 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
 
 class OpenAIStream:
     """Folds the SSE chunks of a streamed /v1/completions (or chat) response into a Generation.
-    Chunks carry one choice each, with `nvext.completion_token_ids` deltas; the last
-    chunk (no choices) carries the final-only nvext fields."""
+    Chunks carry one choice each, with `nvext.completion_token_ids` deltas (or, from a
+    server that sends only engine_data, the whole list in the choice's last chunk's
+    `nvext.engine_data`); the last chunk (no choices) carries the final-only nvext fields."""
 
     def __init__(self, n: int, echoed_request_id: str | None = None) -> None:
         self.gen = Generation("openai", echoed_request_id)
@@ -154,6 +167,11 @@ class OpenAIStream:
                 c.logprobs = (c.logprobs or []) + values
             if tokens is not None:
                 c.logprob_token_ids = (c.logprob_token_ids or []) + tokens
+            if "completion_token_ids" not in nv and c.token_ids is None:
+                ids = _engine_tokens(nv, "completion_token_ids")
+                if ids is not None:
+                    c.token_ids = list(ids)
+                    new += len(ids)
             if raw.get("finish_reason") is not None:
                 c.finish_reason = raw["finish_reason"]
                 c.detailed_finish_reason = nv.get("detailed_finish_reason")
@@ -163,6 +181,8 @@ class OpenAIStream:
         for key in ("prompt_token_ids", "prompt_logprobs"):
             if key in nv:
                 setattr(g, key, _list(nv[key]))
+        if g.prompt_token_ids is None:
+            g.prompt_token_ids = _engine_tokens(nv, "prompt_token_ids")
         if isinstance(nv.get("engine_data"), dict):
             g.policy = _engine_policy(nv)
         if "worker_id" in nv:
