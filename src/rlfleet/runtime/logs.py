@@ -313,6 +313,8 @@ class PlainLineRelay:
         os.dup2(self.original, self.fd)  # this process's write end of the pipe is closed
         # the relay ends once no process holds the pipe (a child may still, for a while)
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self.original)
 
 
 _relays: list[PlainLineRelay] = []
