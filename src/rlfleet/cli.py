@@ -482,7 +482,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     de.add_argument("--seed", type=int, default=0)
     de.add_argument("--no-learning-check", action="store_true",
                     help="do not require the reward to improve (for short runs)")
-    de.set_defaults(func=_demo)
+    # the demo's own lines are its progress: the library's are for --log-level info / debug
+    de.set_defaults(func=_demo, default_log_level="warning")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -497,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # progress of long work (digest, publish, stage) and refresh phases are log lines
-    setup_logging(args.log_level, args.log_format)
+    setup_logging(args.log_level, args.log_format,
+                  default_level=getattr(args, "default_log_level", "info"))
     try:
         return args.func(args)
     except (OSError, ValueError, RuntimeError, TimeoutError) as e:

@@ -4,6 +4,7 @@ groups, each followed by a policy refresh of the whole fleet."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,11 @@ def test_short_demo_trains_refreshes_and_cleans_up(tmp_path):
         env=engine_env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "all checks passed" in run.stdout
+    # one screen apart from the table: no library lines (httpx's per request, vLLM's)
+    table = re.compile(r"^\s*(step\s+reward|\d+\s+\d\.\d{3}\s)")
+    shown = [line for line in (run.stdout + run.stderr).splitlines()
+             if line.strip() and not table.match(line)]
+    assert len(shown) <= 24 and not any("HTTP Request" in line for line in shown), shown
 
     report = json.loads((out / "report.json").read_text())
     assert report["ok"] and report["failures"] == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -14,7 +15,16 @@ import pytest
 from rlfleet.frontend.status import render_page, render_text
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime import metrics
-from rlfleet.runtime.logs import default_format, requested_format, setup_logging
+from rlfleet.runtime.logs import (
+    LIBRARY_LOGGERS,
+    PlainLineRelay,
+    announce_ready,
+    chosen_level,
+    default_format,
+    parse_ready,
+    requested_format,
+    setup_logging,
+)
 from rlfleet.runtime.progress import Progress
 
 
@@ -209,3 +219,87 @@ def test_spans_hand_on_their_context():
         assert done.parent.span_id == int("cd" * 8, 16)
     finally:
         tracing.shutdown()
+
+
+@pytest.fixture
+def restore_library_levels(restore_logging, monkeypatch):
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.delenv("RLFLEET_LOG_LEVEL", raising=False)
+    levels = {n: logging.getLogger(n).level for n in LIBRARY_LOGGERS}
+    yield
+    for n, level in levels.items():
+        logging.getLogger(n).setLevel(level)
+
+
+def test_library_loggers_show_warnings_only_unless_debug(restore_library_levels):
+    out = io.StringIO()
+    setup_logging("info", "text", stream=out)
+    logging.getLogger("httpx").info('HTTP Request: POST http://w/v1/completions "200 OK"')
+    logging.getLogger("uvicorn.access").info("GET /health 200")
+    logging.getLogger("vllm.engine").info("engine started")
+    logging.getLogger("httpx").warning("connection reset")
+    logging.getLogger("rlfleet.test").info("ours")
+    assert out.getvalue().count("\n") == 2
+    assert "connection reset" in out.getvalue() and "ours" in out.getvalue()
+    out = io.StringIO()
+    setup_logging("debug", "text", stream=out)
+    logging.getLogger("httpx").info("HTTP Request: GET http://w/health")
+    logging.getLogger("vllm.engine").debug("step")
+    assert "HTTP Request" in out.getvalue() and "step" in out.getvalue()
+
+
+def test_the_level_is_the_flag_else_the_environment_else_the_commands_default(monkeypatch):
+    monkeypatch.delenv("RLFLEET_LOG_LEVEL", raising=False)
+    assert chosen_level(None) == logging.INFO
+    assert chosen_level(None, "warning") == logging.WARNING  # `rlfleet demo`
+    monkeypatch.setenv("RLFLEET_LOG_LEVEL", "debug")
+    assert chosen_level(None, "warning") == logging.DEBUG
+    assert chosen_level("error", "warning") == logging.ERROR
+    with pytest.raises(ValueError, match="log level"):
+        chosen_level("loud")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_the_ready_line_in_either_format_is_found_with_its_fields(fmt):
+    out = io.StringIO()
+    fields = {"instance_id": 7, "url": "http://h:1", "system_url": None, "model": "m"}
+    announce_ready("worker", fields, fmt, stream=out)
+    line = out.getvalue()
+    assert line.endswith("\n") and line.count("\n") == 1
+    if fmt == "json":
+        record = json.loads(line)
+        assert record["target"] == "rlfleet.ready" and record["ready"] == "RLFLEET_WORKER_READY"
+        assert record["message"] == "RLFLEET_WORKER_READY instance_id=7 url=http://h:1 " \
+                                    "system_url= model=m"
+    else:
+        assert line.startswith("RLFLEET_WORKER_READY instance_id=7 ")
+    assert parse_ready(line) == {"instance_id": "7", "url": "http://h:1", "system_url": "",
+                                 "model": "m"}
+    assert parse_ready(line, "RLFLEET_FRONTEND") is None
+
+
+def test_other_lines_are_not_ready_lines():
+    for line in ("", "RLFLEET_WORKER starting", "worker RLFLEET_WORKER_READY url=x",
+                 '{"message": "hello"}', '{"message": 3}', "{broken", "[1, 2]"):
+        assert parse_ready(line) is None, line
+    with pytest.raises(ValueError, match="names of a log record"):
+        announce_ready("worker", {"module": "x"}, "json", stream=io.StringIO())
+
+
+def test_plain_lines_on_a_relayed_descriptor_become_json_records(tmp_path):
+    path = tmp_path / "out.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        relay = PlainLineRelay(fd, "stderr", logging.WARNING)
+        os.write(fd, b'a plain line\n{"level": "INFO", "message": "already json"}\n\n')
+        os.write(fd, b"{not json\nTraceback (most recent call last):\n  File \"x\"\nno newline")
+        relay.close()
+    finally:
+        os.close(fd)
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["message"] for r in records] == [
+        "a plain line", "already json", "{not json", "Traceback (most recent call last):",
+        '  File "x"', "no newline"]
+    assert records[1] == {"level": "INFO", "message": "already json"}  # passed as it was
+    assert all(r["target"] == "stderr" and r["level"] == "WARNING"
+               for r in records if r is not records[1])

@@ -21,7 +21,7 @@ from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.limits import ServerLimits
-from rlfleet.runtime.logs import add_log_args, setup_logging
+from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
 from rlfleet.runtime.request_plane import WorkerClient
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
@@ -117,8 +117,9 @@ async def serve(args: argparse.Namespace) -> None:
         await s.start()
     host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))
     urls = [http_url(host, s.port) for s in servers]
-    print(f"RLFLEET_FRONTEND_READY url={urls[0]}"
-          + (f" rl_url={urls[1]}" if len(urls) > 1 else ""), flush=True)
+    # the one line on stdout that launchers wait for
+    announce_ready("frontend", {"url": urls[0], **({"rl_url": urls[1]} if len(urls) > 1 else {})},
+                   args.log_format)
     log.info("frontend at %s (discovery %s, router %s)", urls[0], discovery.url,
              args.router_mode)
     try:
@@ -132,7 +133,9 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    uvloop.run(serve(parse_args(argv)))
+    args = parse_args(argv)
+    keep_output_json(args.log_format)
+    uvloop.run(serve(args))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfleet.runtime.discovery import default_discovery_url
+from rlfleet.runtime.logs import READY_PREFIX, parse_ready
 
 
 def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -33,10 +34,6 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
                 env[key.strip()] = value.strip()
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def _parse_ready(line: str) -> dict[str, str]:
-    return dict(kv.split("=", 1) for kv in line.split()[1:] if "=" in kv)
 
 
 @dataclass
@@ -134,11 +131,12 @@ def children_die_with_this_process() -> bool:
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-          ready_marker: str = "RLFLEET_", cwd: Path | None = None,
+          ready_marker: str = READY_PREFIX, cwd: Path | None = None,
           die_with_parent: bool = False) -> Proc:
     """Start `argv` in its own process group; its output goes straight to
     <log_dir>/<name>.log (no pipe: a busy parent never blocks the child's writes), and the
-    first line starting with `ready_marker` and containing `_READY` marks it ready."""
+    first ready line (rlfleet.runtime.logs.parse_ready, text or json) whose marker starts
+    with `ready_marker` marks it ready; its fields are `Proc.ready`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
@@ -163,8 +161,9 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
                 if not pending.endswith(b"\n"):
                     continue
                 line, pending = pending.decode(errors="replace"), b""
-                if line.startswith(ready_marker) and "_READY" in line.split()[0]:
-                    proc.ready = _parse_ready(line.strip())
+                fields = parse_ready(line, ready_marker)
+                if fields is not None:
+                    proc.ready = fields
                     proc._ready_event.set()
                     return
 

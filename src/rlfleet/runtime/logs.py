@@ -9,25 +9,48 @@ two formats.
   `exc_info` for a traceback.
 
 While tracing is on (rlfleet.runtime.tracing), a line logged inside a span also carries
-`trace_id` and `span_id`. Lines about single requests are logged at DEBUG. In json format
-vLLM's own lines go through the same handler (vLLM is told not to configure logging; its
-level is still $VLLM_LOGGING_LEVEL, default INFO), and so do uvicorn's.
+`trace_id` and `span_id`. Lines about single requests are logged at DEBUG. The libraries'
+own loggers (LIBRARY_LOGGERS: httpx's line per request, uvicorn's, vLLM's start-up
+chatter, ...) log WARNING and up unless the level is debug ($VLLM_LOGGING_LEVEL, when set,
+still decides vLLM's). In json format vLLM's and uvicorn's lines go through the same
+handler (vLLM is told not to configure logging).
+
+In json format a worker or frontend process writes nothing but JSON lines on stdout and
+stderr (`keep_output_json`): whatever reaches them without going through logging (a
+library's print, C code's output, a traceback, a child process sharing them) is relayed as
+a record of target `stdout` / `stderr`.
+
+The ready line: a launcher (rlfleet.runtime.launch, `rlfleet up`, tests) waits for one line
+on a process's stdout, `RLFLEET_WORKER_READY key=value ...` or `RLFLEET_FRONTEND_READY
+key=value ...` (`announce_ready`). In json format it is a record of target `rlfleet.ready`
+whose message is that same text and whose fields are its keys and `ready` (the marker);
+`parse_ready` reads either form.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlfleet.runtime import tracing
 
 FORMATS = ("text", "json")
+#: libraries whose INFO lines are about their own plumbing (a line per HTTP request, per
+#: connection, per start-up step): WARNING and up unless the process logs at debug
+LIBRARY_LOGGERS = ("httpx", "httpcore", "httpx2", "uvicorn", "uvicorn.error", "uvicorn.access",
+                   "vllm", "urllib3", "asyncio", "filelock", "matplotlib", "PIL", "torch",
+                   "transformers", "huggingface_hub", "ray", "opentelemetry")
+#: the first word of a ready line starts with this and ends with _READY
+READY_PREFIX = "RLFLEET_"
+READY_TARGET = "rlfleet.ready"
 
 # attributes every LogRecord has: anything else on a record came from `extra=`
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
@@ -46,21 +69,44 @@ def add_log_args(p: argparse.ArgumentParser | Any, *, level: bool = True) -> Non
     """--log-format (and --log-level unless `level` is false or the parser has one)."""
     have = getattr(p, "_option_string_actions", {})
     if level and "--log-level" not in have:
-        p.add_argument("--log-level", default=os.environ.get("RLFLEET_LOG_LEVEL", "info"),
-                       help="debug, info, warning, error (default: $RLFLEET_LOG_LEVEL, else info)")
+        p.add_argument("--log-level", default=None,
+                       help="debug, info, warning, error (default: $RLFLEET_LOG_LEVEL, else "
+                            "info); below debug the libraries' loggers (httpx, uvicorn, vLLM, "
+                            "...) show only warnings")
     if "--log-format" not in have:
         p.add_argument("--log-format", choices=FORMATS, default=default_format(),
                        help="text, or json: one JSON object per line (default: json when "
                             "$DYN_LOGGING_JSONL is set, else text)")
 
 
+def _requested(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(add_help=False)
+    add_log_args(p)
+    known, _ = p.parse_known_args(list(argv))
+    return known
+
+
 def requested_format(argv: Sequence[str]) -> str:
     """The --log-format an argument list asks for, read before the full parser runs (the
     engine's logging must be decided before vLLM is imported)."""
-    p = argparse.ArgumentParser(add_help=False)
-    add_log_args(p, level=False)
-    known, _ = p.parse_known_args(list(argv))
-    return known.log_format
+    return _requested(argv).log_format
+
+
+def chosen_level(level: str | int | None, default: str = "info") -> int:
+    """The level a process logs at: `level` (a flag), else $RLFLEET_LOG_LEVEL, else
+    `default`."""
+    chosen = level or os.environ.get("RLFLEET_LOG_LEVEL") or default
+    if isinstance(chosen, int):
+        return chosen
+    number = logging.getLevelName(chosen.upper())
+    if not isinstance(number, int):
+        raise ValueError(f"log level must be debug, info, warning or error, not {chosen!r}")
+    return number
+
+
+def library_level(level: int) -> int:
+    """The level of LIBRARY_LOGGERS in a process that logs at `level`."""
+    return level if level <= logging.DEBUG else max(level, logging.WARNING)
 
 
 def extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -120,16 +166,14 @@ class _TraceFields(logging.Filter):
 
 
 def setup_logging(level: str | int | None = None, fmt: str | None = None,
-                  stream=None) -> None:
+                  stream=None, default_level: str = "info") -> None:
     """Configure the root logger of this process (replacing any handler set before):
-    `level` (default $RLFLEET_LOG_LEVEL, else info) and `fmt` text or json (default:
-    json when $DYN_LOGGING_JSONL is set)."""
+    `level` (else $RLFLEET_LOG_LEVEL, else `default_level`) and `fmt` text or json (default:
+    json when $DYN_LOGGING_JSONL is set). LIBRARY_LOGGERS get library_level(level)."""
     fmt = fmt or default_format()
     if fmt not in FORMATS:
         raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
-    level = level or os.environ.get("RLFLEET_LOG_LEVEL", "info")
-    if isinstance(level, str):
-        level = level.upper()
+    number = chosen_level(level, default_level)
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     handler.addFilter(_TraceFields())
@@ -137,16 +181,15 @@ def setup_logging(level: str | int | None = None, fmt: str | None = None,
     for h in list(root.handlers):
         root.removeHandler(h)
     root.addHandler(handler)
-    root.setLevel(level)
+    root.setLevel(number)
     logging.captureWarnings(True)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(library_level(number))
+    if os.environ.get("VLLM_LOGGING_LEVEL"):
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     if fmt == "json":
         # vLLM's and uvicorn's own handlers would write text lines: theirs go through ours
-        vllm = logging.getLogger("vllm")
-        for h in list(vllm.handlers):
-            vllm.removeHandler(h)
-        vllm.propagate = True
-        vllm.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
-        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        for name in ("vllm", "uvicorn", "uvicorn.error", "uvicorn.access"):
             lg = logging.getLogger(name)
             for h in list(lg.handlers):
                 lg.removeHandler(h)
@@ -154,7 +197,147 @@ def setup_logging(level: str | int | None = None, fmt: str | None = None,
 
 
 def quiet_engine_logging(argv: Sequence[str]) -> None:
-    """Before vLLM is imported: in json format vLLM must not install its own text handler
-    (its lines then reach ours)."""
-    if requested_format(argv) == "json":
+    """Before vLLM is imported, from the process's arguments: vLLM (and the engine
+    processes it starts, which read the same environment) logs at library_level unless
+    $VLLM_LOGGING_LEVEL says otherwise; in json format vLLM installs no handler of its own,
+    its import-time lines already go through ours, and the process's output stays JSON
+    (keep_output_json)."""
+    asked = _requested(argv)
+    number = chosen_level(asked.log_level)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(library_level(number)))
+    if asked.log_format == "json":
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        keep_output_json("json")
+        setup_logging(number, "json")
+
+
+# ---------------------------------------------------------------------- the ready line
+
+
+def ready_line(what: str, fields: Mapping[str, object]) -> str:
+    """`RLFLEET_<WHAT>_READY key=value ...` (a value must not contain whitespace)."""
+    return " ".join([f"{READY_PREFIX}{what.upper()}_READY",
+                     *(f"{k}={'' if v is None else v}" for k, v in fields.items())])
+
+
+def announce_ready(what: str, fields: Mapping[str, object], fmt: str | None = None,
+                   stream=None) -> None:
+    """Write the ready line on stdout (`stream`) at once, whatever the log level: the text
+    line, or in json format a record of target READY_TARGET with that text as its message
+    and `fields` (and `ready`, the marker) beside it."""
+    text = ready_line(what, fields)
+    stream = stream or sys.stdout
+    if (fmt or default_format()) == "json":
+        record = logging.LogRecord(READY_TARGET, logging.INFO, __file__, 0, text, None, None)
+        clash = set(fields) & _STANDARD
+        if clash:
+            raise ValueError(f"ready fields {sorted(clash)} are names of a log record's own")
+        record.__dict__.update({k: "" if v is None else str(v) for k, v in fields.items()},
+                               ready=text.split()[0])
+        text = JsonFormatter().format(record)
+    stream.write(text + "\n")
+    stream.flush()
+
+
+def parse_ready(line: str, prefix: str = READY_PREFIX) -> dict[str, str] | None:
+    """The fields of a ready line (either format) whose marker starts with `prefix`; None
+    for any other line."""
+    text = line.strip()
+    if text.startswith("{"):
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return None
+        text = record.get("message", "") if isinstance(record, dict) else ""
+        if not isinstance(text, str):
+            return None
+    words = text.split()
+    if not words or not words[0].startswith(prefix) or not words[0].endswith("_READY"):
+        return None
+    return dict(w.split("=", 1) for w in words[1:] if "=" in w)
+
+
+# ---------------------------------------------------------------------- json-only output
+
+
+class PlainLineRelay:
+    """Keeps a file descriptor's output JSON: the descriptor is replaced by a pipe, and a
+    thread writes each line that arrives to the original file, a JSON object as it is and
+    any other line as a record (target `target`, level `level`; empty lines dropped).
+    Whatever writes to the descriptor (print, C code, a child process that inherited it)
+    goes through it. `close` gives the descriptor its file back and writes what is left."""
+
+    def __init__(self, fd: int, target: str, level: int) -> None:
+        self.fd, self.target, self.level = fd, target, level
+        self.original = os.dup(fd)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        self._read_end = read_end
+        self._format = JsonFormatter()
+        self._thread = threading.Thread(target=self._relay, name=f"json-{target}", daemon=True)
+        self._thread.start()
+
+    def as_json(self, line: bytes) -> bytes | None:
+        """One line (no newline) as a JSON line; None for an empty one."""
+        text = line.decode(errors="replace").rstrip("\r")
+        if not text.strip():
+            return None
+        if text.lstrip().startswith("{"):
+            try:
+                if isinstance(json.loads(text), dict):
+                    return text.encode()
+            except ValueError:
+                pass
+        record = logging.LogRecord(self.target, self.level, "", 0, text, None, None)
+        return self._format.format(record).encode()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.original, view):]
+
+    def _relay(self) -> None:
+        pending = b""
+        while chunk := os.read(self._read_end, 1 << 16):
+            *lines, pending = (pending + chunk).split(b"\n")
+            out = [j for j in map(self.as_json, lines) if j is not None]
+            if out:
+                self._write(b"\n".join(out) + b"\n")
+        last = self.as_json(pending)
+        if last is not None:
+            self._write(last + b"\n")
+        os.close(self._read_end)
+
+    def close(self, timeout: float = 2.0) -> None:
+        os.dup2(self.original, self.fd)  # this process's write end of the pipe is closed
+        # the relay ends once no process holds the pipe (a child may still, for a while)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            os.close(self.original)
+
+
+_relays: list[PlainLineRelay] = []
+
+
+def keep_output_json(fmt: str | None) -> None:
+    """In json format, from now on this process's stdout (fd 1, records at INFO) and stderr
+    (fd 2, at WARNING) carry JSON lines only (PlainLineRelay), until it exits. For the
+    worker and frontend processes, whose output is a log; once per process."""
+    if (fmt or default_format()) != "json" or _relays:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    _relays.extend([PlainLineRelay(1, "stdout", logging.INFO),
+                    PlainLineRelay(2, "stderr", logging.WARNING)])
+
+    def close() -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for relay in _relays:
+            relay.close()
+
+    atexit.register(close)

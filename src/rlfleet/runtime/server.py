@@ -46,6 +46,7 @@ class AppServer:
         self.host, self.port = host, port
         self._server = _Server(uvicorn.Config(BodyLimit(app, limits), log_level=log_level,
                                               lifespan="off", access_log=False,
+                                              log_config=None,  # its lines reach ours
                                               timeout_keep_alive=limits.idle_timeout,
                                               timeout_graceful_shutdown=5,
                                               http=guarded_protocol(limits)))

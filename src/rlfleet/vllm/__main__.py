@@ -12,7 +12,8 @@ import sys
 def main(argv: list[str] | None = None) -> None:
     from rlfleet.runtime.logs import quiet_engine_logging
 
-    # before vLLM is imported: in json format its lines go through rlfleet's handler
+    # before vLLM is imported: its level (WARNING unless debug), and in json format its
+    # lines, its import-time ones too, go through rlfleet's handler and the output stays JSON
     quiet_engine_logging(sys.argv[1:] if argv is None else argv)
     from rlfleet.vllm.args import parse_args
     from rlfleet.vllm.engine import VllmEngine

@@ -19,7 +19,7 @@ from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url, warn_if_unreachable
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
-from rlfleet.runtime.logs import add_log_args, setup_logging
+from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
 from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
@@ -204,9 +204,10 @@ class WorkerProcess:
                                                name="engine-watch"))
         model = self.engine.info.served_model_name
         # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
-        print(f"RLFLEET_WORKER_READY instance_id={self.instance_id} url={self.request_url} "
-              f"system_url={self.system_url or ''} model={model} "
-              f"stream={self.stream_address}", flush=True)
+        announce_ready("worker", {"instance_id": self.instance_id, "url": self.request_url,
+                                  "system_url": self.system_url or "", "model": model,
+                                  "stream": self.stream_address},
+                       getattr(self.args, "log_format", None))
         log.info("worker %s serving %s at %s (system server: %s, discovery: %s)",
                  self.instance_id, model, self.request_url, self.system_url, self.discovery.url)
 
@@ -354,7 +355,9 @@ def _stop_on_signals() -> asyncio.Event:
 def run_worker(engine: Engine, args: argparse.Namespace,
                admin_routes: Callable[[], list[Route]] | None = None, staging=None,
                admission: Admission | None = None, fence: FleetFence | None = None) -> None:
-    """serve_worker on uvloop (the worker's event loop carries every request's events)."""
+    """serve_worker on uvloop (the worker's event loop carries every request's events), in
+    a process of its own (its output stays JSON in json format)."""
+    keep_output_json(getattr(args, "log_format", None))
     uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, admission=admission,
                             fence=fence))
 
