@@ -83,10 +83,11 @@ class RefreshHold:
         return max((e for e in (self.paused_by, self.closed_by) if e is not None), default=None)
 
 
-def vllm_error(message: str, status: int) -> JSONResponse:
-    """The error body vLLM's server answers a refused request with (its ErrorResponse)."""
+def vllm_error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    """The error body vLLM's server answers a refused request with (its ErrorResponse;
+    `param`: where in the request, for a body or query that does not fit)."""
     return JSONResponse({"error": {"message": message, "type": HTTPStatus(status).phrase,
-                                   "param": None, "code": status}}, status_code=status)
+                                   "param": param, "code": status}}, status_code=status)
 
 
 def route_error(message: str, status: int) -> JSONResponse:
@@ -98,9 +99,11 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     """A body or query that does not fit a native route: HTTP 400 in vLLM's shape."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
-    lines = [f"  {'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors]
+    locs = [".".join(str(p) for p in e.get("loc", ())) for e in errors]
+    lines = [f"  {loc}: {e.get('msg')}" for loc, e in zip(locs, errors, strict=True)]
     label = "error" if len(errors) == 1 else "errors"
-    return vllm_error(f"{len(errors)} validation {label}:\n" + "\n".join(lines), 400)
+    return vllm_error(f"{len(errors)} validation {label}:\n" + "\n".join(lines), 400,
+                      param=locs[0] if locs else None)
 
 
 class NativeRL:
