@@ -13,6 +13,7 @@ import os
 
 from rlfleet.mocker.admin import SCHEMAS, MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
+from rlfleet.worker.native_rl import NativeRL
 from rlfleet.worker.serve import add_worker_args, run_worker, settle_worker_args, staging_area
 
 log = logging.getLogger("rlfleet.mocker")
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
     run_worker(engine, args, admin.routes, staging=staging, admission=admin.vllm.admission,
-               fence=admin.fence)
+               fence=admin.fence, mounted=NativeRL(admin.vllm))
 
 
 if __name__ == "__main__":

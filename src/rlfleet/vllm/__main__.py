@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlfleet.vllm.args import parse_args
     from rlfleet.vllm.engine import VllmEngine
     from rlfleet.worker.admin import EngineAdmin
+    from rlfleet.worker.native_rl import NativeRL
     from rlfleet.worker.serve import serve_worker, staging_area
 
     args = parse_args(argv)
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     staging = staging_area(args, engine)
     admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
     asyncio.run(serve_worker(engine, args, admin.routes, staging=staging,
-                             admission=admin.admission, fence=admin.fence))
+                             admission=admin.admission, fence=admin.fence,
+                             mounted=NativeRL(admin)))
 
 
 if __name__ == "__main__":

@@ -319,6 +319,18 @@ class VllmEngine(Engine, EngineControl):
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def abort_all(self) -> int:
+        """Every request vLLM tracks (parallel-sampling parents too), by its internal id, as
+        vLLM's own /abort_requests does."""
+        op = self.llm.output_processor
+        ids = [*op.request_states.keys(), *op.parent_requests.keys()]
+        await self.llm.abort(ids, internal=True)
+        return len(ids)
+
+    def world_size(self, include_dp: bool = True) -> int:
+        pc = self.llm.vllm_config.parallel_config
+        return pc.world_size_across_dp if include_dp else pc.world_size
+
     # ------------------------------------------------------------ control (EngineControl)
 
     @property
@@ -510,6 +522,36 @@ class VllmEngine(Engine, EngineControl):
         digest = await self._load("rlfleet_apply_staged")
         self.weights_path = None
         return digest
+
+    def weight_transfer_refusal(self) -> str | None:
+        if self.on_gpu:
+            return None  # vLLM says what is missing (e.g. no --weight-transfer-config)
+        return ("vLLM's weight-transfer backends (nccl, ipc and the others it registers) need "
+                "a GPU, and this worker runs vLLM's CPU build (RLFLEET_ENGINE=cpu): load "
+                "weights with POST /collective_rpc {\"method\": \"reload_weights\"}, "
+                "/engine/update_weights_from_disk or /engine/init_weights_update_group (gloo)")
+
+    async def transfer_weights(self, step: str, payload: Any = None) -> None:
+        from vllm.distributed.weight_transfer.base import (
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+
+        llm = self.llm
+        if step == "init":
+            await llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=payload))
+        elif step == "update":
+            await llm.update_weights(request=WeightTransferUpdateRequest(update_info=payload))
+        elif step == "start":
+            await llm.start_weight_update()
+        elif step == "shutdown":
+            await llm.shutdown_weight_transfer_engine()
+        elif step == "finish":
+            await llm.finish_weight_update()
+            # the weights came from a trainer: no digest, nothing on disk to restore from
+            self.digest, self.weights_path = None, None
+        else:
+            raise ValueError(f"unknown weight-transfer step {step!r}")
 
     async def leave_group(self) -> None:
         await self._rpc("rlfleet_destroy_group", 30)

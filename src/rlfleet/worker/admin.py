@@ -359,6 +359,31 @@ class EngineAdmin:
         return await self._install(lambda: self.engine.load_path(path), req.weight_version,
                                    what=f"loading {path}", step=req.step)
 
+    async def reload_weights(self, model_path: str) -> InstallReply:
+        """vLLM's `collective_rpc("reload_weights")` (its native RL route): a load from disk
+        through update_weights_from_disk's checks (paused, the path allowed and a fit, the
+        digest recorded, the self-check, the hold). As in vLLM, the label stays."""
+        applied = self.engine.applied()
+        policy = applied.policy
+        return await self.update_weights_from_disk(DiskUpdateRequest(
+            model_path=model_path, weight_version=policy.version if applied.declared else None,
+            step=policy.step))
+
+    async def weights_transferred(self, version: str | None) -> str | None:
+        """New weights came in through vLLM's own weight transfer (finish_weight_update):
+        record the label (when given), and vouch for them as for any install (closed until
+        the self-check passes, now or on resume). Why the self-check failed, or None."""
+        if version is not None:
+            await self.engine.set_version(version, declared=True)
+        if self.staging is not None:
+            await self.staging.weights_replaced()
+        self.check_pending = True
+        await self.admission.hold(PENDING)
+        await self.engine.reset_cache(running=True)
+        if await self.engine.is_paused():
+            return None
+        return await self.vouch()
+
     # ---------------------------------------------------------------- from a trainer
 
     async def init_weights_update_group(self, req: GroupRequest) -> MessageReply:

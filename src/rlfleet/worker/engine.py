@@ -151,6 +151,14 @@ class EngineControl(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """End a running request now (as `Engine.abort`)."""
 
+    async def abort_all(self) -> int:
+        """End every request in the engine now (as `abort`); returns how many."""
+        raise NotImplementedError
+
+    def world_size(self, include_dp: bool = True) -> int:
+        """The engine's ranks: TP x PP, times DP with `include_dp` (1 for one process)."""
+        return 1
+
     @abc.abstractmethod
     async def reset_cache(self, running: bool = False) -> bool:
         """Drop the prefix (KV) cache; with `running`, also the cache of requests still in
@@ -225,3 +233,15 @@ class EngineControl(abc.ABC):
 
     @abc.abstractmethod
     async def leave_group(self) -> None: ...
+
+    # ---- vLLM's own weight transfer (its native RL routes, rlfleet.worker.native_rl)
+
+    def weight_transfer_refusal(self) -> str | None:
+        """Why this engine cannot run vLLM's weight-transfer steps (None when it can)."""
+        return ("this engine has no vLLM weight-transfer engine: load weights with POST "
+                "/collective_rpc {\"method\": \"reload_weights\"} or the /engine routes")
+
+    async def transfer_weights(self, step: str, payload: Any = None) -> None:
+        """Run one of vLLM's weight-transfer steps (rlfleet.protocol.vllm_rl.TRANSFER_STEPS:
+        init with its init_info, start, update with its update_info, finish, shutdown)."""
+        raise NotImplementedError(self.weight_transfer_refusal())

@@ -28,7 +28,13 @@ from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import Engine
 from rlfleet.worker.request_plane import WorkerPlane
-from rlfleet.worker.system_server import FaultInjector, FleetFence, Route, system_app
+from rlfleet.worker.system_server import (
+    FaultInjector,
+    FleetFence,
+    MountedRoutes,
+    Route,
+    system_app,
+)
 
 log = logging.getLogger("rlfleet.worker")
 
@@ -161,8 +167,10 @@ class WorkerProcess:
 
     def __init__(self, engine: Engine, args: argparse.Namespace,
                  admin_routes: Callable[[], list[Route]] | None = None, staging: Any = None,
-                 admission: Admission | None = None, fence: FleetFence | None = None) -> None:
+                 admission: Admission | None = None, fence: FleetFence | None = None,
+                 mounted: MountedRoutes | None = None) -> None:
         self.engine, self.args = engine, args
+        self.mounted = mounted  # vLLM's native RL routes (rlfleet.worker.native_rl)
         self.admin_routes, self.staging = admin_routes, staging
         self.admission = admission or Admission()
         if args.start_gated:
@@ -231,7 +239,7 @@ class WorkerProcess:
             Route(SET_ADMISSION, self.admission.set_admission)]
         app = system_app(routes, admin_token=args.admin_token, faults=self.faults,
                          health=self.health, ready=self.serving.is_set, fence=self.fence,
-                         changed=self.changed)
+                         changed=self.changed, mounted=self.mounted)
         system_host = args.system_host or args.host
         ss = AppServer(app, bind_socket(system_host, args.system_port))
         await ss.start()
@@ -354,30 +362,33 @@ def _stop_on_signals() -> asyncio.Event:
 
 def run_worker(engine: Engine, args: argparse.Namespace,
                admin_routes: Callable[[], list[Route]] | None = None, staging=None,
-               admission: Admission | None = None, fence: FleetFence | None = None) -> None:
+               admission: Admission | None = None, fence: FleetFence | None = None,
+               mounted: MountedRoutes | None = None) -> None:
     """serve_worker on uvloop (the worker's event loop carries every request's events), in
     a process of its own (its output stays JSON in json format)."""
     keep_output_json(getattr(args, "log_format", None))
     uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, admission=admission,
-                            fence=fence))
+                            fence=fence, mounted=mounted))
 
 
 async def serve_worker(engine: Engine, args: argparse.Namespace,
                        admin_routes: Callable[[], list[Route]] | None = None,
                        staging=None, admission: Admission | None = None,
-                       fence: FleetFence | None = None) -> None:
+                       fence: FleetFence | None = None,
+                       mounted: MountedRoutes | None = None) -> None:
     """Start the engine, serve it, register it, and run until SIGTERM/SIGINT. With a
     `staging` area, the system server also serves the applied version's files to peers
     (GET /weights/<version>/<file>). `admission`: the one the admin routes share (they
     hold the worker closed while its weights are uncertain); `fence`: the fleet epoch the
-    admin routes report (EngineAdmin.fence). See `WorkerProcess`."""
+    admin routes report (EngineAdmin.fence); `mounted`: routes beside /engine/* (vLLM's
+    native RL routes). See `WorkerProcess`."""
     setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
     tracing.setup(f"rlfleet-worker {engine.info.served_model_name}",
                   getattr(args, "otlp_traces_endpoint", None))
     stop = _stop_on_signals()
     with Progress(f"starting the engine for {engine.info.served_model_name}"):
         await engine.start()
-    worker = WorkerProcess(engine, args, admin_routes, staging, admission, fence)
+    worker = WorkerProcess(engine, args, admin_routes, staging, admission, fence, mounted)
     await worker.start()
     try:
         await stop.wait()

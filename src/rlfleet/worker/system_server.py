@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -68,6 +68,21 @@ class Route:
 
 class InjectedFault(Exception):
     pass
+
+
+#: runs one call of a route outside the table under the table's rules (the admin token,
+#: the fence, the control lock, `changed`): `guard(request, name, call, mutating=,
+#: serialized=)` answers 401/400/409 itself, else `call()`'s response
+Guard = Callable[..., Awaitable[Response]]
+
+
+class MountedRoutes(Protocol):
+    """Routes a worker serves beside /engine/* under the same rules (vLLM's native RL
+    routes, rlfleet.worker.native_rl), told of every table call that succeeded."""
+
+    def mount(self, app: FastAPI, guard: Guard) -> None: ...
+
+    def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None: ...
 
 
 class StaleEpoch(Exception):
@@ -165,11 +180,13 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                health: Callable[[], dict[str, Any]] | None = None,
                ready: Callable[[], bool] | None = None,
                fence: FleetFence | None = None,
-               changed: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+               changed: Callable[[], Awaitable[None]] | None = None,
+               mounted: MountedRoutes | None = None) -> FastAPI:
     """`health` adds fields to /health; `ready` says whether the worker serves (default:
     always, once this app answers); `fence`: the worker's fleet epoch (default: one of this
     app's own); `changed` is awaited after every mutating call (under the control lock for
-    serialized routes), for a worker that publishes its state (discovery)."""
+    serialized routes), for a worker that publishes its state (discovery); `mounted`: routes
+    served beside the table under its rules."""
     table = {r.name: r for r in routes}
     if faults is not None:
         table_with_faults = {**table, admin.FAULT_INJECTION.name:
@@ -183,7 +200,9 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
                        match=lambda path: path.startswith(f"{admin.ROUTE_PREFIX}/"))
     _add_status_routes(app, health, ready)
     calls = _Calls(table_with_faults, admin_token, faults,
-                   fence if fence is not None else FleetFence(), changed)
+                   fence if fence is not None else FleetFence(), changed, mounted)
+    if mounted is not None:
+        mounted.mount(app, calls.guard)
 
     @app.get(admin.ROUTE_PREFIX)
     async def _routes():
@@ -239,6 +258,7 @@ class _Calls:
     faults: FaultInjector | None
     fence: FleetFence
     changed: Callable[[], Awaitable[None]] | None
+    mounted: MountedRoutes | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # control calls, one at a time
     running: list[str] = field(default_factory=list)  # the one that holds the lock
 
@@ -322,10 +342,41 @@ class _Calls:
         spec = route.spec
         self.fence.check(epoch, advance=spec.mutating)  # again: a newer one may have come
         try:
-            return await route.handler(req)
+            reply = await route.handler(req)
         finally:
             if spec.mutating and spec.fenced and self.changed is not None:
                 await self.changed()
+        if self.mounted is not None:
+            self.mounted.observe(spec, req, reply, epoch)
+        return reply
+
+    async def guard(self, request: Request, name: str, call: Callable[[], Awaitable[Response]],
+                    *, mutating: bool, serialized: bool) -> Response:
+        """One call of a mounted route (`name` in logs) under the table's rules."""
+        if mutating and not self.authorized(request):
+            return _http_error("Unauthorized", f"this route needs '{admin.AUTH_HEADER}: "
+                               "Bearer <admin token>'", 401)
+        try:
+            epoch = FleetFence.parse(request.headers.get(EPOCH_HEADER))
+            self.fence.check(epoch, advance=mutating)
+        except ValueError as e:
+            return _http_error("Invalid fleet epoch", str(e), 400)
+        except StaleEpoch as e:
+            log.warning("refused %s: %s", name, e)
+            return e.response()
+        if not serialized:
+            return await call()
+        if not await _acquire_unless_gone(self.lock, request):
+            return _http_error("Client closed request", "the caller left before the call ran",
+                               499)
+        try:
+            self.running[:] = [name]
+            return await call()
+        finally:
+            if mutating and self.changed is not None:
+                await self.changed()
+            self.running.clear()
+            self.lock.release()
 
 
 class _CallerLeft(Exception):

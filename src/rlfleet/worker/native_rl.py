@@ -1,0 +1,313 @@
+"""vLLM 0.32's native RL routes on every rlfleet worker (rlfleet.protocol.vllm_rl), at the
+root of its system server (its `admin_base_url`), with vLLM's semantics, bodies, replies and
+status codes, over the same engine-control interface as the /engine routes
+(rlfleet.worker.admin.EngineAdmin).
+
+What rlfleet adds, as on every admin route: the admin token on the routes that change the
+worker, the fleet-epoch fence (`X-Fleet-Epoch`), one control call at a time (the system
+server's lock), and two safety rules:
+
+* while an rlfleet refresh holds the worker (a coordinator paused it, or closed it to
+  rollouts, with an `X-Fleet-Epoch` call and has not resumed or reopened it), a native call
+  that changes the worker is refused with HTTP 409, so it cannot corrupt the refresh;
+* `collective_rpc` runs `reload_weights` only, and through update_weights_from_disk's
+  checks (paused, an allowed path that fits the model, the digest, the self-check, the hold).
+
+vLLM's weight-transfer steps (init/start/update/finish) go through to vLLM on a GPU build;
+an engine that cannot run them (vLLM's CPU build, the mocker) refuses them with HTTP 400."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from rlfleet.protocol import admin, vllm_rl
+from rlfleet.protocol.admin import (
+    AdminRequestError,
+    AdminRoute,
+    NoFields,
+    SetVersionRequest,
+)
+from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
+from rlfleet.worker.admin import NOT_PAUSED, EngineAdmin
+from rlfleet.worker.system_server import Guard
+
+log = logging.getLogger("rlfleet.native_rl")
+
+Run = Callable[[], Awaitable[Response]]
+
+
+@dataclass
+class RefreshHold:
+    """Whether an rlfleet refresh coordinator holds this worker: the fleet epoch of the call
+    that paused it and of the one that closed it to rollouts (None: not held that way)."""
+
+    paused_by: int | None = None
+    closed_by: int | None = None
+
+    def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None:
+        """Follow a fenced /engine call that ran (`reply`: what it answered)."""
+        if epoch is None:
+            return
+        ok = getattr(reply, "status", "ok") == "ok"
+        if spec.name == admin.PAUSE_GENERATION.name and ok:
+            self.paused_by = epoch
+        elif spec.name == admin.RESUME_GENERATION.name:  # resumed, even when the check failed
+            self.paused_by = None
+        elif spec.name == admin.SET_ADMISSION.name:
+            if not req.open:
+                self.closed_by = epoch
+            elif ok and getattr(reply, "open", False):
+                self.closed_by = None
+
+    def reason(self) -> str | None:
+        held = [f"paused it (fleet epoch {self.paused_by})" if self.paused_by is not None else "",
+                f"closed it to rollouts (fleet epoch {self.closed_by})"
+                if self.closed_by is not None else ""]
+        held = [h for h in held if h]
+        if not held:
+            return None
+        return (f"an rlfleet policy refresh holds this worker: it {' and '.join(held)} and has "
+                "not released it; vLLM's native RL calls that change the worker are refused "
+                "until it resumes and reopens it")
+
+    def epoch(self) -> int | None:
+        return max((e for e in (self.paused_by, self.closed_by) if e is not None), default=None)
+
+
+def vllm_error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    """The error body vLLM's server answers a refused request with (its ErrorResponse;
+    `param`: where in the request, for a body or query that does not fit)."""
+    return JSONResponse({"error": {"message": message, "type": HTTPStatus(status).phrase,
+                                   "param": param, "code": status}}, status_code=status)
+
+
+def route_error(message: str, status: int) -> JSONResponse:
+    """The error body vLLM's RL routes answer with themselves: `{"error": "..."}`."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    """A body or query that does not fit a native route: HTTP 400 in vLLM's shape."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    locs = [".".join(str(p) for p in e.get("loc", ())) for e in errors]
+    lines = [f"  {loc}: {e.get('msg')}" for loc, e in zip(locs, errors, strict=True)]
+    label = "error" if len(errors) == 1 else "errors"
+    return vllm_error(f"{len(errors)} validation {label}:\n" + "\n".join(lines), 400,
+                      param=locs[0] if locs else None)
+
+
+class NativeRL:
+    """vLLM's native RL routes over one worker's EngineAdmin (mounted by its system server:
+    `system_app(..., mounted=NativeRL(admin))`)."""
+
+    def __init__(self, engine_admin: EngineAdmin) -> None:
+        self.admin = engine_admin
+        self.engine = engine_admin.engine
+        self.hold = RefreshHold()
+        self.guard: Guard | None = None
+
+    def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None:
+        self.hold.observe(spec, req, reply, epoch)
+
+    def mount(self, app: FastAPI, guard: Guard) -> None:
+        self.guard = guard
+        app.add_exception_handler(RequestValidationError, _validation_error)
+        app.include_router(self.router())
+
+    async def call(self, request: Request, route: NativeRoute, run: Run) -> Response:
+        """`run` under the system server's rules and the refresh hold."""
+        async def checked() -> Response:
+            why = self.hold.reason() if route.mutating else None
+            if why:
+                log.warning("refused %s: %s", route.path, why)
+                return JSONResponse({"error": vllm_rl.REFRESH_HOLDS, "message": why,
+                                     "fleet_epoch": self.hold.epoch()}, status_code=409)
+            try:
+                return await run()
+            except AdminRequestError as e:
+                return vllm_error(str(e), 400)
+            except Exception as e:
+                log.exception("%s failed", route.path)
+                return route_error(f"{route.path.lstrip('/')} failed: {e!r}", 500)
+        assert self.guard is not None, "mount() first"
+        serialized = route.mutating and route is not vllm_rl.ABORT_REQUESTS
+        return await self.guard(request, route.path, checked, mutating=route.mutating,
+                                serialized=serialized)
+
+    def router(self) -> APIRouter:
+        r = APIRouter()
+        self._add_generation_routes(r)
+        self._add_transfer_routes(r)
+        self._add_weight_routes(r)
+        return r
+
+    # ---------------------------------------------------------------- generation
+
+    def _add_generation_routes(self, r: APIRouter) -> None:
+        @r.post(vllm_rl.PAUSE.path)
+        async def pause(raw_request: Request, mode: Annotated[PauseMode, Query()] = "abort",
+                        clear_cache: Annotated[bool, Query()] = True) -> Response:
+            async def run() -> Response:
+                await self.engine.pause(mode, clear_cache=clear_cache and mode != "keep")
+                return JSONResponse({"status": "paused"})
+            return await self.call(raw_request, vllm_rl.PAUSE, run)
+
+        @r.post(vllm_rl.RESUME.path)
+        async def resume(raw_request: Request) -> Response:
+            async def run() -> Response:
+                said = await self.admin.resume_generation(NoFields())
+                if said.status != "ok":  # resumed; the worker holds itself closed, and says so
+                    log.warning("%s", said.message)
+                return JSONResponse({"status": "resumed"})
+            return await self.call(raw_request, vllm_rl.RESUME, run)
+
+        @r.get(vllm_rl.IS_PAUSED.path)
+        async def is_paused(raw_request: Request) -> Response:
+            async def run() -> Response:
+                return JSONResponse({"is_paused": await self.engine.is_paused()})
+            return await self.call(raw_request, vllm_rl.IS_PAUSED, run)
+
+        @r.post(vllm_rl.ABORT_REQUESTS.path)
+        async def abort_requests(raw_request: Request) -> Response:
+            async def run() -> Response:
+                try:
+                    body = await raw_request.json()
+                except json.JSONDecodeError:
+                    return vllm_error("Invalid JSON format", 400)
+                if not isinstance(body, dict):
+                    return vllm_error("Request body must be a JSON object", 400)
+                ids = body.get("request_ids")
+                if ids:
+                    for rid in ids:
+                        await self.engine.abort(str(rid))
+                    n = len(ids)
+                else:
+                    n = await self.engine.abort_all()
+                return JSONResponse({"status": "aborted", "aborted": n})
+            return await self.call(raw_request, vllm_rl.ABORT_REQUESTS, run)
+
+    # ---------------------------------------------------------------- vLLM's weight transfer
+
+    async def transfer(self, step: str, payload: Any = None,
+                       weight_version: str | None = None) -> Response:
+        why = self.engine.weight_transfer_refusal()
+        if why:
+            return route_error(why, 400)
+        await self.engine.transfer_weights(step, payload)
+        if step == "finish":
+            failed = await self.admin.weights_transferred(weight_version)
+            if failed:
+                log.warning("%s", failed)
+        return JSONResponse({"message": vllm_rl.TRANSFER_MESSAGES[step]})
+
+    def _add_transfer_routes(self, r: APIRouter) -> None:
+        @r.post(vllm_rl.INIT_WEIGHT_TRANSFER_ENGINE.path)
+        async def init_weight_transfer_engine(
+                raw_request: Request,
+                init_info: Annotated[dict[str, Any], Body(embed=True)]) -> Response:
+            return await self.call(raw_request, vllm_rl.INIT_WEIGHT_TRANSFER_ENGINE,
+                                   lambda: self.transfer("init", init_info))
+
+        @r.post(vllm_rl.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path)
+        async def shutdown_weight_transfer_engine(raw_request: Request) -> Response:
+            return await self.call(raw_request, vllm_rl.SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
+                                   lambda: self.transfer("shutdown"))
+
+        @r.post(vllm_rl.START_WEIGHT_UPDATE.path)
+        async def start_weight_update(raw_request: Request) -> Response:
+            return await self.call(raw_request, vllm_rl.START_WEIGHT_UPDATE,
+                                   lambda: self.transfer("start"))
+
+        @r.post(vllm_rl.UPDATE_WEIGHTS.path)
+        async def update_weights(
+                raw_request: Request,
+                update_info: Annotated[dict[str, Any] | list[dict[str, Any]],
+                                       Body(embed=True)]) -> Response:
+            return await self.call(raw_request, vllm_rl.UPDATE_WEIGHTS,
+                                   lambda: self.transfer("update", update_info))
+
+        @r.post(vllm_rl.FINISH_WEIGHT_UPDATE.path)
+        async def finish_weight_update(
+                raw_request: Request,
+                weight_version: Annotated[str | None, Body(embed=True)] = None) -> Response:
+            return await self.call(raw_request, vllm_rl.FINISH_WEIGHT_UPDATE,
+                                   lambda: self.transfer("finish", weight_version=weight_version))
+
+    # ---------------------------------------------------------------- versions and reloads
+
+    def weight_version(self) -> str:
+        """The label vLLM reports: the declared version, else vLLM's default."""
+        applied = self.engine.applied()
+        version = applied.policy.version
+        return version if applied.declared and version is not None \
+            else vllm_rl.DEFAULT_WEIGHT_VERSION
+
+    def _add_weight_routes(self, r: APIRouter) -> None:
+        @r.post(vllm_rl.UPDATE_WEIGHT_VERSION.path)
+        async def update_weight_version(
+                raw_request: Request, new_version: Annotated[str, Body(embed=True)]) -> Response:
+            async def run() -> Response:
+                await self.admin.set_weight_version(SetVersionRequest(weight_version=new_version))
+                return JSONResponse({"success": True, "new_version": new_version})
+            return await self.call(raw_request, vllm_rl.UPDATE_WEIGHT_VERSION, run)
+
+        @r.get(vllm_rl.WEIGHT_INFO.path)
+        async def weight_info(raw_request: Request) -> Response:
+            async def run() -> Response:
+                return JSONResponse({"weight_version": self.weight_version()})
+            return await self.call(raw_request, vllm_rl.WEIGHT_INFO, run)
+
+        @r.get(vllm_rl.GET_WORLD_SIZE.path)
+        async def get_world_size(raw_request: Request,
+                                 include_dp: bool = Query(True)) -> Response:  # noqa: B008
+            async def run() -> Response:
+                return JSONResponse({"world_size": self.engine.world_size(include_dp)})
+            return await self.call(raw_request, vllm_rl.GET_WORLD_SIZE, run)
+
+        @r.post(vllm_rl.COLLECTIVE_RPC.path)
+        async def collective_rpc(raw_request: Request) -> Response:
+            return await self.call(raw_request, vllm_rl.COLLECTIVE_RPC,
+                                   lambda: self.collective_rpc(raw_request))
+
+    async def collective_rpc(self, raw_request: Request) -> Response:
+        """vLLM's collective_rpc for `reload_weights` (kwargs `weights_path`, default the
+        model the worker was started from): a reload through update_weights_from_disk."""
+        try:
+            body = await raw_request.json()
+        except json.JSONDecodeError as e:
+            return vllm_error(f"JSON decode error: {e}", 400)
+        if not isinstance(body, dict):
+            return vllm_error("Request body must be a JSON object", 400)
+        method = body.get("method")
+        if method is None:
+            return vllm_error("Missing 'method' in request body", 400)
+        if method != vllm_rl.RELOAD_WEIGHTS:
+            return vllm_error(f"an rlfleet worker runs collective_rpc for "
+                              f"{vllm_rl.RELOAD_WEIGHTS!r} only (a reload from disk, with "
+                              f"update_weights_from_disk's checks), not {method!r}", 400)
+        kwargs = body.get("kwargs") or {}
+        unknown = sorted(set(kwargs) - set(vllm_rl.RELOAD_KWARGS)) if isinstance(kwargs, dict) \
+            else ["(kwargs is not an object)"]
+        if body.get("args") or unknown:
+            return vllm_error(f"reload_weights takes kwargs {', '.join(vllm_rl.RELOAD_KWARGS)} "
+                              f"only; got args {body.get('args')!r}, unknown kwargs {unknown}",
+                              400)
+        if str(kwargs.get("is_checkpoint_format", True)).lower() not in ("true", "1"):
+            return vllm_error("rlfleet reloads checkpoint-format files only "
+                              "(is_checkpoint_format true)", 400)
+        said = await self.admin.reload_weights(kwargs.get("weights_path")
+                                               or self.engine.info.model_path)
+        if said.status != "ok":
+            status = 409 if said.message == NOT_PAUSED else 500
+            return route_error(f"reload_weights: {said.message}", status)
+        return JSONResponse({"results": [None] * self.engine.world_size(False)})
