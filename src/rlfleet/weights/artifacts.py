@@ -579,7 +579,7 @@ def _check_index_metadata(key: str, meta: dict[str, Any], version: str | None,
     """Refuse an index this reader cannot apply, or one naming another version (or, for a
     delta, another base) than the one asked for. True for a delta."""
     named = meta.get("version")
-    if version is not None and named is not None and named not in (version, key.rsplit("/")[-1]):
+    if version is not None and named is not None and named != version:
         raise ArtifactError(f"{key}/{INDEX}: the index is version {named!r}, not the "
                             f"{version!r} asked for")
     if meta.get("delta_encoding") is None:
@@ -605,8 +605,8 @@ def plan_version(read: Callable[..., bytes], key: str,
                  version: str | None = None, base_version: str | None = None) -> VersionPlan:
     """Read the index (or, for a plain HF checkpoint directory, list its safetensors files)
     and every shard's header. `read(key, start, end)` is the storage's ranged read. An index
-    that names a `version` other than the one asked for (or the directory's name), or a
-    delta whose `base_version` is not the expected one, is refused."""
+    that names a `version` other than the one asked for, or a delta whose `base_version` is
+    not the expected one, is refused."""
     meta, weight_map, files = _read_index(read, key, list_files)
     is_delta = _check_index_metadata(key, meta, version, base_version)
     checked = meta.get("checksum_format") == CHECKSUM_FORMAT
