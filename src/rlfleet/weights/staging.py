@@ -668,10 +668,11 @@ class StagingArea:
                     and (base.digest is None or applied[1] != base.digest)):
                 serving = applied[0] if applied[0] is not None else "an unversioned model"
                 raise StageRequestError(
-                    f"this delta needs base {base.version} (digest {base.digest}); the worker "
-                    f"serves {serving} (digest {applied[1]}). Stage the base or a full version "
-                    "first, name a local copy of it (\"base\": {\"path\": DIR}), or send "
-                    "\"chain\": true to replay the chain from the last full version")
+                    f"this delta needs base {base.version}; the worker serves {serving} "
+                    f"(content digest {applied[1]}, the base's is {base.digest}). Stage the "
+                    "base or a full version first, name a local copy of it (\"base\": "
+                    "{\"path\": DIR}), or send \"chain\": true to replay the chain from the "
+                    "last full version")
         if src.kind == "peer" and not src.location and entry is None:
             raise StageRequestError(f"no peer URL given and version {version} is not in the "
                                     "catalog" + ("" if self.catalog else
