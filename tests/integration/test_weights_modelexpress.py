@@ -114,17 +114,15 @@ def _rank_main(rank: int, store_path: str, seed_dir: str, tiny_model: str,
 def mx_published(s3_server, tiny_model, tmp_path_factory):
     """The seed checkpoint on local disk (never uploaded) and ModelExpress's four versions
     on the S3 server, written by two ranks."""
-    import os
-
     root = tmp_path_factory.mktemp("mx")
     seed_dir = root / "seed"
     seed_dir.mkdir()
     seed = _policy(tiny_model)
     safetensors.torch.save_file(seed, str(seed_dir / "model.safetensors"))
     ctx = multiprocessing.get_context("spawn")
-    old = {k: os.environ.get(k) for k in s3_server.env}
-    os.environ.update(s3_server.env)
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the ranks inherit the S3 credentials
+        for k, v in s3_server.env.items():
+            env.setenv(k, v)
         ranks = [ctx.Process(target=_rank_main, args=(r, str(root / "gloo"), str(seed_dir),
                                                       str(tiny_model), s3_server.endpoint_url))
                  for r in range(RANKS)]
@@ -132,13 +130,7 @@ def mx_published(s3_server, tiny_model, tmp_path_factory):
             p.start()
         for p in ranks:
             p.join(240)
-        assert [p.exitcode for p in ranks] == [0] * RANKS
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    assert [p.exitcode for p in ranks] == [0] * RANKS
     return {"seed_dir": seed_dir, "seed": seed, "steps": _steps(seed)}
 
 
