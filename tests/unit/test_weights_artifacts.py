@@ -197,6 +197,62 @@ def test_modelexpress_written_chain_is_read_by_rlfleet(tmp_path, tensors):
     assert digest_tensors(art.as_tensors(specs, data).items()) == res["digest"]
 
 
+def test_every_safetensors_dtype_round_trips_and_bases_a_delta(tmp_path):
+    """Every dtype the safetensors library reads (its own table, float8 and complex among
+    them): a full version of one tensor each is read back by ModelExpress's reader and by
+    rlfleet, and serves as the base of a delta (numbered from 0, as ModelExpress's shards)."""
+    assert set(art.ST_DTYPES) == set(safetensors.torch._TYPES)
+    assert {"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "C64", "U64"} <= set(art.ST_DTYPES)
+    g = torch.Generator().manual_seed(0)
+
+    def one(dtype: torch.dtype) -> torch.Tensor:
+        if dtype.is_floating_point or dtype.is_complex:  # finite values
+            return (torch.rand((3, 8), generator=g) * 4 - 2).to(dtype)
+        if dtype == torch.bool:
+            return torch.randint(0, 2, (3, 8), generator=g).bool()
+        return torch.randint(0, 256, (24 * dtype.itemsize,), generator=g,
+                             dtype=torch.uint8).view(dtype).reshape(3, 8)
+
+    finite = {f"w.{code}": one(dtype) for code, dtype in art.ST_DTYPES.items()}
+    v2 = {n: (t.float() + 0.25).to(t.dtype) if t.is_floating_point() else t.clone()
+          for n, t in finite.items()}  # complex and integer tensors stay as they were
+    v2["w.U8"] = v2["w.U8"] + 1
+    pub = Publisher(f"file://{tmp_path}")
+    pub.publish(finite, "v1")
+    pub.close()
+    got = mx_read(tmp_path, "v1", None)
+    assert all(np.array_equal(got[n], _bytes(t)) for n, t in finite.items())
+    res = publish(v2, "v2", to=f"file://{tmp_path}", base="v1")  # reads the float8 base back
+    index = json.loads((tmp_path / "v2" / art.INDEX).read_text())
+    assert set(index["weight_map"].values()) == {art.shard_name(0, 1)}
+    assert {"w.F8_E4M3", "w.F8_E5M2", "w.U8"} <= set(index["weight_map"])
+    specs, data = art.read_version(art.FileStorage(tmp_path), "v2")
+    back = art.as_tensors(specs, data)
+    assert {n: t.dtype for n, t in back.items()} == {n: t.dtype for n, t in v2.items()}
+    assert all(np.array_equal(_bytes(back[n]), _bytes(t)) for n, t in v2.items())
+    assert digest_tensors(back.items()) == res["digest"]
+
+
+def test_full_shards_follow_the_order_given(tmp_path, tensors):
+    """As ModelExpress batches a state dict: in its order, not sorted by name."""
+    names = list(reversed(sorted(tensors)))
+    art_ = art.encode_full("v1", {n: tensors[n] for n in names}, "d", shard_limit=4 << 20)
+    order = [n for fname, _ in art_.files for n in names if art_.index["weight_map"][n] == fname]
+    assert order == names and len(art_.files) > 1
+
+
+def test_an_index_naming_another_version_is_refused(tmp_path, tensors):
+    pub = Publisher(f"file://{tmp_path}")
+    pub.publish(tensors, "v1")
+    pub.publish(_step(tensors, 2), "v2", base="v1")
+    read = art.FileStorage(tmp_path).read
+    with pytest.raises(art.ArtifactError, match="the index is version 'v2', not the 'v3'"):
+        art.plan_version(read, "v2", version="v3")
+    with pytest.raises(art.ArtifactError, match="the delta's base is 'v1', not the 'v0'"):
+        art.plan_version(read, "v2", version="v2", base_version="v0")
+    assert art.plan_version(read, "v2", version="v2", base_version="v1").format == "xor-delta"
+
+
 def test_corruption_and_bad_layouts_are_refused(tmp_path, tensors):
     publish(tensors, "v1", to=f"file://{tmp_path}")
     shard = tmp_path / "v1" / "model-00001-of-00001.safetensors"

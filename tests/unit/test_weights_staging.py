@@ -97,6 +97,52 @@ async def test_a_delta_on_the_wrong_base_is_refused(tmp_path, versions):
         await area.close()
 
 
+async def test_the_base_is_matched_by_content_whatever_its_label(tmp_path, versions):
+    """A resident copy relabelled by the engine still is v1's content: v2 applies on it. A
+    worker serving v1's content from its own checkpoint (no resident copy) applies v2 with
+    v1 named by a local path; with the catalog, a label that differs is not a refusal."""
+    area = StagingArea(tmp_path / "staging", allowed_roots=[str(versions["root"])])
+    v1 = versions["v1"]["digest"]
+    try:
+        h1 = await _staged(area, "v1", _disk(versions, "v1"))
+        await area.applied(h1.handle, v1)
+        h = await _staged(area, "v2", _disk(versions, "v2", base={"digest": v1}),
+                          applied=("policy-7", v1))
+        assert h.state is StageState.READY, h.error
+        assert h.digest == versions["v2"]["digest"]
+        await area.release(h.handle)
+        await area.weights_replaced()  # serves v1's bytes from elsewhere: no resident copy
+        h = await _staged(area, "v2", _disk(versions, "v2", base={"digest": v1}),
+                          applied=(None, v1))
+        assert h.state is StageState.FAILED and '"base": {"path": DIR}' in h.error
+        h = await _staged(area, "v2", _disk(versions, "v2", base={
+            "path": str(versions["root"] / "v1"), "digest": v1, "version": "v1"}),
+            applied=(None, v1))
+        assert h.state is StageState.READY, h.error
+        assert h.digest == versions["v2"]["digest"]
+        assert h.summary()["source"]["base"]["version"] == "v1"
+        h = await _staged(area, "v2", _disk(versions, "v2", base={
+            "path": str(versions["root"] / "v1"), "version": "v0"}), applied=(None, v1))
+        assert h.state is StageState.FAILED and "the delta's base is 'v1', not the 'v0'" in h.error
+    finally:
+        await area.close()
+    area = StagingArea(tmp_path / "staging2", catalog=versions["catalog"],
+                       allowed_roots=[str(versions["root"])])
+    try:
+        with pytest.raises(StageRequestError, match="needs base v1; the worker serves x "
+                           ".content digest blake3:other, the base's is " + v1):
+            await area.stage("v2", _disk(versions, "v2"), applied=("x", "blake3:other"))
+        h1 = await _staged(area, "v1", _disk(versions, "v1"))
+        await area.applied(h1.handle, v1)
+        h = await _staged(area, "v2", _disk(versions, "v2"), applied=("relabelled", v1))
+        assert h.state is StageState.READY, h.error
+        with pytest.raises(StageRequestError, match="the catalog records this delta's base as v1"):
+            await area.stage("v2", _disk(versions, "v2", base={"version": "v0"}),
+                             applied=("v1", v1))
+    finally:
+        await area.close()
+
+
 async def test_plain_checkpoint_and_corruption(tmp_path, tiny_model, versions):
     area = StagingArea(tmp_path / "staging")
     try:
@@ -142,6 +188,16 @@ async def test_bad_requests_and_release(tmp_path, versions):
             ({"kind": "peer"}, r"not in the catalog \(this worker has no catalog\)"),
             ({"kind": "disk", "path": str(versions["root"] / "v1"), "timeout": 0},
              "positive number"),
+            ({"kind": "disk", "path": str(versions["root"] / "v1"), "uri": "s3://b/p/v1",
+              "rate": 1}, "unknown fields rate, uri for a disk source"),
+            ({"kind": "s3", "uri": "s3://b/p/v1", "url": "http://x"},
+             "unknown field url for a s3 source"),
+            ({"kind": "disk", "path": str(versions["root"] / "v1"), "base": {"label": "v0"}},
+             "source.base: unknown field label"),
+            ({"kind": "disk", "path": str(versions["root"] / "v1"), "base": "v0"},
+             "source.base must be an object"),
+            ({"kind": "disk", "path": str(versions["root"] / "v1"),
+              "base": {"path": str(tmp_path)}}, "source.base.path: .*outside the allowed"),
         ]:
             with pytest.raises(StageRequestError, match=message):
                 await area.stage("v1", source, applied=(None, None))

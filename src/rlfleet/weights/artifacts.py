@@ -9,8 +9,12 @@ A version lives under ``<prefix>/<version>/`` with ``model.safetensors.index.jso
   "compression_format": "zstd", "checksum_format": "adler32"}, "weight_map"}``; every
   changed tensor is the bytewise XOR of target and base over the whole tensor, compressed
   as its own zstd level-1 frame and stored as a uint8 array; unchanged tensors are absent;
-  the shard metadata holds the Adler-32 of each changed tensor's *target* bytes. A delta
-  is applied only on the exact base it names.
+  the shard metadata holds the Adler-32 of each changed tensor's *target* bytes. Delta
+  shards are ``model-NNNNN-of-NNNNN.safetensors`` numbered from 0 (ModelExpress writes one
+  per rank that has changes), full shards from 1, in the order the tensors were given. A
+  delta is applied only on the exact base it names (by label, or by content digest).
+
+Tensors may be of every dtype the safetensors library reads (`ST_DTYPES`, its own table).
 
 Index JSON is written with sorted keys and no spaces, last, so a reader never sees a
 version whose files are not all there. The same layout lives in a local directory
@@ -34,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch as _safetensors_torch
 import torch
 
 try:  # ISA-L's Adler-32 is several times faster than zlib's; the same checksum
@@ -47,12 +52,9 @@ CHECKSUM_FORMAT = "adler32"
 TIED_OUTPUT = "lm_head.weight"
 TIED_INPUT = "model.embed_tokens.weight"
 
-#: safetensors dtype codes <-> torch dtypes
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}
+#: safetensors dtype codes <-> torch dtypes: the safetensors library's own table (every
+#: code its torch reader knows, float8 and complex included)
+ST_DTYPES: dict[str, torch.dtype] = dict(_safetensors_torch._TYPES)
 _ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
 
@@ -69,6 +71,7 @@ class WrongBase(ArtifactError):
 
 
 def shard_name(i: int, n: int) -> str:
+    """A shard's file name; full shards count from 1, delta shards from 0 (ModelExpress)."""
     return f"model-{i:05d}-of-{n:05d}.safetensors"
 
 
@@ -108,7 +111,8 @@ class TensorSpec:
             return torch.empty(self.shape, dtype=ST_DTYPES[self.dtype])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
-            return torch.frombuffer(data, dtype=ST_DTYPES[self.dtype]).reshape(self.shape)
+            raw = torch.frombuffer(data, dtype=torch.uint8)  # any dtype: bytes, then a view
+        return raw.view(ST_DTYPES[self.dtype]).reshape(self.shape)
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
@@ -213,12 +217,13 @@ def _batches(items: list[tuple[str, int]], limit: int) -> list[list[str]]:
 
 def encode_full(version: str, tensors: Mapping[str, torch.Tensor], digest: str,
                 shard_limit: int = SHARD_LIMIT) -> Artifact:
-    """A full version: shards of at most `shard_limit` bytes, Adler-32 per tensor."""
+    """A full version: shards of at most `shard_limit` bytes, Adler-32 per tensor, batched in
+    the order the tensors are given (as ModelExpress batches a state dict)."""
     from safetensors.torch import save
 
     if not tensors:
         raise ArtifactError(f"version {version}: no tensors to publish")
-    names = sorted(tensors)
+    names = list(tensors)
     batches = _batches([(n, tensors[n].numel() * tensors[n].element_size()) for n in names],
                        shard_limit)
     files, weight_map, total = [], {}, 0
@@ -302,7 +307,7 @@ def encode_delta(version: str, base_version: str, tensors: Mapping[str, torch.Te
     batches = _batches([(n, f.nbytes) for n, f, _ in changed], shard_limit)
     by_name = {n: (f, s) for n, f, s in changed}
     files, weight_map = [], {}
-    for i, batch in enumerate(batches, start=1):
+    for i, batch in enumerate(batches):  # numbered from 0, as ModelExpress's per-rank shards
         fname = shard_name(i, len(batches))
         files.append((fname, save({n: by_name[n][0] for n in batch},
                                   metadata={n: by_name[n][1] for n in batch})))
@@ -539,48 +544,71 @@ class VersionPlan:
         return sum(e.end - e.start for e in self.entries)
 
 
-def plan_version(read: Callable[..., bytes], key: str,
-                 list_files: Callable[[str], list[str]] | None = None) -> VersionPlan:
-    """Read the index (or, for a plain HF checkpoint directory, list its safetensors files)
-    and every shard's header. `read(key, start, end)` is the storage's ranged read."""
-    missing: FileNotFoundError | None = None
+def _read_index(read: Callable[..., bytes], key: str,
+                list_files: Callable[[str], list[str]] | None
+                ) -> tuple[dict[str, Any], dict[str, str] | None, list[str]]:
+    """(index metadata, weight_map, shard files) of the version at `key`; without an index
+    (a plain HF checkpoint directory) the files are listed, where the storage can list."""
     try:
         raw = read(f"{key}/{INDEX}")
-    except FileNotFoundError as e:
-        raw, missing = None, e
-    meta: dict[str, Any] = {}
-    if raw is not None:
-        try:
-            index = json.loads(raw)
-            weight_map = index["weight_map"]
-            meta = index.get("metadata") or {}
-        except (ValueError, KeyError, TypeError) as e:
-            raise ArtifactError(f"{key}/{INDEX}: not a valid index ({e!r})") from e
-        if not isinstance(weight_map, dict) or not isinstance(meta, dict):
-            raise ArtifactError(f"{key}/{INDEX}: weight_map and metadata must be objects")
-        files = sorted(set(weight_map.values()))
-        for f in files:
-            if not isinstance(f, str) or "/" in f or f in (".", "..") or not f.endswith(".safetensors"):
-                raise ArtifactError(f"{key}/{INDEX}: bad shard name {f!r}")
-    else:
+    except FileNotFoundError as missing:
         if list_files is None:
-            raise ArtifactError(f"{key}: no {INDEX}, not a published version ({missing})")
+            raise ArtifactError(f"{key}: no {INDEX}, not a published version ({missing})"
+                                ) from None
         files = [f for f in list_files(key) if f.endswith(".safetensors")]
         if not files:
-            raise ArtifactError(f"{key}: neither {INDEX} nor *.safetensors files")
-        weight_map = None
-    is_delta = meta.get("delta_encoding") is not None
-    if is_delta:
-        for k, want in (("delta_encoding", "xor"), ("compression_format", "zstd"),
-                        ("checksum_format", CHECKSUM_FORMAT)):
-            if meta.get(k) != want:
-                raise ArtifactError(f"{key}/{INDEX}: {k} is {meta.get(k)!r}; only {want!r} is "
-                                    "supported")
-        if not meta.get("base_version"):
-            raise ArtifactError(f"{key}/{INDEX}: a delta without base_version")
-    elif meta.get("checksum_format") not in (None, CHECKSUM_FORMAT):
-        raise ArtifactError(f"{key}/{INDEX}: checksum_format {meta['checksum_format']!r} is "
-                            "not supported (adler32 is)")
+            raise ArtifactError(f"{key}: neither {INDEX} nor *.safetensors files") from None
+        return {}, None, files
+    try:
+        index = json.loads(raw)
+        weight_map = index["weight_map"]
+        meta = index.get("metadata") or {}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{key}/{INDEX}: not a valid index ({e!r})") from e
+    if not isinstance(weight_map, dict) or not isinstance(meta, dict):
+        raise ArtifactError(f"{key}/{INDEX}: weight_map and metadata must be objects")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if not isinstance(f, str) or "/" in f or f in (".", "..") or not f.endswith(".safetensors"):
+            raise ArtifactError(f"{key}/{INDEX}: bad shard name {f!r}")
+    return meta, weight_map, files
+
+
+def _check_index_metadata(key: str, meta: dict[str, Any], version: str | None,
+                          base_version: str | None) -> bool:
+    """Refuse an index this reader cannot apply, or one naming another version (or, for a
+    delta, another base) than the one asked for. True for a delta."""
+    named = meta.get("version")
+    if version is not None and named is not None and named != version:
+        raise ArtifactError(f"{key}/{INDEX}: the index is version {named!r}, not the "
+                            f"{version!r} asked for")
+    if meta.get("delta_encoding") is None:
+        if meta.get("checksum_format") not in (None, CHECKSUM_FORMAT):
+            raise ArtifactError(f"{key}/{INDEX}: checksum_format {meta['checksum_format']!r} is "
+                                "not supported (adler32 is)")
+        return False
+    for k, want in (("delta_encoding", "xor"), ("compression_format", "zstd"),
+                    ("checksum_format", CHECKSUM_FORMAT)):
+        if meta.get(k) != want:
+            raise ArtifactError(f"{key}/{INDEX}: {k} is {meta.get(k)!r}; only {want!r} is "
+                                "supported")
+    if not meta.get("base_version"):
+        raise ArtifactError(f"{key}/{INDEX}: a delta without base_version")
+    if base_version is not None and meta["base_version"] != base_version:
+        raise ArtifactError(f"{key}/{INDEX}: the delta's base is {meta['base_version']!r}, "
+                            f"not the {base_version!r} expected")
+    return True
+
+
+def plan_version(read: Callable[..., bytes], key: str,
+                 list_files: Callable[[str], list[str]] | None = None, *,
+                 version: str | None = None, base_version: str | None = None) -> VersionPlan:
+    """Read the index (or, for a plain HF checkpoint directory, list its safetensors files)
+    and every shard's header. `read(key, start, end)` is the storage's ranged read. An index
+    that names a `version` other than the one asked for, or a delta whose `base_version` is
+    not the expected one, is refused."""
+    meta, weight_map, files = _read_index(read, key, list_files)
+    is_delta = _check_index_metadata(key, meta, version, base_version)
     checked = meta.get("checksum_format") == CHECKSUM_FORMAT
     plan = VersionPlan(key, "xor-delta" if is_delta else ("full" if checked else "checkpoint"),
                        meta.get("version"), meta.get("base_version"))
@@ -603,7 +631,10 @@ def plan_version(read: Callable[..., bytes], key: str,
                 spec = TensorSpec(name, info["dtype"], tuple(info["shape"]))
             except (KeyError, TypeError, ValueError) as err:
                 raise ArtifactError(f"{key}/{f}: bad header entry for {name}") from err
-            if spec.dtype not in ST_DTYPES or e - b != spec.nbytes:
+            if spec.dtype not in ST_DTYPES:
+                raise ArtifactError(f"{key}/{f}: tensor {name} has dtype {spec.dtype!r}, which "
+                                    f"the safetensors library does not read ({', '.join(ST_DTYPES)})")
+            if e - b != spec.nbytes:
                 raise ArtifactError(f"{key}/{f}: bad header entry for {name}")
             if is_delta and spec.dtype != "U8":
                 raise ArtifactError(f"{key}/{f}: delta tensor {name} is {spec.dtype}, not U8")
@@ -706,7 +737,7 @@ def read_version(storage: Storage, key: str, max_chain: int = 64
         if len(plans) >= max_chain:
             raise ArtifactError(f"{key}: delta chain longer than {max_chain}")
         list_files = storage.list_version if isinstance(storage, FileStorage) else None
-        plan = plan_version(storage.read, k, list_files)
+        plan = plan_version(storage.read, k, list_files, version=k)
         plans.append(plan)
         k = plan.base_version if plan.format == "xor-delta" else None
     specs: dict[str, TensorSpec] = {}

@@ -93,6 +93,8 @@ def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], digest: DigestBuilde
             digest.add(name, t)
         if not t.is_floating_point():
             continue
+        if t.element_size() == 1:  # float8: torch has no sum or isfinite for it
+            t = t.to(torch.float16)  # exact (float16 holds every float8 value, NaN and Inf)
         if bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all()):
             continue
         return (f"tensor {name} holds {int(torch.isnan(t).sum())} NaN and "

@@ -10,7 +10,11 @@ Sources (a stage request's ``source``):
   ``{"kind": "peer", "url": SYSTEM_URL}`` or ``{"kind": "peer"}`` (any holder in the catalog)
 Options on any source: ``"timeout"`` (seconds for the whole transfer), ``"chain": true``
 (replay a delta's chain from the last full version when the worker does not hold its
-base), ``"max_bytes_per_s"`` (leave bandwidth to serving).
+base), ``"max_bytes_per_s"`` (leave bandwidth to serving), ``"base"``: the delta's base,
+``{"version": LABEL, "digest": CONTENT_DIGEST, "path": DIR}`` (any of them): the label its
+index must name, the content digest it must have (a resident copy with that digest is the
+base whatever its label), a local directory holding it (e.g. ModelExpress's seed
+checkpoint, never uploaded). Any other field is refused by name.
 
 The staged buffers are a full-layout version directory (index + shards with Adler-32
 metadata) in the staging root, by default in shared memory: the engine loads from it, and
@@ -39,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.protocol.admin import AdminRequestError
+from rlfleet.protocol.admin import AdminRequestError, weights_path
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
@@ -75,6 +79,24 @@ TRANSITIONS: dict[StageState, frozenset[StageState]] = {
 
 
 @dataclass(frozen=True)
+class DeltaBase:
+    """The base a delta is applied on, as the stage request (or the catalog) names it."""
+
+    version: str | None = None  # the label the delta's index must name as base_version
+    digest: str | None = None  # its content digest: the base is matched by content
+    path: Path | None = None  # a local directory holding it (full version or checkpoint)
+
+    def describe(self) -> dict[str, str]:
+        return {k: str(v) for k, v in (("version", self.version), ("digest", self.digest),
+                                       ("path", self.path)) if v is not None}
+
+
+_COMMON_FIELDS = ("kind", "timeout", "chain", "max_bytes_per_s", "base")
+SOURCE_FIELDS: dict[str, tuple[str, ...]] = {
+    "disk": ("path",), "s3": ("uri", "endpoint_url"), "trainer": ("url",), "peer": ("url",)}
+
+
+@dataclass(frozen=True)
 class Source:
     kind: str
     location: str  # path, s3 URI (parent of the version), or base URL; "" = from the catalog
@@ -83,9 +105,12 @@ class Source:
     timeout: float = DEFAULT_TIMEOUT
     chain: bool = False
     max_bytes_per_s: float | None = None
+    base: DeltaBase = DeltaBase()
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind}
+        if self.base != DeltaBase():
+            out["base"] = self.base.describe()
         if self.kind == "disk":
             out["path"] = str(Path(self.location) / self.key)
         elif self.kind == "s3":
@@ -105,6 +130,12 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
     if kind not in SOURCE_KINDS:
         raise StageRequestError(f"source.kind must be one of {', '.join(SOURCE_KINDS)}, "
                                 f"not {kind!r}")
+    known = _COMMON_FIELDS + SOURCE_FIELDS[kind]
+    unknown = sorted(str(k) for k in raw if k not in known)
+    if unknown:
+        raise StageRequestError(f"source: unknown field{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(unknown)} for a {kind} source (it takes "
+                                f"{', '.join(known)})")
     timeout = raw.get("timeout", DEFAULT_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise StageRequestError("source.timeout must be a positive number of seconds")
@@ -116,18 +147,14 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
                              or rate <= 0):
         raise StageRequestError("source.max_bytes_per_s must be a positive number")
     common = {"timeout": float(timeout), "chain": chain,
-              "max_bytes_per_s": float(rate) if rate else None}
+              "max_bytes_per_s": float(rate) if rate else None,
+              "base": parse_base(raw.get("base"), allowed_roots)}
     if kind == "disk":
         path = raw.get("path")
         if not isinstance(path, str) or not path:
             raise StageRequestError("source.path is required for a disk source (a version "
                                     "directory on this worker's disk)")
-        from rlfleet.protocol.admin import AdminRequestError, weights_path
-
-        try:  # the same checks as update_weights_from_disk's model_path
-            p = weights_path(path, allowed_roots or [])
-        except AdminRequestError as e:
-            raise StageRequestError(f"source.path: {e}") from None
+        p = _local_dir("source.path", path, allowed_roots)
         return Source("disk", str(p.parent), p.name, **common)
     if kind == "s3":
         uri = raw.get("uri")
@@ -151,6 +178,34 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
         raise StageRequestError("source.url must be a peer's system URL (http://host:port), or "
                                 "leave it out to take any peer the catalog lists")
     return Source(kind, (url or "").rstrip("/"), version, **common)
+
+
+def _local_dir(field_name: str, path: str, allowed_roots: list[Path] | None) -> Path:
+    """The same checks as update_weights_from_disk's model_path."""
+    try:
+        return weights_path(path, allowed_roots or [])
+    except AdminRequestError as e:
+        raise StageRequestError(f"{field_name}: {e}") from None
+
+
+def parse_base(raw: Any, allowed_roots: list[Path] | None = None) -> DeltaBase:
+    """A source's `base` object → DeltaBase (StageRequestError names what is wrong)."""
+    if raw is None:
+        return DeltaBase()
+    fields = ("version", "digest", "path")
+    if not isinstance(raw, dict) or not raw:
+        raise StageRequestError('source.base must be an object: {"version": LABEL, "digest": '
+                                'CONTENT_DIGEST, "path": DIR} (any of them)')
+    unknown = sorted(str(k) for k in raw if k not in fields)
+    if unknown:
+        raise StageRequestError(f"source.base: unknown field{'s' if len(unknown) > 1 else ''} "
+                                f"{', '.join(unknown)} (it takes {', '.join(fields)})")
+    for k in fields:
+        if k in raw and (not isinstance(raw[k], str) or not raw[k]):
+            raise StageRequestError(f"source.base.{k} must be a non-empty string")
+    path = raw.get("path")
+    return DeltaBase(raw.get("version"), raw.get("digest"),
+                     _local_dir("source.base.path", path, allowed_roots) if path else None)
 
 
 def open_source_storage(src: Source, read_timeout: float = READ_TIMEOUT,
@@ -189,6 +244,7 @@ class StagedVersion:
     done: asyncio.Event | None = None  # set when the transfer ends (READY or FAILED)
     peer: str | None = None  # the peer actually used
     prepared: str | None = None  # how the engine prepared it while serving (None: it did not)
+    base: DeltaBase = DeltaBase()  # a delta's base: the request's, completed from the catalog
 
     def move(self, new: StageState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -375,43 +431,74 @@ class _Fetcher:
         return dst
 
 
+def _needs_base(first: VersionPlan, base: DeltaBase, chain: bool, resident: Resident | None,
+                applied: tuple[str | None, str | None]) -> str:
+    """Where a delta's base comes from: "resident" (the staged copy the engine serves, matched
+    by content: its digest is the served one, and its label or digest is the base's),
+    "path" (the request's base.path), "chain" (replayed from the last full version), or
+    WrongBase saying what to send."""
+    served_version, served_digest = applied
+    if resident is not None and served_digest == (resident.engine_digest or resident.digest):
+        digests = {resident.digest, resident.engine_digest} - {None}
+        if resident.version == first.base_version or base.digest in digests:
+            return "resident"
+    if base.path is not None:
+        return "path"
+    if chain:
+        return "chain"
+    serving = (f"{served_version or 'an unversioned model'} (digest {served_digest})"
+               if served_digest else served_version or "an unversioned model")
+    raise art.WrongBase(f"this delta needs base {first.base_version}; the worker serves "
+                        f"{serving}. Stage the base or a full version first, name the base "
+                        "(\"base\": {\"path\": DIR} or {\"digest\": D} of a staged copy), or "
+                        "send \"chain\": true to replay the chain from the last full version")
+
+
+def _plan_chain(fetch: _Fetcher, base: DeltaBase, first: VersionPlan, mode: str,
+                timeout_at: float, cancel: threading.Event
+                ) -> list[tuple[_Fetcher, VersionPlan]]:
+    """The plans to fill in order (from the first full one) when the base is not resident."""
+    if mode == "path":
+        assert base.path is not None
+        local = art.FileStorage(base.path.parent)
+        base_fetch = _Fetcher(local, f"base {base.path}", timeout_at, cancel, None)
+        plan = art.plan_version(base_fetch, base.path.name, local.list_version)
+        if plan.format == "xor-delta":
+            raise ArtifactError(f"base {base.path}: a delta; base.path must hold a full "
+                                "version or a checkpoint")
+        return [(base_fetch, plan), (fetch, first)]
+    list_files = fetch.storage.list_version if isinstance(fetch.storage, art.FileStorage) \
+        else None
+    plans = [first]
+    while plans[-1].format == "xor-delta":
+        if len(plans) >= 64:
+            raise ArtifactError(f"{fetch.what}: delta chain longer than 64")
+        name = plans[-1].base_version
+        plans.append(art.plan_version(fetch, name, list_files, version=name))
+    return [(fetch, p) for p in reversed(plans)]
+
+
 def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
              resident: Resident | None, applied: tuple[str | None, str | None]) -> Resident:
     """Pull `h`'s version from `src` into a new staged directory under `root`; returns it
     as a Resident-to-be. Raises ArtifactError (WrongBase for a delta on the wrong base)."""
     what = f"{src.kind} source {storage.uri}/{src.key}"
-    fetch = _Fetcher(storage, what, time.monotonic() + src.timeout, h.cancel, src.max_bytes_per_s)
+    deadline = time.monotonic() + src.timeout
+    fetch = _Fetcher(storage, what, deadline, h.cancel, src.max_bytes_per_s)
     list_files = storage.list_version if isinstance(storage, art.FileStorage) else None
-    plans = [art.plan_version(fetch, src.key, list_files)]
-    first = plans[0]
+    first = art.plan_version(fetch, src.key, list_files, version=h.version,
+                             base_version=h.base.version)
     h.format, h.base_version = first.format, first.base_version
-    served_version, served_digest = applied
-    base: Resident | None = None
-    if first.format == "xor-delta":
-        holds_base = (resident is not None and resident.version == first.base_version
-                      and served_version == resident.version
-                      and served_digest == (resident.engine_digest or resident.digest))
-        if holds_base:
-            base = resident
-        elif not src.chain:
-            serving = served_version if served_version is not None else "an unversioned model"
-            raise art.WrongBase(f"this delta needs base {first.base_version}; the worker serves "
-                                f"{serving}. Stage the base or a full version first, or send "
-                                "\"chain\": true to replay the chain from the last full version")
-        else:  # replay the chain from the last full version (siblings under the same root)
-            while plans[-1].format == "xor-delta":
-                if len(plans) >= 64:
-                    raise ArtifactError(f"{what}: delta chain longer than 64")
-                plans.append(art.plan_version(fetch, plans[-1].base_version, list_files))
-            plans.reverse()
-    if base is not None:
-        specs = list(base.specs.values())
-    elif plans[0].format != "xor-delta":
-        specs = [e.spec for e in plans[0].entries]
+    mode = "full" if first.format != "xor-delta" else \
+        _needs_base(first, h.base, src.chain, resident, applied)
+    plans = [(fetch, first)] if mode in ("full", "resident") else \
+        _plan_chain(fetch, h.base, first, mode, deadline, h.cancel)
+    if mode == "resident":
+        specs = list(resident.specs.values())
     else:
-        specs = []
+        specs = [e.spec for e in plans[0][1].entries]
     h.tensors_total = len(specs)
-    h.bytes_total = sum(p.stored_bytes for p in plans)
+    h.bytes_total = sum(p.stored_bytes for _, p in plans)
 
     moved = Progress(f"staging {h.version} from {what}", h.bytes_total)
 
@@ -422,16 +509,10 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     staged = StagedFiles(root / f"{h.version}.{h.handle}", specs)
     h.dir = staged.dir
     try:
-        if base is not None:
-            _apply_delta(fetch, first, staged, base.slots(), base.checksums, progress, h)
+        if mode == "resident":
+            _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h)
         else:
-            for plan in plans:
-                h.tensors_done = 0
-                if plan.format == "xor-delta":
-                    _apply_delta(fetch, plan, staged, staged.slots, dict(staged.checksums),
-                                 progress, h)
-                else:
-                    _fill_full(fetch, plan, staged, progress, h)
+            _fill_plans(plans, staged, progress, h, h.base if mode == "path" else None)
         h.tensors_done = len(specs)
         staged.finish()
         digest = staged.digest()
@@ -444,6 +525,24 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     checksums = dict(staged.checksums)
     staged.close()
     return Resident(h.version, digest, staged.dir, staged.specs, checksums)
+
+
+def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
+                progress: Callable[[int], None], h: StagedVersion, base: DeltaBase | None
+                ) -> None:
+    """Fill `staged` from a full version (or checkpoint), then apply each delta in place; a
+    `base` given with a digest is checked to have it before the first delta is applied."""
+    for i, (fetch, plan) in enumerate(plans):
+        h.tensors_done = 0
+        if plan.format == "xor-delta":
+            _apply_delta(fetch, plan, staged, staged.slots, dict(staged.checksums), progress, h)
+            continue
+        _fill_full(fetch, plan, staged, progress, h)
+        if i == 0 and base is not None and base.digest is not None:
+            got = staged.digest()
+            if got != base.digest:
+                raise art.WrongBase(f"the base at {base.path} has content digest {got}, not "
+                                    f"the {base.digest} named")
 
 
 def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
@@ -561,25 +660,50 @@ class StagingArea:
         if entry is not None and src.kind in ("disk", "s3") and entry.state.value != "READY":
             raise StageRequestError(f"version {version} is {entry.state.value} in the catalog; "
                                     "only a READY version is staged from its artifact")
-        if (entry is not None and entry.base_version and not src.chain
-                and src.kind in ("disk", "s3")
-                and entry.format.value == "xor-delta" and applied[0] != entry.base_version):
-            serving = applied[0] if applied[0] is not None else "an unversioned model"
-            raise StageRequestError(f"this delta needs base {entry.base_version}; the worker "
-                                    f"serves {serving}. Stage the base or a full version first, "
-                                    "or send \"chain\": true to replay the chain from the last "
-                                    "full version")
+        base = src.base
+        if entry is not None and entry.base_version and entry.format.value == "xor-delta":
+            base = await self._catalog_base(src.base, entry.base_version)
+            if (not src.chain and base.path is None and src.kind in ("disk", "s3")
+                    and applied[0] != base.version
+                    and (base.digest is None or applied[1] != base.digest)):
+                serving = applied[0] if applied[0] is not None else "an unversioned model"
+                raise StageRequestError(
+                    f"this delta needs base {base.version}; the worker serves {serving} "
+                    f"(content digest {applied[1]}, the base's is {base.digest}). Stage the "
+                    "base or a full version first, name a local copy of it (\"base\": "
+                    "{\"path\": DIR}), or send \"chain\": true to replay the chain from the "
+                    "last full version")
         if src.kind == "peer" and not src.location and entry is None:
             raise StageRequestError(f"no peer URL given and version {version} is not in the "
                                     "catalog" + ("" if self.catalog else
                                                  " (this worker has no catalog)"))
-        h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event())
+        h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event(),
+                          base=base)
         self._forget_old()
         self.handles[h.handle] = h
         task = asyncio.get_running_loop().create_task(self._run(h, applied))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return h
+
+    async def _catalog_base(self, base: DeltaBase, base_version: str) -> DeltaBase:
+        """The request's base completed from the catalog: the label the catalog records for
+        the delta, and that version's content digest (a worker serving it under another
+        label still holds the base)."""
+        if base.version is not None and base.version != base_version:
+            raise StageRequestError(f"source.base.version is {base.version}; the catalog "
+                                    f"records this delta's base as {base_version}")
+        digest = base.digest
+        if digest is None:
+            from rlfleet.weights.catalog import CatalogError
+
+            try:
+                found = await self.catalog.find(base_version)
+            except CatalogError as e:
+                log.warning("catalog unavailable for base %s: %s", base_version, e)
+                found = None
+            digest = found.digest if found is not None else None
+        return DeltaBase(base_version, digest, base.path)
 
     def _forget_old(self, keep: int = 64) -> None:
         """Released and failed handles are listed for a while, not forever."""
@@ -792,5 +916,5 @@ def _remove_orphans(base: Path) -> None:
             continue
 
 
-__all__ = ["StageState", "StagedVersion", "StagingArea", "StageRequestError", "Source",
-           "parse_source", "transfer", "Resident"]
+__all__ = ["DeltaBase", "StageState", "StagedVersion", "StagingArea", "StageRequestError",
+           "Source", "parse_source", "parse_base", "transfer", "Resident"]
