@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.fleets import MODEL_NAME, VLLM_FLAGS
+from tests.fleets import MODEL_NAME, vllm_serve
 
 pytestmark = pytest.mark.engine
 
@@ -38,49 +35,13 @@ TOL = 1e-4
 PROMPT = "Hello world, the answer is"
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_url(tiny_model: Path, tmp_path_factory):
     """vLLM's OpenAI server with the engine arguments rlfleet's workers run with (the
     fleet's flags, plus the two defaults rlfleet.vllm.args sets)."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(tiny_model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-            "--port", str(port), *VLLM_FLAGS, "--logprobs-mode", "processed_logprobs",
-            "--max-logprobs", "20"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vllm serve not ready after 600 s")
-            time.sleep(0.5)
+    with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-serve"), "--logprobs-mode",
+                    "processed_logprobs", "--max-logprobs", "20") as url:
         yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,6 @@ init_weight_transfer_engine is shown refused."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,52 +19,17 @@ import httpx
 import pytest
 
 from rlfleet.weights.digest import checkpoint_digest
-from tests.fleets import MODEL_NAME, VLLM_FLAGS, vllm_worker_args
+from tests.fleets import vllm_serve, vllm_worker_args
 
 pytestmark = pytest.mark.engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def vllm_dev_url(tiny_model: Path, tmp_path_factory):
     """vLLM's own server in dev mode (its RL routes), with the workers' engine flags."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-dev") / "serve.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(tiny_model), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-            "--port", str(port), *VLLM_FLAGS]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vllm serve not ready after 600 s")
-            time.sleep(0.5)
+    with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-dev"),
+                    env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
