@@ -5,9 +5,8 @@ The listing schema below is the client's side: Dynamo 1.7's `RlWorkerInfo` field
 (lib/llm rl discovery) with `world_size` and `admin_base_url` required, as newer clients
 require them, plus rlfleet's documented extensions, and nothing else. The driving client
 follows a 1.7 client's refresh (prime-rl's Dynamo admin plane): pause, confirm paused,
-install, set and read the version, resume. It reloads from disk through the flat
-`update_weights_from_disk` route: `collective_rpc` (1.7's reload path) comes with vLLM's
-native RL routes, not with these."""
+reload from disk through `collective_rpc` (vLLM's body: `reload_weights` with
+`kwargs.weights_path`), set and read the version, resume."""
 
 from __future__ import annotations
 
@@ -102,8 +101,10 @@ class Dynamo17Admin:
     async def refresh(self, checkpoint: Path, version: str) -> None:
         await self.call("control/pause_generation", {"mode": "keep", "clear_cache": False})
         assert (await self.call("control/is_paused", {}))["is_paused"] is True
-        await self.call("update_weights_from_disk", {"model_path": str(checkpoint),
-                                                     "weight_version": version})
+        reloaded = await self.call("collective_rpc", {
+            "method": "reload_weights", "timeout": 60.0, "args": [],
+            "kwargs": {"weights_path": str(checkpoint)}})
+        assert reloaded["results"] == [None]  # one rank
         await self.call("update/update_weight_version", {"new_version": version})
         assert (await self.call("control/get_weight_version", {}))["weight_version"] == version
         await self.call("control/resume_generation", {})
@@ -128,7 +129,7 @@ async def test_listing_validates_against_the_strict_schema(tmp_path: Path) -> No
             assert w.admin_base_url == w.system_url  # vLLM's native RL routes live there
             assert REQUIRED_ROUTES <= set(w.routes) and w.error is None
             assert {"pause_generation", "get_weight_version"} <= set(w.routes)  # 1.6's stay
-            assert "collective_rpc" not in w.routes  # not served by these routes
+            assert "collective_rpc" in w.routes  # 1.7's reload route
         # the schema has teeth: 1.6's listing (no world_size, no admin_base_url) fails it
         old = workers[0].model_dump(exclude={"world_size", "admin_base_url"})
         with pytest.raises(ValidationError, match="world_size|admin_base_url"):
@@ -169,6 +170,17 @@ async def test_the_namespaced_routes_refuse_bad_bodies_by_name(tmp_path: Path) -
                 assert said in r.json()["message"]
             r = await c.post("/engine/control/is_paused", json={"chain": True})
             assert "unknown field 'chain'" in r.json()["message"]
+            # collective_rpc runs reload_weights only, and only while paused
+            for body, said in (({"method": "sleep"}, "for 'reload_weights' only"),
+                               ({"method": "reload_weights", "kwargs": {"turbo": 1}},
+                                "unknown kwargs ['turbo']"),
+                               ({"method": "reload_weights", "chain": True},
+                                "unknown field 'chain'"),
+                               ({"method": "reload_weights"},
+                                "reload_weights: generation is not paused")):
+                r = await c.post("/engine/collective_rpc", json=body)
+                assert r.status_code == 200 and r.json()["status"] == "error", r.text
+                assert said in r.json()["message"], r.text
             # the version is unchanged, and null until one is declared
             r = await c.post("/engine/control/get_weight_version", json={})
             assert r.json() == {"status": "ok", "weight_version": None}

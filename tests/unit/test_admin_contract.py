@@ -69,11 +69,37 @@ def test_a_chain_flag_beside_the_source_of_stage_weights_is_refused() -> None:
     (admin.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
      {"names": ["w"], "dtypes": ["f"], "shapes": [[1]], "allow_unpaused": True},
      "allow_unpaused cannot be combined with reset_prefix_cache"),
+    (admin.COLLECTIVE_RPC, {}, "Missing 'method' in request body"),
+    (admin.COLLECTIVE_RPC, {"method": "sleep"},
+     "collective_rpc for 'reload_weights' only (a reload from disk, with "
+     "update_weights_from_disk's checks), not 'sleep'"),
+    (admin.COLLECTIVE_RPC, {"method": "reload_weights", "args": ["/w"]},
+     "reload_weights takes kwargs weights_path, is_checkpoint_format only"),
+    (admin.COLLECTIVE_RPC, {"method": "reload_weights", "kwargs": {"turbo": 1}},
+     "unknown kwargs ['turbo']"),
+    (admin.COLLECTIVE_RPC,
+     {"method": "reload_weights", "kwargs": {"is_checkpoint_format": False}},
+     "checkpoint-format files only"),
+    (admin.COLLECTIVE_RPC, {"method": "reload_weights", "timeout": "soon"},
+     "timeout must be a number of seconds"),
 ])
 def test_a_wrong_body_names_the_field(route: admin.AdminRoute, body: dict, words: str) -> None:
     with pytest.raises(AdminRequestError) as e:
         read_request(route, body)
     assert words in str(e.value)
+
+
+def test_collective_rpc_takes_vllms_body_for_reload_weights() -> None:
+    """Dynamo 1.7's client body (prime-rl's): method, timeout, args, kwargs.weights_path."""
+    body = {"method": "reload_weights", "timeout": 30.0, "args": [],
+            "kwargs": {"weights_path": "/ckpt/step-7"}}
+    req = read_request(admin.COLLECTIVE_RPC, body)
+    assert req.weights_path == "/ckpt/step-7" and req.timeout == 30.0
+    assert read_request(admin.COLLECTIVE_RPC, {"method": "reload_weights"}).weights_path is None
+    assert admin.COLLECTIVE_RPC in admin.DYNAMO_17 and admin.COLLECTIVE_RPC.mutating
+    assert admin.COLLECTIVE_RPC.serialized and admin.COLLECTIVE_RPC.fenced
+    assert msgspec.json.decode(msgspec.json.encode(admin.CollectiveRpcReply(
+        results=[None]))) == {"status": "ok", "results": [None]}
 
 
 def test_requests_encode_only_what_the_caller_set() -> None:

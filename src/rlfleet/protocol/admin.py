@@ -24,6 +24,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.vllm_rl import RELOAD_KWARGS, RELOAD_WEIGHTS
 
 # ---------------------------------------------------------------- headers and errors
 
@@ -170,6 +171,44 @@ class NewVersionRequest(Request, kw_only=True, frozen=True):
     def __post_init__(self) -> None:
         if not self.new_version:
             raise AdminRequestError(self.MESSAGES["new_version"])
+
+
+class CollectiveRpcRequest(Request, kw_only=True, frozen=True):
+    """vLLM's collective_rpc body (`method`, `args`, `kwargs`, `timeout`), as vLLM's native
+    `POST /collective_rpc` and Dynamo 1.7's `/engine/collective_rpc` take it. An rlfleet
+    worker runs `reload_weights` only (kwargs `weights_path`, `is_checkpoint_format`): a
+    reload from disk through update_weights_from_disk's checks. The fields are untyped so
+    that what does not fit gets vLLM's own messages (checked here, in one place)."""
+
+    method: Any = None  # RELOAD_WEIGHTS only
+    args: Any = None  # none: reload_weights takes kwargs
+    kwargs: Any = None  # {weights_path?, is_checkpoint_format?}
+    timeout: float | None = None  # seconds (the reload runs under the worker's own bounds)
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "timeout": "timeout must be a number of seconds, or null"}
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            raise AdminRequestError("Missing 'method' in request body")
+        if self.method != RELOAD_WEIGHTS:
+            raise AdminRequestError(
+                f"an rlfleet worker runs collective_rpc for {RELOAD_WEIGHTS!r} only (a reload "
+                f"from disk, with update_weights_from_disk's checks), not {self.method!r}")
+        kwargs = self.kwargs or {}
+        unknown = sorted(set(kwargs) - set(RELOAD_KWARGS)) if isinstance(kwargs, dict) \
+            else ["(kwargs is not an object)"]
+        if self.args or unknown:
+            raise AdminRequestError(
+                f"reload_weights takes kwargs {', '.join(RELOAD_KWARGS)} only; got args "
+                f"{self.args!r}, unknown kwargs {unknown}")
+        if str(kwargs.get("is_checkpoint_format", True)).lower() not in ("true", "1"):
+            raise AdminRequestError("rlfleet reloads checkpoint-format files only "
+                                    "(is_checkpoint_format true)")
+
+    @property
+    def weights_path(self) -> str | None:
+        """The checkpoint to reload; None: the model the worker was started from."""
+        return (self.kwargs or {}).get("weights_path") or None
 
 
 class SetVersionRequest(Request, kw_only=True, frozen=True):
@@ -469,6 +508,13 @@ class WeightVersionReply(Reply, kw_only=True):
     weight_version: str | None = None
 
 
+class CollectiveRpcReply(Reply, kw_only=True):
+    """collective_rpc's result: one entry per rank (`reload_weights` returns None on each),
+    vLLM's `{"results": [...]}`; on /engine/ with the route's `status`."""
+
+    results: list[Any] | UnsetType = UNSET
+
+
 class SetVersionReply(Reply, kw_only=True):
     version: str | None | UnsetType = UNSET
     step: int | None | UnsetType = UNSET
@@ -603,16 +649,18 @@ SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
                                           SglangVersionRequest, SglangVersionReply)
 
 # Dynamo 1.7's layout of the vLLM worker's routes, beside 1.6's flat names (the same
-# handlers where both name one): what a 1.7 client requires in a worker's `routes`.
-# 1.7 also lists `collective_rpc`, served with vLLM's native RL routes, not here.
+# handlers where both name one), listed in a worker's `routes` as 1.7 lists them: the five
+# a 1.7 client requires, and `collective_rpc` (vLLM's body; `reload_weights` only, the same
+# handler as vLLM's native `POST /collective_rpc` at the worker's admin_base_url).
 CONTROL_PAUSE_GENERATION = PAUSE_GENERATION.at("control/pause_generation")
 CONTROL_RESUME_GENERATION = RESUME_GENERATION.at("control/resume_generation")
 CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, IsPausedReply)
 CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, WeightVersionReply)
 UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", NewVersionRequest,
                                           WeightVersionReply)
+COLLECTIVE_RPC = AdminRoute("collective_rpc", CollectiveRpcRequest, CollectiveRpcReply)
 DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAUSED,
-             CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION)
+             CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION, COLLECTIVE_RPC)
 
 #: the lifecycle every vLLM-style refresh path needs
 VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,

@@ -25,6 +25,8 @@ from rlfleet.protocol.admin import (
     AbortReply,
     AbortRequest,
     ApplyStagedRequest,
+    CollectiveRpcReply,
+    CollectiveRpcRequest,
     DiskUpdateRequest,
     DistributedRequest,
     GroupRequest,
@@ -60,6 +62,8 @@ log = logging.getLogger("rlfleet.admin")
 GROUP_TIMEOUT = float(os.environ.get("RLFLEET_GROUP_TIMEOUT", 60))
 SELF_CHECK_TIMEOUT = float(os.environ.get("RLFLEET_SELF_CHECK_TIMEOUT", 60))
 NOT_PAUSED = "generation is not paused: call pause_generation first"
+#: what a reload refused because generation runs answers (vLLM's native route: HTTP 409)
+RELOAD_NOT_PAUSED = f"reload_weights: {NOT_PAUSED}"
 PENDING = "new weights installed: their self-check runs when generation resumes"
 
 
@@ -106,6 +110,7 @@ class EngineAdmin:
             Route(admin.CONTROL_IS_PAUSED, self.is_paused),
             Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
             Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
+            Route(admin.COLLECTIVE_RPC, self.collective_rpc),
         ]
 
     # ---------------------------------------------------------------- lifecycle
@@ -368,6 +373,15 @@ class EngineAdmin:
         return await self.update_weights_from_disk(DiskUpdateRequest(
             model_path=model_path, weight_version=policy.version if applied.declared else None,
             step=policy.step))
+
+    async def collective_rpc(self, req: CollectiveRpcRequest) -> CollectiveRpcReply:
+        """collective_rpc (`reload_weights`, the only method its request takes), for vLLM's
+        native route and Dynamo 1.7's /engine/collective_rpc alike: a reload of `weights_path`
+        (default: the model the worker was started from), one None result per rank."""
+        said = await self.reload_weights(req.weights_path or self.engine.info.model_path)
+        if said.status != "ok":
+            return CollectiveRpcReply.failed(f"reload_weights: {said.message}")
+        return CollectiveRpcReply(results=[None] * self.engine.world_size(False))
 
     async def weights_transferred(self, version: str | None) -> str | None:
         """New weights came in through vLLM's own weight transfer (finish_weight_update):

@@ -37,7 +37,7 @@ from rlfleet.protocol.admin import (
     SetVersionRequest,
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
-from rlfleet.worker.admin import NOT_PAUSED, EngineAdmin
+from rlfleet.worker.admin import RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.system_server import Guard
 
 log = logging.getLogger("rlfleet.native_rl")
@@ -280,34 +280,19 @@ class NativeRL:
                                    lambda: self.collective_rpc(raw_request))
 
     async def collective_rpc(self, raw_request: Request) -> Response:
-        """vLLM's collective_rpc for `reload_weights` (kwargs `weights_path`, default the
-        model the worker was started from): a reload through update_weights_from_disk."""
+        """vLLM's collective_rpc for `reload_weights` (EngineAdmin.collective_rpc): fields
+        vLLM does not read are ignored, as vLLM ignores them."""
         try:
             body = await raw_request.json()
         except json.JSONDecodeError as e:
             return vllm_error(f"JSON decode error: {e}", 400)
         if not isinstance(body, dict):
             return vllm_error("Request body must be a JSON object", 400)
-        method = body.get("method")
-        if method is None:
-            return vllm_error("Missing 'method' in request body", 400)
-        if method != vllm_rl.RELOAD_WEIGHTS:
-            return vllm_error(f"an rlfleet worker runs collective_rpc for "
-                              f"{vllm_rl.RELOAD_WEIGHTS!r} only (a reload from disk, with "
-                              f"update_weights_from_disk's checks), not {method!r}", 400)
-        kwargs = body.get("kwargs") or {}
-        unknown = sorted(set(kwargs) - set(vllm_rl.RELOAD_KWARGS)) if isinstance(kwargs, dict) \
-            else ["(kwargs is not an object)"]
-        if body.get("args") or unknown:
-            return vllm_error(f"reload_weights takes kwargs {', '.join(vllm_rl.RELOAD_KWARGS)} "
-                              f"only; got args {body.get('args')!r}, unknown kwargs {unknown}",
-                              400)
-        if str(kwargs.get("is_checkpoint_format", True)).lower() not in ("true", "1"):
-            return vllm_error("rlfleet reloads checkpoint-format files only "
-                              "(is_checkpoint_format true)", 400)
-        said = await self.admin.reload_weights(kwargs.get("weights_path")
-                                               or self.engine.info.model_path)
+        fields = admin.CollectiveRpcRequest.__struct_fields__
+        req = admin.read_request(admin.COLLECTIVE_RPC, {k: v for k, v in body.items()
+                                                        if k in fields})
+        said = await self.admin.collective_rpc(req)
         if said.status != "ok":
-            status = 409 if said.message == NOT_PAUSED else 500
-            return route_error(f"reload_weights: {said.message}", status)
-        return JSONResponse({"results": [None] * self.engine.world_size(False)})
+            status = 409 if said.message == RELOAD_NOT_PAUSED else 500
+            return route_error(str(said.message), status)
+        return JSONResponse({"results": said.results})
