@@ -205,6 +205,22 @@ async def test_rlfleet_stages_and_applies_what_modelexpress_published(s3, mx_pub
         await area.close()
 
 
+async def test_a_worker_started_from_modelexpress_seed_takes_it_by_digest_alone(
+        s3, mx_published, tmp_path):
+    """A worker started from ModelExpress's seed directory (nothing staged, the seed never
+    uploaded) stages mx-1 from S3 with the seed named by its content digest alone."""
+    seed_digest = digest_tensors(mx_published["seed"].items())
+    area = StagingArea(tmp_path / "staging", startup_checkpoint=mx_published["seed_dir"])
+    try:
+        h = await _staged(area, "mx-1", {"kind": "s3", "endpoint_url": s3.endpoint_url,
+                                         "uri": f"{PREFIX}/mx-1", "base": {"digest": seed_digest}},
+                          (None, seed_digest))
+        assert h.state is StageState.READY, h.error
+        assert h.digest == digest_tensors(mx_published["steps"]["mx-1"].items())
+    finally:
+        await area.close()
+
+
 def test_modelexpress_receiver_reads_rlfleets_float8_versions(s3, tiny_model, tmp_path):
     """rlfleet publishes a float8 full (the tied lm_head stored once) and two deltas on it
     to S3; ModelExpress's receiver downloads the full and replays both deltas, checking

@@ -4,9 +4,12 @@ the whole version before READY, deltas only on their exact base, leases while pu
 from __future__ import annotations
 
 import asyncio
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights import artifacts as art
@@ -14,6 +17,7 @@ from rlfleet.weights.catalog import Catalog, CatalogError, VersionState
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, weights_app
 from rlfleet.weights.staging import StageRequestError, StageState, StagingArea
+from rlfleet.worker.serve import staging_area
 
 
 def _step(tensors, seed, only="layers.0."):
@@ -141,6 +145,58 @@ async def test_the_base_is_matched_by_content_whatever_its_label(tmp_path, versi
                              applied=("v1", v1))
     finally:
         await area.close()
+
+
+async def test_a_delta_on_the_startup_checkpoint_named_by_digest_alone(tmp_path, tiny_model,
+                                                                      versions):
+    """A worker started from v1's checkpoint (nothing staged) applies v2 with the base named
+    by its content digest alone: the files have it, checked. A digest that matches nothing
+    is refused with what to send; so is a checkpoint whose files changed."""
+    v1 = versions["v1"]["digest"]
+    assert checkpoint_digest(tiny_model) == v1
+    engine = SimpleNamespace(info=SimpleNamespace(model_path=str(tiny_model)))
+    args = SimpleNamespace(weights_staging_dir=str(tmp_path / "staging"), weights_catalog=None,
+                           allowed_weights_root=[], admin_token=None)
+    area = staging_area(args, engine)  # the worker's: it knows the engine's model path
+    try:
+        assert area.startup is not None and area.startup.path == tiny_model
+        h = await _staged(area, "v2", _disk(versions, "v2", base={"digest": v1}),
+                          applied=(None, v1))
+        assert h.state is StageState.READY, h.error
+        assert h.digest == versions["v2"]["digest"] and h.format == "xor-delta"
+        await area.applied(h.handle, h.digest)
+        h = await _staged(area, "v3", _disk(versions, "v3"), applied=("v2", h.digest))
+        assert h.state is StageState.READY and h.digest == versions["v3"]["digest"], h.error
+        other = "blake3:" + "1" * 64
+        h = await _staged(area, "v2", _disk(versions, "v2", base={"digest": other}),
+                          applied=(None, v1))
+        assert h.state is StageState.FAILED
+        assert h.error.startswith("this delta needs base v1; the worker serves")
+        assert f"The base digest {other} is neither a staged copy's nor that of the " \
+               f"checkpoint this worker started from ({tiny_model}: {v1})" in h.error
+        assert '"base": {"path": DIR}' in h.error and '"chain": true' in h.error
+    finally:
+        await area.close()
+    changed = tmp_path / "changed"
+    shutil.copytree(tiny_model, changed)
+    area = StagingArea(tmp_path / "staging2", startup_checkpoint=changed)
+    try:
+        assert area.startup.digest() == v1
+        f = next(changed.glob("*.safetensors"))
+        tensors = {n: t.clone() for n, t in iter_checkpoint_tensors(changed)}
+        name = sorted(tensors)[0]
+        tensors[name] += 1
+        save_file(tensors, f)
+        h = await _staged(area, "v2", _disk(versions, "v2", base={"digest": v1}),
+                          applied=(None, v1))
+        assert h.state is StageState.FAILED and "neither a staged copy's" in h.error
+        assert area.startup.digest() != v1  # digested again: the files changed
+    finally:
+        await area.close()
+    # the mocker's model path is no directory: no startup checkpoint, the refusal as before
+    mocked = staging_area(args, SimpleNamespace(info=SimpleNamespace(model_path="mock://tiny")))
+    assert mocked.startup is None
+    await mocked.close()
 
 
 async def test_plain_checkpoint_and_corruption(tmp_path, tiny_model, versions):

@@ -13,7 +13,8 @@ Options on any source: ``"timeout"`` (seconds for the whole transfer), ``"chain"
 base), ``"max_bytes_per_s"`` (leave bandwidth to serving), ``"base"``: the delta's base,
 ``{"version": LABEL, "digest": CONTENT_DIGEST, "path": DIR}`` (any of them): the label its
 index must name, the content digest it must have (a resident copy with that digest is the
-base whatever its label), a local directory holding it (e.g. ModelExpress's seed
+base whatever its label, and so is the checkpoint the worker was started from when its
+files have that digest), a local directory holding it (e.g. ModelExpress's seed
 checkpoint, never uploaded). Any other field is refused by name.
 
 The staged buffers are a full-layout version directory (index + shards with Adler-32
@@ -47,7 +48,7 @@ from rlfleet.protocol.admin import AdminRequestError, weights_path
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
-from rlfleet.weights.digest import DigestBuilder, non_finite
+from rlfleet.weights.digest import DigestBuilder, checkpoint_digest, checkpoint_files, non_finite
 
 log = logging.getLogger("rlfleet.weights.staging")
 
@@ -360,6 +361,35 @@ class Resident:
         return out
 
 
+class StartupCheckpoint:
+    """The checkpoint directory the worker was started from: a delta whose base is named by
+    content digest alone starts from its files when they have that digest (digested from
+    the files, once per state of the files; the staged copy is checked again before the
+    delta is applied)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._known: tuple[tuple, str] | None = None  # (state of the files, their digest)
+
+    def _files_state(self) -> tuple | None:
+        try:
+            return tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                         for f in checkpoint_files(self.path))
+        except (ValueError, OSError):
+            return None
+
+    def digest(self) -> str | None:
+        """The files' content digest now; None when the directory holds no checkpoint."""
+        with self._lock:
+            state = self._files_state()
+            if state is None:
+                return None
+            if self._known is None or self._known[0] != state:
+                self._known = (state, checkpoint_digest(self.path))
+            return self._known[1]
+
+
 # ---------------------------------------------------------------- the transfer
 
 
@@ -432,26 +462,37 @@ class _Fetcher:
 
 
 def _needs_base(first: VersionPlan, base: DeltaBase, chain: bool, resident: Resident | None,
-                applied: tuple[str | None, str | None]) -> str:
+                applied: tuple[str | None, str | None], startup: StartupCheckpoint | None
+                ) -> tuple[str, DeltaBase]:
     """Where a delta's base comes from: "resident" (the staged copy the engine serves, matched
     by content: its digest is the served one, and its label or digest is the base's),
-    "path" (the request's base.path), "chain" (replayed from the last full version), or
-    WrongBase saying what to send."""
+    "path" (the request's base.path, or the startup checkpoint when the base is named by a
+    digest its files have), "chain" (replayed from the last full version), or WrongBase
+    saying what to send. Returns the mode and the base to fill from."""
     served_version, served_digest = applied
     if resident is not None and served_digest == (resident.engine_digest or resident.digest):
         digests = {resident.digest, resident.engine_digest} - {None}
         if resident.version == first.base_version or base.digest in digests:
-            return "resident"
+            return "resident", base
     if base.path is not None:
-        return "path"
+        return "path", base
+    started = startup.digest() if startup is not None and base.digest is not None else None
+    if started is not None and started == base.digest:
+        return "path", DeltaBase(base.version, base.digest, startup.path)
     if chain:
-        return "chain"
+        return "chain", base
     serving = (f"{served_version or 'an unversioned model'} (digest {served_digest})"
                if served_digest else served_version or "an unversioned model")
+    named = ""
+    if base.digest is not None:
+        named = (f" The base digest {base.digest} is neither a staged copy's nor that of "
+                 + (f"the checkpoint this worker started from ({startup.path}: {started})."
+                    if started is not None else "a checkpoint this worker started from."))
     raise art.WrongBase(f"this delta needs base {first.base_version}; the worker serves "
-                        f"{serving}. Stage the base or a full version first, name the base "
-                        "(\"base\": {\"path\": DIR} or {\"digest\": D} of a staged copy), or "
-                        "send \"chain\": true to replay the chain from the last full version")
+                        f"{serving}.{named} Stage the base or a full version first, name the "
+                        "base (\"base\": {\"path\": DIR}, or {\"digest\": D} of a staged copy "
+                        "or of the startup checkpoint), or send \"chain\": true to replay the "
+                        "chain from the last full version")
 
 
 def _plan_chain(fetch: _Fetcher, base: DeltaBase, first: VersionPlan, mode: str,
@@ -479,9 +520,12 @@ def _plan_chain(fetch: _Fetcher, base: DeltaBase, first: VersionPlan, mode: str,
 
 
 def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
-             resident: Resident | None, applied: tuple[str | None, str | None]) -> Resident:
+             resident: Resident | None, applied: tuple[str | None, str | None],
+             startup: StartupCheckpoint | None = None) -> Resident:
     """Pull `h`'s version from `src` into a new staged directory under `root`; returns it
-    as a Resident-to-be. Raises ArtifactError (WrongBase for a delta on the wrong base)."""
+    as a Resident-to-be. `startup`: the checkpoint the worker started from (a delta's base
+    when named by its digest). Raises ArtifactError (WrongBase for a delta on the wrong
+    base)."""
     what = f"{src.kind} source {storage.uri}/{src.key}"
     deadline = time.monotonic() + src.timeout
     fetch = _Fetcher(storage, what, deadline, h.cancel, src.max_bytes_per_s)
@@ -489,10 +533,10 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     first = art.plan_version(fetch, src.key, list_files, version=h.version,
                              base_version=h.base.version)
     h.format, h.base_version = first.format, first.base_version
-    mode = "full" if first.format != "xor-delta" else \
-        _needs_base(first, h.base, src.chain, resident, applied)
+    mode, base = ("full", h.base) if first.format != "xor-delta" else \
+        _needs_base(first, h.base, src.chain, resident, applied, startup)
     plans = [(fetch, first)] if mode in ("full", "resident") else \
-        _plan_chain(fetch, h.base, first, mode, deadline, h.cancel)
+        _plan_chain(fetch, base, first, mode, deadline, h.cancel)
     if mode == "resident":
         specs = list(resident.specs.values())
     else:
@@ -512,7 +556,7 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
         if mode == "resident":
             _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h)
         else:
-            _fill_plans(plans, staged, progress, h, h.base if mode == "path" else None)
+            _fill_plans(plans, staged, progress, h, base if mode == "path" else None)
         h.tensors_done = len(specs)
         staged.finish()
         digest = staged.digest()
@@ -603,9 +647,11 @@ class StagingArea:
     def __init__(self, root: str | Path | None = None, *, catalog=None, worker_id: str = "",
                  system_url: str | None = None, allowed_roots: list[str] | None = None,
                  lease_ttl: float = 60.0, admin_token: str | None = None,
-                 engine: Any = None) -> None:
+                 engine: Any = None, startup_checkpoint: str | Path | None = None) -> None:
         """`engine`: the worker's EngineControl; a version is READY once its bytes are
-        checked and the engine has prepared it (prepare_staged) while serving."""
+        checked and the engine has prepared it (prepare_staged) while serving.
+        `startup_checkpoint`: the checkpoint directory the worker was started from (the base
+        of a delta named by its content digest alone, when its files have that digest)."""
         if root is None:
             base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
             _remove_orphans(base)
@@ -620,6 +666,7 @@ class StagingArea:
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.lease_ttl = lease_ttl
         self.engine = engine
+        self.startup = StartupCheckpoint(startup_checkpoint) if startup_checkpoint else None
         self.handles: dict[str, StagedVersion] = {}
         self.resident: Resident | None = None
         self._staged: dict[str, Resident] = {}  # handle -> READY buffers
@@ -665,7 +712,8 @@ class StagingArea:
             base = await self._catalog_base(src.base, entry.base_version)
             if (not src.chain and base.path is None and src.kind in ("disk", "s3")
                     and applied[0] != base.version
-                    and (base.digest is None or applied[1] != base.digest)):
+                    and (base.digest is None  # a digest may be the startup checkpoint's
+                         or (applied[1] != base.digest and self.startup is None))):
                 serving = applied[0] if applied[0] is not None else "an unversioned model"
                 raise StageRequestError(
                     f"this delta needs base {base.version}; the worker serves {serving} "
@@ -745,7 +793,7 @@ class StagingArea:
                 storage = open_source_storage(h.source, min(READ_TIMEOUT, h.source.timeout))
                 try:
                     result = await asyncio.to_thread(transfer, h, h.source, storage, self.root,
-                                                     self.resident, applied)
+                                                     self.resident, applied, self.startup)
                 finally:
                     storage.close()
             if h.expected_digest is not None and result.digest != h.expected_digest:
@@ -797,7 +845,7 @@ class StagingArea:
             h.bytes_done = h.tensors_done = 0
             try:
                 return await asyncio.to_thread(transfer, h, src, storage, self.root,
-                                               self.resident, applied)
+                                               self.resident, applied, self.startup)
             except ArtifactError as e:
                 errors.append(f"{url}: {e}")
                 if h.cancel.is_set():
@@ -917,4 +965,4 @@ def _remove_orphans(base: Path) -> None:
 
 
 __all__ = ["DeltaBase", "StageState", "StagedVersion", "StagingArea", "StageRequestError",
-           "Source", "parse_source", "parse_base", "transfer", "Resident"]
+           "Source", "StartupCheckpoint", "parse_source", "parse_base", "transfer", "Resident"]

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import uvloop
@@ -107,10 +108,15 @@ def settle_worker_args(args: argparse.Namespace) -> None:
 
 def staging_area(args: argparse.Namespace, engine: Any = None) -> StagingArea:
     """The worker's staging area for versions pulled while it serves (stage_weights); the
-    engine prepares each one for a short apply before it is READY."""
+    engine prepares each one for a short apply before it is READY. It knows the checkpoint
+    directory the engine was started from (engine.info.model_path), the base of a delta
+    named by that checkpoint's content digest alone."""
+    model_path = Path(engine.info.model_path) if engine is not None else None
     return StagingArea(args.weights_staging_dir, catalog=args.weights_catalog,
                        allowed_roots=args.allowed_weights_root, admin_token=args.admin_token,
-                       engine=engine)
+                       engine=engine,
+                       startup_checkpoint=model_path if model_path and model_path.is_dir()
+                       else None)
 
 
 async def joins_controlled_fleet(discovery: Discovery, namespace: str, model: str) -> str | None:
