@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,15 +35,29 @@ def weed_binary() -> str:
     return found
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to client sockets (and to bind(0))."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> int:
-    """A free port below 50000 (SeaweedFS derives gRPC ports by adding 10000 when unset;
-    every port is set here, but keep the headroom)."""
-    while True:
+    """A free port below the kernel's ephemeral range: no client socket of another process
+    can take it while the server is down between a kill and its restart on the same ports
+    (a port bind(0) gave could be, and the restart then failed with "address already in
+    use"). SeaweedFS derives gRPC ports by adding 10000 when unset; every port is set here."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - 12000), low)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 50000:
-            return port
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port below {low} on 127.0.0.1")
 
 
 class _ExitedEarly(RuntimeError):

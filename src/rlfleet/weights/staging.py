@@ -684,6 +684,11 @@ class StagingArea:
 
     # ------------------------------------------------------------ stage
 
+    async def _started_from(self, digest: str) -> bool:
+        """Whether the checkpoint this worker started from has content `digest` (its files
+        digested once per state, off the event loop)."""
+        return self.startup is not None and await asyncio.to_thread(self.startup.digest) == digest
+
     async def stage(self, version: str, source: Any, *, applied: tuple[str | None, str | None],
                     digest: str | None = None) -> StagedVersion:
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
@@ -712,8 +717,9 @@ class StagingArea:
             base = await self._catalog_base(src.base, entry.base_version)
             if (not src.chain and base.path is None and src.kind in ("disk", "s3")
                     and applied[0] != base.version
-                    and (base.digest is None  # a digest may be the startup checkpoint's
-                         or (applied[1] != base.digest and self.startup is None))):
+                    and (base.digest is None
+                         or (applied[1] != base.digest
+                             and not await self._started_from(base.digest)))):
                 serving = applied[0] if applied[0] is not None else "an unversioned model"
                 raise StageRequestError(
                     f"this delta needs base {base.version}; the worker serves {serving} "
