@@ -20,7 +20,7 @@ from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
-from tests.fleets import vllm_worker_args
+from tests.fleets import vllm_worker_args, weight_versions
 from tests.modelexpress_publisher import SEED, publish_with_modelexpress
 from tests.s3_server import BUCKET
 
@@ -78,20 +78,11 @@ def _greedy(fleet: LocalFleet) -> set[tuple[int, ...]]:
     return out
 
 
-def _versions(fleet: LocalFleet) -> list[tuple[str | None, str]]:
-    out = []
-    for p in fleet.workers:
-        v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={},
-                       timeout=10).json()
-        out.append((v["version"], v["weight_digest"]))
-    return out
-
-
 def test_a_vllm_fleet_applies_modelexpress_deltas_on_its_seed(fleet, published, s3_server,
                                                                tmp_path, monkeypatch):
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
-    assert {d for _, d in _versions(fleet)} == {published["seed_digest"]}
+    assert {d for _, d in weight_versions(fleet)} == {published["seed_digest"]}
     [seed_tokens] = _greedy(fleet)
     coordinator = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged",
                                 journal=SqliteJournal(tmp_path / "journal.sqlite"), timeout=300)
@@ -108,6 +99,6 @@ def test_a_vllm_fleet_applies_modelexpress_deltas_on_its_seed(fleet, published, 
             [staged] = [c["body"] for c in w["calls"] if c["route"] == "staged"]
             assert staged["state"] == "READY" and staged["source"]["kind"] == "s3"
             assert staged["format"] == "xor-delta" and staged["digest"] == digest
-        assert _versions(fleet) == [(version, digest)] * 2
+        assert weight_versions(fleet) == [(version, digest)] * 2
         tokens = _greedy(fleet)  # the gate reopened: both workers serve, the same tokens
         assert len(tokens) == 1 and tokens != {seed_tokens}, version
