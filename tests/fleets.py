@@ -41,6 +41,16 @@ def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) ->
         time.sleep(0.2)
 
 
+def weight_versions(fleet: LocalFleet) -> list[tuple[str | None, str]]:
+    """(version, weight digest) of each of the fleet's workers, as its engine reports them."""
+    out = []
+    for p in fleet.workers:
+        v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={},
+                       timeout=10).json()
+        out.append((v["version"], v["weight_digest"]))
+    return out
+
+
 def vllm_worker_args(model_dir: Path, served_name: str = MODEL_NAME, *extra: str) -> tuple[str, ...]:
     """An RL-enabled vLLM worker with fault injection, serving `model_dir` as `served_name`."""
     return ("--model", str(model_dir), "--served-model-name", served_name, "--enable-rl",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
 from rlfleet.weights.staging import StageState, StagingArea
+from tests.modelexpress_publisher import SEED, publish_with_modelexpress
 from tests.modelexpress_reader import on_path
 from tests.s3_server import BUCKET
 
@@ -55,59 +55,7 @@ def _steps(seed: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     return {"mx-1": v1, "mx-2": v2, "mx-3": v3, "mx-4": v4}
 
 
-PLAN = (("mx-1", "seed"), ("mx-2", "mx-1"), ("mx-3", None), ("mx-4", "mx-3"))
-
-
-def _rank_main(rank: int, store_path: str, seed_dir: str, tiny_model: str,
-               endpoint: str) -> None:
-    """One trainer rank: ModelExpress's publisher over a gloo group; rank r owns every
-    tensor whose position is r modulo RANKS."""
-    import types
-
-    import torch.distributed as dist
-
-    with on_path():
-        from modelexpress_rl import refit_pb2
-        from modelexpress_rl.s3 import S3Client
-        from modelexpress_rl.train.methods.canonical_delta import (
-            CanonicalDeltaPublicationMethod,
-        )
-        from modelexpress_rl.version import WeightVersionRef
-
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, RANKS), rank=rank,
-                            world_size=RANKS)
-    seed = safetensors.torch.load_file(str(Path(seed_dir) / "model.safetensors"))
-    steps = _steps(_policy(Path(tiny_model)))
-    names = [n for i, n in enumerate(seed) if i % RANKS == rank]
-    fmt = refit_pb2.WeightPayloadFormat
-
-    def version(uid: str) -> refit_pb2.WeightVersion:
-        base = dict(PLAN)[uid]
-        v = refit_pb2.WeightVersion(
-            uid=uid, model_name=MODEL, payload_format=fmt.Value(
-                "WEIGHT_PAYLOAD_FORMAT_XOR_DELTA" if base else
-                "WEIGHT_PAYLOAD_FORMAT_FULL_HF_CHECKPOINT"),
-            object_storage=refit_pb2.ObjectStorageSource(
-                uri=f"{PREFIX}/{uid}/{art.INDEX}", storage_type=refit_pb2.OBJECT_STORAGE_TYPE_S3))
-        if base:
-            v.base_version_id = base
-        return v
-
-    service = types.SimpleNamespace(GetWeightVersion=lambda req, timeout: (
-        refit_pb2.GetWeightVersionResponse(version=version(req.uid))))
-    method = CanonicalDeltaPublicationMethod(
-        config=types.SimpleNamespace(uri_prefix=PREFIX, initial_base_version_id="seed"),
-        model_name=MODEL, service=lambda: service, rpc_timeout_seconds=5.0,
-        process_group=dist.group.WORLD,
-        read_seed_tensor=lambda n: seed[n].reshape(-1).view(torch.uint8).numpy(),
-        s3=S3Client(endpoint_url=endpoint, region_name="us-east-1"))
-    method.prepare_base(hf_tensor_iter=[[(n, seed[n]) for n in names]])
-    for uid, _ in PLAN:
-        ref = WeightVersionRef(uid)
-        staged = method.stage(version=ref, hf_tensor_iter=[[(n, steps[uid][n]) for n in names]])
-        method.publish(version=ref, staged=staged)
-    method.close()
-    dist.destroy_process_group()
+PLAN = (("mx-1", SEED), ("mx-2", "mx-1"), ("mx-3", None), ("mx-4", "mx-3"))
 
 
 @pytest.fixture(scope="module")
@@ -119,18 +67,8 @@ def mx_published(s3_server, tiny_model, tmp_path_factory):
     seed_dir.mkdir()
     seed = _policy(tiny_model)
     safetensors.torch.save_file(seed, str(seed_dir / "model.safetensors"))
-    ctx = multiprocessing.get_context("spawn")
-    with pytest.MonkeyPatch.context() as env:  # the ranks inherit the S3 credentials
-        for k, v in s3_server.env.items():
-            env.setenv(k, v)
-        ranks = [ctx.Process(target=_rank_main, args=(r, str(root / "gloo"), str(seed_dir),
-                                                      str(tiny_model), s3_server.endpoint_url))
-                 for r in range(RANKS)]
-        for p in ranks:
-            p.start()
-        for p in ranks:
-            p.join(240)
-    assert [p.exitcode for p in ranks] == [0] * RANKS
+    publish_with_modelexpress(root / "ranks", seed_dir / "model.safetensors", _steps(seed), PLAN,
+                              prefix=PREFIX, model=MODEL, s3_server=s3_server, ranks=RANKS)
     return {"seed_dir": seed_dir, "seed": seed, "steps": _steps(seed)}
 
 
@@ -181,7 +119,7 @@ async def test_rlfleet_stages_and_applies_what_modelexpress_published(s3, mx_pub
         applied = (None, seed_digest)
         for version, base in PLAN:
             source = {**src, "uri": f"{PREFIX}/{version}"}
-            if base == "seed":
+            if base == SEED:
                 source["base"] = {"path": str(mx_published["seed_dir"]), "digest": seed_digest}
             h = await _staged(area, version, source, applied)
             assert h.state is StageState.READY, h.error

@@ -20,7 +20,7 @@ from rlfleet.runtime.launch import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
-from tests.fleets import VLLM_FLAGS, wait_for_workers
+from tests.fleets import VLLM_FLAGS, wait_for_workers, weight_versions
 from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
@@ -102,15 +102,6 @@ def _greedy_each(fleet: LocalFleet) -> list[list[int]]:
     return out
 
 
-def _versions(fleet: LocalFleet) -> list[tuple[str, str]]:
-    out = []
-    for p in fleet.workers:
-        v = httpx.post(f"{p.ready['system_url']}/engine/get_weight_version", json={},
-                       timeout=10).json()
-        out.append((v["version"], v["weight_digest"]))
-    return out
-
-
 def test_full_then_two_deltas_from_s3_through_the_staged_path(setup, policies, s3_server):
     fleet, coordinator = setup["fleet"], setup["coordinator"]
     pub = Publisher(PREFIX, catalog=setup["catalog"], model=MODEL,
@@ -132,7 +123,7 @@ def test_full_then_two_deltas_from_s3_through_the_staged_path(setup, policies, s
             assert staged["format"] == ("full" if base is None else "xor-delta")
             assert staged["digest"] == published["digest"]
             assert staged["prepared"] == "swap"  # prepared while serving, swapped in gated
-        assert _versions(fleet) == [(v, published["digest"])] * 2
+        assert weight_versions(fleet) == [(v, published["digest"])] * 2
         expected = policies["probes"][v].token_ids
         assert _greedy(fleet) == [expected] * 6 and _greedy_each(fleet) == [expected] * 2, v
     # the journal holds stage and apply times and each worker's source
@@ -162,7 +153,7 @@ def test_a_delta_on_the_wrong_base_is_refused(setup, policies, s3_server):
     after = _greedy(fleet)
     assert after == before == [policies["probes"]["v3"].token_ids] * len(before)
     assert _greedy_each(fleet) == [policies["probes"]["v3"].token_ids] * 2
-    assert {v for v, _ in _versions(fleet)} == {"v3"}
+    assert {v for v, _ in weight_versions(fleet)} == {"v3"}
 
 
 def test_a_new_worker_takes_the_version_from_a_peer(setup, policies, s3_server):
@@ -193,7 +184,7 @@ def test_a_new_worker_takes_the_version_from_a_peer(setup, policies, s3_server):
         assert staged["source"]["url"] in {p.ready["system_url"] for p in fleet.workers[:2]}
         wait_for_workers(fleet.url, MODEL, 3)
         digest = checkpoint_digest(policies["ckpt"]["v3"])
-        assert _versions(fleet) == [("v3", digest)] * 3
+        assert weight_versions(fleet) == [("v3", digest)] * 3
         expected = policies["probes"]["v3"].token_ids
         assert _greedy_each(fleet) == [expected] * 3 and _greedy(fleet) == [expected] * 6
     finally:
