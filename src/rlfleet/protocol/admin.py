@@ -70,6 +70,13 @@ class Request(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=T
     with the wrong type (else a message that names the field and the type)."""
 
     MESSAGES: ClassVar[dict[str, str]] = {}
+    #: string fields that may not be empty (the refusal is the field's MESSAGES entry)
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for name in self.NON_EMPTY:
+            if not getattr(self, name):
+                raise AdminRequestError(self.MESSAGES[name])
 
 
 class NoFields(Request, kw_only=True, frozen=True, forbid_unknown_fields=True,
@@ -144,10 +151,7 @@ class AbortRequest(Request, kw_only=True, frozen=True):
     request_id: str  # the X-Request-Id or response id of the request
     MESSAGES: ClassVar[dict[str, str]] = {
         "request_id": "request_id is required (the X-Request-Id or response id of the request)"}
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            raise AdminRequestError(self.MESSAGES["request_id"])
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("request_id",)
 
 
 class DiskUpdateRequest(Request, kw_only=True, frozen=True):
@@ -167,10 +171,7 @@ class NewVersionRequest(Request, kw_only=True, frozen=True):
     new_version: str
     MESSAGES: ClassVar[dict[str, str]] = {
         "new_version": "new_version is required (a non-empty string)"}
-
-    def __post_init__(self) -> None:
-        if not self.new_version:
-            raise AdminRequestError(self.MESSAGES["new_version"])
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("new_version",)
 
 
 class CollectiveRpcRequest(Request, kw_only=True, frozen=True):
