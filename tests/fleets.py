@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from rlfleet.runtime.launch import LocalFleet, Proc
+from tests.etcd_server import free_port
 
 # float32 so logprobs can be compared with transformers; eager for a quick start
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
@@ -130,12 +130,6 @@ def routed(fleet: LocalFleet, expected: int | None = None, timeout: float = 5.0)
 
 
 # ---------------------------------------------------------------- vLLM's own server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
