@@ -128,8 +128,11 @@ def test_ray_fleet_restarts_a_killed_worker_gated_and_readmits_it(tmp_path, ray_
         assert back["pid"] != old["pid"] and not alive(old["pid"])
         pids.add(back["pid"])
         new_iid = int(back["ready"]["instance_id"])
-        health = httpx.get(f"{front['url']}/health", timeout=10).json()["workers"]
-        assert not next(w["usable"] for w in health if w["instance_id"] == new_iid)  # gated
+        def listed_new() -> dict | None:  # the frontend finds it on its next discovery poll
+            return next((w for w in httpx.get(f"{front['url']}/health", timeout=10)
+                         .json()["workers"] if w["instance_id"] == new_iid), None)
+        assert not wait_for(listed_new, 30, "the frontend to list the restarted worker")[
+            "usable"]  # gated
         admitted = asyncio.run(coordinator.admit_new_workers())
         assert admitted.ok and [w["instance_id"] for w in admitted.workers] == [new_iid]
         t.join(timeout=120)
