@@ -306,6 +306,49 @@ class StageRequest(Request, kw_only=True, frozen=True):
             raise AdminRequestError(_STAGE_VERSION)
 
 
+class FanoutOrigin(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where a fan-out downstream reads the chunks no holder can serve: the version's full
+    artifact (ranged reads, resumed from the chunk it has)."""
+
+    uri: str  # s3://bucket/prefix/VERSION, or a version directory (file:///dir/VERSION)
+    endpoint_url: str | None = None  # the S3 endpoint (default: the usual environment)
+
+
+class PeerFanout(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A peer source's `fanout`: pull the version chunk by chunk from the source's `url`
+    (the upstream) while the upstream itself still receives it; a downstream whose holder
+    dies or stalls mid-transfer goes on, from the chunk it has, at the next of `holders`,
+    then at `origin`. Every chunk is checked by its Adler-32, every tensor by the
+    artifact's when the manifest carries it, the whole version by its content digest."""
+
+    holders: list[str] = []  # other holders' system URLs, in the order to fail over to
+    origin: FanoutOrigin | None = None  # the artifact, when every holder fails
+    stall: float = 10.0  # seconds a holder may send nothing before the next one is tried
+
+    def __post_init__(self) -> None:
+        bad = [u for u in self.holders if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise AdminRequestError(f"source.fanout.holders: {bad[0]!r} is not a system URL "
+                                    "(http://host:port)")
+        if self.stall <= 0:
+            raise AdminRequestError("source.fanout.stall must be a positive number of seconds")
+        if self.origin is not None and not self.origin.uri:
+            raise AdminRequestError("source.fanout.origin.uri must be the version's URI")
+
+
+class FanoutProgress(msgspec.Struct, kw_only=True):
+    """A handle's part in a fan-out, as get_staged_weights lists it."""
+
+    chunks_total: int = 0
+    chunks_ready: int = 0  # chunks this worker holds (and serves) now
+    chunks_served: int = 0  # chunks it served to downstreams
+    chunks_from_staging: int = 0  # chunks received while their holder was still STAGING
+    corrupt_chunks: int = 0  # chunks refused by their Adler-32 (and fetched again)
+    failovers: int = 0  # times it moved on to another holder (or the origin)
+    origin_chunks: int = 0  # chunks read from the origin artifact
+    holder: str | None = None  # where chunks come from now ("origin": the artifact)
+
+
 def _check_handle(handle: str | None) -> None:
     if handle is not None and not handle:
         raise AdminRequestError(_HANDLE)
@@ -547,6 +590,7 @@ class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
     applied: bool = False
     prepared: str | None = None  # how the engine prepared it while serving
     seconds: float | None = None
+    fanout: FanoutProgress | None = None  # chunks served and received in a fan-out
     unreachable: bool = False
 
 

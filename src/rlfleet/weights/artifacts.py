@@ -31,7 +31,7 @@ import struct
 import threading
 import urllib.parse
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +68,9 @@ class ArtifactMissing(ArtifactError, FileNotFoundError):
 
 class WrongBase(ArtifactError):
     """A delta offered on a base other than the one it names."""
+
+
+STREAM_PIECE = 256 << 10  # bytes per piece of a streamed ranged read
 
 
 def shard_name(i: int, n: int) -> str:
@@ -331,6 +334,12 @@ class Storage(abc.ABC):
     def read(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Bytes [start, end) of `key` (the whole object without a range)."""
 
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        """Bytes [start, end) of `key` in pieces as they arrive (a reader can use each one
+        before the range is complete); the pieces may fall short of `end` when the
+        transfer breaks off."""
+        yield self.read(key, start, end)
+
     def write(self, key: str, data: bytes) -> None:
         raise ArtifactError(f"{self.uri} is read-only")
 
@@ -425,6 +434,19 @@ class S3Storage(Storage):
         with r["Body"] as body:
             return body.read()
 
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self._key(key),
+                                       Range=f"bytes={start}-{end - 1}")
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+                raise FileNotFoundError(f"{self.uri}/{key}") from None
+            raise
+        with r["Body"] as body:
+            yield from body.iter_chunks(STREAM_PIECE)
+
     def write(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
@@ -464,6 +486,18 @@ class HttpStorage(Storage):
         if start is not None and r.status_code == 200:  # the server ignored the range
             data = data[start:end]
         return data
+
+    def stream(self, key: str, start: int, end: int) -> Iterator[bytes]:
+        url = f"{self.base}/weights/{key}"
+        with self.http.stream("GET", url, headers={"Range": f"bytes={start}-{end - 1}"}) as r:
+            if r.status_code == 404:
+                raise FileNotFoundError(f"{url}: {r.read()[:200]!r}")
+            if r.status_code == 200:  # the server ignored the range
+                yield r.read()[start:end]
+                return
+            if r.status_code != 206:
+                raise ArtifactError(f"{url}: HTTP {r.status_code} {r.read()[:200]!r}")
+            yield from r.iter_bytes(STREAM_PIECE)
 
     def close(self) -> None:
         self.http.close()

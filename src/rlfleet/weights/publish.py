@@ -181,19 +181,27 @@ def version_file_response(directory: Path | None, version: str, file: str):
     return FileResponse(directory / file)
 
 
-def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
-    """``GET /weights/{version}/{file}`` on `app`; `lookup(version)` gives the version's
-    directory or None. With `admin_token`, requests must carry it (peers do)."""
+def unauthorized(request: Request, admin_token: str | None):
+    """The 401 for a request to a weights route that lacks the admin token (None: it may
+    pass)."""
     import hmac
 
     from fastapi.responses import JSONResponse
 
+    if admin_token and not hmac.compare_digest(
+            request.headers.get("authorization", "").encode(), f"Bearer {admin_token}".encode()):
+        return JSONResponse({"error": "Unauthorized", "message": "this route needs "
+                             "'Authorization: Bearer <admin token>'"}, status_code=401)
+    return None
+
+
+def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
+    """``GET /weights/{version}/{file}`` on `app`; `lookup(version)` gives the version's
+    directory or None. With `admin_token`, requests must carry it (peers do)."""
+
     async def version_file(version: str, file: str, request: Request):
-        if admin_token and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(),
-                f"Bearer {admin_token}".encode()):
-            return JSONResponse({"error": "Unauthorized", "message": "this route needs "
-                                 "'Authorization: Bearer <admin token>'"}, status_code=401)
+        if (refused := unauthorized(request, admin_token)) is not None:
+            return refused
         return version_file_response(lookup(version), version, file)
     app.add_api_route("/weights/{version}/{file}", version_file, methods=["GET"])
 

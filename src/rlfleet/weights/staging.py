@@ -42,13 +42,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from rlfleet.protocol.admin import AdminRequestError, weights_path
+from rlfleet.protocol import fanout as fanout_wire
+from rlfleet.protocol.admin import (
+    AdminRequestError,
+    FanoutOrigin,
+    FanoutProgress,
+    PeerFanout,
+    weights_path,
+)
+from rlfleet.protocol.fanout import FanoutManifest, FanoutTensor
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan
 from rlfleet.weights.digest import DigestBuilder, checkpoint_digest, checkpoint_files, non_finite
+from rlfleet.weights.fanout import CHUNK_BYTES, Chunk, ChunkBoard, Held, specs_of
 
 log = logging.getLogger("rlfleet.weights.staging")
 
@@ -94,7 +104,8 @@ class DeltaBase:
 
 _COMMON_FIELDS = ("kind", "timeout", "chain", "max_bytes_per_s", "base")
 SOURCE_FIELDS: dict[str, tuple[str, ...]] = {
-    "disk": ("path",), "s3": ("uri", "endpoint_url"), "trainer": ("url",), "peer": ("url",)}
+    "disk": ("path",), "s3": ("uri", "endpoint_url"), "trainer": ("url",),
+    "peer": ("url", "fanout")}
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,7 @@ class Source:
     chain: bool = False
     max_bytes_per_s: float | None = None
     base: DeltaBase = DeltaBase()
+    fanout: PeerFanout | None = None  # a peer source pulled chunk by chunk (weights.fanout)
 
     def describe(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind}
@@ -120,6 +132,8 @@ class Source:
                 out["endpoint_url"] = self.endpoint_url
         else:
             out["url"] = self.location or None
+        if self.fanout is not None:
+            out["fanout"] = msgspec.to_builtins(self.fanout)
         return out
 
 
@@ -178,7 +192,22 @@ def parse_source(raw: Any, version: str, allowed_roots: list[Path] | None = None
             not isinstance(url, str) or not url.startswith(("http://", "https://"))):
         raise StageRequestError("source.url must be a peer's system URL (http://host:port), or "
                                 "leave it out to take any peer the catalog lists")
-    return Source(kind, (url or "").rstrip("/"), version, **common)
+    fanout = _parse_fanout(raw["fanout"], url) if "fanout" in raw else None
+    return Source(kind, (url or "").rstrip("/"), version, fanout=fanout, **common)
+
+
+def _parse_fanout(raw: Any, url: Any) -> PeerFanout:
+    """A peer source's `fanout` object → PeerFanout (StageRequestError names what is wrong)."""
+    if url is None:
+        raise StageRequestError("source.url is required with source.fanout: the upstream "
+                                "worker's system URL")
+    try:
+        return msgspec.convert(raw, PeerFanout)
+    except msgspec.ValidationError as e:
+        if isinstance(e.__cause__, AdminRequestError):
+            raise StageRequestError(str(e.__cause__)) from None
+        raise StageRequestError(f"source.fanout: {e} (it takes holders: [SYSTEM_URL, ...], "
+                                "origin: {uri, endpoint_url}, stall: SECONDS)") from None
 
 
 def _local_dir(field_name: str, path: str, allowed_roots: list[Path] | None) -> Path:
@@ -246,6 +275,8 @@ class StagedVersion:
     peer: str | None = None  # the peer actually used
     prepared: str | None = None  # how the engine prepared it while serving (None: it did not)
     base: DeltaBase = DeltaBase()  # a delta's base: the request's, completed from the catalog
+    board: ChunkBoard | None = None  # what of it this worker holds and serves to downstreams
+    fanout: FanoutProgress | None = None  # its chunks received and served (with `board`)
 
     def move(self, new: StageState) -> None:
         if new not in TRANSITIONS[self.state]:
@@ -262,7 +293,7 @@ class StagedVersion:
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "tensors_done": self.tensors_done, "tensors_total": self.tensors_total,
                 "digest": self.digest, "error": self.error, "applied": self.applied,
-                "prepared": self.prepared,
+                "prepared": self.prepared, "fanout": self.fanout,
                 "seconds": round((self.finished_at or time.time()) - self.started_at, 3)}
 
 
@@ -444,20 +475,65 @@ class _Fetcher:
                 else:
                     self.cancel.wait(ahead)
 
+    def fill(self, key: str, start: int, end: int, dst: np.ndarray,
+             progress: Callable[[int], None]) -> None:
+        """Bytes [start, end) of `key` into `dst`, streamed: `progress(n)` after each piece
+        written; a transfer that breaks off resumes after the last byte written, until the
+        deadline."""
+        got, delay, last = 0, 0.1, None
+        while got < end - start:
+            if self.cancel.is_set():
+                raise ArtifactError("released while staging")
+            if time.monotonic() >= self.deadline:
+                raise ArtifactError(f"{self.what}: transfer deadline passed"
+                                    + (f" (last error: {last})" if last else ""))
+            try:
+                for piece in self.storage.stream(key, start + got, end):
+                    n = min(len(piece), end - start - got)
+                    dst[got:got + n] = np.frombuffer(piece, dtype=np.uint8, count=n)
+                    got += n
+                    self._throttle(n)
+                    progress(n)
+                    if self.cancel.is_set():
+                        raise ArtifactError("released while staging")
+                if got < end - start:
+                    last = f"short read of {key} ({got} of {end - start} bytes)"
+            except FileNotFoundError as e:
+                raise art.ArtifactMissing(f"{self.what}: {key} not found ({e})") from None
+            except ArtifactError as e:
+                if "HTTP 5" not in str(e):
+                    raise
+                last = str(e)
+            except Exception as e:  # noqa: BLE001 - any transport failure: resume the range
+                last = f"{type(e).__name__}: {e}"
+            if got < end - start:
+                log.warning("%s: %s; resuming at byte %d", self.what, last, start + got)
+                time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
+                delay = min(delay * 2, 2.0)
+
     def read_entry(self, plan: VersionPlan, e: Entry, out: np.ndarray | None,
-                   progress: Callable[[int], None]) -> np.ndarray:
-        """The entry's bytes, chunk by chunk (a failure re-reads only the chunk); into `out`
-        when given, else a new array."""
+                   progress: Callable[[int], None],
+                   filled: Callable[[int], None] | None = None) -> np.ndarray:
+        """The entry's bytes, range by range, streamed (a failure resumes after the last
+        byte written); into `out` when given, else a new array. `filled(n)`: the first n
+        bytes are written."""
         n = e.end - e.start
         dst = out if out is not None else np.empty(n, dtype=np.uint8)
         pos = 0
         chunk = CHUNK if not self.rate else max(1 << 16, min(CHUNK, int(self.rate / 4)))
         while pos < n:
             m = min(chunk, n - pos)
-            data = self(f"{plan.key}/{e.file}", e.start + pos, e.start + pos + m)
-            dst[pos:pos + m] = np.frombuffer(data, dtype=np.uint8)
+            done = pos
+
+            def landed(k: int) -> None:
+                nonlocal done
+                done += k
+                progress(k)
+                if filled is not None:
+                    filled(done)
+            self.fill(f"{plan.key}/{e.file}", e.start + pos, e.start + pos + m,
+                      dst[pos:pos + m], landed)
             pos += m
-            progress(m)
         return dst
 
 
@@ -552,13 +628,23 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
 
     staged = StagedFiles(root / f"{h.version}.{h.handle}", specs)
     h.dir = staged.dir
+    # downstreams may pull what has landed: in the order it lands (a full version's entries,
+    # a delta's tensors by name); what a base is overwritten by is served only at the end
+    order = specs if mode == "full" else sorted(specs, key=lambda s: s.name)
+    live = mode in ("full", "resident")
+    h.fanout = FanoutProgress()
+    h.board = ChunkBoard(order, staged.slots, {e.name: e.checksum for e in first.entries}
+                         if mode == "full" else None, stats=h.fanout)
     try:
         if mode == "resident":
-            _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h)
+            _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h,
+                         h.board)
         else:
-            _fill_plans(plans, staged, progress, h, base if mode == "path" else None)
+            _fill_plans(plans, staged, progress, h, base if mode == "path" else None,
+                        h.board if live else None)
         h.tensors_done = len(specs)
         staged.finish()
+        h.board.complete()
         digest = staged.digest()
     except BaseException as e:
         moved.fail(repr(e))
@@ -572,8 +658,8 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
 
 
 def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
-                progress: Callable[[int], None], h: StagedVersion, base: DeltaBase | None
-                ) -> None:
+                progress: Callable[[int], None], h: StagedVersion, base: DeltaBase | None,
+                board: ChunkBoard | None = None) -> None:
     """Fill `staged` from a full version (or checkpoint), then apply each delta in place; a
     `base` given with a digest is checked to have it before the first delta is applied."""
     for i, (fetch, plan) in enumerate(plans):
@@ -581,7 +667,7 @@ def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
         if plan.format == "xor-delta":
             _apply_delta(fetch, plan, staged, staged.slots, dict(staged.checksums), progress, h)
             continue
-        _fill_full(fetch, plan, staged, progress, h)
+        _fill_full(fetch, plan, staged, progress, h, board)
         if i == 0 and base is not None and base.digest is not None:
             got = staged.digest()
             if got != base.digest:
@@ -590,7 +676,10 @@ def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
 
 
 def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
-               progress: Callable[[int], None], h: StagedVersion) -> None:
+               progress: Callable[[int], None], h: StagedVersion,
+               board: ChunkBoard | None = None) -> None:
+    """Each tensor's bytes into its slot (marked on `board` as they land), checked against
+    the artifact's Adler-32."""
     names = {e.name for e in plan.entries}
     if names != set(staged.specs):
         raise ArtifactError(f"{plan.key}: holds different tensors than expected")
@@ -599,7 +688,8 @@ def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
             raise ArtifactError(f"{plan.key}: tensor {e.name} is {e.spec.dtype}{list(e.spec.shape)}, "
                                 f"expected {staged.specs[e.name].dtype}{list(staged.specs[e.name].shape)}")
         slot = staged.slots[e.name]
-        fetch.read_entry(plan, e, slot, progress)
+        fetch.read_entry(plan, e, slot, progress, None if board is None else
+                         (lambda n, name=e.name: board.advance(name, n)))
         got = art.adler32_hex(slot)
         if e.checksum is not None and got != e.checksum:
             raise ArtifactError(f"tensor {e.name}: Adler-32 {got} does not match the artifact's "
@@ -610,7 +700,8 @@ def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
 
 def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
                  base: dict[str, np.ndarray], base_sums: dict[str, str],
-                 progress: Callable[[int], None], h: StagedVersion) -> None:
+                 progress: Callable[[int], None], h: StagedVersion,
+                 board: ChunkBoard | None = None) -> None:
     changed = {e.name: e for e in plan.entries}
     unknown = sorted(set(changed) - set(staged.specs))
     if unknown:
@@ -625,14 +716,248 @@ def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
                     slot[:] = base[name]
                 staged.checksums[name] = base_sums.get(name) or art.adler32_hex(slot)
                 h.tensors_done += 1
+                if board is not None:
+                    board.advance(name, slot.nbytes)
             else:
                 yield name, fetch.read_entry(plan, e, None, progress), base[name], slot, e.checksum
 
     def done(name: str, checksum: str) -> None:
         staged.checksums[name] = checksum
         h.tensors_done += 1
+        if board is not None:
+            board.advance(name, staged.specs[name].nbytes)
 
     art.decode_deltas(jobs(), done)
+
+
+# ---------------------------------------------------------------- a fan-out downstream
+
+
+class _Holders:
+    """Where a fan-out downstream takes chunks from: its upstream, then each failover holder
+    in turn (never back: a holder that failed is passed for good), then the origin."""
+
+    def __init__(self, h: StagedVersion, src: Source, admin_token: str | None) -> None:
+        import httpx
+
+        assert src.fanout is not None
+        self.h, self.urls, self.i = h, [src.location, *src.fanout.holders], 0
+        self.stall = src.fanout.stall
+        self.wait = min(fanout_wire.MAX_WAIT, self.stall)
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
+        self.http = httpx.Client(timeout=httpx.Timeout(READ_TIMEOUT + self.wait,
+                                                       connect=READ_TIMEOUT), headers=headers)
+
+    @property
+    def current(self) -> str | None:
+        return self.urls[self.i].rstrip("/") if self.i < len(self.urls) else None
+
+    def fail_over(self, why: str) -> None:
+        was = self.current
+        self.i += 1
+        self.h.fanout.failovers += 1
+        self.h.fanout.holder = self.current or "origin"
+        log.warning("fan-out of %s: holder %s: %s; going on at %s", self.h.version, was, why,
+                    self.h.fanout.holder)
+
+    def manifest(self, deadline: float) -> FanoutManifest | None:
+        """The first holder's manifest (each may take `stall` seconds to have one: it may
+        not have started staging yet); None when none answers (the origin's turn)."""
+        import httpx
+
+        while (url := self.current) is not None:
+            since = time.monotonic()
+            while True:
+                _check_live(self.h, deadline)
+                try:
+                    r = self.http.get(url + fanout_wire.manifest_path(self.h.version))
+                except httpx.HTTPError as e:
+                    self.fail_over(f"{type(e).__name__}: {e}")
+                    break
+                if r.status_code == 200:
+                    return msgspec.json.decode(r.content, type=FanoutManifest)
+                if r.status_code in (404, 503) and time.monotonic() - since < self.stall:
+                    time.sleep(0.05)
+                    continue
+                self.fail_over(f"manifest: HTTP {r.status_code} {r.text[:200]}")
+                break
+        return None
+
+    def chunk(self, c: Chunk, deadline: float) -> bytes | None:
+        """Chunk `c` from the current holder, checked by its Adler-32 (a corrupt copy is
+        fetched again; three in a row, or `stall` seconds without it, and the next holder is
+        tried); None when no holder is left (the origin's turn)."""
+        import httpx
+
+        since, corrupt = time.monotonic(), 0
+        while (url := self.current) is not None:
+            _check_live(self.h, deadline)
+            try:
+                r = self.http.get(url + fanout_wire.chunk_path(self.h.version, c.index),
+                                  params={"wait": self.wait})
+            except httpx.HTTPError as e:
+                self.fail_over(f"{type(e).__name__}: {e}")
+                since = time.monotonic()
+                continue
+            if r.status_code == 200:
+                data = r.content
+                if len(data) == c.end - c.start and \
+                        r.headers.get(fanout_wire.CHUNK_CHECKSUM) == art.adler32_hex(data):
+                    if r.headers.get(fanout_wire.HOLDER_STATE) == StageState.STAGING.value:
+                        self.h.fanout.chunks_from_staging += 1
+                    return data
+                self.h.fanout.corrupt_chunks += 1
+                corrupt += 1
+                log.warning("fan-out of %s: chunk %d from %s fails its Adler-32 (%d bytes); "
+                            "fetching it again", self.h.version, c.index, url, len(data))
+                if corrupt >= 3:
+                    self.fail_over(f"chunk {c.index} came corrupt {corrupt} times")
+                    since, corrupt = time.monotonic(), 0
+                continue
+            if r.status_code == 503 and time.monotonic() - since < self.stall:
+                continue
+            self.fail_over(f"chunk {c.index}: HTTP {r.status_code} {r.text[:200]}")
+            since = time.monotonic()
+        return None
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class _Origin:
+    """The version's artifact, read only for what no holder could serve (opened on first
+    use)."""
+
+    def __init__(self, h: StagedVersion, origin: FanoutOrigin | None, deadline: float) -> None:
+        self.h, self.origin, self.deadline = h, origin, deadline
+        self.storage: art.Storage | None = None
+        self.plan: VersionPlan | None = None
+        self.fetch: _Fetcher | None = None
+
+    def _open(self) -> VersionPlan:
+        if self.origin is None:
+            raise ArtifactError(f"fan-out of {self.h.version}: no holder could serve it and "
+                                "the source names no origin")
+        if self.plan is None:
+            parent, key = art.split_version_uri(self.origin.uri)
+            self.storage = art.open_storage(parent, self.origin.endpoint_url, READ_TIMEOUT)
+            self.fetch = _Fetcher(self.storage, f"fan-out origin {self.origin.uri}",
+                                  self.deadline, self.h.cancel, None)
+            plan = art.plan_version(self.fetch, key, version=self.h.version)
+            if plan.format == "xor-delta":
+                raise ArtifactError(f"fan-out origin {self.origin.uri} is a delta; the origin "
+                                    "must be a full version")
+            self.plan = plan
+        return self.plan
+
+    def manifest(self) -> FanoutManifest:
+        plan = self._open()
+        return FanoutManifest(
+            version=self.h.version, state="READY", chunk_bytes=CHUNK_BYTES,
+            tensors=[FanoutTensor(e.name, e.spec.dtype, list(e.spec.shape), e.checksum)
+                     for e in plan.entries], chunks_total=0, chunks_ready=0)
+
+    def read(self, c: Chunk, spec: TensorSpec) -> bytes:
+        plan = self._open()
+        e = next((e for e in plan.entries if e.name == c.name), None)
+        if e is None or e.spec != spec:
+            raise ArtifactError(f"fan-out origin {self.origin.uri}: tensor {c.name} is not "
+                                "the holders' one")
+        out = np.empty(c.end - c.start, dtype=np.uint8)
+        self.fetch.fill(f"{plan.key}/{e.file}", e.start + c.start, e.start + c.end, out,
+                        lambda n: None)
+        self.h.fanout.origin_chunks += 1
+        return out.tobytes()
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+
+def _check_live(h: StagedVersion, deadline: float) -> None:
+    if h.cancel.is_set():
+        raise ArtifactError("released while staging")
+    if time.monotonic() >= deadline:
+        raise ArtifactError(f"fan-out of {h.version}: transfer deadline passed")
+
+
+def fanout_transfer(h: StagedVersion, src: Source, root: Path,
+                    admin_token: str | None = None) -> Resident:
+    """Pull `h`'s version chunk by chunk from the source's holders (its upstream first, the
+    failover holders, then the origin), serving what has landed to this worker's own
+    downstreams meanwhile (h.board); returns it as a Resident-to-be."""
+    assert src.fanout is not None
+    deadline = time.monotonic() + src.timeout
+    h.fanout = FanoutProgress(holder=src.location)
+    holders = _Holders(h, src, admin_token)
+    origin = _Origin(h, src.fanout.origin, deadline)
+    try:
+        manifest = holders.manifest(deadline) or origin.manifest()
+        if h.expected_digest is None and manifest.digest is not None:
+            h.expected_digest = manifest.digest
+        specs = specs_of(manifest)
+        h.format, h.tensors_total = "full", len(specs)
+        h.bytes_total = sum(s.nbytes for s in specs)
+        staged = StagedFiles(root / f"{h.version}.{h.handle}", specs)
+        h.dir = staged.dir
+        h.board = ChunkBoard(specs, staged.slots, {t.name: t.checksum for t in manifest.tensors},
+                             manifest.chunk_bytes, stats=h.fanout)
+        moved = Progress(f"staging {h.version} by fan-out from {src.location}", h.bytes_total)
+        try:
+            _pull_chunks(h, h.board, staged, holders, origin, deadline, moved)
+            staged.finish()
+            digest = staged.digest()
+        except BaseException as e:
+            moved.fail(repr(e))
+            staged.close()
+            shutil.rmtree(staged.dir, ignore_errors=True)
+            raise
+        moved.finish()
+        checksums = dict(staged.checksums)
+        staged.close()
+        return Resident(h.version, digest, staged.dir, staged.specs, checksums)
+    finally:
+        holders.close()
+        origin.close()
+
+
+def _pull_chunks(h: StagedVersion, board: ChunkBoard, staged: StagedFiles, holders: _Holders,
+                 origin: _Origin, deadline: float, moved: Progress) -> None:
+    """Every chunk in order into its slot; each finished tensor is checked against the
+    manifest's Adler-32, and one that fails is withdrawn and fetched again from the next
+    holder (or the origin)."""
+    first = {}
+    for c in board.chunks:
+        first.setdefault(c.name, c.index)
+    k = 0
+    while k < len(board.chunks):
+        c = board.chunks[k]
+        spec = staged.specs[c.name]
+        data = holders.chunk(c, deadline)
+        if data is None:
+            data = origin.read(c, spec)
+        slot = staged.slots.get(c.name)
+        if slot is not None:
+            slot[c.start:c.end] = np.frombuffer(data, dtype=np.uint8)
+        board.advance(c.name, c.end)
+        h.bytes_done += len(data)
+        moved.add(len(data))
+        k += 1
+        if c.end < spec.nbytes:
+            continue
+        got = art.adler32_hex(slot if slot is not None else b"")
+        want = board.checksums.get(c.name)
+        if want is not None and got != want:
+            if holders.current is None:
+                raise ArtifactError(f"tensor {c.name}: Adler-32 {got} does not match the "
+                                    f"artifact's {want}, from the origin too")
+            board.withdraw(c.name)
+            h.bytes_done -= spec.nbytes
+            holders.fail_over(f"tensor {c.name} fails its Adler-32 ({got}, not {want})")
+            k = first[c.name]
+            continue
+        staged.checksums[c.name] = got
+        h.tensors_done += 1
 
 
 # ---------------------------------------------------------------- the staging area
@@ -670,6 +995,7 @@ class StagingArea:
         self.handles: dict[str, StagedVersion] = {}
         self.resident: Resident | None = None
         self._staged: dict[str, Resident] = {}  # handle -> READY buffers
+        self._resident_board: ChunkBoard | None = None  # the resident copy, for downstreams
         self._tasks: set[asyncio.Task] = set()
 
     def attach(self, worker_id: str, system_url: str | None) -> None:
@@ -793,7 +1119,10 @@ class StagingArea:
                     log.warning("no catalog lease on %s: %s", h.version, e)
             if lease is not None:
                 renew = asyncio.get_running_loop().create_task(self._renew(h.version, lease))
-            if h.source.kind == "peer":
+            if h.source.fanout is not None:
+                result = await asyncio.to_thread(fanout_transfer, h, h.source, self.root,
+                                                 self.admin_token)
+            elif h.source.kind == "peer":
                 result = await self._from_peers(h, entry, applied)
             else:
                 storage = open_source_storage(h.source, min(READ_TIMEOUT, h.source.timeout))
@@ -837,8 +1166,11 @@ class StagingArea:
                     await self.catalog.release_lease(h.version, lease.lease_id)
                 except Exception as e:  # noqa: BLE001 - the lease expires anyway
                     log.warning("releasing the lease on %s: %r", h.version, e)
-            if h.dir is not None and h.state is not StageState.READY:
-                shutil.rmtree(h.dir, ignore_errors=True)
+            if h.state is not StageState.READY:
+                if h.board is not None:  # downstreams pulling from it go elsewhere (410)
+                    h.board.close()
+                if h.dir is not None:
+                    shutil.rmtree(h.dir, ignore_errors=True)
             h.done.set()
 
     async def _from_peers(self, h: StagedVersion, entry, applied) -> Resident:
@@ -893,6 +1225,18 @@ class StagingArea:
         r = self.resident
         return r.dir if r is not None and r.version == version else None
 
+    def held(self, version: str) -> Held | None:
+        """What this worker can serve of `version` to fan-out downstreams: the newest handle
+        staging it (or READY), else the resident copy (rlfleet.weights.fanout routes)."""
+        for h in reversed(self.handles.values()):
+            if h.version == version and h.board is not None and not h.board.closed \
+                    and h.state in (StageState.STAGING, StageState.READY):
+                return Held(h.board, lambda h=h: h.state.value, lambda h=h: h.digest)
+        r, board = self.resident, self._resident_board
+        if r is not None and r.version == version and board is not None and not board.closed:
+            return Held(board, lambda: StageState.READY.value, lambda: r.digest)
+        return None
+
     # ------------------------------------------------------------ apply / release
 
     async def applied(self, handle: str, engine_digest: str | None = None) -> None:
@@ -902,6 +1246,9 @@ class StagingArea:
         h, staged = self.ready(handle)
         staged.engine_digest = engine_digest
         old, self.resident = self.resident, staged
+        if self._resident_board is not None:
+            self._resident_board.close()
+        self._resident_board, h.board = h.board, None
         del self._staged[handle]
         h.applied = True
         h.move(StageState.RELEASED)
@@ -914,6 +1261,9 @@ class StagingArea:
         """The engine's weights came from elsewhere (disk, a trainer broadcast): the resident
         copy no longer describes them."""
         old, self.resident = self.resident, None
+        if self._resident_board is not None:
+            self._resident_board.close()
+            self._resident_board = None
         if old is not None:
             shutil.rmtree(old.dir, ignore_errors=True)
             await self._holder(old.version, add=False)
@@ -935,6 +1285,8 @@ class StagingArea:
         if h.state in (StageState.STAGING, StageState.READY, StageState.FAILED):
             h.cancel.set()
             h.move(StageState.RELEASED)
+            if h.board is not None:
+                h.board.close()
             staged = self._staged.pop(handle, None)
             if staged is not None:
                 shutil.rmtree(staged.dir, ignore_errors=True)

@@ -24,6 +24,7 @@ from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json,
 from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
+from rlfleet.weights.fanout import add_fanout_routes
 from rlfleet.weights.publish import add_weights_route
 from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.admission import Admission
@@ -254,6 +255,7 @@ class WorkerProcess:
                                                    self._toward), ss.port)
         if self.staging is not None:
             add_weights_route(app, self.staging.resident_dir, args.admin_token)
+            add_fanout_routes(app, self.staging.held, args.admin_token)
 
     # ---------------------------------------------------------------- what it says about itself
 
