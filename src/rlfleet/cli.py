@@ -393,6 +393,11 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
                          "trainer publisher's http://host:port")
     rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
                                                             "(default: boto3's own)")
+    rf.add_argument("--stage-fanout", type=int, default=0, metavar="K",
+                    help="with --staged and an S3 or directory --source: 0 (default), every "
+                         "worker pulls from the source; 1, a pipelined chain over the workers "
+                         "in discovery (only the first pulls from the source, each one serves "
+                         "the next while it still receives); K, a K-ary tree")
     rf.add_argument("--step", type=int, default=None,
                     help="the policy's fleet step (workers stamp it on every token; steps only "
                          "increase; default: one above the step the fleet serves)")

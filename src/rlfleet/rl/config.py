@@ -57,7 +57,11 @@ class RefreshConfig:
     host's address toward the workers), `master_port`: the distributed path's process group.
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
-    ahead of a serving worker."""
+    ahead of a serving worker. `stage_fanout` (the staged path, from an S3 or directory
+    source): 0, every worker pulls the version from the source; k >= 1, a pipelined
+    fan-out (rlfleet.weights.fanout): only the first worker in discovery pulls from the
+    source and each other one from a worker before it, a chain (1) or a k-ary tree, each
+    serving what it has while it still receives."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -81,6 +85,7 @@ class RefreshConfig:
     max_lag: int = 1
     min_serving: int = 1
     wave_size: int | None = None
+    stage_fanout: int = 0
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -129,7 +134,8 @@ class RefreshConfig:
             # `rlfleet recover` has no rolling settings: a recovery is synchronous
             mode=getattr(args, "mode", RefreshMode.SYNC), max_lag=getattr(args, "max_lag", 1),
             min_serving=getattr(args, "min_serving", 1),
-            wave_size=getattr(args, "wave_size", None))
+            wave_size=getattr(args, "wave_size", None),
+            stage_fanout=getattr(args, "stage_fanout", 0))
 
 
 def _check_counts(c: RefreshConfig) -> None:
@@ -147,3 +153,6 @@ def _check_counts(c: RefreshConfig) -> None:
         raise ValueError("min_serving must be at least 1")
     if c.wave_size is not None and (type(c.wave_size) is not int or c.wave_size < 1):
         raise ValueError("wave_size must be at least 1")
+    if type(c.stage_fanout) is not int or c.stage_fanout < 0:
+        raise ValueError("stage_fanout must be a non-negative integer (0: off, 1: a chain, "
+                         f"k: a k-ary tree), not {c.stage_fanout!r}")

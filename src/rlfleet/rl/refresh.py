@@ -78,7 +78,7 @@ def make_control(config: RefreshConfig) -> WorkerControl:
     if config.path is UpdatePath.SGLANG_DISK:
         return SglangControl(config.sglang_workers)
     if config.path is UpdatePath.VLLM_STAGED:
-        return VllmStagedControl(config.rl_url, config.model)
+        return VllmStagedControl(config.rl_url, config.model, fanout=config.stage_fanout)
     return VllmControl(config.rl_url, config.model,
                        distributed=config.path is UpdatePath.VLLM_DISTRIBUTED,
                        backend=config.transfer_backend, master_address=config.master_address,

@@ -17,6 +17,7 @@ import msgspec
 from rlfleet.protocol import admin
 from rlfleet.protocol.admin import (
     ApplyStagedRequest,
+    FanoutOrigin,
     HandleRequest,
     StagedListReply,
     StagedQuery,
@@ -32,6 +33,7 @@ from rlfleet.rl.control import (
     applied,
     gather_all,
 )
+from rlfleet.weights.fanout import fanout_sources
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
@@ -78,8 +80,12 @@ class VllmStagedControl(VllmControl):
     stages = True
 
     def __init__(self, rl_url: str, model: str | None = None, *,
-                 stage_timeout: float = 600.0, poll: float = 0.1) -> None:
+                 stage_timeout: float = 600.0, poll: float = 0.1, fanout: int = 0) -> None:
+        """`fanout`: 0, every worker pulls from the version's source; k >= 1, a pipelined
+        chain (1) or k-ary tree over the workers in discovery (rlfleet.weights.fanout)."""
         super().__init__(rl_url, model)
+        self.fanout = fanout
+        self.planned: dict[int, dict[str, Any]] = {}  # worker -> its fan-out source
         self.path = "vllm-staged"
         self.required_routes = LIFECYCLE_ROUTES | STAGED_ROUTES
         self.stage_timeout = stage_timeout
@@ -91,7 +97,22 @@ class VllmStagedControl(VllmControl):
         peers = [{"kind": "peer", "url": u, "timeout": self.stage_timeout}
                  for u in self.holders.get(target.version, []) if u != w.system_url]
         own = [dict(target.source, timeout=self.stage_timeout)] if target.source else []
-        return peers + own
+        planned = [self.planned[w.instance_id]] if w.instance_id in self.planned else []
+        return planned + peers + own
+
+    def _plan_fanout(self, ws: list[FleetWorker], target: Policy) -> None:
+        """Each worker's fan-out source, over the workers in discovery order (by instance):
+        the first from the version's source, the others from those before them."""
+        self.planned = {}
+        src = target.source or {}
+        if not self.fanout or len(ws) < 2 or src.get("kind") not in ("s3", "disk"):
+            return
+        uri = src["uri"] if src["kind"] == "s3" else f"file://{src['path']}"
+        origin = FanoutOrigin(uri=uri, endpoint_url=src.get("endpoint_url"))
+        ordered = sorted(ws, key=lambda w: w.instance_id)
+        sources = fanout_sources([w.system_url for w in ordered], target.version, origin,
+                                 degree=self.fanout, timeout=self.stage_timeout)
+        self.planned = {w.instance_id: s for w, s in zip(ordered, sources, strict=True)}
 
     async def _stage(self, ch: Channel, w: FleetWorker, target: Policy) -> StagedSummary:
         """Stage `target` on `w` (each source in turn until one is READY); the summary."""
@@ -136,7 +157,11 @@ class VllmStagedControl(VllmControl):
         self.staged = {}
         found = await self.discover(ch)
         ws = [w for i, w in found.items() if w.active and i not in skip]
-        results = await gather_all(self._stage(ch, w, target) for w in ws)
+        self._plan_fanout(ws, target)
+        try:
+            results = await gather_all(self._stage(ch, w, target) for w in ws)
+        finally:
+            self.planned = {}  # a worker staged later pulls from a holder or the source
         if ws and not any(r.state == "READY" for r in results):
             raise RefreshHeld(
                 f"staging {target.version} failed on every worker, nothing was gated and the "
