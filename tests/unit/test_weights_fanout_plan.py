@@ -1,0 +1,78 @@
+"""The fan-out's pure parts: the chunk table both sides compute, the chain and tree a
+coordinator lays out, a chunk board's marks, and the typed `fanout` of a peer source."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rlfleet.protocol.admin import FanoutOrigin, PeerFanout
+from rlfleet.weights.artifacts import TensorSpec
+from rlfleet.weights.fanout import ChunkBoard, chunk_table, fanout_sources
+from rlfleet.weights.staging import StageRequestError, parse_source
+
+ORIGIN = FanoutOrigin(uri="s3://weights/run/v1", endpoint_url="http://s3:9000")
+URLS = [f"http://w{i}:8081" for i in range(7)]
+
+
+def test_chunk_table_cuts_each_tensor_in_order():
+    specs = [TensorSpec("a", "U8", (10,)), TensorSpec("empty", "U8", (0,)),
+             TensorSpec("b", "F32", (2,))]
+    got = [(c.index, c.name, c.start, c.end) for c in chunk_table(specs, 4)]
+    assert got == [(0, "a", 0, 4), (1, "a", 4, 8), (2, "a", 8, 10), (3, "empty", 0, 0),
+                   (4, "b", 0, 4), (5, "b", 4, 8)]
+
+
+def test_a_chain_names_each_upstream_and_the_holders_above_it():
+    sources = fanout_sources(URLS[:4], "v1", ORIGIN, timeout=30)
+    assert sources[0] == {"kind": "s3", "uri": ORIGIN.uri, "endpoint_url": ORIGIN.endpoint_url,
+                          "timeout": 30}
+    assert [s["url"] for s in sources[1:]] == URLS[:3]
+    assert [s["fanout"]["holders"] for s in sources[1:]] == [[], [URLS[0]], [URLS[1], URLS[0]]]
+    assert all(s["fanout"]["origin"]["uri"] == ORIGIN.uri for s in sources[1:])
+
+
+def test_a_binary_tree_halves_the_depth():
+    sources = fanout_sources(URLS, "v1", ORIGIN, degree=2)
+    assert [s["url"] for s in sources[1:]] == [URLS[i] for i in (0, 0, 1, 1, 2, 2)]
+    assert sources[6]["fanout"]["holders"] == [URLS[0]]  # 6 <- 2 <- 0
+    assert sources[0]["kind"] == "s3"
+    disk = fanout_sources(URLS[:2], "v1", FanoutOrigin(uri="file:///data/v1"))
+    assert disk[0] == {"kind": "disk", "path": "/data/v1"}
+    with pytest.raises(ValueError, match="degree"):
+        fanout_sources(URLS, "v1", ORIGIN, degree=0)
+
+
+def test_a_board_serves_only_what_has_landed():
+    specs = [TensorSpec("a", "U8", (10,)), TensorSpec("b", "U8", (4,))]
+    slots = {"a": np.arange(10, dtype=np.uint8), "b": np.zeros(4, dtype=np.uint8)}
+    board = ChunkBoard(specs, slots, {"a": "x"}, chunk_bytes=4)
+    assert board.count == 0 and board.stats.chunks_total == 4
+    board.advance("a", 5)  # the first chunk of a, not yet the second
+    assert [board.is_ready(i) for i in range(4)] == [True, False, False, False]
+    assert board.read(0) == bytes([0, 1, 2, 3]) and board.stats.chunks_served == 1
+    board.advance("a", 10)
+    board.withdraw("a")  # written again: none of it is served meanwhile
+    assert board.count == 0
+    board.complete()
+    assert board.count == 4 and board.stats.chunks_ready == 4
+    m = board.manifest("v1", "STAGING", None)
+    assert m.chunks_total == 4 and m.tensors[0].checksum == "x" and m.tensors[1].checksum is None
+    board.close()
+    assert not board.is_ready(0)
+
+
+def test_the_fanout_of_a_peer_source_is_typed():
+    src = parse_source({"kind": "peer", "url": URLS[1], "fanout": {
+        "holders": [URLS[0]], "origin": {"uri": ORIGIN.uri}, "stall": 2}}, "v1")
+    assert src.fanout == PeerFanout(holders=[URLS[0]], origin=FanoutOrigin(uri=ORIGIN.uri),
+                                    stall=2.0)
+    assert src.describe()["fanout"]["holders"] == [URLS[0]]
+    for raw, message in (
+            ({"kind": "peer", "fanout": {}}, "source.url is required with source.fanout"),
+            ({"kind": "peer", "url": URLS[0], "fanout": {"holders": "x"}}, "source.fanout: "),
+            ({"kind": "peer", "url": URLS[0], "fanout": {"stall": -1}}, "stall must be"),
+            ({"kind": "peer", "url": URLS[0], "fanout": {"origin": {}}}, "source.fanout: "),
+            ({"kind": "s3", "uri": "s3://b/v1", "fanout": {}}, "unknown field fanout")):
+        with pytest.raises(StageRequestError, match=message):
+            parse_source(raw, "v1")
