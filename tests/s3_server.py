@@ -72,12 +72,15 @@ class S3Server:
     #: client socket of another process may hold when the server restarts on the same ports
     _OFF = ("s3.port.iceberg", "s3.port.lance")
 
-    def __init__(self, timeout: float = 60.0) -> None:
+    def __init__(self, timeout: float = 60.0, host: str = "127.0.0.1") -> None:
+        """`host`: the address it binds and serves on (another than loopback: inside a
+        network namespace of tests/netns.py, where the ports are that namespace's)."""
         self.dir = Path(tempfile.mkdtemp(prefix="rlfleet-s3-"))
         self.ports = {k: _free_port() for k in self._PORT_FLAGS}
         self.timeout = timeout
+        self.host = host
         self.proc: subprocess.Popen | None = None
-        self.endpoint_url = f"http://127.0.0.1:{self.ports['s3.port']}"
+        self.endpoint_url = f"http://{host}:{self.ports['s3.port']}"
         (self.dir / "s3.json").write_text(json.dumps({"identities": [{
             "name": "test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
@@ -110,7 +113,7 @@ class S3Server:
         raise AssertionError("unreachable")
 
     def _start(self) -> S3Server:
-        cmd = [weed_binary(), "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        cmd = [weed_binary(), "server", "-s3", f"-ip={self.host}", f"-ip.bind={self.host}",
                f"-dir={self.dir / 'data'}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
                f"-s3.config={self.dir / 's3.json'}", "-metricsPort=0", "-master.electionTimeout=1s",
                *(f"-{flag}={port}" for flag, port in self.ports.items()),

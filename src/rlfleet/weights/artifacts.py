@@ -444,8 +444,11 @@ class S3Storage(Storage):
             if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(f"{self.uri}/{key}") from None
             raise
-        with r["Body"] as body:
+        body = r["Body"]  # a StreamingBody (its context manager yields the raw stream)
+        try:
             yield from body.iter_chunks(STREAM_PIECE)
+        finally:
+            body.close()
 
     def write(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
