@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -91,30 +92,33 @@ def post(url: str, route: str, body: dict) -> dict:
 
 def stage(urls: list[str], sources: list[dict], digest: str, timeout: float,
           version_name: str = "v1") -> float:
-    """Stage on every worker at once; seconds until the last is READY (digest checked)."""
-    t0 = time.monotonic()
-    handles = [post(u, "stage_weights", {"version": version_name, "source": s,
-                                         "digest": digest})
-               ["handle"] for u, s in zip(urls, sources, strict=True)]
-    pending = dict(zip(urls, handles, strict=True))
-    try:
-        while pending:
-            for u, h in list(pending.items()):
-                [s] = post(u, "get_staged_weights", {"handle": h})["staged"]
-                if s["state"] == "STAGING":
-                    continue
-                if s["state"] != "READY" or s["digest"] != digest:
-                    raise RuntimeError(f"staging on {u} ended {s['state']}: {s}")
-                del pending[u]
-            if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"not READY within {timeout} s: {sorted(pending)}")
-            if pending:
+    """Stage on every worker at once (the requests sent together, as a coordinator does);
+    seconds until the last is READY (every digest checked)."""
+    def one(u: str, s: dict) -> None:
+        h = post(u, "stage_weights", {"version": version_name, "source": s,
+                                      "digest": digest})["handle"]
+        try:
+            while True:
+                [got] = post(u, "get_staged_weights", {"handle": h})["staged"]
+                if got["state"] != "STAGING":
+                    break
+                if time.monotonic() - t0 > timeout:
+                    raise RuntimeError(f"{u}: not READY within {timeout} s")
                 time.sleep(POLL)
-        return time.monotonic() - t0
-    finally:
-        for u, h in zip(urls, handles, strict=True):
+            if got["state"] != "READY" or got["digest"] != digest:
+                raise RuntimeError(f"staging on {u} ended {got['state']}: {got}")
+            done.append(time.monotonic())
+        finally:
             with contextlib.suppress(Exception):
                 post(u, "release_staged_weights", {"handle": h})
+
+    done: list[float] = []
+    t0 = time.monotonic()
+    # threads started here are in the caller's network namespace (the coordinator's host)
+    with ThreadPoolExecutor(len(urls)) as pool:
+        for f in [pool.submit(one, u, s) for u, s in zip(urls, sources, strict=True)]:
+            f.result()
+    return max(done) - t0
 
 
 def discovered(url: str, count: int) -> list[str]:

@@ -17,12 +17,12 @@ import httpx
 import pytest
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from rlfleet.protocol import fanout as wire
 from rlfleet.protocol.admin import FanoutOrigin
 from rlfleet.runtime.server import AppServer, bind_socket
-from rlfleet.weights.fanout import fanout_sources
+from rlfleet.weights.fanout import CHUNK_BYTES, fanout_sources
 from rlfleet.weights.publish import Publisher
 
 TOKEN = "fanout-s3cret"
@@ -94,7 +94,8 @@ def test_a_chain_serves_chunks_before_it_holds_the_version(fleet, store):
             assert h["state"] == "READY" and h["digest"] == store["v1"]["digest"], h
         head, middle, tail = (h["fanout"] for h in done)
         total = head["chunks_total"]
-        assert total == 32 and all(f["chunks_ready"] == total for f in (head, middle, tail))
+        assert total == store["v1"]["bytes_full"] // CHUNK_BYTES
+        assert all(f["chunks_ready"] == total for f in (head, middle, tail))
         # the middle worker got chunks from the head while the head still staged, and the
         # tail from the middle one while it was itself still receiving: a pipelined chain
         assert middle["chunks_from_staging"] > 0 and tail["chunks_from_staging"] > 0
@@ -122,8 +123,8 @@ def test_bad_fanout_sources_are_refused_by_name(fleet):
 
 class _CorruptingProxy:
     """An HTTP proxy in front of a worker's system server that flips one byte of chunk
-    `index` the first time it passes (keeping the holder's checksum header), from a thread
-    of the test process."""
+    `index` in the fan-out stream the first time it passes (the frame's Adler-32 is the
+    holder's), from a thread of the test process."""
 
     def __init__(self, upstream: str, index: int) -> None:
         self.upstream, self.index, self.seen = upstream.rstrip("/"), index, 0
@@ -137,18 +138,38 @@ class _CorruptingProxy:
         self.url = self.server.url
 
     async def _forward(self, path: str, request: Request) -> Response:
-        async with httpx.AsyncClient(timeout=30) as client:
-            r = await client.get(f"{self.upstream}/{path}", params=request.query_params,
-                                 headers={"Authorization": request.headers["authorization"]})
-        body = r.content
-        if r.status_code == 200 and path.endswith(f"/chunks/{self.index}"):
-            self.seen += 1
-            if self.seen == 1:
-                body = bytes([body[0] ^ 0xFF]) + body[1:]
-        keep = {k: r.headers[k] for k in (wire.CHUNK_CHECKSUM, wire.HOLDER_STATE,
-                                           wire.HOLDER_CHUNKS) if k in r.headers}
-        return Response(body, status_code=r.status_code, headers=keep,
-                        media_type=r.headers.get("content-type"))
+        client = httpx.AsyncClient(timeout=30)
+        r = await client.send(client.build_request(
+            "GET", f"{self.upstream}/{path}", params=request.query_params,
+            headers={"Authorization": request.headers["authorization"]}), stream=True)
+        if r.status_code != 200 or not path.endswith("/stream"):
+            body = await r.aread()
+            await r.aclose()
+            await client.aclose()
+            return Response(body, status_code=r.status_code,
+                            media_type=r.headers.get("content-type"))
+
+        async def frames():
+            buf, frame = bytearray(), wire.FRAME
+            try:
+                async for piece in r.aiter_raw():
+                    buf += piece
+                    while len(buf) >= frame.size:
+                        index, length, _, _ = frame.unpack_from(buf)
+                        if len(buf) < frame.size + length:
+                            break
+                        out = bytes(buf[:frame.size + length])
+                        del buf[:frame.size + length]
+                        if index == self.index:
+                            self.seen += 1
+                            if self.seen == 1:
+                                out = out[:frame.size] + bytes([out[frame.size] ^ 0xFF]) + \
+                                    out[frame.size + 1:]
+                        yield out
+            finally:
+                await r.aclose()
+                await client.aclose()
+        return StreamingResponse(frames(), media_type="application/octet-stream")
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(30)

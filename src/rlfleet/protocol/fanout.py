@@ -5,33 +5,33 @@ peer source's `fanout` (rlfleet.protocol.admin.PeerFanout).
 
 ``GET /fanout/<version>``: the manifest (`FanoutManifest`): the tensors in chunk order, the
 chunk size, what the holder has so far and, once it is READY, the version's content digest.
-``GET /fanout/<version>/chunks/<k>?wait=S``: chunk k's bytes, with their Adler-32 and the
-holder's state in headers; a chunk the holder does not have yet is waited for up to `wait`
-seconds (at most `MAX_WAIT`), then 503. 404: the holder has no such version (yet); 410: its
-staging of it failed or was released. Both need the admin token when the worker has one."""
+``GET /fanout/<version>/stream?start=K``: chunks K, K + 1, ... to the last, in one streamed
+response, each as it arrives at the holder: a `FRAME` (chunk index, length, Adler-32 of the
+bytes, whether the holder was still STAGING when it sent it) then the chunk's bytes. The
+stream stops short when the holder's staging fails or is released; a reader resumes with
+`start` at the chunk it lacks, from this holder or another. 404: the holder has no such
+version (yet); 410: its staging of it failed or was released. Both routes need the admin
+token when the worker has one."""
 
 from __future__ import annotations
+
+import struct
 
 import msgspec
 
 PREFIX = "/fanout"
 MANIFEST_PATH = PREFIX + "/{version}"
-CHUNK_PATH = PREFIX + "/{version}/chunks/{index}"
-#: the chunk's Adler-32 (8 hex digits) as the holder computed it over the bytes it sends
-CHUNK_CHECKSUM = "X-Rlfleet-Chunk-Adler32"
-#: the holder's staging state when it served the chunk (STAGING: it was still receiving)
-HOLDER_STATE = "X-Rlfleet-Holder-State"
-#: how many of the version's chunks the holder had when it served this one
-HOLDER_CHUNKS = "X-Rlfleet-Holder-Chunks"
-MAX_WAIT = 10.0  # seconds a chunk request may wait for the holder to receive the chunk
+STREAM_PATH = PREFIX + "/{version}/stream"
+#: a chunk's frame in the stream: index, length, Adler-32, 1 when the holder was STAGING
+FRAME = struct.Struct("<QIIB")
 
 
 def manifest_path(version: str) -> str:
     return MANIFEST_PATH.format(version=version)
 
 
-def chunk_path(version: str, index: int) -> str:
-    return CHUNK_PATH.format(version=version, index=index)
+def stream_path(version: str) -> str:
+    return STREAM_PATH.format(version=version)
 
 
 class FanoutTensor(msgspec.Struct, array_like=True, frozen=True):

@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlfleet.protocol import fanout as wire
 from rlfleet.protocol.admin import FanoutOrigin, FanoutProgress, PeerFanout
@@ -27,8 +27,8 @@ from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import TensorSpec
 from rlfleet.weights.publish import unauthorized
 
-CHUNK_BYTES = int(os.environ.get("RLFLEET_FANOUT_CHUNK_BYTES", 1 << 20))
-POLL = 0.01  # seconds between looks at the board while a chunk request waits
+CHUNK_BYTES = int(os.environ.get("RLFLEET_FANOUT_CHUNK_BYTES", 256 << 10))
+POLL = 0.005  # seconds between looks at the board while a stream waits for a chunk
 
 
 @dataclass(frozen=True)
@@ -147,32 +147,36 @@ def add_fanout_routes(app: Any, lookup: Callable[[str], Held | None],
         body = held.board.manifest(version, held.state(), held.digest())
         return Response(msgspec.json.encode(body), media_type="application/json")
 
-    async def chunk(version: str, index: int, request: Request, wait: float = 0.0):
+    async def stream(version: str, request: Request, start: int = 0):
         if (refused := unauthorized(request, admin_token)) is not None:
             return refused
         held = lookup(version)
         if held is None:
             return _error(404, "Not found", f"version {version} is not staged here (yet)")
-        if not 0 <= index < len(held.board.chunks):
+        if not 0 <= start < len(held.board.chunks):
             return _error(404, "Not found", f"{version} has chunks 0..{len(held.board.chunks) - 1}, "
-                          f"not {index}")
-        loop = asyncio.get_running_loop()
-        until = loop.time() + min(max(wait, 0.0), wire.MAX_WAIT)
-        while not held.board.is_ready(index):
-            state = held.state()
-            if held.board.closed or state in ("FAILED", "RELEASED"):
-                return _error(410, "Gone", f"this worker's staging of {version} is {state}")
-            if loop.time() >= until:
-                return _error(503, "Not yet", f"chunk {index} of {version} has not arrived here "
-                              f"yet ({held.board.count} of {len(held.board.chunks)} have)")
-            await asyncio.sleep(POLL)
-        data = held.board.read(index)
-        return Response(data, media_type="application/octet-stream", headers={
-            wire.CHUNK_CHECKSUM: art.adler32_hex(data), wire.HOLDER_STATE: held.state(),
-            wire.HOLDER_CHUNKS: str(held.board.count)})
+                          f"not {start}")
+        if held.state() in ("FAILED", "RELEASED"):
+            return _error(410, "Gone", f"this worker's staging of {version} is {held.state()}")
+        return StreamingResponse(_frames(held, start), media_type="application/octet-stream")
 
     app.add_api_route(wire.MANIFEST_PATH, manifest, methods=["GET"])
-    app.add_api_route(wire.CHUNK_PATH, chunk, methods=["GET"])
+    app.add_api_route(wire.STREAM_PATH, stream, methods=["GET"])
+
+
+async def _frames(held: Held, start: int) -> AsyncIterator[bytes]:
+    """Chunks `start`.. as they arrive on the board, each behind its frame; it stops short
+    when the holder's staging ends without them (the reader goes elsewhere)."""
+    board = held.board
+    for k in range(start, len(board.chunks)):
+        while not board.is_ready(k):
+            if board.closed or held.state() in ("FAILED", "RELEASED"):
+                return
+            await asyncio.sleep(POLL)
+        staging = held.state() == "STAGING"
+        data = board.read(k)
+        yield wire.FRAME.pack(k, len(data), int(art.adler32_hex(data), 16), staging)
+        yield data
 
 
 def fanout_sources(system_urls: Sequence[str], version: str, origin: FanoutOrigin, *,

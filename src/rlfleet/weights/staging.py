@@ -743,10 +743,11 @@ class _Holders:
         assert src.fanout is not None
         self.h, self.urls, self.i = h, [src.location, *src.fanout.holders], 0
         self.stall = src.fanout.stall
-        self.wait = min(fanout_wire.MAX_WAIT, self.stall)
+        self.refusal = ""  # the current holder's last refusal
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
-        self.http = httpx.Client(timeout=httpx.Timeout(READ_TIMEOUT + self.wait,
-                                                       connect=READ_TIMEOUT), headers=headers)
+        # a holder that sends nothing for `stall` seconds is passed (read timeout)
+        self.http = httpx.Client(timeout=httpx.Timeout(self.stall, connect=READ_TIMEOUT),
+                                 headers=headers)
 
     @property
     def current(self) -> str | None:
@@ -783,42 +784,38 @@ class _Holders:
                 break
         return None
 
-    def chunk(self, c: Chunk, deadline: float) -> bytes | None:
-        """Chunk `c` from the current holder, checked by its Adler-32 (a corrupt copy is
-        fetched again; three in a row, or `stall` seconds without it, and the next holder is
-        tried); None when no holder is left (the origin's turn)."""
+    def stream(self, start: int, accept: Callable[[int, bytes, bool], None],
+               deadline: float) -> bool:
+        """Chunks from `start` on, streamed from the current holder into `accept(index,
+        bytes, holder_was_staging)` (each checked by its Adler-32 first). Returns False when
+        the holder cannot serve (yet): the caller tries again or fails over; raises
+        _Corrupt for a chunk that fails its check; returns True when the stream ended."""
         import httpx
 
-        since, corrupt = time.monotonic(), 0
-        while (url := self.current) is not None:
-            _check_live(self.h, deadline)
-            try:
-                r = self.http.get(url + fanout_wire.chunk_path(self.h.version, c.index),
-                                  params={"wait": self.wait})
-            except httpx.HTTPError as e:
-                self.fail_over(f"{type(e).__name__}: {e}")
-                since = time.monotonic()
-                continue
-            if r.status_code == 200:
-                data = r.content
-                if len(data) == c.end - c.start and \
-                        r.headers.get(fanout_wire.CHUNK_CHECKSUM) == art.adler32_hex(data):
-                    if r.headers.get(fanout_wire.HOLDER_STATE) == StageState.STAGING.value:
-                        self.h.fanout.chunks_from_staging += 1
-                    return data
-                self.h.fanout.corrupt_chunks += 1
-                corrupt += 1
-                log.warning("fan-out of %s: chunk %d from %s fails its Adler-32 (%d bytes); "
-                            "fetching it again", self.h.version, c.index, url, len(data))
-                if corrupt >= 3:
-                    self.fail_over(f"chunk {c.index} came corrupt {corrupt} times")
-                    since, corrupt = time.monotonic(), 0
-                continue
-            if r.status_code == 503 and time.monotonic() - since < self.stall:
-                continue
-            self.fail_over(f"chunk {c.index}: HTTP {r.status_code} {r.text[:200]}")
-            since = time.monotonic()
-        return None
+        url = self.current
+        assert url is not None
+        frame = fanout_wire.FRAME
+        with self.http.stream("GET", url + fanout_wire.stream_path(self.h.version),
+                              params={"start": start}) as r:
+            if r.status_code != 200:
+                self.refusal = f"HTTP {r.status_code} {r.read()[:200]!r}"
+                if r.status_code == 404:
+                    return False
+                raise httpx.HTTPStatusError(self.refusal, request=r.request, response=r)
+            buf = bytearray()
+            for piece in r.iter_raw():
+                buf += piece
+                while len(buf) >= frame.size:
+                    index, length, checksum, staging = frame.unpack_from(buf)
+                    if len(buf) < frame.size + length:
+                        break
+                    data = bytes(buf[frame.size:frame.size + length])
+                    del buf[:frame.size + length]
+                    if int(art.adler32_hex(data), 16) != checksum:
+                        raise _Corrupt(index)
+                    accept(index, data, bool(staging))
+                _check_live(self.h, deadline)
+        return True
 
     def close(self) -> None:
         self.http.close()
@@ -921,43 +918,96 @@ def fanout_transfer(h: StagedVersion, src: Source, root: Path,
         origin.close()
 
 
+class _Corrupt(Exception):
+    """A chunk failed its Adler-32 on the way."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"chunk {index} fails its Adler-32")
+        self.index = index
+
+
+class _Rewind(Exception):
+    """A whole tensor failed the artifact's Adler-32: fetch it again from elsewhere."""
+
+
 def _pull_chunks(h: StagedVersion, board: ChunkBoard, staged: StagedFiles, holders: _Holders,
                  origin: _Origin, deadline: float, moved: Progress) -> None:
-    """Every chunk in order into its slot; each finished tensor is checked against the
-    manifest's Adler-32, and one that fails is withdrawn and fetched again from the next
-    holder (or the origin)."""
-    first = {}
+    """Every chunk in order into its slot: streamed from the current holder, resumed at the
+    chunk it lacks after a broken stream, from the next holder after a refusal, a stall or
+    three corrupt chunks in a row, from the origin once no holder is left."""
+    import httpx
+
+    first: dict[str, int] = {}
     for c in board.chunks:
         first.setdefault(c.name, c.index)
-    k = 0
-    while k < len(board.chunks):
-        c = board.chunks[k]
-        spec = staged.specs[c.name]
-        data = holders.chunk(c, deadline)
-        if data is None:
-            data = origin.read(c, spec)
-        slot = staged.slots.get(c.name)
-        if slot is not None:
-            slot[c.start:c.end] = np.frombuffer(data, dtype=np.uint8)
-        board.advance(c.name, c.end)
-        h.bytes_done += len(data)
-        moved.add(len(data))
-        k += 1
-        if c.end < spec.nbytes:
+    nxt, corrupt, since = 0, 0, time.monotonic()
+
+    def accept(index: int, data: bytes, staging: bool) -> None:
+        nonlocal nxt, corrupt, since
+        if index != nxt:
+            raise ArtifactError(f"fan-out of {h.version}: holder sent chunk {index}, not {nxt}")
+        nxt = _land(h, board, staged, board.chunks[index], data, first, moved)
+        corrupt, since = 0, time.monotonic()
+        if staging:
+            h.fanout.chunks_from_staging += 1
+
+    while nxt < len(board.chunks):
+        _check_live(h, deadline)
+        if holders.current is None:
+            c = board.chunks[nxt]
+            nxt = _land(h, board, staged, c, origin.read(c, staged.specs[c.name]), first, moved)
             continue
-        got = art.adler32_hex(slot if slot is not None else b"")
-        want = board.checksums.get(c.name)
-        if want is not None and got != want:
-            if holders.current is None:
-                raise ArtifactError(f"tensor {c.name}: Adler-32 {got} does not match the "
-                                    f"artifact's {want}, from the origin too")
-            board.withdraw(c.name)
-            h.bytes_done -= spec.nbytes
-            holders.fail_over(f"tensor {c.name} fails its Adler-32 ({got}, not {want})")
-            k = first[c.name]
-            continue
-        staged.checksums[c.name] = got
-        h.tensors_done += 1
+        try:
+            if holders.stream(nxt, accept, deadline):
+                continue  # ended: resume (a holder whose staging failed refuses next)
+            if time.monotonic() - since < holders.stall:
+                time.sleep(0.05)  # it has not started on this version yet
+                continue
+            holders.fail_over(f"no copy after {holders.stall:g} s ({holders.refusal})")
+        except _Corrupt as e:
+            h.fanout.corrupt_chunks += 1
+            corrupt += 1
+            log.warning("fan-out of %s: %s from %s; fetching it again", h.version, e,
+                        holders.current)
+            if corrupt >= 3:
+                holders.fail_over(f"chunk {e.index} came corrupt {corrupt} times")
+                corrupt = 0
+        except _Rewind as e:
+            nxt = first[board.chunks[nxt].name]  # the failed tensor's first chunk
+            holders.fail_over(str(e))
+        except httpx.HTTPError as e:
+            holders.fail_over(f"{type(e).__name__}: {e}")
+        since = time.monotonic()
+
+
+def _land(h: StagedVersion, board: ChunkBoard, staged: StagedFiles, c: Chunk, data: bytes,
+          first: dict[str, int], moved: Progress) -> int:
+    """Chunk `c` into its slot and onto the board; at a tensor's end, the tensor checked
+    against the manifest's Adler-32 (_Rewind, the tensor withdrawn, when it fails).
+    Returns the next chunk's index."""
+    spec = staged.specs[c.name]
+    slot = staged.slots.get(c.name)
+    if len(data) != c.end - c.start:
+        raise ArtifactError(f"chunk {c.index} has {len(data)} bytes, not {c.end - c.start}")
+    if slot is not None:
+        slot[c.start:c.end] = np.frombuffer(data, dtype=np.uint8)
+    board.advance(c.name, c.end)
+    h.bytes_done += len(data)
+    moved.add(len(data))
+    if c.end < spec.nbytes:
+        return c.index + 1
+    got = art.adler32_hex(slot if slot is not None else b"")
+    want = board.checksums.get(c.name)
+    if want is not None and got != want:
+        board.withdraw(c.name)
+        h.bytes_done -= spec.nbytes
+        if h.fanout.holder == "origin":
+            raise ArtifactError(f"tensor {c.name}: Adler-32 {got} does not match the "
+                                f"artifact's {want}, from the origin too")
+        raise _Rewind(f"tensor {c.name} fails its Adler-32 ({got}, not {want})")
+    staged.checksums[c.name] = got
+    h.tensors_done += 1
+    return c.index + 1
 
 
 # ---------------------------------------------------------------- the staging area
