@@ -81,8 +81,11 @@ def version(mib: int) -> dict[str, torch.Tensor]:
             for i in range(max(1, (mib << 20) // per))}
 
 
+HTTP = httpx.Client(timeout=30)  # one client for every call (a client per call costs CPU)
+
+
 def post(url: str, route: str, body: dict) -> dict:
-    r = httpx.post(f"{url}/engine/{route}", json=body, timeout=30)
+    r = HTTP.post(f"{url}/engine/{route}", json=body)
     r.raise_for_status()
     out = r.json()
     if out.get("status") != "ok":
