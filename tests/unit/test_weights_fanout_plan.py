@@ -76,3 +76,25 @@ def test_the_fanout_of_a_peer_source_is_typed():
             ({"kind": "s3", "uri": "s3://b/v1", "fanout": {}}, "unknown field fanout")):
         with pytest.raises(StageRequestError, match=message):
             parse_source(raw, "v1")
+
+
+def test_the_staged_coordinator_lays_a_chain_over_discovery_order():
+    from rlfleet.protocol.identity import PolicyIdentity
+    from rlfleet.rl.control import FleetWorker
+    from rlfleet.rl.policy import Policy
+    from rlfleet.rl.staged import VllmStagedControl
+
+    ws = [FleetWorker(i, URLS[i], None) for i in (3, 1, 2)]
+    target = Policy(PolicyIdentity(version="v1"), source={
+        "kind": "s3", "uri": ORIGIN.uri, "endpoint_url": ORIGIN.endpoint_url})
+    control = VllmStagedControl("http://frontend:8001", fanout=1, stage_timeout=30)
+    control._plan_fanout(ws, target)
+    first = {w.instance_id: control._sources(target, w)[0] for w in ws}
+    assert first[1]["kind"] == "s3"  # the lowest instance id pulls from S3
+    assert first[2]["url"] == URLS[1] and first[3]["url"] == URLS[2]
+    assert first[3]["fanout"]["holders"] == [URLS[1]] and first[3]["timeout"] == 30
+    # the version's own source stays the fallback of every worker
+    assert control._sources(target, ws[0])[-1]["kind"] == "s3"
+    off = VllmStagedControl("http://frontend:8001")
+    off._plan_fanout(ws, target)
+    assert all(off._sources(target, w)[0]["kind"] == "s3" for w in ws)
