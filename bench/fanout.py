@@ -31,6 +31,8 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -194,6 +196,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"({sent / size:.2f} x the version)", flush=True)
         fleet.stop()  # every process ends before its namespace goes
         s3.close()
+    shutil.rmtree(work, ignore_errors=True)  # kept (the workers' logs) when the run failed
     lo, hi = min(hosts), max(hosts)
     out = {"hosts": hosts, "rate_mbit": args.rate_mbit, "version_mib": round(size / 2**20, 1),
            "seconds": {m: {n: round(v["s"], 2) for n, v in t.items()} for m, t in table.items()},
@@ -212,6 +215,8 @@ def main() -> None:
     args = p.parse_args()
     if (why := unavailable()) is not None:
         sys.exit(f"bench/fanout.py needs network namespaces: {why}")
+    # a SIGTERM (a timeout) unwinds like an error: the processes, namespaces and limits go
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     out = run(args)
     lo, hi = min(out["hosts"]), max(out["hosts"])
     print(f"time(N={hi}) / time(N={lo}): S3 alone {out['s3_only_ratio']:.2f} (baseline), "
