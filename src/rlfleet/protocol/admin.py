@@ -287,7 +287,7 @@ class DistributedRequest(Request, kw_only=True, frozen=True):
 
 _SOURCE = ('source is required: {"kind": "disk", "path": DIR} | {"kind": "s3", "uri": '
            '"s3://bucket/prefix/VERSION"} | {"kind": "trainer", "url": URL} | {"kind": "peer"'
-           '[, "url": SYSTEM_URL]}')
+           '[, "url": SYSTEM_URL[, "fanout": {"holders", "origin", "stall"}]]}')
 _STAGE_VERSION = ('version is required (the name of the version to stage), with source: '
                   '{"kind": "disk"|"s3"|"trainer"|"peer", ...}')
 _HANDLE = "handle is required (the one stage_weights returned; get_staged_weights lists them)"

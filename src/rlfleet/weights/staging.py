@@ -8,6 +8,10 @@ Sources (a stage request's ``source``):
   ``{"kind": "s3", "uri": "s3://b/prefix/V", "endpoint_url": URL}``
   ``{"kind": "trainer", "url": URL}``                     a trainer's publisher
   ``{"kind": "peer", "url": SYSTEM_URL}`` or ``{"kind": "peer"}`` (any holder in the catalog)
+  ``{"kind": "peer", "url": UPSTREAM, "fanout": {"holders": [URL, ...], "origin": {"uri":
+  URI, "endpoint_url": URL}, "stall": S}}``   chunk by chunk from a worker that may itself
+                                          still be staging it, failing over to `holders`,
+                                          then `origin` (rlfleet.weights.fanout)
 Options on any source: ``"timeout"`` (seconds for the whole transfer), ``"chain": true``
 (replay a delta's chain from the last full version when the worker does not hold its
 base), ``"max_bytes_per_s"`` (leave bandwidth to serving), ``"base"``: the delta's base,
@@ -20,7 +24,8 @@ checkpoint, never uploaded). Any other field is refused by name.
 The staged buffers are a full-layout version directory (index + shards with Adler-32
 metadata) in the staging root, by default in shared memory: the engine loads from it, and
 once applied it is the worker's resident copy, served to peers and used as the base of the
-next delta. Every transfer has a deadline, re-requests a dropped range (resume), and ends
+next delta. While a version is staged its chunks are served to fan-out downstreams as they
+land (the handle's ChunkBoard). Every transfer has a deadline, re-requests a dropped range (resume), and ends
 READY or FAILED with a message that says what happened; nothing is applied from a handle
 that is not READY."""
 
