@@ -2,8 +2,9 @@
 processes (the mocker is a simulator: staging here is the real staging code and the real
 chunk plane of the system server; no engine behaviour is claimed). A chain serves chunks
 before it holds the whole version; a worker killed while its downstreams pull from it leaves
-every other one READY with the version's digest; a chunk corrupted on the wire is refused by
-its Adler-32 and fetched again."""
+every other one READY with the version's digest; a downstream left without holders resumes
+from the origin at the chunk it lacks; a chunk corrupted on the wire is refused by its
+Adler-32 and fetched again."""
 
 from __future__ import annotations
 
@@ -195,6 +196,31 @@ def test_a_corrupt_chunk_is_refused_by_its_adler32_and_fetched_again(fleet, stor
             _release([a, b], handles)
     finally:
         proxy.close()
+
+
+def test_a_downstream_resumes_from_the_origin_when_no_holder_is_left(fleet, store):
+    """The upstream's staging is released mid-transfer and the downstream names no other
+    holder: it reads the chunks it still lacks from the origin artifact, not the whole
+    version again."""
+    a, b = (w.ready["system_url"] for w in fleet.workers[:2])
+    sources = fanout_sources([a, b], "v1", FanoutOrigin(uri=f"file://{store['root'] / 'v1'}"))
+    sources[0]["max_bytes_per_s"] = RATE
+    handles = _stage_all([a, b], sources, store)
+    deadline = time.monotonic() + 60
+    while (_summary(b, handles[1]).get("fanout") or {}).get("chunks_ready", 0) == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert _summary(a, handles[0])["state"] == "STAGING"
+    _post(a, "release_staged_weights", {"handle": handles[0]})
+    down = _final(b, handles[1])
+    try:
+        assert down["state"] == "READY" and down["digest"] == store["v1"]["digest"], down
+        f = down["fanout"]
+        assert f["failovers"] == 1 and f["holder"] == "origin"
+        assert 0 < f["origin_chunks"] < f["chunks_total"]  # resumed, not started over
+        assert f["chunks_from_staging"] + f["origin_chunks"] == f["chunks_total"]
+    finally:
+        _post(b, "release_staged_weights", {"handle": handles[1]})
 
 
 def test_a_worker_killed_mid_fanout_leaves_the_others_ready(fleet, store):
