@@ -25,9 +25,9 @@ The staged buffers are a full-layout version directory (index + shards with Adle
 metadata) in the staging root, by default in shared memory: the engine loads from it, and
 once applied it is the worker's resident copy, served to peers and used as the base of the
 next delta. While a version is staged its chunks are served to fan-out downstreams as they
-land (the handle's ChunkBoard). Every transfer has a deadline, re-requests a dropped range (resume), and ends
-READY or FAILED with a message that says what happened; nothing is applied from a handle
-that is not READY."""
+land (the handle's ChunkBoard). Every transfer has a deadline, re-requests a dropped range
+(resume), and ends READY or FAILED with a message that says what happened; nothing is
+applied from a handle that is not READY."""
 
 from __future__ import annotations
 
