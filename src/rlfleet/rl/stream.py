@@ -445,7 +445,7 @@ class RolloutStream:
                 "min_serving" in result.reason and self.config.sync_fallback:
             rec["rolling_held"] = result.reason
             rec["mode"] = "sync"
-            if self._sync_coordinator is None:
+            if self._sync_coordinator is None:  # on the Fleet's journal (the Fleet closes it)
                 self._sync_coordinator = PolicyRefresh(
                     config=coord.config.replace(mode=RefreshMode.SYNC), journal=coord.journal,
                     rollout_gate=coord.rollout_gate, on_event=coord.on_event)
@@ -478,8 +478,6 @@ class RolloutStream:
             self.stats.fleet_idle_seconds += time.monotonic() - self._idle_since
             self._idle_since = None
         self.stats.ended = time.monotonic()
-        if self._sync_coordinator is not None:
-            self._sync_coordinator.close()
 
     # ------------------------------------------------------------ the public methods
 
