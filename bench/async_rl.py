@@ -167,6 +167,23 @@ def async_run(b: Bench, fleet_url: str, rl_url: str, journal: str, s: int) -> di
             "refresh_modes": sorted({r["mode"] for r in moved})}
 
 
+def combine(rs: list[dict]) -> dict:
+    """One mode's rounds as one run: rates and fractions over the summed time, staleness
+    over every trained token."""
+    wall, steps = sum(r["seconds"] for r in rs), sum(r["steps"] for r in rs)
+    out = {**rs[-1], "rounds": len(rs), "seconds": wall, "steps": steps,
+           "steps_per_hour": steps / wall * 3600,
+           "tokens_trained": sum(r["tokens_trained"] for r in rs),
+           "tokens_beyond_bound": sum(r["tokens_beyond_bound"] for r in rs),
+           "max_staleness_seen": max(r["max_staleness_seen"] for r in rs),
+           "per_round_steps_per_hour": [r["steps_per_hour"] for r in rs]}
+    for k in ("trainer_idle", "fleet_idle"):
+        out[k] = sum(r[k] * r["seconds"] for r in rs) / wall
+    out["mean_staleness"] = sum(r["mean_staleness"] * r["tokens_trained"] for r in rs) / \
+        max(1, out["tokens_trained"])
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12)
@@ -175,6 +192,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8, help="generated tokens per choice")
     p.add_argument("--gen-ratio", type=float, default=0.8,
                    help="a batch's generation time / the trainer's step time")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each mode, interleaved; the figures are over all of them")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-async-") as tmp:
         work = Path(tmp)
@@ -194,9 +213,14 @@ def main() -> int:
             for w in lf.workers:
                 w.wait_ready(120)
             (work / "mock").mkdir(exist_ok=True)
-            results = [sync_run(b, lf.url, lf.rl_url, str(work / "j-sync.sqlite"))]
-            for s in (1, 2):
-                results.append(async_run(b, lf.url, lf.rl_url, str(work / f"j-a{s}.sqlite"), s))
+            runs: dict[str, list[dict]] = {}
+            for r in range(a.rounds):  # interleaved, so that a busy moment hits every mode
+                one = sync_run(b, lf.url, lf.rl_url, str(work / f"j-sync-{r}.sqlite"))
+                runs.setdefault("sync", []).append(one)
+                for s in (1, 2):
+                    one = async_run(b, lf.url, lf.rl_url, str(work / f"j-a{s}-{r}.sqlite"), s)
+                    runs.setdefault(one["mode"], []).append(one)
+            results = [combine(rs) for rs in runs.values()]
     base = results[0]["steps_per_hour"]
     print(f"{'mode':<12} {'steps/h':>9} {'×sync':>6} {'trainer idle':>13} {'fleet idle':>11} "
           f"{'mean stale':>11} {'max stale':>10} {'beyond':>7}")

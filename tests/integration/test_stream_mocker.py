@@ -13,7 +13,7 @@ import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl import Fleet, PolicyRefresh, RetryPolicy, SampleRequest, SamplingSpec
-from rlfleet.rl.stream import StreamConfig, numbered
+from rlfleet.rl.stream import numbered
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import RL_PROBE_ENV, mock_args
 
@@ -102,12 +102,3 @@ def test_a_stale_sample_is_regenerated_and_never_handed(mf):
     ids = [s.sample.sample_id for s in handed]
     assert len(set(ids)) == len(ids)
 
-
-def test_stream_config_refuses_bad_settings():
-    with pytest.raises(ValueError, match="batch_size"):
-        StreamConfig(0)
-    with pytest.raises(ValueError, match="max_staleness"):
-        StreamConfig(4, -1)
-    with pytest.raises(ValueError, match="on_stale"):
-        StreamConfig(4, on_stale="keep")
-    assert StreamConfig(4, 2).max_ahead == 8
