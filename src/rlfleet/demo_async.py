@@ -6,7 +6,9 @@ policies at most `max_staleness` steps behind the trainer's (checked span by spa
 each step the trainer publishes step-N and a rolling refresh moves the two workers one at
 a time while the other serves. The trainer/engine logprob check compares each token with
 the trainer's recomputation under the policy that token came from (the trainer keeps the
-last few policies' weights), and the PPO ratio corrects for the staleness.
+last few policies' weights), and the update is decoupled PPO (the clip around the
+trainer's current policy, each token weighted by current / behaviour probability), so that
+a token one step old still moves the policy.
 
 The report adds, per step: each sample's staleness, the handed tokens per staleness, the
 seconds the trainer waited; and over the run: the trainer's and the fleet's idle
@@ -176,7 +178,7 @@ def train_async(run: DemoRun, lf: LocalFleet, trainer: GrpoTrainer, task: Sevens
             t0 = time.monotonic()
             mismatch = scorer.mismatch(batch)
             rollouts = to_rollouts(batch, task)
-            stats = trainer.step(rollouts)
+            stats = trainer.step(rollouts, decoupled=True)  # stale tokens: decoupled PPO
             version = f"step-{step}"
             path = save_checkpoint(trainer.state_dict(), base, out / "checkpoints" / version)
             digest = checkpoint_digest(path)
