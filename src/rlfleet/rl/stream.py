@@ -247,8 +247,9 @@ class RolloutStream:
         try:
             while True:
                 async with cond:
-                    await cond.wait_for(lambda: self._closed or self._ahead() < self.config.max_ahead)
-                    if self._closed:
+                    await cond.wait_for(lambda: self._closed or self._error is not None
+                                        or self._ahead() < self.config.max_ahead)
+                    if self._closed or self._error is not None:
                         return
                     item = self._next_request()
                     if item is None:  # the source is exhausted: wait for regenerations
@@ -289,11 +290,13 @@ class RolloutStream:
                 deadline=time.monotonic() + self.config.request_deadline)
         except (SampleFailed, AlreadyAdmitted) as e:
             log.info("stream: sample %s not admitted: %s", req.sample_id, e)
+        except Exception as e:  # a request that cannot be sent (ValueError, ...): say so
+            self._error = e
         async with self._changed:
             self._in_flight -= 1
             if got is None:
                 self.stats.failed += 1
-                if self.config.on_stale is OnStale.REGENERATE:
+                if self.config.on_stale is OnStale.REGENERATE and self._error is None:
                     self._regenerate(req, origin, generation)
             else:
                 self.stats.admitted += 1
