@@ -18,7 +18,9 @@ stream produces while the trainer trains. For each: optimizer steps per hour, tr
 idle fraction (waiting for samples or for a refresh), fleet idle fraction (no request in
 flight; a request held by the frontend for a newer policy counts as in flight, so this is
 a lower bound), and the mean and max staleness of the trained tokens, counted over every
-trained token from its span's policy step. Last line: one JSON object."""
+trained token from its span's policy step, and the trainer's seconds per step (on a small
+shared machine the fleet's processes slow the overlapped trainer down). Last line: one
+JSON object."""
 
 from __future__ import annotations
 
@@ -174,6 +176,7 @@ def combine(rs: list[dict]) -> dict:
     out = {**rs[-1], "rounds": len(rs), "seconds": wall, "steps": steps,
            "steps_per_hour": steps / wall * 3600,
            "tokens_trained": sum(r["tokens_trained"] for r in rs),
+           "train_seconds": sum(r["train_seconds"] for r in rs),
            "tokens_beyond_bound": sum(r["tokens_beyond_bound"] for r in rs),
            "max_staleness_seen": max(r["max_staleness_seen"] for r in rs),
            "per_round_steps_per_hour": [r["steps_per_hour"] for r in rs]}
@@ -223,11 +226,12 @@ def main() -> int:
             results = [combine(rs) for rs in runs.values()]
     base = results[0]["steps_per_hour"]
     print(f"{'mode':<12} {'steps/h':>9} {'×sync':>6} {'trainer idle':>13} {'fleet idle':>11} "
-          f"{'mean stale':>11} {'max stale':>10} {'beyond':>7}")
+          f"{'mean stale':>11} {'max stale':>10} {'beyond':>7} {'train s/step':>13}")
     for r in results:
         print(f"{r['mode']:<12} {r['steps_per_hour']:>9.0f} {r['steps_per_hour'] / base:>6.2f} "
               f"{r['trainer_idle']:>13.1%} {r['fleet_idle']:>11.1%} {r['mean_staleness']:>11.2f} "
-              f"{r['max_staleness_seen']:>10} {r['tokens_beyond_bound']:>7}")
+              f"{r['max_staleness_seen']:>10} {r['tokens_beyond_bound']:>7} "
+              f"{r['train_seconds'] / r['steps']:>13.2f}")
     print(json.dumps({"details": results}), file=sys.stderr)
     s1, s2 = results[1], results[2]
     print(json.dumps({"speedup_s1": round(s1["steps_per_hour"] / base, 3),
