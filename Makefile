@@ -8,7 +8,7 @@ RUN := set -a; . ./$(ENVFILE); set +a;
 # once), and every module on the session vLLM fleet in one (tests/conftest.py's scheduler)
 TEST_PROCESSES ?= 2
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo demo-async test lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 
 demo: setup
 	$(RUN) $(PY) -m rlfleet.cli demo
+
+demo-async: setup
+	$(RUN) $(PY) -m rlfleet.cli demo --async
 
 test: setup
 	$(RUN) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_PROCESSES) --dist loadfile \

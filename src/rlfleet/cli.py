@@ -32,12 +32,14 @@ def _digest(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from rlfleet.demo import DemoConfig, run_demo
+    from rlfleet.demo_async import train_async
 
     cfg = DemoConfig(out=Path(args.out), steps=args.steps, prompts=args.prompts,
                      group_size=args.group_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                     seed=args.seed, check_learning=not args.no_learning_check)
+                     seed=args.seed, check_learning=not args.no_learning_check,
+                     asynchronous=args.asynchronous, max_staleness=args.max_staleness)
     try:
-        report = run_demo(cfg)
+        report = run_demo(cfg, train_async if args.asynchronous else None)
     except KeyboardInterrupt:
         print("\nrlfleet demo: interrupted; every process it started is stopped", file=sys.stderr)
         return 130
@@ -487,6 +489,11 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     de.add_argument("--seed", type=int, default=0)
     de.add_argument("--no-learning-check", action="store_true",
                     help="do not require the reward to improve (for short runs)")
+    de.add_argument("--async", dest="asynchronous", action="store_true",
+                    help="the asynchronous loop: rollouts go on while the trainer trains, "
+                         "rolling refreshes, a staleness bound per token")
+    de.add_argument("--max-staleness", type=int, default=1,
+                    help="with --async: steps a trained token's policy may lag the trainer's")
     # the demo's own lines are its progress: the library's are for --log-level info / debug
     de.set_defaults(func=_demo, default_log_level="warning")
 

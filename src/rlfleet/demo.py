@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ class DemoConfig:
     check_learning: bool = True  # last-3 mean reward >= 2 x first step, and >= 2 x chance
     max_logprob_diff: float = 1e-3
     time_limit: float = 900.0
+    asynchronous: bool = False  # the loop of rlfleet.demo_async (set by its train_async)
+    max_staleness: int = 1  # asynchronous: steps a trained token's policy may lag
 
 
 class DemoFailed(RuntimeError):
@@ -94,6 +97,7 @@ class DemoRun:
     versions: list[dict[str, str]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    stream: dict[str, Any] | None = None  # the asynchronous loop's totals (StreamStats)
     error: str | None = None
 
 
@@ -402,6 +406,7 @@ def build_report(run: DemoRun) -> dict[str, Any]:
         "checks": {"max_logprob_diff_limit": cfg.max_logprob_diff,
                    "learning_checked": cfg.check_learning, "time_limit": cfg.time_limit},
         "refresh_events": run.events,
+        **({"stream": run.stream} if run.stream is not None else {}),
         "ok": not failures,
         "failures": failures,
     }
@@ -414,9 +419,11 @@ def _terminate(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Run the demo; returns the report (also written to OUT/report.json). `report["ok"]`
-    says whether every condition held; `report["failures"]` says which did not. Ctrl-C
+def run_demo(cfg: DemoConfig, loop: TrainLoop | None = None) -> dict[str, Any]:
+    """Run the demo (`loop`: the training loop, default `train`'s synchronous one; its
+    asynchronous one is rlfleet.demo_async.train_async); returns the report (also written
+    to OUT/report.json). `report["ok"]` says whether every condition held;
+    `report["failures"]` says which did not. Ctrl-C
     (and SIGTERM) stop the fleet and re-raise KeyboardInterrupt; other errors stop it and
     propagate, after the report of what ran is written."""
     out = Path(cfg.out).resolve()
@@ -427,7 +434,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     try:
         prepare_out(out)
         prepared = True
-        _run(run)
+        _run(run, loop or sync_loop)
     except DemoFailed as e:
         run.error = str(e)
     except BaseException as e:
@@ -444,7 +451,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return report
 
 
-def _run(run: DemoRun) -> None:
+def sync_loop(run: DemoRun, fleet: LocalFleet, trainer: GrpoTrainer, task: SevensTask,
+              base: Path, ids: set[int]) -> None:
+    asyncio.run(train(run, fleet, trainer, task, base, ids))
+
+
+TrainLoop = Callable[[DemoRun, LocalFleet, GrpoTrainer, SevensTask, Path, set[int]], None]
+
+
+def _run(run: DemoRun, loop: TrainLoop) -> None:
     cfg, out = run.cfg, run.out
     t0 = time.monotonic()
     base = make_model(out / "model", size="tiny", seed=cfg.seed, dtype="float32")
@@ -488,7 +503,7 @@ def _run(run: DemoRun) -> None:
         ids = {w["instance_id"] for w in run.fleet["workers"]}
         t2 = time.monotonic()
         try:
-            asyncio.run(train(run, fleet, trainer, task, base, ids))
+            loop(run, fleet, trainer, task, base, ids)
         finally:
             run.phases["training"] = time.monotonic() - t2
             print("stopping the fleet", flush=True)

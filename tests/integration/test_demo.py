@@ -85,3 +85,32 @@ def test_short_demo_trains_refreshes_and_cleans_up(tmp_path):
     # every process the demo started (each in its own process group) is gone
     assert len(fleet["pids"]) == 3
     assert not set(fleet["pids"]) & process_groups()
+
+
+def test_short_async_demo_bounds_staleness_and_cleans_up(tmp_path):
+    """`rlfleet demo --async`, short: the stream's batches, each token within one step of
+    the trainer, rolling refreshes that reopen the fleet every step, the per-policy logprob
+    check, the staleness and idle figures in the report and the plot."""
+    out = tmp_path / "demo-async"
+    run = subprocess.run(
+        [sys.executable, "-m", "rlfleet.cli", "demo", "--async", "--out", str(out), "--steps",
+         "3", "--prompts", "2", "--group-size", "4", "--warmup-steps", "15",
+         "--no-learning-check"], env=engine_env(), capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "all checks passed" in run.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["config"]["asynchronous"] and report["config"]["max_staleness"] == 1
+    assert [s["step"] for s in report["steps"]] == [1, 2, 3]
+    for s in report["steps"]:
+        assert s["admitted"] == 2 * 4 and len(s["sample_staleness"]) == 2
+        assert all(0 <= x <= 1 for x in s["sample_staleness"])
+        assert set(s["tokens_by_staleness"]) <= {"0", "1"}
+        assert sum(s["tokens_by_staleness"].values()) == 2 * 4 * 8
+        assert s["tokens_checked"] == 2 * 4 * 8 and s["max_abs_logprob_diff"] < 1e-3
+        assert s["refresh"]["decision"] == "reopened" and s["refresh"]["mode"] == "rolling"
+    stream = report["stream"]
+    assert stream["handed"] == 3 * 2 and stream["max_staleness_seen"] <= 1
+    assert 0 <= stream["trainer_idle_fraction"] <= 1 and 0 <= stream["fleet_idle_fraction"] <= 1
+    png = out / "report.png"
+    assert png.stat().st_size > 10_000
+    assert not set(report["fleet"]["pids"]) & process_groups()

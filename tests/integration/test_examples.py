@@ -33,7 +33,8 @@ def example_block(example: str, name: str) -> str:
 
 
 @pytest.mark.parametrize("example,name", [("trl_grpo.py", "TRL integration"),
-                                          ("openai_url_recipe.py", "generic recipe")])
+                                          ("openai_url_recipe.py", "generic recipe"),
+                                          ("trl_async_grpo.py", "TRL async")])
 def test_readme_blocks_are_the_examples_code(example, name):
     assert example_block(example, name) in [b.strip() for b in readme_blocks()]
 

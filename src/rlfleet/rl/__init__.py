@@ -33,4 +33,5 @@ from rlfleet.rl.probe import Probe, probe_from_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.retry import RetryPolicy
 from rlfleet.rl.sample import *  # noqa: F403  (its __all__: what a trainer builds and gets back)
+from rlfleet.rl.stream import OnStale, RolloutStream, StreamConfig, StreamedSample, StreamStats
 from rlfleet.rl.transaction import RefreshResult, RefreshState

@@ -24,6 +24,10 @@ serving while it moves, and admits by staleness instead: from the start of a ref
 step N, samples ask for (and are checked against) `PolicyBound(min_step=N - max_lag,
 max_lag=max_lag)`; samples whose tokens span two steps (an update under a keep-pause) need
 `allow_mixed_versions=True`.
+
+`stream_rollouts` runs the asynchronous loop (rlfleet.rl.stream): rollouts go on while the
+trainer trains, and every sample handed over is within `max_staleness` steps of the
+trainer's policy, token span by token span.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from rlfleet.rl.sample import (
     SampleRequest,
     SamplingSpec,
 )
+from rlfleet.rl.stream import RolloutStream, StreamConfig
 from rlfleet.rl.transaction import RefreshResult
 
 T = TypeVar("T")
@@ -213,6 +218,23 @@ class Fleet:
         """(version, digest) a sample must come from; (None, None): any."""
         expected = self.client.rules.expected
         return expected.version, expected.digest
+
+    def stream_rollouts(self, requests: Iterable[SampleRequest], batch_size: int, *,
+                        max_staleness: int = 1, start_step: int | None = None,
+                        **config: Any) -> RolloutStream:
+        """Start the asynchronous loop (rlfleet.rl.stream) on `requests` (an iterable of
+        SampleRequest, usually endless): `batch_size` samples per `next_batch`, none with a
+        token more than `max_staleness` steps behind the trainer's step (`start_step`:
+        the step the fleet serves now, default the coordinator's); `config`: the other
+        StreamConfig fields (max_ahead, on_stale, refresh_attempts, sync_fallback,
+        request_deadline)."""
+        if start_step is None:
+            current = self.coordinator.current if self.coordinator else None
+            start_step = current.step if current is not None and current.step is not None else 0
+        stream = RolloutStream(self, requests, StreamConfig(batch_size, max_staleness, **config),
+                               start_step)
+        self._run(stream._start())
+        return stream
 
     # ------------------------------------------------------------ policy refresh
 

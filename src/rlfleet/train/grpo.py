@@ -142,9 +142,14 @@ class GrpoTrainer:
         self.model.zero_grad(set_to_none=True)
         return losses
 
-    def step(self, rollouts: Sequence[Rollout]) -> StepStats:
+    def step(self, rollouts: Sequence[Rollout], *, decoupled: bool = False,
+             max_weight: float = 2.0) -> StepStats:
         """One GRPO update on the admitted rollouts (token-level mean of the clipped
-        surrogate), after measuring the trainer/engine logprob mismatch on every token."""
+        surrogate), after measuring the trainer/engine logprob mismatch on every token.
+        `decoupled` (for samples of older policies, the asynchronous loop): the clip is
+        around the trainer's current policy (the proximal one) and each token is weighted
+        by current / behaviour probability, capped at `max_weight` (decoupled PPO), so that
+        a stale token still moves the policy instead of being clipped away."""
         if not rollouts:
             raise ValueError("no rollouts to train on")
         adv = group_advantages(rollouts)
@@ -156,8 +161,11 @@ class GrpoTrainer:
             if old.shape != lp.shape:
                 raise ValueError(f"{len(r.logprobs)} engine logprobs for {lp.numel()} tokens")
             diffs.append((lp.detach() - old).abs())
-            ratio = torch.exp(lp - old)
-            terms.append(-torch.minimum(ratio * a, ratio.clamp(1 - self.clip, 1 + self.clip) * a))
+            anchor, weight = (lp.detach(), torch.exp(lp.detach() - old).clamp(max=max_weight)) \
+                if decoupled else (old, 1.0)
+            ratio = torch.exp(lp - anchor)
+            terms.append(-weight * torch.minimum(
+                ratio * a, ratio.clamp(1 - self.clip, 1 + self.clip) * a))
         loss = torch.cat(terms).mean()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,5 +1,6 @@
 """The demo's record: `report.json` (every step, the fleet, the checks) and `report.png`
-(reward, refresh time and trainer/engine logprob mismatch per step)."""
+(reward, refresh time and trainer/engine logprob mismatch per step; for the asynchronous
+loop also each sample's staleness and the trainer's and the fleet's idle fractions)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ def plot(report: dict[str, Any], path: Path) -> Path:
 
     steps = report["steps"]
     x = [s["step"] for s in steps]
-    fig, (ax_r, ax_t, ax_d) = plt.subplots(1, 3, figsize=(15, 4.2))
+    stream = report.get("stream")
+    fig, axes = plt.subplots(1, 4 if stream else 3, figsize=(20 if stream else 15, 4.2))
+    ax_r, ax_t, ax_d = axes[:3]
+    if stream:
+        staleness_panel(axes[3], steps, stream, report["config"].get("max_staleness"))
 
     ax_r.plot(x, [s["mean_reward"] for s in steps], "o-", label="rollouts of the step")
     final = report.get("final_eval")
@@ -62,10 +67,31 @@ def plot(report: dict[str, Any], path: Path) -> Path:
         ax.set_xticks(x)
     for ax in (ax_r, ax_t, ax_d):
         ax.grid(alpha=0.3)
-    fig.suptitle(f"rlfleet demo: GRPO on {report['fleet']['model']} "
+    fig.suptitle(f"rlfleet demo{' --async' if stream else ''}: GRPO on {report['fleet']['model']} "
                  f"({report['config']['prompts']} prompts × {report['config']['group_size']} "
                  f"samples per step), total {report['total_seconds']:.0f} s")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def staleness_panel(ax: Any, steps: list[dict[str, Any]], stream: dict[str, Any],
+                    bound: int | None) -> None:
+    """Each trained sample's staleness (steps its oldest token lags the trainer), by step;
+    the idle fractions in the title."""
+    from collections import Counter
+
+    for s in steps:
+        for st, n in Counter(s["sample_staleness"]).items():
+            ax.scatter([s["step"]], [st], s=30 + 25 * n, color="C0", alpha=0.7)
+            ax.annotate(str(n), (s["step"], st), fontsize=7, ha="center", va="center")
+    if bound is not None:
+        ax.axhline(bound, ls="--", color="red", label=f"max_staleness {bound}")
+        ax.legend(fontsize=8, loc="upper left")
+    ax.set(title=f"sample staleness (count); idle: trainer "
+                 f"{stream['trainer_idle_fraction']:.0%}, fleet {stream['fleet_idle_fraction']:.0%}",
+           xlabel="step", ylabel="steps behind the trainer")
+    ax.set_ylim(-0.5, (bound or 1) + 1)
+    ax.set_xticks([s["step"] for s in steps])
+    ax.grid(alpha=0.3)
