@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.frontend.kv import Prefix
 from rlfleet.frontend.router import Worker, WorkerPool, newest_step
 from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
@@ -274,8 +275,14 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     if bound is not None and bound.on_stale == "abort" and not req.stream:
         # step by step from the worker, so that a worker leaving the bound is seen mid-run
         req = msgspec.structs.replace(req, stream=True)
+    kv = pool.kv
+    prefix = Prefix(req.prompt_token_ids, req.cache_salt) \
+        if kv is not None and req.prompt_token_ids is not None else None
     for attempt in range(MAX_ATTEMPTS):
-        w = await pool.acquire(model, tried, bound)
+        w = await pool.acquire(model, tried, bound, prefix)
+        if kv is not None:
+            kv.routed(w.instance_id, prefix)
+            made: dict[int, list[int]] = {}
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -297,6 +304,12 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                     if type(ev) is Head:
                         ev.worker_id = w.instance_id
                         head_step = ev.weight_step
+                        if kv is not None and prefix is None:  # a text or chat prompt
+                            prefix = Prefix(ev.prompt_token_ids, req.cache_salt)
+                            kv.routed(w.instance_id, prefix)
+                if kv is not None and type(ev) is Step:
+                    for d in ev.choices:
+                        made.setdefault(d.index, []).extend(d.token_ids)
                         if stale is not None:
                             stale.first = head_step
                 if stale is not None and type(ev) is Step:
@@ -313,6 +326,8 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                                            if d.finish_reason is not None else d
                                            for d in ev.choices])
                 yield ev
+            if kv is not None:  # what a continuation of it will start with
+                kv.routed(w.instance_id, prefix, list(made.values()))
             return
         except WorkerError as e:
             kind = "unreachable" if e.retryable else "broken" if e.broken else "refused"

@@ -47,6 +47,7 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
@@ -62,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "model_name": "mock-model", "served_model_name": None, "vocab_size": 151936,
     "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
     "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
+    "block_size": 16, "kv_blocks": 8192, "prefill_delay": 0.0, "kv_events_config": None,
 }
 
 
@@ -85,6 +87,17 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
                    help=f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller")
     p.add_argument("--eos-prob", type=float, default=d["eos_prob"],
                    help="chance per token that a choice ends with EOS (mean length ~ 1/p)")
+    p.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per block of the simulated prefix cache (mocker/cache.py)")
+    p.add_argument("--kv-blocks", type=int, default=d["kv_blocks"],
+                   help="blocks the simulated prefix cache holds (least recently used go)")
+    p.add_argument("--prefill-delay", type=float, default=d["prefill_delay"],
+                   help="seconds per prompt token not in the simulated prefix cache, before "
+                        "the first token")
+    p.add_argument("--kv-events-config", default=d["kv_events_config"],
+                   help="publish the simulated cache's KV events as vLLM does, e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\' (port 0: any free port)')
 
 
 CHECKPOINT_FILE = "mock_weights.json"
@@ -193,10 +206,16 @@ class MockEngine(Engine, EngineControl):
             raise ValueError("max-batch must be at least 1")
         if o["max_model_len"] < 2:
             raise ValueError("max-model-len must be at least 2")
+        if o["prefill_delay"] < 0:
+            raise ValueError("prefill-delay must not be negative")
         name = o["served_model_name"] or o["model_name"]
+        self.cache = PrefixCache(name, o["block_size"], o["kv_blocks"],
+                                 parse_events_config(o["kv_events_config"]))
+        self.prefill_delay = o["prefill_delay"]
         self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",
                                vocab_size=vocab, max_model_len=o["max_model_len"],
-                               eos_token_ids=(eos,))
+                               eos_token_ids=(eos,), kv_events=self.cache.endpoint,
+                               kv_block_size=o["block_size"])
         self.eos = eos
         self.weights = MockWeights(o["seed"])  # loads swap this; tokens depend on it
         self.version_declared = False
@@ -380,10 +399,11 @@ class MockEngine(Engine, EngineControl):
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
         first = True
+        prefill = self.prefill_delay * (len(ids) - self.cache.lookup(ids, req.cache_salt))
         early = req.echo and req.stream  # prompt logprobs go in the first event
         generated = self.series.generated
         while live:
-            await self._nap(run, self.ttft if first else self._token_delay())
+            await self._nap(run, self.ttft + prefill if first else self._token_delay())
             first = False
             await self._wait(run, lambda: self._mode != "keep")  # frozen while paused (keep)
             if run.aborted:
@@ -399,6 +419,8 @@ class MockEngine(Engine, EngineControl):
             live = [ch for ch in live if ch.finish_reason is None]
         for ch in live:
             ch.finish_reason = "abort"
+        for ch in choices:  # what a continuation of it finds cached
+            self.cache.store(ids + ch.token_ids, req.cache_salt)
         final = choices if not req.stream else live
         if final:
             yield {"choices": [self._delta(ch, hold, want_lp) for ch in final]}
@@ -525,6 +547,7 @@ class MockEngine(Engine, EngineControl):
 
     async def shutdown(self) -> None:
         await self.abort_all()
+        self.cache.close()
 
     # ------------------------------------------------------------ control (EngineControl)
 
@@ -554,7 +577,8 @@ class MockEngine(Engine, EngineControl):
         self._wake_all()
 
     async def reset_cache(self, running: bool = False) -> bool:
-        return True  # no cache to reset
+        self.cache.clear()
+        return True
 
     async def set_weights(self, seed: int, version: str | None = None) -> None:
         """Switch the simulated weights (hence the token distribution); only while paused."""

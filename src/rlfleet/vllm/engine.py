@@ -203,6 +203,10 @@ class VllmEngine(Engine, EngineControl):
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
         self.info.world_size = self.llm.vllm_config.parallel_config.world_size_across_dp
+        self.info.kv_block_size = self.llm.vllm_config.cache_config.block_size
+        events = self.llm.vllm_config.kv_events_config  # --kv-events-config
+        if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
+            self.info.kv_events = events.endpoint
         self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
         self.traced = self.llm.observability_config.otlp_traces_endpoint is not None
         if Path(self.args.model).is_dir():

@@ -1,0 +1,324 @@
+"""KV-aware routing (`--router-mode kv`): send a request to the worker that already holds
+the longest prefix of its token IDs, unless that worker is overloaded.
+
+What the frontend knows of each worker's prefix cache (its `PrefixView`):
+- from the engine's own KV events (vLLM's `--kv-events-config` ZMQ publisher, or the
+  mocker's), where the worker's discovery entry names a publisher (`kv_events`): blocks
+  stored, removed, all cleared;
+- from its own record of what it routed where: the prompt blocks of every request it sent
+  there (at once, so that the G samples of a group sent together follow the first), and
+  the prompt + completion blocks of every finished choice (what a multi-turn
+  continuation starts with). For a worker with events this record only bridges the time
+  until the engine's events arrive (RECORD_TTL seconds); for a worker without events it
+  is all there is (the most recent MAX_RECORD_BLOCKS blocks: the frontend sees no
+  evictions).
+
+Block keys: the frontend does not compute vLLM's block hashes (their seed is per process
+unless PYTHONHASHSEED is shared). It chains its own key over each full block of token
+IDs (`block_keys`), from the request's token IDs and from the token IDs that every
+`BlockStored` event carries, and maps the engine's hashes to its keys for removals. A
+request's cache salt is part of its first block's key, as in vLLM.
+
+A view is cleared when the engine says so (`AllBlocksCleared`, which vLLM publishes when
+its prefix cache is reset: every policy refresh), when the worker's policy changes in
+discovery (weights, version or step: the refresh flushed the cache), when an event
+stream skips a sequence number, and when the worker leaves or comes back elsewhere.
+
+Scoring (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
+within the staleness bound): a worker is overloaded when (in-flight + 1) > threshold x
+(mean in-flight of the candidates + 1); among those that are not, the one with the most
+cached prefix blocks wins, then the least loaded, then round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from rlfleet.protocol import kv_events as kv
+
+log = logging.getLogger("rlfleet.router.kv")
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a worker's entry (kv_block_size) or events win
+DEFAULT_OVERLOAD = 1.5
+RECORD_TTL = 30.0  # seconds a routed-record block counts on a worker that sends events
+MAX_RECORD_BLOCKS = 200_000  # per worker without events
+
+
+def block_keys(tokens: Sequence[int], block_size: int, first_extra: Any = None,
+               parent: int | None = None) -> list[int]:
+    """The chained key of each full block of `tokens` (a partial last block has none):
+    key_i = hash(key_{i-1}, tokens of block i, what else went into it)."""
+    keys = []
+    for i in range(len(tokens) // block_size):
+        extra = first_extra if i == 0 and parent is None else None
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
+        keys.append(parent)
+    return keys
+
+
+def _extra(keys: list[Any] | None) -> Any:
+    """A BlockStored extra_keys entry as part of a key (the request side: (salt,))."""
+    return tuple(keys) if keys else None
+
+
+@dataclass
+class Prefix:
+    """What the router scores a request by: its prompt token IDs and cache salt."""
+
+    tokens: list[int]
+    salt: str | None = None
+
+    def keys(self, block_size: int) -> list[int]:
+        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None)
+
+
+@dataclass
+class PrefixView:
+    """One worker's prefix cache as the frontend knows it (see the module doc)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    has_events: bool = False
+    cached: set[int] = field(default_factory=set)  # from the engine's events
+    engine_keys: dict[kv.BlockHash, int] = field(default_factory=dict)  # its hash -> our key
+    record: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> when
+    last_seq: int | None = None
+
+    def clear(self) -> None:
+        self.cached.clear()
+        self.engine_keys.clear()
+        self.record.clear()
+
+    def overlap(self, keys: list[int]) -> int:
+        """How many leading blocks of `keys` this worker holds."""
+        if not keys:
+            return 0
+        oldest = time.monotonic() - RECORD_TTL if self.has_events else None
+        n = 0
+        for k in keys:
+            if k in self.cached:
+                n += 1
+                continue
+            at = self.record.get(k)
+            if at is None or (oldest is not None and at < oldest):
+                break
+            n += 1
+        return n
+
+    def note(self, keys: list[int]) -> None:
+        """The frontend's record: these blocks were sent (or generated) here."""
+        now = time.monotonic()
+        rec = self.record
+        for k in keys:
+            rec[k] = now
+            rec.move_to_end(k)
+        limit = MAX_RECORD_BLOCKS
+        if self.has_events:  # only a bridge until the events arrive
+            while rec and next(iter(rec.values())) < now - RECORD_TTL:
+                rec.popitem(last=False)
+        while len(rec) > limit:
+            rec.popitem(last=False)
+
+    def apply(self, ev: kv.KvEvent) -> None:
+        """One engine event."""
+        if type(ev) is kv.AllBlocksCleared:
+            self.clear()
+        elif type(ev) is kv.BlockStored:
+            if ev.medium in kv.OFFLOADED_MEDIA or not ev.block_hashes:
+                return
+            size = ev.block_size if len(ev.token_ids) == ev.block_size * len(ev.block_hashes) \
+                else len(ev.token_ids) // len(ev.block_hashes)
+            if size <= 0:
+                return
+            self.block_size = size
+            parent = None if ev.parent_block_hash is None \
+                else self.engine_keys.get(ev.parent_block_hash)
+            if ev.parent_block_hash is not None and parent is None:
+                return  # its parent was never seen (evicted, or before we subscribed)
+            extras = ev.extra_keys or []
+            for i, h in enumerate(ev.block_hashes):
+                block = ev.token_ids[i * size:(i + 1) * size]
+                extra = _extra(extras[i]) if i < len(extras) else None
+                parent = hash((parent, tuple(block), extra))
+                self.engine_keys[h] = parent
+                self.cached.add(parent)
+        elif type(ev) is kv.BlockRemoved:
+            if ev.medium in kv.OFFLOADED_MEDIA:
+                return
+            for h in ev.block_hashes:
+                k = self.engine_keys.pop(h, None)
+                if k is not None:
+                    self.cached.discard(k)
+
+
+class Candidate(Protocol):
+    instance_id: int
+    inflight: int
+
+
+class KvRouter:
+    """The views of every worker, their event subscriptions, and the choice."""
+
+    def __init__(self, overload: float = DEFAULT_OVERLOAD) -> None:
+        if not overload > 1.0:
+            raise ValueError(f"--kv-overload-threshold must be greater than 1, got {overload}")
+        self.overload = overload
+        self.views: dict[int, PrefixView] = {}
+        self._subs: dict[int, tuple[str, asyncio.Task]] = {}
+        self._policies: dict[int, tuple] = {}
+        self._rr = itertools.count()
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # ------------------------------------------------------------------ the choice
+
+    def view(self, iid: int) -> PrefixView:
+        v = self.views.get(iid)
+        if v is None:
+            v = self.views[iid] = PrefixView()
+        return v
+
+    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
+        """The worker for a request (see the module doc); `prefix` None: least loaded."""
+        mean = sum(w.inflight for w in candidates) / len(candidates)
+        fit = [w for w in candidates if w.inflight + 1 <= self.overload * (mean + 1)]
+        keys: dict[int, list[int]] = {}
+
+        def score(w: Candidate) -> tuple[int, int]:
+            if prefix is None:
+                return 0, -w.inflight
+            v = self.view(w.instance_id)
+            ks = keys.get(v.block_size)
+            if ks is None:
+                ks = keys[v.block_size] = prefix.keys(v.block_size)
+            return v.overlap(ks), -w.inflight
+
+        scored = [(score(w), w) for w in fit or candidates]
+        best = max(s for s, _ in scored)
+        tied = sorted((w for s, w in scored if s == best), key=lambda w: w.instance_id)
+        return tied[next(self._rr) % len(tied)]
+
+    def routed(self, iid: int, prefix: Prefix | None,
+               completions: Sequence[Sequence[int]] = ()) -> None:
+        """Record that `prefix` was sent to worker `iid` (and, when it finished, that these
+        completions followed it there)."""
+        if prefix is None:
+            return
+        v = self.view(iid)
+        if not completions:
+            v.note(prefix.keys(v.block_size))
+        for c in completions:
+            v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
+
+    # ------------------------------------------------------------------ membership
+
+    def sync(self, entries: dict[int, dict]) -> None:
+        """Follow the pool's live set: forget workers that left, clear the view of a
+        worker whose policy changed, (re)subscribe to each worker's KV events (when
+        called on an event loop)."""
+        try:
+            start_events = asyncio.get_running_loop() is not None
+        except RuntimeError:
+            start_events = False
+        for iid in list(self.views.keys() - entries.keys()):
+            self.forget(iid)
+        for iid, e in entries.items():
+            policy = (e.get("weight_digest"), e.get("weight_version"), e.get("weight_step"),
+                      e.get("stream_plane"))
+            if self._policies.get(iid, policy) != policy:
+                log.info("worker %s: policy or address changed; forgetting its prefix cache",
+                         iid)
+                self.view(iid).clear()
+            self._policies[iid] = policy
+            v = self.view(iid)
+            size = e.get("kv_block_size")
+            if type(size) is int and size > 0:
+                v.block_size = size
+            endpoint = e.get("kv_events")
+            sub = self._subs.get(iid)
+            if sub is not None and (sub[0] != endpoint or sub[1].done()):
+                sub[1].cancel()
+                del self._subs[iid]
+                sub = None
+            if sub is None:
+                v.has_events = isinstance(endpoint, str) and start_events
+            if v.has_events and sub is None:
+                self._subs[iid] = (endpoint, asyncio.create_task(self._follow(iid, endpoint)))
+
+    def forget(self, iid: int) -> None:
+        self.views.pop(iid, None)
+        self._policies.pop(iid, None)
+        sub = self._subs.pop(iid, None)
+        if sub is not None:
+            sub[1].cancel()
+
+    async def close(self) -> None:
+        tasks = [t for _, t in self._subs.values()]
+        self._subs.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------------ events
+
+    def on_message(self, iid: int, seq_bytes: bytes, body: bytes) -> None:
+        """One published batch of worker `iid`'s events."""
+        v = self.views.get(iid)
+        if v is None:
+            return
+        seq = int.from_bytes(seq_bytes, "big")
+        if v.last_seq is not None and seq != v.last_seq + 1:
+            log.warning("worker %s: KV events %s..%s lost; forgetting its prefix cache",
+                        iid, v.last_seq + 1, seq - 1)
+            v.clear()
+        v.last_seq = seq
+        try:
+            batch = kv.decode_batch(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("worker %s: not a KV event batch (%s); forgetting its prefix cache",
+                        iid, e)
+            v.clear()
+            return
+        for ev in batch.events:
+            v.apply(ev)
+
+    async def _follow(self, iid: int, endpoint: str) -> None:
+        """Read worker `iid`'s event publisher for as long as it is in the pool."""
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sock.connect(endpoint)
+            log.info("worker %s: following its KV events at %s", iid, endpoint)
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("worker %s: a KV event message of %d frames ignored", iid,
+                                len(frames))
+                    continue
+                self.on_message(iid, frames[1], frames[2])
+        except zmq.ZMQError as e:
+            log.warning("worker %s: KV events at %s unreadable (%s); routing it by the "
+                        "frontend's own record", iid, endpoint, e)
+            v = self.views.get(iid)
+            if v is not None:
+                v.has_events = False
+        finally:
+            sock.close(linger=0)
