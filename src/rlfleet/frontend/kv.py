@@ -206,7 +206,14 @@ class KvRouter:
         scored = [(score(w), w) for w in fit or candidates]
         best = max(s for s, _ in scored)
         tied = sorted((w for s, w in scored if s == best), key=lambda w: w.instance_id)
-        return tied[next(self._rr) % len(tied)]
+        return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
+
+    def describe(self, iid: int) -> dict[str, Any]:
+        """What the frontend knows of a worker's cache (its /health): where from, and how
+        many blocks (from events; and recorded)."""
+        v = self.view(iid)
+        return {"source": "events" if v.has_events else "record", "block_size": v.block_size,
+                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record)}
 
     def routed(self, iid: int, prefix: Prefix | None,
                completions: Sequence[Sequence[int]] = ()) -> None:
