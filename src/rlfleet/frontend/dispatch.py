@@ -12,7 +12,15 @@ import msgspec
 
 from rlfleet.frontend.kv import Prefix
 from rlfleet.frontend.router import Worker, WorkerPool, newest_step
-from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step
+from rlfleet.protocol.engine import (
+    Delta,
+    Done,
+    Event,
+    GenerateRequest,
+    Head,
+    RoutedExperts,
+    Step,
+)
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.openai import Usage
@@ -52,7 +60,7 @@ class Choice:
     has rendered each delta needs no copy of them)."""
 
     __slots__ = ("index", "keep", "count", "token_ids", "_text", "logprobs", "finish_reason",
-                 "stop_reason", "weight_versions", "stale_policy")
+                 "stop_reason", "weight_versions", "stale_policy", "routed_experts")
 
     def __init__(self, index: int, keep: bool = True) -> None:
         self.index = index
@@ -65,6 +73,7 @@ class Choice:
         self.stop_reason: int | str | None = None
         self.weight_versions: list[WeightSpan] | None = None
         self.stale_policy = False  # it left the request's staleness bound (nvext.policy)
+        self.routed_experts: RoutedExperts | None = None  # with the final delta, when asked
 
     @property
     def text(self) -> str:
@@ -90,6 +99,8 @@ class Choice:
             self.weight_versions = d.weight_versions
         if d.stale_policy is True:
             self.stale_policy = True
+        if d.routed_experts is not None:
+            self.routed_experts = d.routed_experts
 
 
 class Result:
@@ -205,7 +216,7 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
                               logprobs=None if m.logprobs is None else list(m.logprobs),
                               finish_reason=m.finish_reason, stop_reason=m.stop_reason,
                               weight_versions=m.weight_versions,
-                              stale_policy=m.stale_policy)
+                              stale_policy=m.stale_policy, routed_experts=m.routed_experts)
         m.token_ids += d.token_ids
         m.text += d.text
         if d.logprobs is not None:
@@ -218,6 +229,8 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
             m.weight_versions = d.weight_versions
         if d.stale_policy is True:
             m.stale_policy = True
+        if d.routed_experts is not None:
+            m.routed_experts = d.routed_experts
     return list(by.values())
 
 

@@ -46,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import BadRequest, Engine, EngineControl, WeightLoadError
@@ -64,6 +65,7 @@ DEFAULTS: dict[str, Any] = {
     "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
     "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
     "block_size": 16, "kv_blocks": 8192, "prefill_delay": 0.0, "kv_events_config": None,
+    "routed_experts": None,
 }
 
 
@@ -94,6 +96,10 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-delay", type=float, default=d["prefill_delay"],
                    help="seconds per prompt token not in the simulated prefix cache, before "
                         "the first token")
+    p.add_argument("--routed-experts", default=d["routed_experts"], metavar="LxExK",
+                   help="simulate a MoE engine started with --enable-return-routed-experts: "
+                        "L layers of E experts, top-K per token (e.g. 2x8x2); the experts it "
+                        "reports are a hash of the token, its position and the layer")
     p.add_argument("--kv-events-config", default=d["kv_events_config"],
                    help="publish the simulated cache's KV events as vLLM does, e.g. "
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
@@ -184,6 +190,20 @@ def _hash(key: tuple) -> tuple[float, int]:
     return (int.from_bytes(d[:8], "little") >> 11) / (1 << 53), int.from_bytes(d[8:], "little")
 
 
+def _moe_geometry(raw: str | None) -> tuple[int, int, int] | None:
+    """--routed-experts LxExK as (layers, experts, top-k); ValueError says what is wrong."""
+    if raw is None:
+        return None
+    try:
+        layers, experts, k = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--routed-experts {raw!r}: give LAYERSxEXPERTSxTOPK, e.g. 2x8x2") from None
+    if min(layers, experts, k) < 1 or k > experts or experts > 1 << 16:
+        raise ValueError(f"--routed-experts {raw!r}: need layers, experts, top-k >= 1, "
+                         f"top-k <= experts <= 65536")
+    return layers, experts, k
+
+
 class MockEngine(Engine, EngineControl):
     """A deterministic token simulator behind the `Engine` contract (see the module doc).
 
@@ -212,6 +232,7 @@ class MockEngine(Engine, EngineControl):
         self.cache = PrefixCache(name, o["block_size"], o["kv_blocks"],
                                  parse_events_config(o["kv_events_config"]))
         self.prefill_delay = o["prefill_delay"]
+        self.moe = _moe_geometry(o["routed_experts"])
         self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",
                                vocab_size=vocab, max_model_len=o["max_model_len"],
                                eos_token_ids=(eos,), kv_events=self.cache.endpoint,
@@ -388,6 +409,9 @@ class MockEngine(Engine, EngineControl):
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
                       ) -> AsyncIterator[dict]:
         s = req.sampling
+        if req.routed_experts_start is not None and req.routed_experts_start > len(ids):
+            raise BadRequest(f"routed_experts_prompt_start must be between 0 and the prompt "
+                             f"length {len(ids)}, got {req.routed_experts_start}")
         room = max(1, self.info.max_model_len - len(ids))
         seed = s.seed if s.seed is not None else _hash(tuple(ids))[1]
         hold = max(map(len, s.stop)) - 1 if s.stop and not s.include_stop_str_in_output else 0
@@ -412,7 +436,8 @@ class MockEngine(Engine, EngineControl):
                 self._advance(ch, s, seed, s.max_tokens or room)
             generated.inc(len(live))
             if req.stream:
-                ev: dict[str, Any] = {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
+                ev: dict[str, Any] = {"choices": [self._out(req, ids, ch, hold, want_lp)
+                                                  for ch in live]}
                 if early:
                     ev["prompt_logprobs"], prompt_lps, early = prompt_lps, None, False
                 yield ev
@@ -423,7 +448,7 @@ class MockEngine(Engine, EngineControl):
             self.cache.store(ids + ch.token_ids, req.cache_salt)
         final = choices if not req.stream else live
         if final:
-            yield {"choices": [self._delta(ch, hold, want_lp) for ch in final]}
+            yield {"choices": [self._out(req, ids, ch, hold, want_lp) for ch in final]}
         yield {"done": True, "prompt_logprobs": prompt_lps}
 
     def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int) -> None:
@@ -462,6 +487,39 @@ class MockEngine(Engine, EngineControl):
                 ch.text = ch.text[:at + len(stop) if s.include_stop_str_in_output else at]
                 ch.finish_reason, ch.stop_reason = "stop", stop
                 return
+
+    def _out(self, req: GenerateRequest, ids: list[int], ch: _Choice, hold: int,
+             want_lp: bool) -> dict:
+        """A choice's delta; its final one with the routed experts when asked for."""
+        d = self._delta(ch, hold, want_lp)
+        if ch.finish_reason is not None and req.routed_experts_start is not None \
+                and self.moe is not None:
+            d["routed_experts"] = msgspec.to_builtins(
+                self._experts(ids + ch.token_ids, len(ids), req.routed_experts_start),
+                builtin_types=(bytes,))
+        return d
+
+    def _experts(self, seq: list[int], prompt_len: int, start: int) -> RoutedExperts:
+        """Simulated routing of every forwarded position from `start` (-1: the last prompt
+        position) to the one before the last token: top-k distinct experts per layer, a
+        hash of (weights, position, token, layer)."""
+        layers, experts, k = self.moe  # type: ignore[misc]
+        first = prompt_len - 1 if start == -1 else start
+        rows = []
+        for pos in range(first, len(seq) - 1):
+            row = []
+            for layer in range(layers):
+                h = _hash((self.weights.seed, pos, seq[pos], layer))[1]
+                picks: list[int] = []
+                while len(picks) < k:
+                    e = h % experts
+                    h = h // experts + 0x9E3779B97F4A7C15 * (len(picks) + 1)
+                    if e not in picks:
+                        picks.append(e)
+                row.append(picks)
+            rows.append(row)
+        arr = np.array(rows, dtype=np.int64).reshape(len(rows), layers, k)
+        return RoutedExperts.of(arr, first)
 
     @staticmethod
     def _delta(ch: _Choice, hold: int, want_lp: bool) -> dict:
