@@ -67,11 +67,15 @@ def test_view_follows_mocker_events() -> None:
     assert not view.cached and view.overlap(Prefix(_tokens(16, 900)).keys(4)) == 0
 
 
+def _served(r: KvRouter, iid: int, p: Prefix, *completions: list[int]) -> None:
+    r.finished(iid, p, r.routed(iid, p), completions)
+
+
 def test_choose_prefers_the_prefix_holder_unless_overloaded() -> None:
     r = KvRouter(overload=1.5)
     a, b, c = W(1), W(2), W(3)
     p = Prefix(_tokens(64))
-    r.routed(2, p)
+    _served(r, 2, p)
     assert r.choose([a, b, c], p) is b
     assert r.choose([a, b, c], Prefix(_tokens(64) + [9] * 30)) is b  # a continuation
     b.inflight = 3  # (3 + 1) > 1.5 x (1 + 1): overloaded
@@ -94,7 +98,7 @@ def test_completions_are_recorded_for_continuations() -> None:
     r = KvRouter()
     a, b = W(1), W(2)
     p = Prefix(_tokens(20))
-    r.routed(1, p, [_tokens(30, 700)])
+    _served(r, 1, p, _tokens(30, 700))
     nxt = Prefix(_tokens(20) + _tokens(30, 700) + [5] * 10)
     assert r.views[1].overlap(nxt.keys(16)) == 3
     assert r.choose([a, b], nxt) is a
@@ -114,13 +118,27 @@ def test_sync_clears_on_policy_change_and_forgets_workers() -> None:
     p = Prefix(_tokens(32))
     r.sync({1: {"weight_digest": "d1", "kv_block_size": 8}, 2: {"weight_digest": "d1"}})
     assert r.views[1].block_size == 8
-    r.routed(1, p)
-    r.routed(2, p)
+    _served(r, 1, p)
+    _served(r, 2, p)
     r.sync({1: {"weight_digest": "d1", "kv_block_size": 8}, 2: {"weight_digest": "d2"}})
     assert r.views[1].overlap(p.keys(8)) == 4
     assert r.views[2].overlap(p.keys(16)) == 0  # refreshed: its cache was flushed
     r.sync({2: {"weight_digest": "d2"}})
     assert 1 not in r.views
+
+
+def test_load_outweighs_a_short_prefix_but_not_a_long_one() -> None:
+    r = KvRouter(overload=100)  # the cost alone decides here
+    a, b = W(1), W(2)
+    shared, own = _tokens(32), _tokens(320, 5000)
+    _served(r, 1, Prefix(shared + own))
+    busy = Prefix(_tokens(200, 9000))
+    r.routed(1, busy)  # 200 prompt tokens in flight on worker 1
+    a.inflight = 1
+    # a new task sharing only the first 32 tokens: not worth waiting behind 200 tokens
+    assert r.choose([a, b], Prefix(shared + _tokens(100, 20000))) is b
+    # a continuation holding 352 cached tokens stays
+    assert r.choose([a, b], Prefix(shared + own + [1] * 20)) is a
 
 
 def test_overload_threshold_must_exceed_one() -> None:
@@ -138,7 +156,7 @@ def test_pool_in_kv_mode_routes_only_among_usable_and_bound() -> None:
     pool = WorkerPool(discovery=None, namespace="n", mode="kv")  # type: ignore[arg-type]
     pool.update([_entry(1), _entry(2)])
     p = Prefix(_tokens(48))
-    pool.kv.routed(1, p)  # type: ignore[union-attr]
+    _served(pool.kv, 1, p)  # type: ignore[arg-type]
     assert pool.pick("m", prefix=p).instance_id == 1
     assert pool.pick("m", exclude={1}, prefix=p).instance_id == 2
     pool.update([_entry(1, gated=True), _entry(2)])
@@ -146,7 +164,7 @@ def test_pool_in_kv_mode_routes_only_among_usable_and_bound() -> None:
     pool.update([_entry(1, weight_step=1), _entry(2, weight_step=3)])
     # worker 1's step changed: its view was forgotten; and step 1 is outside max_lag 1
     assert pool.kv.views[1].overlap(p.keys(16)) == 0  # type: ignore[union-attr]
-    pool.kv.routed(1, p)  # type: ignore[union-attr]
+    _served(pool.kv, 1, p)  # type: ignore[arg-type]
     assert pool.pick("m", bound=PolicyBound(max_lag=1), prefix=p).instance_id == 2
     pool.update([_entry(2)])
     assert 1 not in pool.kv.views  # type: ignore[union-attr]

@@ -293,9 +293,8 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         if kv is not None and req.prompt_token_ids is not None else None
     for attempt in range(MAX_ATTEMPTS):
         w = await pool.acquire(model, tried, bound, prefix)
-        if kv is not None:
-            kv.routed(w.instance_id, prefix)
-            made: dict[int, list[int]] = {}
+        load = kv.routed(w.instance_id, prefix) if kv is not None else 0
+        made: dict[int, list[int]] = {}  # kv: each choice's tokens
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -319,8 +318,11 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                         head_step = ev.weight_step
                         if kv is not None and prefix is None:  # a text or chat prompt
                             prefix = Prefix(ev.prompt_token_ids, req.cache_salt)
-                            kv.routed(w.instance_id, prefix)
+                            load = kv.routed(w.instance_id, prefix)
                 if kv is not None and type(ev) is Step:
+                    if load:
+                        kv.prefilled(w.instance_id, load)
+                        load = 0
                     for d in ev.choices:
                         made.setdefault(d.index, []).extend(d.token_ids)
                         if stale is not None:
@@ -339,8 +341,6 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                                            if d.finish_reason is not None else d
                                            for d in ev.choices])
                 yield ev
-            if kv is not None:  # what a continuation of it will start with
-                kv.routed(w.instance_id, prefix, list(made.values()))
             return
         except WorkerError as e:
             kind = "unreachable" if e.retryable else "broken" if e.broken else "refused"
@@ -355,5 +355,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             raise
         finally:
             w.inflight -= 1
+            if kv is not None:  # what a continuation of it will start with is there
+                kv.finished(w.instance_id, prefix, load, list(made.values()))
             if stream is not None:
                 await stream.aclose()

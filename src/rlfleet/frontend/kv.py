@@ -26,8 +26,11 @@ stream skips a sequence number, and when the worker leaves or comes back elsewhe
 
 Scoring (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
 within the staleness bound): a worker is overloaded when (in-flight + 1) > threshold x
-(mean in-flight of the candidates + 1); among those that are not, the one with the most
-cached prefix blocks wins, then the least loaded, then round-robin.
+(mean in-flight of the candidates + 1); among those that are not, the lowest cost wins,
+cost = overlap_weight x (prompt tokens it does not hold) + (the uncached prompt tokens of
+the requests sent there without a first token yet: its prefill backlog), then the fewest requests in flight,
+then round-robin. So a rollout's continuation stays where its conversation is cached
+unless that worker is overloaded or has more prefill queued than the move would cost.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ log = logging.getLogger("rlfleet.router.kv")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a worker's entry (kv_block_size) or events win
 DEFAULT_OVERLOAD = 1.5
+DEFAULT_OVERLAP_WEIGHT = 2.0  # bench/prefix_routing.py: 1.0 split GRPO groups across workers
 RECORD_TTL = 30.0  # seconds a routed-record block counts on a worker that sends events
 MAX_RECORD_BLOCKS = 200_000  # per worker without events
 
@@ -170,10 +174,16 @@ class Candidate(Protocol):
 class KvRouter:
     """The views of every worker, their event subscriptions, and the choice."""
 
-    def __init__(self, overload: float = DEFAULT_OVERLOAD) -> None:
+    def __init__(self, overload: float = DEFAULT_OVERLOAD,
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
         if not overload > 1.0:
             raise ValueError(f"--kv-overload-threshold must be greater than 1, got {overload}")
-        self.overload = overload
+        if not overlap_weight >= 0:
+            raise ValueError(f"--kv-overlap-weight must be at least 0, got {overlap_weight}")
+        self.overload, self.overlap_weight = overload, overlap_weight
+        # prompt tokens to compute (not cached when routed) of the requests sent there that
+        # have no first token yet: its prefill backlog
+        self.active: dict[int, int] = {}
         self.views: dict[int, PrefixView] = {}
         self._subs: dict[int, tuple[str, asyncio.Task]] = {}
         self._policies: dict[int, tuple] = {}
@@ -194,18 +204,20 @@ class KvRouter:
         fit = [w for w in candidates if w.inflight + 1 <= self.overload * (mean + 1)]
         keys: dict[int, list[int]] = {}
 
-        def score(w: Candidate) -> tuple[int, int]:
+        def cost(w: Candidate) -> tuple[float, int]:
             if prefix is None:
-                return 0, -w.inflight
+                return 0.0, w.inflight
             v = self.view(w.instance_id)
             ks = keys.get(v.block_size)
             if ks is None:
                 ks = keys[v.block_size] = prefix.keys(v.block_size)
-            return v.overlap(ks), -w.inflight
+            uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
+            return self.overlap_weight * uncached + self.active.get(w.instance_id, 0), \
+                w.inflight
 
-        scored = [(score(w), w) for w in fit or candidates]
-        best = max(s for s, _ in scored)
-        tied = sorted((w for s, w in scored if s == best), key=lambda w: w.instance_id)
+        scored = [(cost(w), w) for w in fit or candidates]
+        best = min(c for c, _ in scored)
+        tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
 
     def describe(self, iid: int) -> dict[str, Any]:
@@ -215,15 +227,32 @@ class KvRouter:
         return {"source": "events" if v.has_events else "record", "block_size": v.block_size,
                 "cached_blocks": len(v.cached), "recorded_blocks": len(v.record)}
 
-    def routed(self, iid: int, prefix: Prefix | None,
-               completions: Sequence[Sequence[int]] = ()) -> None:
-        """Record that `prefix` was sent to worker `iid` (and, when it finished, that these
-        completions followed it there)."""
+    def routed(self, iid: int, prefix: Prefix | None) -> int:
+        """Record that `prefix` was sent to worker `iid`; returns the tokens it adds to the
+        worker's load until `finished` (the prompt tokens it does not hold yet)."""
         if prefix is None:
-            return
+            return 0
         v = self.view(iid)
-        if not completions:
-            v.note(prefix.keys(v.block_size))
+        keys = prefix.keys(v.block_size)
+        load = len(prefix.tokens) - v.overlap(keys) * v.block_size  # what it must compute
+        v.note(keys)
+        self.active[iid] = self.active.get(iid, 0) + load
+        return load
+
+    def prefilled(self, iid: int, load: int) -> None:
+        """A request `routed` there has its first token: its prompt is computed."""
+        if iid in self.active:
+            self.active[iid] = max(0, self.active[iid] - load)
+
+    def finished(self, iid: int, prefix: Prefix | None, load: int,
+                 completions: Sequence[Sequence[int]] = ()) -> None:
+        """The request `routed` sent there ended (`load`: what of it `prefilled` has not
+        taken off; with these completions: what a continuation of it starts with is
+        there now)."""
+        self.prefilled(iid, load)
+        v = self.views.get(iid)
+        if prefix is None or v is None:
+            return
         for c in completions:
             v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
 
@@ -264,6 +293,7 @@ class KvRouter:
 
     def forget(self, iid: int) -> None:
         self.views.pop(iid, None)
+        self.active.pop(iid, None)
         self._policies.pop(iid, None)
         sub = self._subs.pop(iid, None)
         if sub is not None:
