@@ -176,6 +176,9 @@ def measure(mode: str, a: argparse.Namespace, model_dir: Path | None, work: Path
         out = asyncio.run(run_workload(fleet.url, w))
         h1, q1 = counters(fleet, a.kind)
         out["hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+        views = {w["instance_id"]: w.get("kv") for w in
+                 httpx.get(f"{fleet.url}/health", timeout=10).json()["workers"]}
+        out["views"] = [views.get(int(p.ready["instance_id"])) for p in procs]
         loads = [out["served"].get(int(p.ready["instance_id"]), 0) for p in procs]
         out["loads"] = loads
         out["max_load_over_mean"] = max(loads) / statistics.fmean(loads)
@@ -226,6 +229,7 @@ def main() -> None:
         x, y = rr[key] * scale, kv[key] * scale
         print(f"{label:24}{fmt.format(x)}{fmt.format(y)}{y / x if x else float('nan'):10.2f}")
     print(f"requests per worker: round-robin {rr['loads']}, kv {kv['loads']}")
+    print("the kv frontend's view of each worker:", json.dumps(kv["views"]))
     print(json.dumps({"hit_rate_kv": round(kv["hit_rate"], 4),
                       "hit_rate_rr": round(rr["hit_rate"], 4),
                       "tps_ratio": round(kv["tok_s"] / rr["tok_s"], 4),

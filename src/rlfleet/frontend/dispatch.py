@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from rlfleet.frontend.kv import Prefix
+from rlfleet.frontend.kv import Attempt, Prefix
 from rlfleet.frontend.router import Worker, WorkerPool, newest_step
 from rlfleet.protocol.engine import (
     Delta,
@@ -293,8 +293,6 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         if kv is not None and req.prompt_token_ids is not None else None
     for attempt in range(MAX_ATTEMPTS):
         w = await pool.acquire(model, tried, bound, prefix)
-        load = kv.routed(w.instance_id, prefix) if kv is not None else 0
-        made: dict[int, list[int]] = {}  # kv: each choice's tokens
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -303,6 +301,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         if on_pick is not None:
             on_pick(w)
         w.inflight += 1
+        booked = Attempt(kv, w.instance_id, prefix) if kv is not None else None
         started = False
         stream = None
         try:
@@ -316,17 +315,12 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                     if type(ev) is Head:
                         ev.worker_id = w.instance_id
                         head_step = ev.weight_step
-                        if kv is not None and prefix is None:  # a text or chat prompt
-                            prefix = Prefix(ev.prompt_token_ids, req.cache_salt)
-                            load = kv.routed(w.instance_id, prefix)
-                if kv is not None and type(ev) is Step:
-                    if load:
-                        kv.prefilled(w.instance_id, load)
-                        load = 0
-                    for d in ev.choices:
-                        made.setdefault(d.index, []).extend(d.token_ids)
                         if stale is not None:
                             stale.first = head_step
+                        if booked is not None:
+                            booked.head(ev.prompt_token_ids, req.cache_salt)
+                if booked is not None and type(ev) is Step:
+                    booked.step(ev.choices)
                 if stale is not None and type(ev) is Step:
                     if not stale.aborted and stale.bound.on_stale == "abort" and stale.left(w):
                         stale.aborted = True  # ends with the partial output, then checked
@@ -355,7 +349,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             raise
         finally:
             w.inflight -= 1
-            if kv is not None:  # what a continuation of it will start with is there
-                kv.finished(w.instance_id, prefix, load, list(made.values()))
+            if booked is not None:  # what a continuation of it will start with is there
+                booked.end()
             if stream is not None:
                 await stream.aclose()

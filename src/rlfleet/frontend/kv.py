@@ -166,6 +166,36 @@ class PrefixView:
                     self.cached.discard(k)
 
 
+class Attempt:
+    """One request sent to one worker, as the router books it: routed (its prompt is
+    there, its uncached part is that worker's prefill backlog), first token (the backlog
+    is done), end (its completions are there too)."""
+
+    __slots__ = ("router", "iid", "prefix", "load", "made")
+
+    def __init__(self, router: KvRouter, iid: int, prefix: Prefix | None) -> None:
+        self.router, self.iid, self.prefix = router, iid, prefix
+        self.load = router.routed(iid, prefix)
+        self.made: dict[int, list[int]] = {}  # each choice's tokens
+
+    def head(self, prompt_token_ids: list[int], salt: str | None) -> None:
+        """The worker's report of the prompt: a text or chat prompt is booked now."""
+        if self.prefix is None:
+            self.prefix = Prefix(prompt_token_ids, salt)
+            self.load = self.router.routed(self.iid, self.prefix)
+
+    def step(self, deltas: Sequence[Any]) -> None:
+        if self.load:
+            self.router.prefilled(self.iid, self.load)
+            self.load = 0
+        for d in deltas:
+            self.made.setdefault(d.index, []).extend(d.token_ids)
+
+    def end(self) -> None:
+        self.router.finished(self.iid, self.prefix, self.load, list(self.made.values()))
+        self.load = 0
+
+
 class Candidate(Protocol):
     instance_id: int
     inflight: int
