@@ -2,7 +2,8 @@
 `--router-mode round-robin` and `--router-mode kv`, each on a fresh fleet (cold caches).
 
     python bench/prefix_routing.py [--kind vllm|mocker] [--workers 2] [--prompts 8]
-        [--group 4] [--turns 3] [--system-tokens 256] [--task-tokens 384] [--max-tokens 32]
+        [--group 4] [--turns 4] [--system-tokens 256] [--task-tokens 256]
+        [--user-tokens 96] [--max-tokens 64]
 
 The workload: `--prompts` tasks, each `--group` samples (a GRPO group, sent as separate
 requests at once), each sample a rollout of `--turns` turns; every request starts with
@@ -191,11 +192,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prompts", type=int, default=8, help="tasks (GRPO prompts)")
     p.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
-    p.add_argument("--turns", type=int, default=3, help="turns per rollout")
+    p.add_argument("--turns", type=int, default=4, help="turns per rollout")
     p.add_argument("--system-tokens", type=int, default=256, help="the shared system prompt")
-    p.add_argument("--task-tokens", type=int, default=384, help="each task's own prompt")
-    p.add_argument("--user-tokens", type=int, default=32, help="each new user turn")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens per turn")
+    p.add_argument("--task-tokens", type=int, default=256, help="each task's own prompt")
+    p.add_argument("--user-tokens", type=int, default=96, help="each new user turn")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per turn")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--model", default=None, help="vLLM: a checkpoint (default: a tiny one "
                                                  "made with rlfleet make-model)")
