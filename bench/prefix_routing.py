@@ -1,5 +1,7 @@
 """What KV-aware routing buys RL rollouts: the same multi-turn, grouped workload under
-`--router-mode round-robin` and `--router-mode kv`, each on a fresh fleet (cold caches).
+`--router-mode round-robin` and `--router-mode kv`: two frontends over one set of workers,
+rounds alternating between them (fresh tasks each round, every worker's prefix cache
+flushed before it), so that both modes see the same machine.
 
     python bench/prefix_routing.py [--kind vllm|mocker] [--workers 2] [--prompts 8]
         [--group 4] [--turns 4] [--system-tokens 256] [--task-tokens 256]
@@ -64,8 +66,8 @@ def events_config(port: int) -> str:
 def worker_args(a: argparse.Namespace, model_dir: Path | None) -> list[list[str]]:
     out = []
     for _ in range(a.workers):
-        common = ["--served-model-name", MODEL, "--system-port", "0",
-                  "--kv-events-config", events_config(free_port())]
+        common = ["--served-model-name", MODEL, "--system-port", "0", "--block-size",
+                  str(a.block_size), "--kv-events-config", events_config(free_port())]
         if a.kind == "vllm":
             out.append(["--model", str(model_dir), *common, *VLLM_FLAGS])
         else:
@@ -90,10 +92,11 @@ def counters(fleet: LocalFleet, kind: str) -> tuple[float, float]:
 
 
 class Workload:
-    def __init__(self, a: argparse.Namespace) -> None:
+    def __init__(self, a: argparse.Namespace, seed: int) -> None:
         rng = random.Random(0)
         vocab = (1000, 4000)  # plain vocabulary entries of the test tokenizer
         self.system = [rng.randrange(*vocab) for _ in range(a.system_tokens)]
+        rng = random.Random(seed)  # the same system prompt every round, new tasks
         self.tasks = [[rng.randrange(*vocab) for _ in range(a.task_tokens)]
                       for _ in range(a.prompts)]
         self.user = [[rng.randrange(*vocab) for _ in range(a.user_tokens)]
@@ -152,38 +155,69 @@ async def run_workload(url: str, w: Workload) -> dict:
         await asyncio.gather(*(rollout(http, t, s) for t in range(a.prompts)
                                for s in range(a.group)))
         dt = time.perf_counter() - t0
-    ttfts.sort()
-    return {"tok_s": generated / dt, "seconds": dt, "ttft_mean": statistics.fmean(ttfts),
-            "ttft_p90": ttfts[int(0.9 * (len(ttfts) - 1))], "served": served}
+    return {"tokens": generated, "seconds": dt, "ttfts": ttfts, "served": served}
 
 
-def measure(mode: str, a: argparse.Namespace, model_dir: Path | None, work: Path,
-            w: Workload) -> dict:
-    with LocalFleet(work / mode, lease_ttl=5) as fleet:
-        extra = ("--kv-overlap-weight", str(a.overlap_weight), "--kv-overload-threshold",
-                 str(a.overload)) if mode == "kv" else ()
-        fleet.start_frontend("--router-mode", mode, *extra)
-        env = {"PYTHONHASHSEED": "0"}
-        procs = [fleet.start_worker(*args, kind=a.kind, wait=False, env=env)
-                 for args in worker_args(a, model_dir)]
-        for p in procs:
-            p.wait_ready(900)
-        deadline = time.monotonic() + 60
-        while len(httpx.get(f"{fleet.url}/health").json()["workers"]) < a.workers:
+def flush(fleet: LocalFleet) -> None:
+    """Empty every worker's prefix cache (each round starts cold)."""
+    for p in fleet.workers:
+        httpx.post(f"{p.ready['system_url']}/engine/flush_cache", json={},
+                   timeout=60).raise_for_status()
+
+
+def start(fleet: LocalFleet, a: argparse.Namespace, model_dir: Path | None) -> dict:
+    """One set of workers and two frontends on it: round-robin and kv."""
+    urls = {"round-robin": fleet.start_frontend("--router-mode", "round-robin").ready["url"],
+            "kv": fleet.start_frontend("--router-mode", "kv", "--kv-overlap-weight",
+                                       str(a.overlap_weight), "--kv-overload-threshold",
+                                       str(a.overload)).ready["url"]}
+    procs = [fleet.start_worker(*args, kind=a.kind, wait=False, env={"PYTHONHASHSEED": "0"})
+             for args in worker_args(a, model_dir)]
+    for p in procs:
+        p.wait_ready(900)
+    deadline = time.monotonic() + 60
+    for url in urls.values():
+        while len(httpx.get(f"{url}/health").json()["workers"]) < a.workers:
             if time.monotonic() > deadline:
-                raise TimeoutError("the frontend does not see every worker")
+                raise TimeoutError("a frontend does not see every worker")
             time.sleep(0.2)
-        h0, q0 = counters(fleet, a.kind)
-        out = asyncio.run(run_workload(fleet.url, w))
-        h1, q1 = counters(fleet, a.kind)
-        out["hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else float("nan")
+    return urls
+
+
+def measure(a: argparse.Namespace, model_dir: Path | None, work: Path) -> dict:
+    """Rounds alternate between the modes (fresh tasks each round, caches flushed before
+    it): both see the same machine, whatever else runs on it."""
+    with LocalFleet(work / "fleet", lease_ttl=5) as fleet:
+        urls = start(fleet, a, model_dir)
+        ids = [int(p.ready["instance_id"]) for p in fleet.workers]
+        res = {m: {"tokens": 0, "seconds": 0.0, "ttfts": [], "hits": 0.0, "queries": 0.0,
+                   "served": Counter()} for m in urls}
+        for r in range(a.rounds):
+            for mode, url in urls.items():
+                flush(fleet)
+                h0, q0 = counters(fleet, a.kind)
+                out = asyncio.run(run_workload(url, Workload(a, seed=1 + r)))
+                h1, q1 = counters(fleet, a.kind)
+                m = res[mode]
+                m["tokens"] += out["tokens"]
+                m["seconds"] += out["seconds"]
+                m["ttfts"] += out["ttfts"]
+                m["hits"] += h1 - h0
+                m["queries"] += q1 - q0
+                m["served"] += out["served"]
+                print(f"round {r + 1} {mode}: {out['tokens'] / out['seconds']:.1f} tok/s, "
+                      f"hit rate {(h1 - h0) / max(q1 - q0, 1):.3f}", flush=True)
         views = {w["instance_id"]: w.get("kv") for w in
-                 httpx.get(f"{fleet.url}/health", timeout=10).json()["workers"]}
-        out["views"] = [views.get(int(p.ready["instance_id"])) for p in procs]
-        loads = [out["served"].get(int(p.ready["instance_id"]), 0) for p in procs]
-        out["loads"] = loads
-        out["max_load_over_mean"] = max(loads) / statistics.fmean(loads)
-        return out
+                 httpx.get(f"{urls['kv']}/health", timeout=10).json()["workers"]}
+    for m in res.values():
+        t = sorted(m["ttfts"])
+        loads = [m["served"].get(i, 0) for i in ids]
+        m.update(tok_s=m["tokens"] / m["seconds"], ttft_mean=statistics.fmean(t),
+                 ttft_p90=t[int(0.9 * (len(t) - 1))], loads=loads,
+                 hit_rate=m["hits"] / m["queries"] if m["queries"] else float("nan"),
+                 max_load_over_mean=max(loads) / statistics.fmean(loads))
+    res["kv"]["views"] = [views.get(i) for i in ids]
+    return res
 
 
 def main() -> None:
@@ -198,6 +232,10 @@ def main() -> None:
     p.add_argument("--user-tokens", type=int, default=96, help="each new user turn")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per turn")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="rounds per mode, alternating")
+    p.add_argument("--block-size", type=int, default=32,
+                   help="the workers' KV block size (vLLM's CPU build: a multiple of 32; "
+                        "its default there is 128)")
     p.add_argument("--model", default=None, help="vLLM: a checkpoint (default: a tiny one "
                                                  "made with rlfleet make-model)")
     p.add_argument("--overlap-weight", type=float, default=2.0,
@@ -213,13 +251,13 @@ def main() -> None:
         model_dir = None
         if a.kind == "vllm":
             model_dir = Path(a.model) if a.model else make_model(work / "model", "tiny", 1)
-        w = Workload(a)
-        res = {mode: measure(mode, a, model_dir, work, w) for mode in ("round-robin", "kv")}
+        res = measure(a, model_dir, work)
     rr, kv = res["round-robin"], res["kv"]
     requests = a.prompts * a.group * a.turns
-    print(f"{a.kind}: {a.workers} workers, {a.prompts} prompts x {a.group} samples x "
-          f"{a.turns} turns = {requests} requests; system {a.system_tokens} + task "
-          f"{a.task_tokens} tokens, {a.max_tokens} generated per turn")
+    print(f"{a.kind}: {a.workers} workers (block size {a.block_size}), {a.rounds} rounds per "
+          f"mode of {a.prompts} prompts x {a.group} samples x {a.turns} turns = {requests} "
+          f"requests; system {a.system_tokens} + task {a.task_tokens} tokens, user turns "
+          f"{a.user_tokens}, {a.max_tokens} generated per turn")
     print(f"{'':24}{'round-robin':>14}{'kv':>14}{'kv / rr':>10}")
     for label, key, fmt in (("generated tok/s", "tok_s", "{:14.1f}"),
                             ("TTFT mean (ms)", "ttft_mean", "{:14.1f}"),
