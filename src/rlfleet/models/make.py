@@ -72,7 +72,7 @@ def _arch(arch: str) -> str:
     return arch
 
 
-def _moe_config(g: Geometry) -> dict[str, Any]:
+def _moe_config() -> dict[str, Any]:
     """The Qwen3-MoE fields of config.json (every layer sparse)."""
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K,
@@ -94,7 +94,7 @@ def model_config(size: str = "tiny", dtype: str = "float32", arch: str = "qwen3"
     given size."""
     g = _geometry(size)
     _dtype(dtype)
-    moe = _moe_config(g) if _arch(arch) == "qwen3-moe" else {}
+    moe = _moe_config() if _arch(arch) == "qwen3-moe" else {}
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
