@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 def _make_model(args: argparse.Namespace) -> int:
     from rlfleet.models import make_model
 
-    out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype)
+    out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype,
+                     arch=args.arch)
     print(out)
     return 0
 
@@ -310,6 +311,8 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    mm.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3",
+                    help="qwen3-moe: a Qwen3-MoE model (8 experts, top-2, every layer)")
     mm.set_defaults(func=_make_model)
 
     dg = sub.add_parser("digest", help="print the content digest of a checkpoint directory")

@@ -198,3 +198,19 @@ def test_chat_template(tokenizer) -> None:
         ids = ids["input_ids"]
     assert ids[0] == 151644 and ids.count(151645) == 2
     assert tokenizer.decode(ids) == text
+
+
+def test_qwen3_moe_loads_in_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = make_model(tmp_path / "moe", arch="qwen3-moe")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["num_experts_per_tok"] == 2
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        res = model(torch.tensor([[151644, 8948, 198]]), output_router_logits=True)
+    # one router per layer, over the 8 experts, every token
+    assert len(res.router_logits) == cfg["num_hidden_layers"]
+    assert res.router_logits[0].shape == (3, cfg["num_experts"])
+    with pytest.raises(ValueError, match="unknown architecture"):
+        parameter_shapes(arch="mixtral")

@@ -13,6 +13,7 @@ import uvloop
 from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
+from rlfleet.frontend.kv import DEFAULT_OVERLAP_WEIGHT, DEFAULT_OVERLOAD, KvRouter
 from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
@@ -48,7 +49,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
                         "$ETCD_ENDPOINTS, else a per-user directory)")
     p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
-    p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES)
+    p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES,
+                   help="kv: to the worker holding the longest prefix of the prompt's token "
+                        "IDs (from its KV events, else from what this frontend sent it), "
+                        "unless overloaded")
+    p.add_argument("--kv-overload-threshold", type=float, default=DEFAULT_OVERLOAD,
+                   help="router mode kv: a worker is overloaded, and a request whose prefix "
+                        "it holds goes elsewhere, when (its requests in flight + 1) > this x "
+                        f"(the mean over the candidates + 1) (default {DEFAULT_OVERLOAD})")
+    p.add_argument("--kv-overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
+                   help="router mode kv: a worker's cost is this x the prompt tokens it "
+                        "does not hold + the uncached prompt tokens of its requests in flight "
+                        f"(default {DEFAULT_OVERLAP_WEIGHT}; higher: stickier to the prefix)")
     p.add_argument("--gated-hold", type=float, default=60.0,
                    help="seconds a request waits while every worker of its model is gated "
                         "(a policy refresh), or while none serves a policy within its "
@@ -85,6 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_log_args(p)
     add_tracing_args(p)
     args = p.parse_args(argv)
+    if not args.kv_overload_threshold > 1:
+        p.error(f"--kv-overload-threshold must be greater than 1, got "
+                f"{args.kv_overload_threshold}")
+    if not args.kv_overlap_weight >= 0:
+        p.error(f"--kv-overlap-weight must be at least 0, got {args.kv_overlap_weight}")
     try:
         settle_admin_token(args)
     except ValueError as e:
@@ -100,8 +117,10 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     discovery = open_discovery(args.discovery)
+    kv = KvRouter(args.kv_overload_threshold, args.kv_overlap_weight) \
+        if args.router_mode == "kv" else None
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
-                      gated_hold=args.gated_hold)
+                      gated_hold=args.gated_hold, kv=kv)
     client = WorkerClient(request_timeout=args.request_timeout,
                           stall_timeout=args.stall_timeout or None, admin_token=args.admin_token)
     dispatch.MAX_RESPONSE_ENTRIES = args.max_response_entries or None

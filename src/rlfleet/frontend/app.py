@@ -47,9 +47,11 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    pool = frontend_of(request).pool
     workers = [{"instance_id": w.instance_id, "model": w.model, "url": w.url,
-                "usable": w.usable, "inflight": w.inflight, "step": w.step}
-               for w in frontend_of(request).pool.workers.values()]
+                "usable": w.usable, "inflight": w.inflight, "step": w.step,
+                **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {})}
+               for w in pool.workers.values()]
     return json_response({"status": "healthy" if workers else "no_workers", "workers": workers})
 
 

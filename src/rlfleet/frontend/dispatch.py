@@ -10,8 +10,17 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.frontend.kv import Attempt, Prefix
 from rlfleet.frontend.router import Worker, WorkerPool, newest_step
-from rlfleet.protocol.engine import Delta, Done, Event, GenerateRequest, Head, Step
+from rlfleet.protocol.engine import (
+    Delta,
+    Done,
+    Event,
+    GenerateRequest,
+    Head,
+    RoutedExperts,
+    Step,
+)
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.openai import Usage
@@ -51,7 +60,7 @@ class Choice:
     has rendered each delta needs no copy of them)."""
 
     __slots__ = ("index", "keep", "count", "token_ids", "_text", "logprobs", "finish_reason",
-                 "stop_reason", "weight_versions", "stale_policy")
+                 "stop_reason", "weight_versions", "stale_policy", "routed_experts")
 
     def __init__(self, index: int, keep: bool = True) -> None:
         self.index = index
@@ -64,6 +73,7 @@ class Choice:
         self.stop_reason: int | str | None = None
         self.weight_versions: list[WeightSpan] | None = None
         self.stale_policy = False  # it left the request's staleness bound (nvext.policy)
+        self.routed_experts: RoutedExperts | None = None  # with the final delta, when asked
 
     @property
     def text(self) -> str:
@@ -89,6 +99,8 @@ class Choice:
             self.weight_versions = d.weight_versions
         if d.stale_policy is True:
             self.stale_policy = True
+        if d.routed_experts is not None:
+            self.routed_experts = d.routed_experts
 
 
 class Result:
@@ -204,7 +216,7 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
                               logprobs=None if m.logprobs is None else list(m.logprobs),
                               finish_reason=m.finish_reason, stop_reason=m.stop_reason,
                               weight_versions=m.weight_versions,
-                              stale_policy=m.stale_policy)
+                              stale_policy=m.stale_policy, routed_experts=m.routed_experts)
         m.token_ids += d.token_ids
         m.text += d.text
         if d.logprobs is not None:
@@ -217,6 +229,8 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
             m.weight_versions = d.weight_versions
         if d.stale_policy is True:
             m.stale_policy = True
+        if d.routed_experts is not None:
+            m.routed_experts = d.routed_experts
     return list(by.values())
 
 
@@ -274,8 +288,11 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     if bound is not None and bound.on_stale == "abort" and not req.stream:
         # step by step from the worker, so that a worker leaving the bound is seen mid-run
         req = msgspec.structs.replace(req, stream=True)
+    kv = pool.kv
+    prefix = Prefix(req.prompt_token_ids, req.cache_salt) \
+        if kv is not None and req.prompt_token_ids is not None else None
     for attempt in range(MAX_ATTEMPTS):
-        w = await pool.acquire(model, tried, bound)
+        w = await pool.acquire(model, tried, bound, prefix)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -284,6 +301,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         if on_pick is not None:
             on_pick(w)
         w.inflight += 1
+        booked = Attempt(kv, w.instance_id, prefix) if kv is not None else None
         started = False
         stream = None
         try:
@@ -299,6 +317,10 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                         head_step = ev.weight_step
                         if stale is not None:
                             stale.first = head_step
+                        if booked is not None:
+                            booked.head(ev.prompt_token_ids, req.cache_salt)
+                if booked is not None and type(ev) is Step:
+                    booked.step(ev.choices)
                 if stale is not None and type(ev) is Step:
                     if not stale.aborted and stale.bound.on_stale == "abort" and stale.left(w):
                         stale.aborted = True  # ends with the partial output, then checked
@@ -327,5 +349,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             raise
         finally:
             w.inflight -= 1
+            if booked is not None:  # what a continuation of it will start with is there
+                booked.end()
             if stream is not None:
                 await stream.aclose()

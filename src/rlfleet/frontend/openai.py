@@ -32,6 +32,7 @@ from rlfleet.frontend.generation import (
 from rlfleet.protocol.engine import (
     Delta,
     GenerateRequest,
+    RoutedExperts,
     TokenizeRequest,
     TokenLogprob,
     detailed_finish_reason,
@@ -188,6 +189,12 @@ router = Router(routes=[
 
 
 # ------------------------------------------------------------------------ shared parts
+
+
+def routed_experts(r: RoutedExperts | None) -> str | None:
+    """A choice's routed experts as vLLM encodes them (base64 of the .npy array; null when
+    the engine returned none)."""
+    return None if r is None else r.to_npy_b64()
 
 
 def system_fingerprint(res: Result) -> str:
@@ -403,6 +410,8 @@ def completion_body(req: CompletionRequest, res: Results, model: str) -> Complet
             if req.return_token_ids:
                 ch.token_ids = list(c.token_ids)
                 ch.prompt_token_ids = r.prompt_token_ids
+            if req.routed_experts_start is not None:
+                ch.routed_experts = routed_experts(c.routed_experts)
             choices.append(ch)
     first = results[0]
     body = CompletionResponse(id=first.request_id, created=int(first.received), model=model,
@@ -435,6 +444,8 @@ def completion_chunk_body(req: CompletionRequest, res: Result, model: str, d: De
         c.token_ids = list(d.token_ids)
         if first:
             c.prompt_token_ids = res.prompt_token_ids
+    if d.finish_reason is not None and req.routed_experts_start is not None:
+        c.routed_experts = routed_experts(d.routed_experts)
     chunk = CompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                choices=[c])
     _chunk_extras(chunk, req, res, d)
@@ -493,6 +504,8 @@ def chat_body(req: ChatCompletionRequest, res: Result, model: str) -> ChatComple
             ch.logprobs = _chat_logprobs(c.logprobs, req.top_logprobs, as_ids)
         if req.return_token_ids:
             ch.token_ids = list(c.token_ids)
+        if req.routed_experts_start is not None:
+            ch.routed_experts = routed_experts(c.routed_experts)
         choices.append(ch)
     body = ChatCompletionResponse(id=res.request_id, created=int(res.received), model=model,
                                   choices=choices, usage=usage(res),
@@ -551,6 +564,8 @@ def chat_chunk_body(req: ChatCompletionRequest, res: Result, model: str, d: Delt
         c.logprobs = _chat_logprobs(d.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
     if req.return_token_ids:
         c.token_ids = list(d.token_ids)
+    if d.finish_reason is not None and req.routed_experts_start is not None:
+        c.routed_experts = routed_experts(d.routed_experts)
     chunk = ChatCompletionChunk(id=res.request_id, created=int(res.received), model=model,
                                 choices=[c])
     _chunk_extras(chunk, req, res, d)

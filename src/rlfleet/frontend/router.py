@@ -10,13 +10,14 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from rlfleet.frontend.kv import KvRouter, Prefix
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime.discovery import Discovery
 from rlfleet.runtime.http import HttpError
 
 log = logging.getLogger("rlfleet.router")
 
-ROUTER_MODES = ("round-robin", "least-loaded", "random")
+ROUTER_MODES = ("round-robin", "least-loaded", "random", "kv")
 
 
 @dataclass
@@ -81,10 +82,13 @@ class WorkerPool:
     _task: asyncio.Task | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    kv: KvRouter | None = None  # mode "kv": the workers' prefix caches (frontend/kv.py)
 
     def __post_init__(self) -> None:
         if self.mode not in ROUTER_MODES:
             raise ValueError(f"unknown router mode {self.mode!r}; use one of {ROUTER_MODES}")
+        if self.mode == "kv" and self.kv is None:
+            self.kv = KvRouter()
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._follow())
@@ -96,6 +100,8 @@ class WorkerPool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self.kv is not None:
+            await self.kv.close()
 
     async def _follow(self) -> None:
         """Follow discovery for the life of the pool: neither a bad entry nor a failing
@@ -135,6 +141,8 @@ class WorkerPool:
         for iid in self.workers.keys() - fresh.keys():
             log.info("worker %s left", iid)
         self.workers = fresh
+        if self.kv is not None:
+            self.kv.sync({iid: w.entry for iid, w in fresh.items()})
         self._changed.set()  # wake requests held for a worker
         self._changed = asyncio.Event()
 
@@ -145,7 +153,7 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.model == model]
 
     def pick(self, model: str, exclude: set[int] = frozenset(),
-             bound: PolicyBound | None = None) -> Worker:
+             bound: PolicyBound | None = None, prefix: Prefix | None = None) -> Worker:
         all_ = self.for_model(model)
         if not all_:
             known = ", ".join(self.models()) or "none"
@@ -161,6 +169,8 @@ class WorkerPool:
             if not ok:
                 raise NoWorker(f"no live worker of {model!r} within nvext.policy "
                                f"({bound.describe()}) is left to try", 503)
+        if self.kv is not None:
+            return self.kv.choose(ok, prefix)  # type: ignore[return-value]
         if self.mode == "least-loaded":
             low = min(w.inflight for w in ok)
             ok = [w for w in ok if w.inflight == low]
@@ -170,14 +180,15 @@ class WorkerPool:
         return ok[next(self._rr) % len(ok)]
 
     async def acquire(self, model: str, exclude: set[int] = frozenset(),
-                      bound: PolicyBound | None = None) -> Worker:
+                      bound: PolicyBound | None = None, prefix: Prefix | None = None
+                      ) -> Worker:
         """pick(), but while the model's only candidates are gated (a policy refresh is
         under way), or while none serves a policy within `bound`, wait for one, up to
         `gated_hold` seconds."""
         deadline = time.monotonic() + self.gated_hold
         while True:
             try:
-                return self.pick(model, exclude, bound)
+                return self.pick(model, exclude, bound, prefix)
             except NoWorker as e:
                 gated = any(w.entry.get("gated") for w in self.for_model(model)
                             if w.instance_id not in exclude)

@@ -46,9 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
+from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import BadRequest, Engine, EngineControl, WeightLoadError
@@ -62,6 +64,8 @@ DEFAULTS: dict[str, Any] = {
     "model_name": "mock-model", "served_model_name": None, "vocab_size": 151936,
     "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
     "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
+    "block_size": 16, "kv_blocks": 8192, "prefill_delay": 0.0, "kv_events_config": None,
+    "routed_experts": None,
 }
 
 
@@ -85,6 +89,21 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
                    help=f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller")
     p.add_argument("--eos-prob", type=float, default=d["eos_prob"],
                    help="chance per token that a choice ends with EOS (mean length ~ 1/p)")
+    p.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per block of the simulated prefix cache (mocker/cache.py)")
+    p.add_argument("--kv-blocks", type=int, default=d["kv_blocks"],
+                   help="blocks the simulated prefix cache holds (least recently used go)")
+    p.add_argument("--prefill-delay", type=float, default=d["prefill_delay"],
+                   help="seconds per prompt token not in the simulated prefix cache, before "
+                        "the first token")
+    p.add_argument("--routed-experts", default=d["routed_experts"], metavar="LxExK",
+                   help="simulate a MoE engine started with --enable-return-routed-experts: "
+                        "L layers of E experts, top-K per token (e.g. 2x8x2); the experts it "
+                        "reports are a hash of the token, its position and the layer")
+    p.add_argument("--kv-events-config", default=d["kv_events_config"],
+                   help="publish the simulated cache's KV events as vLLM does, e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}\' (port 0: any free port)')
 
 
 CHECKPOINT_FILE = "mock_weights.json"
@@ -171,6 +190,20 @@ def _hash(key: tuple) -> tuple[float, int]:
     return (int.from_bytes(d[:8], "little") >> 11) / (1 << 53), int.from_bytes(d[8:], "little")
 
 
+def _moe_geometry(raw: str | None) -> tuple[int, int, int] | None:
+    """--routed-experts LxExK as (layers, experts, top-k); ValueError says what is wrong."""
+    if raw is None:
+        return None
+    try:
+        layers, experts, k = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--routed-experts {raw!r}: give LAYERSxEXPERTSxTOPK, e.g. 2x8x2") from None
+    if min(layers, experts, k) < 1 or k > experts or experts > 1 << 16:
+        raise ValueError(f"--routed-experts {raw!r}: need layers, experts, top-k >= 1, "
+                         f"top-k <= experts <= 65536")
+    return layers, experts, k
+
+
 class MockEngine(Engine, EngineControl):
     """A deterministic token simulator behind the `Engine` contract (see the module doc).
 
@@ -193,10 +226,17 @@ class MockEngine(Engine, EngineControl):
             raise ValueError("max-batch must be at least 1")
         if o["max_model_len"] < 2:
             raise ValueError("max-model-len must be at least 2")
+        if o["prefill_delay"] < 0:
+            raise ValueError("prefill-delay must not be negative")
         name = o["served_model_name"] or o["model_name"]
+        self.cache = PrefixCache(name, o["block_size"], o["kv_blocks"],
+                                 parse_events_config(o["kv_events_config"]))
+        self.prefill_delay = o["prefill_delay"]
+        self.moe = _moe_geometry(o["routed_experts"])
         self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",
                                vocab_size=vocab, max_model_len=o["max_model_len"],
-                               eos_token_ids=(eos,))
+                               eos_token_ids=(eos,), kv_events=self.cache.endpoint,
+                               kv_block_size=o["block_size"])
         self.eos = eos
         self.weights = MockWeights(o["seed"])  # loads swap this; tokens depend on it
         self.version_declared = False
@@ -369,6 +409,9 @@ class MockEngine(Engine, EngineControl):
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
                       ) -> AsyncIterator[dict]:
         s = req.sampling
+        if req.routed_experts_start is not None and req.routed_experts_start > len(ids):
+            raise BadRequest(f"routed_experts_prompt_start must be between 0 and the prompt "
+                             f"length {len(ids)}, got {req.routed_experts_start}")
         room = max(1, self.info.max_model_len - len(ids))
         seed = s.seed if s.seed is not None else _hash(tuple(ids))[1]
         hold = max(map(len, s.stop)) - 1 if s.stop and not s.include_stop_str_in_output else 0
@@ -380,10 +423,11 @@ class MockEngine(Engine, EngineControl):
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
         first = True
+        prefill = self.prefill_delay * (len(ids) - self.cache.lookup(ids, req.cache_salt))
         early = req.echo and req.stream  # prompt logprobs go in the first event
         generated = self.series.generated
         while live:
-            await self._nap(run, self.ttft if first else self._token_delay())
+            await self._nap(run, self.ttft + prefill if first else self._token_delay())
             first = False
             await self._wait(run, lambda: self._mode != "keep")  # frozen while paused (keep)
             if run.aborted:
@@ -392,16 +436,19 @@ class MockEngine(Engine, EngineControl):
                 self._advance(ch, s, seed, s.max_tokens or room)
             generated.inc(len(live))
             if req.stream:
-                ev: dict[str, Any] = {"choices": [self._delta(ch, hold, want_lp) for ch in live]}
+                ev: dict[str, Any] = {"choices": [self._out(req, ids, ch, hold, want_lp)
+                                                  for ch in live]}
                 if early:
                     ev["prompt_logprobs"], prompt_lps, early = prompt_lps, None, False
                 yield ev
             live = [ch for ch in live if ch.finish_reason is None]
         for ch in live:
             ch.finish_reason = "abort"
+        for ch in choices:  # what a continuation of it finds cached
+            self.cache.store(ids + ch.token_ids, req.cache_salt)
         final = choices if not req.stream else live
         if final:
-            yield {"choices": [self._delta(ch, hold, want_lp) for ch in final]}
+            yield {"choices": [self._out(req, ids, ch, hold, want_lp) for ch in final]}
         yield {"done": True, "prompt_logprobs": prompt_lps}
 
     def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int) -> None:
@@ -440,6 +487,39 @@ class MockEngine(Engine, EngineControl):
                 ch.text = ch.text[:at + len(stop) if s.include_stop_str_in_output else at]
                 ch.finish_reason, ch.stop_reason = "stop", stop
                 return
+
+    def _out(self, req: GenerateRequest, ids: list[int], ch: _Choice, hold: int,
+             want_lp: bool) -> dict:
+        """A choice's delta; its final one with the routed experts when asked for."""
+        d = self._delta(ch, hold, want_lp)
+        if ch.finish_reason is not None and req.routed_experts_start is not None \
+                and self.moe is not None:
+            d["routed_experts"] = msgspec.to_builtins(
+                self._experts(ids + ch.token_ids, len(ids), req.routed_experts_start),
+                builtin_types=(bytes,))
+        return d
+
+    def _experts(self, seq: list[int], prompt_len: int, start: int) -> RoutedExperts:
+        """Simulated routing of every forwarded position from `start` (-1: the last prompt
+        position) to the one before the last token: top-k distinct experts per layer, a
+        hash of (weights, position, token, layer)."""
+        layers, experts, k = self.moe  # type: ignore[misc]
+        first = prompt_len - 1 if start == -1 else start
+        rows = []
+        for pos in range(first, len(seq) - 1):
+            row = []
+            for layer in range(layers):
+                h = _hash((self.weights.seed, pos, seq[pos], layer))[1]
+                picks: list[int] = []
+                while len(picks) < k:
+                    e = h % experts
+                    h = h // experts + 0x9E3779B97F4A7C15 * (len(picks) + 1)
+                    if e not in picks:
+                        picks.append(e)
+                row.append(picks)
+            rows.append(row)
+        arr = np.array(rows, dtype=np.int64).reshape(len(rows), layers, k)
+        return RoutedExperts.of(arr, first)
 
     @staticmethod
     def _delta(ch: _Choice, hold: int, want_lp: bool) -> dict:
@@ -525,6 +605,7 @@ class MockEngine(Engine, EngineControl):
 
     async def shutdown(self) -> None:
         await self.abort_all()
+        self.cache.close()
 
     # ------------------------------------------------------------ control (EngineControl)
 
@@ -554,7 +635,8 @@ class MockEngine(Engine, EngineControl):
         self._wake_all()
 
     async def reset_cache(self, running: bool = False) -> bool:
-        return True  # no cache to reset
+        self.cache.clear()
+        return True
 
     async def set_weights(self, seed: int, version: str | None = None) -> None:
         """Switch the simulated weights (hence the token distribution); only while paused."""

@@ -60,6 +60,27 @@ def _geometry(size: str) -> Geometry:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(SIZES)}") from None
 
 
+#: Architectures make_model writes: dense Qwen3, or Qwen3-MoE (every layer's MLP a
+#: mixture of MOE_EXPERTS experts, MOE_TOP_K routed per token, of MOE_INTERMEDIATE each).
+ARCHES = ("qwen3", "qwen3-moe")
+MOE_EXPERTS, MOE_TOP_K, MOE_INTERMEDIATE = 8, 2, 64
+
+
+def _arch(arch: str) -> str:
+    if arch not in ARCHES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {list(ARCHES)}")
+    return arch
+
+
+def _moe_config() -> dict[str, Any]:
+    """The Qwen3-MoE fields of config.json (every layer sparse)."""
+    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K,
+            "moe_intermediate_size": MOE_INTERMEDIATE, "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True, "output_router_logits": False,
+            "router_aux_loss_coef": 0.001}
+
+
 def _dtype(dtype: str) -> tuple[torch.dtype, str]:
     try:
         return _DTYPES[dtype]
@@ -67,10 +88,13 @@ def _dtype(dtype: str) -> tuple[torch.dtype, str]:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}") from None
 
 
-def model_config(size: str = "tiny", dtype: str = "float32") -> dict[str, Any]:
-    """Contents of `config.json` for a Qwen3ForCausalLM of the given size."""
+def model_config(size: str = "tiny", dtype: str = "float32", arch: str = "qwen3"
+                 ) -> dict[str, Any]:
+    """Contents of `config.json` for a Qwen3ForCausalLM (or Qwen3MoeForCausalLM) of the
+    given size."""
     g = _geometry(size)
     _dtype(dtype)
+    moe = _moe_config() if _arch(arch) == "qwen3-moe" else {}
     return {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
@@ -100,6 +124,7 @@ def model_config(size: str = "tiny", dtype: str = "float32") -> dict[str, Any]:
         "transformers_version": "4.51.0",  # Qwen3-era config format (legacy rope_theta)
         "use_cache": True,
         "vocab_size": VOCAB_SIZE,
+        **moe,
     }
 
 
@@ -108,9 +133,22 @@ def generation_config() -> dict[str, Any]:
     return {"bos_token_id": ENDOFTEXT_ID, "eos_token_id": IM_END_ID, "pad_token_id": ENDOFTEXT_ID}
 
 
-def parameter_shapes(size: str = "tiny") -> dict[str, tuple[int, ...]]:
-    """Qwen3ForCausalLM parameter name -> shape (no `lm_head.weight` when tied)."""
+def _moe_shapes(p: str, h: int) -> dict[str, tuple[int, ...]]:
+    """One sparse layer's MLP: the router (`mlp.gate`) and each expert's projections."""
+    shapes: dict[str, tuple[int, ...]] = {p + "mlp.gate.weight": (MOE_EXPERTS, h)}
+    for j in range(MOE_EXPERTS):
+        e = f"{p}mlp.experts.{j}."
+        shapes.update({e + "gate_proj.weight": (MOE_INTERMEDIATE, h),
+                       e + "up_proj.weight": (MOE_INTERMEDIATE, h),
+                       e + "down_proj.weight": (h, MOE_INTERMEDIATE)})
+    return shapes
+
+
+def parameter_shapes(size: str = "tiny", arch: str = "qwen3") -> dict[str, tuple[int, ...]]:
+    """Qwen3ForCausalLM (or Qwen3MoeForCausalLM) parameter name -> shape (no
+    `lm_head.weight` when tied)."""
     g = _geometry(size)
+    moe = _arch(arch) == "qwen3-moe"
     h, hd, inter = g.hidden_size, g.head_dim, g.intermediate_size
     q, kv = g.num_attention_heads * hd, g.num_key_value_heads * hd
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB_SIZE, h)}
@@ -126,11 +164,12 @@ def parameter_shapes(size: str = "tiny") -> dict[str, tuple[int, ...]]:
                 p + "self_attn.o_proj.weight": (h, q),
                 p + "self_attn.q_norm.weight": (hd,),
                 p + "self_attn.k_norm.weight": (hd,),
-                p + "mlp.gate_proj.weight": (inter, h),
-                p + "mlp.up_proj.weight": (inter, h),
-                p + "mlp.down_proj.weight": (h, inter),
             }
         )
+        shapes.update(_moe_shapes(p, h) if moe else {
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter)})
     shapes["model.norm.weight"] = (h,)
     if not g.tie_word_embeddings:
         shapes["lm_head.weight"] = (VOCAB_SIZE, h)
@@ -200,8 +239,10 @@ def _json_bytes(obj: dict[str, Any]) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def make_model(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32") -> Path:
-    """Write a random Qwen3ForCausalLM checkpoint (HF format) into `out`; return `out`.
+def make_model(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "float32",
+               arch: str = "qwen3") -> Path:
+    """Write a random Qwen3ForCausalLM checkpoint (HF format) into `out`; return `out`
+    (arch "qwen3-moe": a Qwen3MoeForCausalLM of the same size, see MOE_EXPERTS).
 
     The same (size, seed, dtype) always gives byte-identical files; the tokenizer
     files do not depend on the seed. Existing files of the same names are replaced;
@@ -212,9 +253,9 @@ def make_model(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "float
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
     torch_dtype, st_dtype = _dtype(dtype)
-    shapes = parameter_shapes(size)
+    shapes = parameter_shapes(size, arch)
     files: dict[str, bytes] = {
-        "config.json": _json_bytes(model_config(size, dtype)),
+        "config.json": _json_bytes(model_config(size, dtype, arch)),
         "generation_config.json": _json_bytes(generation_config()),
         **tokenizer_files(),
     }

@@ -28,11 +28,14 @@ with echo and stream an engine puts the prompt logprobs into its first event
 
 from __future__ import annotations
 
+import base64
 import enum
+import io
 import math
 from typing import Annotated, Any, Literal
 
 import msgspec
+import numpy as np
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
@@ -235,6 +238,11 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     cache_salt: str | None = None  # prefix-cache salt (vLLM's cache_salt)
     priority: int = 0  # scheduling priority (lower: earlier), for engines that schedule by it
     session_id: str | None = None  # related requests' shared identity (vLLM's session_id)
+    # routed experts (MoE; engines started with --enable-return-routed-experts): None, not
+    # asked for; -1, one row per completion token (the forward pass that produced it: the
+    # last prompt position for the first); k >= 0, vLLM's routed_experts_prompt_start: from
+    # prompt position k to the last token forwarded (see RoutedExperts)
+    routed_experts_start: int | None = None
     # W3C trace context of the caller's span (rlfleet.runtime.tracing): the worker's span,
     # and the engine's, start under it; log lines about the request name its trace
     traceparent: Annotated[str, Meta(max_length=256)] | None = None
@@ -266,6 +274,10 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
             raise InvalidParam(f"truncate_prompt_tokens must be -1 or at least 0, got {t}",
                                "truncate_prompt_tokens")
         _int64("priority", self.priority)
+        r = self.routed_experts_start
+        if r is not None and not -1 <= r <= _INT64[1]:
+            raise InvalidParam(f"routed_experts_prompt_start must be at least 0, got {r}",
+                               "routed_experts_prompt_start")
         salt = self.cache_salt
         if salt is not None and (not salt or len(salt) > 128
                                  or any(c in "@/\\\x00" for c in salt)):
@@ -343,6 +355,73 @@ class TokenLogprob(Struct, kw_only=True):
 
 
 FinishReason = Literal["stop", "length", "abort"]
+EXPERT_DTYPES = ("uint8", "uint16", "int32")
+
+
+class RoutedExperts(Struct, kw_only=True, frozen=True):
+    """The experts a MoE engine routed tokens to: `data` is a C-order little-endian array of
+    `dtype` shaped `shape` = (tokens, MoE layers, top-k); row j is the forward pass at
+    position `start + j` of the sequence (prompt, then completion). As a choice's final
+    delta carries it for a request's `routed_experts_start` -1, `start` is the last prompt
+    position and row i produced completion token i. On the OpenAI routes it is vLLM's
+    encoding: base64 of the array's .npy bytes (`to_npy_b64`)."""
+
+    data: bytes
+    dtype: Literal["uint8", "uint16", "int32"]
+    shape: tuple[int, int, int]
+    start: int = 0
+
+    def __post_init__(self) -> None:
+        size = {"uint8": 1, "uint16": 2, "int32": 4}[self.dtype]
+        t, layers, k = self.shape
+        if min(self.shape) < 0 or len(self.data) != t * layers * k * size:
+            raise ValueError(f"routed experts: {len(self.data)} bytes do not hold a {self.dtype} "
+                             f"array of shape {self.shape}")
+
+    @property
+    def tokens(self) -> int:
+        return self.shape[0]
+
+    def array(self) -> Any:
+        """As a numpy array (tokens, layers, top-k)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")
+                             ).reshape(self.shape)
+
+    @classmethod
+    def of(cls, arr: Any, start: int = 0) -> RoutedExperts:
+        """From a numpy array of expert IDs (tokens, layers, top-k), in the smallest dtype
+        that holds them."""
+        top = int(arr.max()) if arr.size else 0
+        dtype = "uint8" if top < 1 << 8 else "uint16" if top < 1 << 16 else "int32"
+        a = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))
+        return cls(data=a.tobytes(), dtype=dtype, shape=tuple(a.shape), start=start)
+
+    def to_npy_b64(self) -> str:
+        """vLLM's encoding: base64 of the .npy file of the array."""
+
+        buf = io.BytesIO()
+        np.save(buf, self.array(), allow_pickle=False)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    @classmethod
+    def from_npy_b64(cls, s: str, start: int = 0) -> RoutedExperts:
+        """The inverse of to_npy_b64; ValueError if `s` is not such an array."""
+
+        try:
+            arr = np.load(io.BytesIO(base64.b64decode(s, validate=True)), allow_pickle=False)
+        except Exception as e:
+            raise ValueError(f"routed_experts is not base64 of a .npy array: {e}") from e
+        if arr.ndim != 3 or arr.dtype.kind not in "iu":
+            raise ValueError(f"routed_experts must be an integer array (tokens, layers, "
+                             f"top-k), got {arr.dtype} of shape {arr.shape}")
+        return cls.of(arr, start)
+
+    def concat(self, other: RoutedExperts) -> RoutedExperts:
+        """`other`'s rows after these (it must start where these end, same layers, top-k)."""
+        if other.start != self.start + self.tokens or other.shape[1:] != self.shape[1:]:
+            raise ValueError(f"routed experts from position {other.start} {other.shape} do not "
+                             f"follow {self.tokens} rows from {self.start} {self.shape}")
+        return RoutedExperts.of(np.concatenate([self.array(), other.array()]), self.start)
 
 
 class Delta(Struct, kw_only=True):
@@ -360,6 +439,9 @@ class Delta(Struct, kw_only=True):
     # set by the frontend on a final delta: the choice left the request's staleness bound
     # (nvext.policy) while it was generated
     stale_policy: bool | UnsetType = UNSET
+    # with the final delta, when the request asked (routed_experts_start) and the engine
+    # returns them
+    routed_experts: RoutedExperts | None = None
 
 
 class Step(Struct, kw_only=True):

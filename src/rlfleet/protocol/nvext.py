@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 ALLOWED_EXTRA_FIELDS = frozenset({
     "completion_token_ids", "prompt_token_ids", "prompt_logprobs", "worker_id", "timing",
     "detailed_finish_reason", "stop_reason", "engine_data", "weight_versions",
+    "routed_experts",  # in each choice (vLLM's place and encoding), see RoutedExperts
 })
 
 

@@ -34,7 +34,6 @@ REFUSED: dict[str, str] = {
                           "rlfleet workers",
     "vllm_xargs": "custom engine extensions (vllm_xargs) are not part of rlfleet workers",
     "repetition_detection": "repetition detection is not supported by rlfleet workers",
-    "routed_experts_prompt_start": "routed-expert data is not returned by rlfleet workers",
     "chat_template": "Chat template is passed with request, but rlfleet workers use the "
                      "model's own template (as vLLM without --trust-request-chat-template): "
                      "refused request with untrusted chat template",
@@ -112,7 +111,9 @@ class _Request(BaseModel):
     ec_transfer_params: dict[str, Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     repetition_detection: dict[str, Any] | None = None
-    routed_experts_prompt_start: int | None = 0
+    # vLLM: routed experts from this prompt position on (rlfleet: asking for them; see
+    # routed_experts_start)
+    routed_experts_prompt_start: Annotated[int, Field(ge=0)] = 0
     nvext: NvExt = Field(default_factory=NvExt)
 
     # fields vLLM wants as JSON numbers (numeric strings refused), checked on the raw body
@@ -143,7 +144,7 @@ class _Request(BaseModel):
     def refusals(self) -> None:
         """InvalidParam for the first field rlfleet refuses that is set (REFUSED), and for
         vLLM's own cross-field rules of these routes."""
-        defaults = {"use_beam_search": False, "routed_experts_prompt_start": 0}
+        defaults = {"use_beam_search": False}
         for name, why in REFUSED.items():
             if name not in type(self).model_fields:
                 continue
@@ -205,7 +206,18 @@ class _Request(BaseModel):
                 "truncation_side": self.truncation_side,
                 "add_special_tokens": self.add_special_tokens, "stream": bool(self.stream),
                 "cache_salt": self.cache_salt, "priority": self.priority,
-                "session_id": self.session_id}
+                "session_id": self.session_id, "routed_experts_start": self.routed_experts_start}
+
+    @property
+    def routed_experts_start(self) -> int | None:
+        """What the engine is asked for (GenerateRequest.routed_experts_start): asked by
+        nvext.extra_fields "routed_experts" (Dynamo's name) or by vLLM's
+        routed_experts_prompt_start; that field's value when sent, else -1 (one row per
+        completion token)."""
+        given = "routed_experts_prompt_start" in self.model_fields_set
+        if not given and not self.nvext.wants("routed_experts"):
+            return None
+        return self.routed_experts_prompt_start if given else -1
 
     @property
     def include_usage(self) -> bool:
@@ -497,6 +509,9 @@ class CompletionChoice(Struct, kw_only=True):
     prompt_logprobs: PromptLogprobs | None | UnsetType = UNSET
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
     prompt_token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    # asked for (routed_experts_start): vLLM's encoding, RoutedExperts.to_npy_b64; null
+    # when the engine returns none
+    routed_experts: str | None | UnsetType = UNSET
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -541,6 +556,7 @@ class ChatChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    routed_experts: str | None | UnsetType = UNSET  # as CompletionChoice's
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -569,6 +585,7 @@ class ChatChunkChoice(Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None | UnsetType = UNSET  # on the choice's last chunk
     token_ids: list[int] | UnsetType = UNSET  # with return_token_ids
+    routed_experts: str | None | UnsetType = UNSET  # on the choice's last chunk, when asked
 
 
 class ChatCompletionChunk(Struct, kw_only=True):

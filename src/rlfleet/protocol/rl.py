@@ -49,6 +49,10 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     fleet_epoch: int  # the newest fleet epoch it has seen
     endpoint: str
     request_plane_url: str  # dyn://<namespace>.<component>.<endpoint>
+    # its engine's KV-event publisher (rlfleet.protocol.kv_events), tcp://host:port to
+    # connect to, and the engine's KV block size (in tokens)
+    kv_events: str | None = None
+    kv_block_size: int | None = None
 
     def to_entry(self) -> dict[str, Any]:
         """The entry as discovery stores it."""

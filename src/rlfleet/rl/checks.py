@@ -15,9 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.response import Generation
+from rlfleet.rl.response import GeneratedChoice, Generation
 
 LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
 
@@ -275,3 +276,24 @@ def policy_bound(gen: Generation, spans: list[list[WeightSpan]], rules: SampleRu
         if not bound.allows(steps):
             raise StalePolicy(f"choice {c.index}: tokens from steps {min(steps)} to "
                               f"{max(steps)}, outside the bound {bound.describe()}")
+
+
+class RoutedExpertsMisaligned(CheckFailed):
+    check = "routed_experts"
+
+
+def routed_experts(c: GeneratedChoice, start: int) -> RoutedExperts | None:
+    """A choice's routed experts (None: the engine returned none), checked: one row per
+    completion token, from the last prompt position `start`."""
+    if c.routed_experts is None:
+        return None
+    if not isinstance(c.routed_experts, str):
+        raise RoutedExpertsMisaligned("routed_experts is not a base64 string")
+    try:
+        r = RoutedExperts.from_npy_b64(c.routed_experts, start)
+    except ValueError as e:
+        raise RoutedExpertsMisaligned(str(e)) from e
+    if r.tokens != len(c.token_ids or ()):
+        raise RoutedExpertsMisaligned(f"{r.tokens} rows of routed experts for "
+                                      f"{len(c.token_ids or ())} completion tokens")
+    return r

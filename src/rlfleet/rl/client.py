@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from rlfleet.protocol.engine import STALE_POLICY
+from rlfleet.protocol.engine import STALE_POLICY, RoutedExperts
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl import telemetry
@@ -60,6 +60,7 @@ from rlfleet.rl.checks import (
     identity,
     logprobs_aligned,
     policy_bound,
+    routed_experts,
     single_policy,
     token_ids_present,
     verify,
@@ -117,7 +118,8 @@ def request_body(route: str, prompt: list[int] | str | Chat, spec: SamplingSpec,
     IDs only) with logprobs and `rid`. A staleness bound goes as `nvext.policy` (SGLang:
     `policy`)."""
     if route == "openai":
-        fields = list(REQUESTED_EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else [])
+        fields = list(REQUESTED_EXTRA_FIELDS) + (["prompt_logprobs"] if spec.prompt_logprobs else []) \
+            + (["routed_experts"] if spec.routed_experts else [])
         nvext: dict[str, Any] = {"extra_fields": fields}
         if policy is not None:
             nvext["policy"] = policy.nvext()
@@ -165,6 +167,15 @@ class _Prompt:
 
     sent: list[int] | str | Chat
     ids: list[int] | None
+    experts: tuple[RoutedExperts, ...] = ()  # a NextTurn's: its earlier turns' experts
+
+
+def _earlier_experts(turn: NextTurn) -> tuple[RoutedExperts, ...]:
+    """What a NextTurn keeps of its earlier sample's experts: those of its prompt, then of
+    the completion it continues (the prefix it re-sends verbatim)."""
+    e = turn.earlier
+    done = e.completions[turn.completion].routed_experts
+    return e.prompt_routed_experts + ((done,) if done is not None else ())
 
 
 def _engine_prompt_ids(gen: Generation) -> list[int] | None:
@@ -328,7 +339,7 @@ class RolloutClient:
                 ids = await self.next_turn_ids(prompt)
             except TokenizeFailed as e:  # nothing was sent: no attempt in the ledger
                 raise SampleFailed(sample_id, f"tokenize: {e}", [f"tokenize: {e}"]) from e
-            return _Prompt(ids, ids)
+            return _Prompt(ids, ids, _earlier_experts(prompt))
         if kind == "chat":
             return _Prompt(prompt if isinstance(prompt, Chat) else Chat(list(prompt)), None)
         if kind == "text":
@@ -341,6 +352,8 @@ class RolloutClient:
         A text or chat prompt resumes only once the engine has reported its token IDs."""
         gen = end.partial
         action = PartialAction.DISCARD
+        if sampling.routed_experts:
+            gen = None  # a partial attempt's experts are not returned: start over
         if gen is not None and prompt.ids is None:
             prompt.ids = _engine_prompt_ids(gen)
         if gen is not None and n == 1 and not end.reuse_request_id and prompt.ids is not None:
@@ -451,6 +464,8 @@ class RolloutClient:
             for s in spans:
                 single_policy(s, rules)
             policy_bound(gen, spans, rules)
+            experts = [routed_experts(c, len(sent_ids) - 1) if sampling.routed_experts else None
+                       for c in gen.choices]
         except NotTerminal as e:
             telemetry.REJECTIONS.labels(e.check).inc()
             if e.finish_reason == "abort":  # the server canceled it: a partial attempt
@@ -479,18 +494,18 @@ class RolloutClient:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("attempt admitted", extra=telemetry.fields(a, trace))
         completions = []
-        for c, s in zip(gen.choices, spans, strict=True):
+        for c, s, e in zip(gen.choices, spans, experts, strict=True):
             ids = c.token_ids or []
             completions.append(Completion(
                 prefix.token_ids + ids, prefix.logprobs + list(c.logprobs or ()), c.finish_reason,
-                prefix.token_attempts + [a.number] * len(ids), s))
+                prefix.token_attempts + [a.number] * len(ids), s, e))
         plps = None
         if sampling.prompt_logprobs and gen.prompt_logprobs is not None:
             plps = [None] + [gen.prompt_logprobs[i][str(prompt_ids[i])]["logprob"]
                              for i in range(1, len(prompt_ids))]
         return AdmittedSample(a.sample_id, a.number, a.request_id, list(prompt_ids), completions,
                               rules.model, gen.policy or UNKNOWN, plps,
-                              gen.worker_id)
+                              gen.worker_id, prompt.experts)
 
     # ------------------------------------------------------------ the worker's tokenizer
 

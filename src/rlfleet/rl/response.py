@@ -31,6 +31,7 @@ class GeneratedChoice:
     detailed_finish_reason: str | None = None
     weight_spans: list[Any] | None = None  # nvext.weight_versions, raw
     stale_policy: bool = False  # the server marked it: its worker left the request's bound
+    routed_experts: Any = None  # the choice's `routed_experts`, raw (base64 .npy string)
 
 
 @dataclass
@@ -127,7 +128,8 @@ def parse_openai(body: Any, echoed_request_id: str | None = None) -> Generation:
             logprob_token_ids=tokens, finish_reason=raw.get("finish_reason"),
             detailed_finish_reason=cnv.get("detailed_finish_reason"),
             weight_spans=_list(cnv.get("weight_versions")),
-            stale_policy=cnv.get("stale_policy") is True))
+            stale_policy=cnv.get("stale_policy") is True,
+            routed_experts=raw.get("routed_experts")))
     gen.choices.sort(key=lambda c: c.index if isinstance(c.index, int) else -1)
     return gen
 
@@ -172,6 +174,8 @@ class OpenAIStream:
                 if ids is not None:
                     c.token_ids = list(ids)
                     new += len(ids)
+            if raw.get("routed_experts") is not None:
+                c.routed_experts = raw["routed_experts"]
             if raw.get("finish_reason") is not None:
                 c.finish_reason = raw["finish_reason"]
                 c.detailed_finish_reason = nv.get("detailed_finish_reason")

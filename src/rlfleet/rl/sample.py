@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
+from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 
 #: bounds the frontend enforces (protocol/openai.py); refused here first, with the field named
@@ -57,7 +58,9 @@ class SamplingSpec:
     presence_penalty, frequency_penalty (in [-2, 2]), repetition_penalty (> 0);
     logit_bias: {token_id: bias in [-100, 100]} added to the logits (OpenAI route only:
     the native SGLang route refuses it); prompt_logprobs=True asks for the logprob of every
-    prompt token (checked by `prompt_logprobs_unshifted`).
+    prompt token (checked by `prompt_logprobs_unshifted`); routed_experts=True asks a MoE
+    engine (--enable-return-routed-experts) for the experts it routed each completion
+    token to (OpenAI route only; `Completion.routed_experts`).
 
     The engine's logprobs are what it sampled from: with the workers' default
     `processed_logprobs`, after temperature, penalties and logit bias."""
@@ -77,6 +80,7 @@ class SamplingSpec:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
     prompt_logprobs: bool = False
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if type(self.max_tokens) is not int or self.max_tokens < 1:
@@ -145,6 +149,9 @@ class SamplingSpec:
         """`sampling_params` of a native SGLang /generate request."""
         if self.logit_bias:
             raise ValueError("logit_bias is sent on the OpenAI route only: use route='openai'")
+        if self.routed_experts:
+            raise ValueError("routed experts are asked for on the OpenAI route only: use "
+                             "route='openai'")
         return {_SGLANG_NAMES.get(k, k): v for k, v in self._shared_fields().items()}
 
 
@@ -242,6 +249,10 @@ class Completion:
     finish_reason: str
     token_attempts: list[int]
     weight_spans: list[WeightSpan] | None = None  # from nvext.weight_versions or per attempt
+    # with SamplingSpec.routed_experts: one row per token of `token_ids` (row i: the experts
+    # of the forward pass that produced token i, at position len(prompt_ids) - 1 + i);
+    # None when the engine returned none (not a MoE engine, or not started to)
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +268,10 @@ class AdmittedSample:
     policy: PolicyIdentity = UNKNOWN  # the policy the worker reported
     prompt_logprobs: list[float | None] | None = None  # position 0 is None
     worker_id: int | None = None
+    # a NextTurn sample: the earlier turns' completion experts, kept from their samples
+    # (each one's `start` is its position in prompt_ids; the engine is not asked again for
+    # what its prefix cache may not recompute)
+    prompt_routed_experts: tuple[RoutedExperts, ...] = ()
 
     @property
     def completion(self) -> Completion:

@@ -13,8 +13,11 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
@@ -74,6 +77,19 @@ def _structured(s: SamplingOptions):
         return structured_outputs_from_response_format(so, rf)
     except (ValidationError, ValueError, TypeError) as e:
         raise BadRequest(f"structured outputs: {e}") from e
+
+
+def _experts_start(req: GenerateRequest, prompt_len: int) -> int | None:
+    """vLLM's routed_experts_prompt_start for the request (None: not asked): -1 is the last
+    prompt position (one row per completion token), as vLLM checks it."""
+    start = req.routed_experts_start
+    if start is None:
+        return None
+    start = prompt_len - 1 if start == -1 else start
+    if not 0 <= start <= prompt_len:
+        raise BadRequest(f"routed_experts_prompt_start must be between 0 and the prompt "
+                         f"length {prompt_len}, got {start}")
+    return start
 
 
 def _sampling_params(s: SamplingOptions, room: int, stream: bool):
@@ -203,6 +219,10 @@ class VllmEngine(Engine, EngineControl):
         self.info.max_model_len = mc.max_model_len
         self.info.eos_token_ids = (eos,) if eos is not None else ()
         self.info.world_size = self.llm.vllm_config.parallel_config.world_size_across_dp
+        self.info.kv_block_size = self.llm.vllm_config.cache_config.block_size
+        events = self.llm.vllm_config.kv_events_config  # --kv-events-config
+        if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
+            self.info.kv_events = events.endpoint
         self.on_gpu = self.llm.vllm_config.device_config.device_type == "cuda"
         self.traced = self.llm.observability_config.otlp_traces_endpoint is not None
         if Path(self.args.model).is_dir():
@@ -266,6 +286,9 @@ class VllmEngine(Engine, EngineControl):
         except _CLIENT_ERRORS as e:  # vLLM's own checks of the sampling parameters
             raise BadRequest(str(e)) from e
         k = s.logprobs or 0
+        experts_from = _experts_start(req, len(prompt_token_ids))
+        if experts_from is not None:  # returned by an engine with --enable-return-routed-experts
+            sp.routed_experts_prompt_start = experts_from
         prompt = TokensPrompt(prompt_token_ids=prompt_token_ids)
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
@@ -299,6 +322,11 @@ class VllmEngine(Engine, EngineControl):
                     }
                     if c.weight_versions:
                         choice["weight_versions"] = [_span(w) for w in c.weight_versions]
+                    if experts_from is not None and c.finish_reason is not None \
+                            and getattr(c, "routed_experts", None) is not None:
+                        choice["routed_experts"] = msgspec.to_builtins(
+                            RoutedExperts.of(np.asarray(c.routed_experts), experts_from),
+                            builtin_types=(bytes,))
                     choices.append(choice)
                 if choices:
                     ev: dict[str, Any] = {"choices": choices}

@@ -30,6 +30,10 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     world_size: int = 1  # the engine's ranks: TP x PP x DP (what a trainer's group counts)
+    # its KV-event publisher (rlfleet.protocol.kv_events): a tcp:// endpoint, and the
+    # engine's block size
+    kv_events: str | None = None
+    kv_block_size: int | None = None
 
 
 class Engine(abc.ABC):

@@ -285,7 +285,20 @@ class WorkerProcess:
             policy=self.engine.serving_policy(),
             fleet_epoch=self.fence.newest, endpoint=endpoint,
             request_plane_url=f"dyn://{self.args.namespace}.{WORKER_COMPONENT}.{endpoint}",
+            kv_events=self._kv_events(), kv_block_size=info.kv_block_size,
         ).to_entry()
+
+    def _kv_events(self) -> str | None:
+        """The engine's KV-event endpoint as a frontend connects to it: a wildcard bind
+        address becomes the host this worker advertises."""
+        ep = self.engine.info.kv_events
+        if ep is None:
+            return None
+        rest, _, port = ep.removeprefix("tcp://").rpartition(":")
+        if rest in ("*", "0.0.0.0", "[::]", "::"):
+            host = self.stream_address.rpartition(":")[0]
+            return f"tcp://{host}:{port}"
+        return ep
 
     # ---------------------------------------------------------------- discovery
 

@@ -1,0 +1,391 @@
+"""KV-aware routing (`--router-mode kv`): send a request to the worker that already holds
+the longest prefix of its token IDs, unless that worker is overloaded.
+
+What the frontend knows of each worker's prefix cache (its `PrefixView`):
+- from the engine's own KV events (vLLM's `--kv-events-config` ZMQ publisher, or the
+  mocker's), where the worker's discovery entry names a publisher (`kv_events`): blocks
+  stored, removed, all cleared;
+- from its own record of what it routed where: the prompt blocks of every request it sent
+  there (at once, so that the G samples of a group sent together follow the first), and
+  the prompt + completion blocks of every finished choice (what a multi-turn
+  continuation starts with). For a worker with events this record only bridges the time
+  until the engine's events arrive (RECORD_TTL seconds); for a worker without events it
+  is all there is (the most recent MAX_RECORD_BLOCKS blocks: the frontend sees no
+  evictions).
+
+Block keys: the frontend does not compute vLLM's block hashes (their seed is per process
+unless PYTHONHASHSEED is shared). It chains its own key over each full block of token
+IDs (`block_keys`), from the request's token IDs and from the token IDs that every
+`BlockStored` event carries, and maps the engine's hashes to its keys for removals. A
+request's cache salt is part of its first block's key, as in vLLM.
+
+A view is cleared when the engine says so (`AllBlocksCleared`, which vLLM publishes when
+its prefix cache is reset: every policy refresh), when the worker's policy changes in
+discovery (weights, version or step: the refresh flushed the cache), when an event
+stream skips a sequence number, and when the worker leaves or comes back elsewhere.
+
+Scoring (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
+within the staleness bound): a worker is overloaded when (in-flight + 1) > threshold x
+(mean in-flight of the candidates + 1); among those that are not, the lowest cost wins,
+cost = overlap_weight x (prompt tokens it does not hold) + (the uncached prompt tokens of
+the requests sent there without a first token yet: its prefill backlog), then the fewest requests in flight,
+then round-robin. So a rollout's continuation stays where its conversation is cached
+unless that worker is overloaded or has more prefill queued than the move would cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from rlfleet.protocol import kv_events as kv
+
+log = logging.getLogger("rlfleet.router.kv")
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a worker's entry (kv_block_size) or events win
+DEFAULT_OVERLOAD = 1.5
+DEFAULT_OVERLAP_WEIGHT = 2.0  # bench/prefix_routing.py: 1.0 split GRPO groups across workers
+RECORD_TTL = 30.0  # seconds a routed-record block counts on a worker that sends events
+MAX_RECORD_BLOCKS = 200_000  # per worker without events
+
+
+def block_keys(tokens: Sequence[int], block_size: int, first_extra: Any = None,
+               parent: int | None = None) -> list[int]:
+    """The chained key of each full block of `tokens` (a partial last block has none):
+    key_i = hash(key_{i-1}, tokens of block i, what else went into it)."""
+    keys = []
+    for i in range(len(tokens) // block_size):
+        extra = first_extra if i == 0 and parent is None else None
+        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
+        keys.append(parent)
+    return keys
+
+
+def _extra(keys: list[Any] | None) -> Any:
+    """A BlockStored extra_keys entry as part of a key (the request side: (salt,))."""
+    return tuple(keys) if keys else None
+
+
+@dataclass
+class Prefix:
+    """What the router scores a request by: its prompt token IDs and cache salt."""
+
+    tokens: list[int]
+    salt: str | None = None
+
+    def keys(self, block_size: int) -> list[int]:
+        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None)
+
+
+@dataclass
+class PrefixView:
+    """One worker's prefix cache as the frontend knows it (see the module doc)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    has_events: bool = False
+    cached: set[int] = field(default_factory=set)  # from the engine's events
+    engine_keys: dict[kv.BlockHash, int] = field(default_factory=dict)  # its hash -> our key
+    record: OrderedDict[int, float] = field(default_factory=OrderedDict)  # key -> when
+    last_seq: int | None = None
+
+    def clear(self) -> None:
+        self.cached.clear()
+        self.engine_keys.clear()
+        self.record.clear()
+
+    def overlap(self, keys: list[int]) -> int:
+        """How many leading blocks of `keys` this worker holds."""
+        if not keys:
+            return 0
+        oldest = time.monotonic() - RECORD_TTL if self.has_events else None
+        n = 0
+        for k in keys:
+            if k in self.cached:
+                n += 1
+                continue
+            at = self.record.get(k)
+            if at is None or (oldest is not None and at < oldest):
+                break
+            n += 1
+        return n
+
+    def note(self, keys: list[int]) -> None:
+        """The frontend's record: these blocks were sent (or generated) here."""
+        now = time.monotonic()
+        rec = self.record
+        for k in keys:
+            rec[k] = now
+            rec.move_to_end(k)
+        limit = MAX_RECORD_BLOCKS
+        if self.has_events:  # only a bridge until the events arrive
+            while rec and next(iter(rec.values())) < now - RECORD_TTL:
+                rec.popitem(last=False)
+        while len(rec) > limit:
+            rec.popitem(last=False)
+
+    def apply(self, ev: kv.KvEvent) -> None:
+        """One engine event."""
+        if type(ev) is kv.AllBlocksCleared:
+            self.clear()
+        elif type(ev) is kv.BlockStored:
+            if ev.medium in kv.OFFLOADED_MEDIA or not ev.block_hashes:
+                return
+            size = ev.block_size if len(ev.token_ids) == ev.block_size * len(ev.block_hashes) \
+                else len(ev.token_ids) // len(ev.block_hashes)
+            if size <= 0:
+                return
+            self.block_size = size
+            parent = None if ev.parent_block_hash is None \
+                else self.engine_keys.get(ev.parent_block_hash)
+            if ev.parent_block_hash is not None and parent is None:
+                return  # its parent was never seen (evicted, or before we subscribed)
+            extras = ev.extra_keys or []
+            for i, h in enumerate(ev.block_hashes):
+                block = ev.token_ids[i * size:(i + 1) * size]
+                extra = _extra(extras[i]) if i < len(extras) else None
+                parent = hash((parent, tuple(block), extra))
+                self.engine_keys[h] = parent
+                self.cached.add(parent)
+        elif type(ev) is kv.BlockRemoved:
+            if ev.medium in kv.OFFLOADED_MEDIA:
+                return
+            for h in ev.block_hashes:
+                k = self.engine_keys.pop(h, None)
+                if k is not None:
+                    self.cached.discard(k)
+
+
+class Attempt:
+    """One request sent to one worker, as the router books it: routed (its prompt is
+    there, its uncached part is that worker's prefill backlog), first token (the backlog
+    is done), end (its completions are there too)."""
+
+    __slots__ = ("router", "iid", "prefix", "load", "made")
+
+    def __init__(self, router: KvRouter, iid: int, prefix: Prefix | None) -> None:
+        self.router, self.iid, self.prefix = router, iid, prefix
+        self.load = router.routed(iid, prefix)
+        self.made: dict[int, list[int]] = {}  # each choice's tokens
+
+    def head(self, prompt_token_ids: list[int], salt: str | None) -> None:
+        """The worker's report of the prompt: a text or chat prompt is booked now."""
+        if self.prefix is None:
+            self.prefix = Prefix(prompt_token_ids, salt)
+            self.load = self.router.routed(self.iid, self.prefix)
+
+    def step(self, deltas: Sequence[Any]) -> None:
+        if self.load:
+            self.router.prefilled(self.iid, self.load)
+            self.load = 0
+        for d in deltas:
+            self.made.setdefault(d.index, []).extend(d.token_ids)
+
+    def end(self) -> None:
+        self.router.finished(self.iid, self.prefix, self.load, list(self.made.values()))
+        self.load = 0
+
+
+class Candidate(Protocol):
+    instance_id: int
+    inflight: int
+
+
+class KvRouter:
+    """The views of every worker, their event subscriptions, and the choice."""
+
+    def __init__(self, overload: float = DEFAULT_OVERLOAD,
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+        if not overload > 1.0:
+            raise ValueError(f"--kv-overload-threshold must be greater than 1, got {overload}")
+        if not overlap_weight >= 0:
+            raise ValueError(f"--kv-overlap-weight must be at least 0, got {overlap_weight}")
+        self.overload, self.overlap_weight = overload, overlap_weight
+        # prompt tokens to compute (not cached when routed) of the requests sent there that
+        # have no first token yet: its prefill backlog
+        self.active: dict[int, int] = {}
+        self.views: dict[int, PrefixView] = {}
+        self._subs: dict[int, tuple[str, asyncio.Task]] = {}
+        self._policies: dict[int, tuple] = {}
+        self._rr = itertools.count()
+        self._ctx: zmq.asyncio.Context | None = None
+
+    # ------------------------------------------------------------------ the choice
+
+    def view(self, iid: int) -> PrefixView:
+        v = self.views.get(iid)
+        if v is None:
+            v = self.views[iid] = PrefixView()
+        return v
+
+    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
+        """The worker for a request (see the module doc); `prefix` None: least loaded."""
+        mean = sum(w.inflight for w in candidates) / len(candidates)
+        fit = [w for w in candidates if w.inflight + 1 <= self.overload * (mean + 1)]
+        keys: dict[int, list[int]] = {}
+
+        def cost(w: Candidate) -> tuple[float, int]:
+            if prefix is None:
+                return 0.0, w.inflight
+            v = self.view(w.instance_id)
+            ks = keys.get(v.block_size)
+            if ks is None:
+                ks = keys[v.block_size] = prefix.keys(v.block_size)
+            uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
+            return self.overlap_weight * uncached + self.active.get(w.instance_id, 0), \
+                w.inflight
+
+        scored = [(cost(w), w) for w in fit or candidates]
+        best = min(c for c, _ in scored)
+        tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
+        return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
+
+    def describe(self, iid: int) -> dict[str, Any]:
+        """What the frontend knows of a worker's cache (its /health): where from, and how
+        many blocks (from events; and recorded)."""
+        v = self.view(iid)
+        return {"source": "events" if v.has_events else "record", "block_size": v.block_size,
+                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record)}
+
+    def routed(self, iid: int, prefix: Prefix | None) -> int:
+        """Record that `prefix` was sent to worker `iid`; returns the tokens it adds to the
+        worker's load until `finished` (the prompt tokens it does not hold yet)."""
+        if prefix is None:
+            return 0
+        v = self.view(iid)
+        keys = prefix.keys(v.block_size)
+        load = len(prefix.tokens) - v.overlap(keys) * v.block_size  # what it must compute
+        v.note(keys)
+        self.active[iid] = self.active.get(iid, 0) + load
+        return load
+
+    def prefilled(self, iid: int, load: int) -> None:
+        """A request `routed` there has its first token: its prompt is computed."""
+        if iid in self.active:
+            self.active[iid] = max(0, self.active[iid] - load)
+
+    def finished(self, iid: int, prefix: Prefix | None, load: int,
+                 completions: Sequence[Sequence[int]] = ()) -> None:
+        """The request `routed` sent there ended (`load`: what of it `prefilled` has not
+        taken off; with these completions: what a continuation of it starts with is
+        there now)."""
+        self.prefilled(iid, load)
+        v = self.views.get(iid)
+        if prefix is None or v is None:
+            return
+        for c in completions:
+            v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
+
+    # ------------------------------------------------------------------ membership
+
+    def sync(self, entries: dict[int, dict]) -> None:
+        """Follow the pool's live set: forget workers that left, clear the view of a
+        worker whose policy changed, (re)subscribe to each worker's KV events (when
+        called on an event loop)."""
+        try:
+            start_events = asyncio.get_running_loop() is not None
+        except RuntimeError:
+            start_events = False
+        for iid in list(self.views.keys() - entries.keys()):
+            self.forget(iid)
+        for iid, e in entries.items():
+            policy = (e.get("weight_digest"), e.get("weight_version"), e.get("weight_step"),
+                      e.get("stream_plane"))
+            if self._policies.get(iid, policy) != policy:
+                log.info("worker %s: policy or address changed; forgetting its prefix cache",
+                         iid)
+                self.view(iid).clear()
+            self._policies[iid] = policy
+            v = self.view(iid)
+            size = e.get("kv_block_size")
+            if type(size) is int and size > 0:
+                v.block_size = size
+            endpoint = e.get("kv_events")
+            sub = self._subs.get(iid)
+            if sub is not None and (sub[0] != endpoint or sub[1].done()):
+                sub[1].cancel()
+                del self._subs[iid]
+                sub = None
+            if sub is None:
+                v.has_events = isinstance(endpoint, str) and start_events
+            if v.has_events and sub is None:
+                self._subs[iid] = (endpoint, asyncio.create_task(self._follow(iid, endpoint)))
+
+    def forget(self, iid: int) -> None:
+        self.views.pop(iid, None)
+        self.active.pop(iid, None)
+        self._policies.pop(iid, None)
+        sub = self._subs.pop(iid, None)
+        if sub is not None:
+            sub[1].cancel()
+
+    async def close(self) -> None:
+        tasks = [t for _, t in self._subs.values()]
+        self._subs.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # ------------------------------------------------------------------ events
+
+    def on_message(self, iid: int, seq_bytes: bytes, body: bytes) -> None:
+        """One published batch of worker `iid`'s events."""
+        v = self.views.get(iid)
+        if v is None:
+            return
+        seq = int.from_bytes(seq_bytes, "big")
+        if v.last_seq is not None and seq != v.last_seq + 1:
+            log.warning("worker %s: KV events %s..%s lost; forgetting its prefix cache",
+                        iid, v.last_seq + 1, seq - 1)
+            v.clear()
+        v.last_seq = seq
+        try:
+            batch = kv.decode_batch(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("worker %s: not a KV event batch (%s); forgetting its prefix cache",
+                        iid, e)
+            v.clear()
+            return
+        for ev in batch.events:
+            v.apply(ev)
+
+    async def _follow(self, iid: int, endpoint: str) -> None:
+        """Read worker `iid`'s event publisher for as long as it is in the pool."""
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            sock.connect(endpoint)
+            log.info("worker %s: following its KV events at %s", iid, endpoint)
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("worker %s: a KV event message of %d frames ignored", iid,
+                                len(frames))
+                    continue
+                self.on_message(iid, frames[1], frames[2])
+        except zmq.ZMQError as e:
+            log.warning("worker %s: KV events at %s unreadable (%s); routing it by the "
+                        "frontend's own record", iid, endpoint, e)
+            v = self.views.get(iid)
+            if v is not None:
+                v.has_events = False
+        finally:
+            sock.close(linger=0)

@@ -1,0 +1,148 @@
+"""The mocker's simulated prefix cache (declared simulator): full blocks of token IDs,
+chained as vLLM chains them, kept least-recently-used up to a number of blocks, and
+published as vLLM publishes its KV events (rlfleet.protocol.kv_events, on a ZMQ PUB
+socket) when the worker is started with `--kv-events-config`.
+
+What it simulates: a request's leading prompt blocks already cached are hits (counted in
+`rlfleet_mocker_prefix_cache_{queries,hits}_total`, in tokens, as vLLM counts its
+`vllm:prefix_cache_*`), the others are "computed" (`--prefill-delay` seconds per token
+before the first one) and stored, and a finished choice's full blocks of prompt and
+completion are stored too. A reset clears it all (AllBlocksCleared). Nothing here says
+how a real engine's cache behaves."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import zmq
+from prometheus_client import Counter
+
+from rlfleet.protocol import kv_events as kv
+from rlfleet.runtime.metrics import WORKER
+
+log = logging.getLogger("rlfleet.mocker.cache")
+
+QUERIES = Counter("rlfleet_mocker_prefix_cache_queries_total",
+                  "Prompt tokens the simulated prefix cache was asked for", ["model"],
+                  registry=WORKER)
+HITS = Counter("rlfleet_mocker_prefix_cache_hits_total",
+               "Prompt tokens the simulated prefix cache held", ["model"], registry=WORKER)
+
+
+def parse_events_config(raw: str | None) -> str | None:
+    """The endpoint to bind from vLLM's `--kv-events-config` JSON (None: no events);
+    ValueError says what is wrong."""
+    if raw is None:
+        return None
+    try:
+        cfg = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"--kv-events-config is not JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError("--kv-events-config must be a JSON object, as vLLM takes it")
+    if not cfg.get("enable_kv_cache_events", False):
+        return None
+    if cfg.get("publisher", "zmq") != "zmq":
+        raise ValueError("--kv-events-config: the mocker publishes with zmq only")
+    endpoint = cfg.get("endpoint", "tcp://*:5557")
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        raise ValueError(f"--kv-events-config endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    return endpoint
+
+
+def engine_hash(parent: int | None, tokens: Sequence[int], extra: object) -> int:
+    """The simulated engine's block hash (an int, as vLLM's builtin-hash family)."""
+    d = hashlib.blake2b(repr((parent, tuple(tokens), extra)).encode(), digest_size=8)
+    return int.from_bytes(d.digest(), "big") >> 1
+
+
+class PrefixCache:
+    def __init__(self, model: str, block_size: int = 16, blocks: int = 8192,
+                 endpoint: str | None = None) -> None:
+        if block_size < 1 or blocks < 1:
+            raise ValueError("block-size and kv-blocks must be at least 1")
+        self.block_size, self.capacity = block_size, blocks
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries, self.hits = QUERIES.labels(model), HITS.labels(model)
+        self._pub: zmq.Socket | None = None
+        self.endpoint: str | None = None  # where a frontend connects (bound, port known)
+        self._seq = 0
+        if endpoint is not None:
+            self._pub = zmq.Context.instance().socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(endpoint.replace("tcp://*:", "tcp://0.0.0.0:"))
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _hashes(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+        out: list[int] = []
+        parent = None
+        for i in range(len(tokens) // self.block_size):
+            extra = (salt,) if salt and i == 0 else None
+            parent = engine_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size],
+                                 extra)
+            out.append(parent)
+        return out
+
+    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> int:
+        """Count a request's prompt: how many of its tokens were cached (then stores the
+        rest of its full blocks)."""
+        hashes = self._hashes(prompt, salt)
+        hit = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            hit += 1
+        self.queries.inc(len(prompt))
+        self.hits.inc(hit * self.block_size)
+        self.store(prompt, salt, hashes)
+        return hit * self.block_size
+
+    def store(self, tokens: Sequence[int], salt: str | None = None,
+              hashes: list[int] | None = None) -> None:
+        """Cache the full blocks of `tokens` (most recently used); publish what is new and
+        what that evicted."""
+        hashes = self._hashes(tokens, salt) if hashes is None else hashes
+        new = [i for i, h in enumerate(hashes) if h not in self.blocks]
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        events: list[kv.KvEvent] = []
+        if new:
+            first = new[0]  # the new blocks follow the cached ones: one chain from `first`
+            bs = self.block_size
+            events.append(kv.BlockStored(
+                block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
+                token_ids=list(tokens[first * bs:len(hashes) * bs]), block_size=bs,
+                medium="GPU", extra_keys=[[salt] if salt and i == 0 else None
+                                          for i in range(first, len(hashes))]))
+        evicted = []
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        if evicted:
+            events.append(kv.BlockRemoved(block_hashes=evicted, medium="GPU"))
+        self._publish(events)
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self._publish([kv.AllBlocksCleared()])
+
+    def _publish(self, events: list[kv.KvEvent]) -> None:
+        if self._pub is None or not events:
+            return
+        try:
+            self._pub.send_multipart(kv.message(self._seq, kv.EventBatch(ts=time.time(),
+                                                                         events=events)),
+                                     flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("KV event batch %d dropped (no room)", self._seq)
+        self._seq += 1
+
+    def close(self) -> None:
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
