@@ -17,6 +17,9 @@ from rlfleet.runtime.http import HttpError
 log = logging.getLogger("rlfleet.router")
 
 ROUTER_MODES = ("round-robin", "least-loaded", "random")
+#: seconds a worker stays out of routing after a request found it unreachable, broken or
+#: stalled (python -m rlfleet.frontend --down-seconds)
+DOWN_SECONDS = 30.0
 
 
 @dataclass
@@ -72,7 +75,7 @@ class WorkerPool:
     discovery: Discovery
     namespace: str
     mode: str = "round-robin"
-    down_seconds: float = 30.0
+    down_seconds: float = DOWN_SECONDS
     # how long a request waits for a worker while its model's workers are gated (a policy
     # refresh in progress): held, not refused
     gated_hold: float = 60.0
