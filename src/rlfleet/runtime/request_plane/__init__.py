@@ -36,5 +36,5 @@ from rlfleet.runtime.request_plane.client import (
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
 
-__all__ = ["STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient", "WorkerError", "WorkerLink",
-           "WorkerStream", "generate_over_http", "split_address"]
+__all__ = ["STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient",
+           "WorkerError", "WorkerLink", "WorkerStream", "generate_over_http", "split_address"]
