@@ -376,6 +376,9 @@ def _coordinator_args(cp: argparse.ArgumentParser) -> None:
                          "port)")
     cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
     cp.add_argument("--journal", default=str(default_journal()), help=JOURNAL_HELP)
+    cp.add_argument("--discovery", default=None,
+                    help="the discovery store where the committed policy is published for "
+                         "the frontends (default: the one the RL listener names)")
 
 
 def _add_refresh(sub: argparse._SubParsersAction) -> None:

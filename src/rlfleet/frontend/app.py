@@ -48,7 +48,8 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     workers = [{"instance_id": w.instance_id, "model": w.model, "url": w.url,
-                "usable": w.usable, "inflight": w.inflight, "step": w.step}
+                "usable": w.usable, "inflight": w.inflight, "step": w.step,
+                **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in frontend_of(request).pool.workers.values()]
     return json_response({"status": "healthy" if workers else "no_workers", "workers": workers})
 

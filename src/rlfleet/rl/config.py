@@ -57,7 +57,9 @@ class RefreshConfig:
     host's address toward the workers), `master_port`: the distributed path's process group.
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
-    ahead of a serving worker."""
+    ahead of a serving worker. `discovery`: the store where the committed policy is
+    published for the frontends (rlfleet.rl.committed; default: the one the RL listener
+    names)."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -81,6 +83,7 @@ class RefreshConfig:
     max_lag: int = 1
     min_serving: int = 1
     wave_size: int | None = None
+    discovery: str | None = None
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -129,7 +132,8 @@ class RefreshConfig:
             # `rlfleet recover` has no rolling settings: a recovery is synchronous
             mode=getattr(args, "mode", RefreshMode.SYNC), max_lag=getattr(args, "max_lag", 1),
             min_serving=getattr(args, "min_serving", 1),
-            wave_size=getattr(args, "wave_size", None))
+            wave_size=getattr(args, "wave_size", None),
+            discovery=getattr(args, "discovery", None))
 
 
 def _check_counts(c: RefreshConfig) -> None:

@@ -179,6 +179,11 @@ class WorkerControl(abc.ABC):
     transfer_detail: dict[str, Any] | None = None
     #: whether the target is staged on the workers before the fleet is gated (`prepare`)
     stages: bool = False
+    #: from the last `discover`: the workers' discovery namespace and store, and the models
+    #: they serve (where the committed policy is published: rlfleet.rl.committed)
+    namespace: str | None = None
+    discovery_url: str | None = None
+    models: frozenset[str] = frozenset()
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
@@ -295,6 +300,10 @@ class VllmControl(WorkerControl):
                               f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
         out = {}
         self.listed = body.get("workers", [])
+        self.namespace, self.discovery_url = body.get("namespace"), body.get("discovery")
+        self.models = frozenset(e["model"] for e in self.listed
+                                if isinstance(e.get("model"), str)
+                                and self.model in (None, e["model"]))
         for e in self.listed:
             if self.model is not None and e.get("model") != self.model:
                 continue
