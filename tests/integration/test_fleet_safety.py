@@ -18,8 +18,14 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl import RetryPolicy, RolloutClient, SampleFailed, SampleLedger, SampleRequest
-from rlfleet.rl import SamplingSpec
+from rlfleet.rl import (
+    RetryPolicy,
+    RolloutClient,
+    SampleFailed,
+    SampleLedger,
+    SampleRequest,
+    SamplingSpec,
+)
 from rlfleet.rl.refresh import PolicyRefresh
 from tests.fleets import RL_PROBE_ENV, wait_for_workers
 
@@ -111,7 +117,7 @@ async def test_a_frontend_restarted_under_a_rollout_loses_no_sample(fleet):
         await asyncio.to_thread(fleet.start_frontend, "--http-port", str(port),
                                 enable_rl=True, env=RL_PROBE_ENV)
         outcomes = await rollout
-    assert fleet.url == f"http://127.0.0.1:{port}" or urlsplit(fleet.url).port == port
+    assert urlsplit(fleet.url).port == port
     assert admitted_at_kill < 300, "the rollout ended before the frontend was killed"
     assert all(o.admitted for o in outcomes), [(o.sample_id, o.reason) for o in outcomes
                                                if not o.admitted][:5]
@@ -146,7 +152,7 @@ def test_a_left_out_worker_that_wakes_with_a_valid_lease_gets_no_request(fleet, 
     assert not health[lid]["usable"] and "committed policy" in health[lid]["off_policy"]
     served = set()
     with httpx.Client(timeout=30) as http:
-        for i in range(20):
+        for _ in range(20):
             r = http.post(f"{fleet.url}/v1/completions", json={
                 "model": MODEL, "prompt": PROMPT, "max_tokens": 2,
                 "nvext": {"extra_fields": ["worker_id", "weight_versions"]}})

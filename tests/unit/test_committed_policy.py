@@ -64,10 +64,10 @@ async def test_the_pool_routes_only_to_workers_on_the_committed_policy(tmp_path)
         assert {pool.pick("m").instance_id for _ in range(4)} == {1, 2}  # nothing published
 
         async def publish(epoch: int, committed_: PolicyIdentity | None,
-                          admitting: PolicyIdentity | None = None) -> bool:
+                          admitting: PolicyIdentity | None = None, seen: int = 0) -> bool:
             return await committed.publish(url, "ns", ["m"], epoch=epoch, refresh_id=epoch,
                                            committed=committed_, admitting=admitting,
-                                           on_event=events.append)
+                                           seen_epoch=seen, on_event=events.append)
 
         events: list[str] = []
         assert await publish(2, OLD, NEW)  # a transaction under way: both serve
@@ -83,7 +83,7 @@ async def test_the_pool_routes_only_to_workers_on_the_committed_policy(tmp_path)
         with pytest.raises(NoWorker) as e:
             pool.pick("m", exclude={1})
         assert e.value.status == 503 and "other than the committed one" in e.value.message
-        assert await publish(1, OLD)  # an older coordinator's record does not replace it
+        assert await publish(1, OLD, seen=2)  # a taken-over coordinator's: left as it is
         assert any("newer fleet epoch" in m for m in events)
         await pool.read_committed({"m"})
         assert pool.committed["m"].committed == NEW
@@ -99,3 +99,16 @@ async def test_publishing_without_a_store_or_into_a_broken_one_never_fails_a_ref
     blocker.write_text("")
     assert not await committed.publish((blocker / "sub").as_uri(), "ns", ["m"], **kw)
     assert events and "could not publish the committed policy" in events[-1]
+
+
+async def test_a_record_of_an_epoch_no_worker_has_seen_is_an_earlier_fleets(tmp_path):
+    """A new fleet with a new journal counts epochs from 1 again: the record an earlier
+    fleet left (epoch 9, which no worker of this one reports) is replaced."""
+    url, events = tmp_path.as_uri(), []
+    kw = dict(refresh_id=1, admitting=None, on_event=events.append)
+    assert await committed.publish(url, "ns", ["m"], epoch=9, committed=OLD, seen_epoch=9, **kw)
+    assert await committed.publish(url, "ns", ["m"], epoch=1, committed=NEW, seen_epoch=0, **kw)
+    async with open_discovery(url) as d:
+        raw = await d.get_record(CommittedPolicy.record_name("ns", "m"))
+    assert CommittedPolicy.from_record(raw).committed == NEW
+    assert any("an earlier fleet's" in m for m in events)

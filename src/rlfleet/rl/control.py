@@ -184,6 +184,7 @@ class WorkerControl(abc.ABC):
     namespace: str | None = None
     discovery_url: str | None = None
     models: frozenset[str] = frozenset()
+    seen_epoch: int = 0  # the newest fleet epoch a listed worker reports
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
@@ -304,6 +305,7 @@ class VllmControl(WorkerControl):
         self.models = frozenset(e["model"] for e in self.listed
                                 if isinstance(e.get("model"), str)
                                 and self.model in (None, e["model"]))
+        self.seen_epoch = max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
         for e in self.listed:
             if self.model is not None and e.get("model") != self.model:
                 continue
@@ -322,7 +324,7 @@ class VllmControl(WorkerControl):
 
     async def newest_epoch(self, ch: Channel) -> int:
         await self.discover(ch)
-        return max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
+        return self.seen_epoch
 
     async def inspect(self, ch: Channel, w: FleetWorker) -> PolicyIdentity | None:
         res = await ch.on(w, "inspect", admin.GET_WEIGHT_VERSION)

@@ -324,7 +324,8 @@ class PolicyRefresh:
         await committed_policy.publish(
             cfg.discovery or control.discovery_url, control.namespace,
             {cfg.model} if cfg.model else control.models, epoch=epoch, refresh_id=refresh_id,
-            committed=committed, admitting=admitting, on_event=self.on_event)
+            committed=committed, admitting=admitting, seen_epoch=control.seen_epoch,
+            on_event=self.on_event)
 
     # ------------------------------------------------------------------ synchronous
 
