@@ -25,7 +25,8 @@ def test_a_worker_serves_the_committed_policy_by_digest_and_step():
     rec = CommittedPolicy(model="m", epoch=3, refresh_id=7, committed=NEW)
     assert rec.binding and rec.serves(NEW)
     assert not rec.serves(OLD)
-    assert not rec.serves(PolicyIdentity(version="B", digest="d-b", step=0))  # an older step
+    # the same weights without the step (started from the committed checkpoint): served
+    assert rec.serves(PolicyIdentity(version="B", digest="d-b", step=None))
     assert not rec.serves(PolicyIdentity())  # says nothing about its weights
     rolling = CommittedPolicy(model="m", epoch=4, refresh_id=8, committed=OLD, admitting=NEW)
     assert rolling.serves(OLD) and rolling.serves(NEW)

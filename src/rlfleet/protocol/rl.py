@@ -98,10 +98,11 @@ class CommittedPolicy(msgspec.Struct, kw_only=True, frozen=True):
 
     def serves(self, policy: PolicyIdentity) -> bool:
         """Whether a worker serving `policy` serves the committed policy (or the one being
-        admitted): the same digest, and the same fleet step where the record has one."""
+        admitted): the same weights, by content digest (a worker started from the
+        committed checkpoint serves it before any coordinator gave it the step; a
+        request's staleness bound still judges steps, rlfleet.frontend.router.within)."""
         return not self.binding or any(
             p is not None and p.digest is not None and p.digest == policy.digest
-            and (p.step is None or p.step == policy.step)
             for p in (self.committed, self.admitting))
 
     def describe(self) -> str:
