@@ -18,6 +18,8 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.rl import CommittedPolicy
 from rlfleet.rl import (
     RetryPolicy,
     RolloutClient,
@@ -27,6 +29,7 @@ from rlfleet.rl import (
     SamplingSpec,
 )
 from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.runtime.discovery import open_discovery
 from tests.fleets import RL_PROBE_ENV, wait_for_workers
 
 MODEL = "mock-safety"
@@ -124,6 +127,26 @@ async def test_a_frontend_restarted_under_a_rollout_loses_no_sample(fleet):
     assert sorted(ledger.admitted()) == sorted(s.sample_id for s in samples)
     refused = [a for a in ledger.attempts() if (a.reason or "").startswith("transport")]
     assert refused, "no attempt met the frontend down"
+
+
+async def test_etcd_keeps_records_beside_the_entries(etcd_url):
+    """The committed policy in etcd: replaced in place, outside every lease and every
+    listing or watch of the entries."""
+    name = CommittedPolicy.record_name("ns-records", "Qwen/Qwen3")
+    rec = CommittedPolicy(model="Qwen/Qwen3", epoch=2, refresh_id=5,
+                          committed=PolicyIdentity(version="B", digest="d-b", step=1))
+    async with open_discovery(etcd_url) as d:
+        assert await d.get_record(name) is None
+        reg = await d.register({"namespace": "ns-records", "component": "backend",
+                                "endpoint": "generate", "instance_id": 1}, ttl=5)
+        await d.put_record(name, {"stale": True})
+        await d.put_record(name, rec.to_record())
+        assert CommittedPolicy.from_record(await d.get_record(name)) == rec
+        listing = await d.listing("ns-records")
+        assert [e["instance_id"] for e in listing.entries] == [1] and not listing.skipped
+        await reg.close()
+    async with open_discovery(etcd_url) as d:  # no lease: it outlives its writer
+        assert CommittedPolicy.from_record(await d.get_record(name)) == rec
 
 
 def test_a_left_out_worker_that_wakes_with_a_valid_lease_gets_no_request(fleet, tmp_path):
