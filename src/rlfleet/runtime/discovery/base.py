@@ -310,11 +310,11 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     def _changes(self, namespace: str | None) -> ChangeSource: ...
 
-    @abc.abstractmethod
-    async def _put_record(self, name: str, value: dict[str, Any]) -> None: ...
+    async def _put_record(self, name: str, value: dict[str, Any]) -> None:
+        raise DiscoveryError(f"discovery {self.url} keeps no records")
 
-    @abc.abstractmethod
-    async def _get_record(self, name: str) -> dict[str, Any] | None: ...
+    async def _get_record(self, name: str) -> dict[str, Any] | None:
+        raise DiscoveryError(f"discovery {self.url} keeps no records")
 
     async def _close_backend(self) -> None:
         return None
