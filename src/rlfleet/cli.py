@@ -194,7 +194,8 @@ def _up(args: argparse.Namespace) -> int:
         worker_args = worker_args[1:]
     state_dir = Path(args.state)
     spec = FleetSpec.load(config, state_dir=state_dir, discovery=args.discovery,
-                          kind=args.kind, count=args.workers, worker_args=worker_args)
+                          kind=args.kind, count=args.workers, worker_args=worker_args,
+                          admin_token_file=args.admin_token_file)
     if args.ray:
         from rlfleet.runtime.launch import read_state
         from rlfleet.runtime.placement import up_ray
@@ -380,6 +381,9 @@ def _coordinator_args(cp: argparse.ArgumentParser) -> None:
                          "port)")
     cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
     cp.add_argument("--journal", default=str(default_journal()), help=JOURNAL_HELP)
+    cp.add_argument("--discovery", default=None,
+                    help="the discovery store where the committed policy is published for "
+                         "the frontends (default: the one the RL listener names)")
 
 
 def _add_refresh(sub: argparse._SubParsersAction) -> None:
@@ -460,6 +464,10 @@ def _add_fleet(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--discovery", default=None,
                     help="etcd://host:port for a fleet across hosts (default: $RLFLEET_DISCOVERY, "
                          "$ETCD_ENDPOINTS, else a directory under --state)")
+    up.add_argument("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
+                    help="the fleet's admin token, read from this file by the frontend and "
+                         "every worker (with Ray: a path every node can read; default "
+                         "$RLFLEET_ADMIN_TOKEN_FILE)")
     up.add_argument("--state", default=str(default_state_dir()), help=state_help)
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
     up.add_argument("worker_args", nargs=argparse.REMAINDER,

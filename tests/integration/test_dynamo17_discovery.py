@@ -73,6 +73,7 @@ class Dynamo17Workers(BaseModel):
     namespace: str
     workers: list[Dynamo17Worker]
     skipped: list[dict[str, Any]] = Field(default_factory=list)  # rlfleet: unreadable entries
+    discovery: str | None = None  # rlfleet: the store the committed policy is published in
 
 
 async def listed(rl_url: str) -> list[Dynamo17Worker]:

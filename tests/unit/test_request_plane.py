@@ -29,7 +29,7 @@ from rlfleet.protocol.engine import (
     TokenizeRequest,
 )
 from rlfleet.runtime import metrics
-from rlfleet.runtime.request_plane import FrameReader, WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import FrameReader, Heartbeat, WorkerClient, WorkerError
 from rlfleet.runtime.server import bind_socket
 from rlfleet.worker.request_plane import WorkerPlane
 
@@ -436,3 +436,73 @@ async def test_an_event_that_cannot_be_sent_fails_its_stream_only() -> None:
                 pass
         assert e.value.status == 500 and "worker failed" in e.value.message
         assert len(merged([ev async for ev in other])[0]) == 3  # the connection serves on
+
+
+# ---------------------------------------------------------------- heartbeats
+
+
+def test_the_heartbeat_pings_a_quiet_worker_and_calls_a_silent_one_stalled() -> None:
+    """Timeout 3 s: quiet for a third of it, a PING (again each third while still quiet);
+    nothing at all for the whole of it, stalled; anything heard starts it over."""
+    beat = Heartbeat(3.0)
+    assert beat.interval < 1.0  # looked at often enough to notice within about the timeout
+    heard = pinged = 100.0
+    assert beat.due(100.5, heard, pinged) is None
+    assert beat.due(101.1, heard, pinged) == "ping"
+    pinged = 101.1
+    assert beat.due(101.5, heard, pinged) is None  # pinged a moment ago
+    assert beat.due(102.2, heard, pinged) == "ping"
+    pinged = 102.2
+    assert beat.due(102.9, heard, pinged) is None
+    assert beat.due(103.1, heard, pinged) == "stalled"
+    assert beat.due(103.1, 102.5, pinged) is None  # it answered at 102.5: alive
+    assert Heartbeat(0.1).interval >= 0.05
+
+
+async def test_a_worker_that_answers_pings_is_not_stalled_while_its_engine_is_slow() -> None:
+    """A worker whose engine takes longer than the heartbeat to produce anything, but that
+    answers every PING, keeps its requests: they end with its events, not as stalled."""
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, sid, _ = await read_frame(reader)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.8:  # four heartbeat timeouts of silence on the stream
+            kind, _, _ = await asyncio.wait_for(read_frame(reader), 1.0)
+            if kind == Frame.PING:
+                writer.write(frame(Frame.PONG, 0))
+        writer.write(frame(Frame.HEAD, sid, {"prompt_token_ids": [1], "weight_version": None,
+                                             "weight_digest": None}))
+        writer.write(frame(Frame.DONE, sid, {}))
+        await writer.drain()
+        await reader.read()
+
+    async with scripted_worker(script) as addr:
+        client = WorkerClient(stall_timeout=0.2)
+        events = [ev async for ev in await client.generate(addr, request())]
+        assert [type(ev).__name__ for ev in events] == ["Head", "Done"]
+        await client.close()
+
+
+async def test_a_silent_worker_fails_every_request_on_it_at_once_as_stalled() -> None:
+    pings = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal pings
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:  # reads everything, answers nothing (a stopped process's kernel)
+                kind, _, _ = await read_frame(reader)
+                pings += kind == Frame.PING
+
+    async with scripted_worker(script) as addr:
+        client = WorkerClient(stall_timeout=0.3)
+        streams = [await client.generate(addr, request()) for _ in range(3)]
+
+        async def end(stream) -> WorkerError:
+            with pytest.raises(WorkerError) as e:
+                async for _ in stream:
+                    pass
+            return e.value
+
+        errors = await asyncio.wait_for(asyncio.gather(*(end(s) for s in streams)), 10)
+        assert all(e.stalled and e.broken and e.status == 504 for e in errors)
+        assert "stalled" in errors[0].message and pings >= 1  # it was asked before
+        await client.close()

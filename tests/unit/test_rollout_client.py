@@ -561,3 +561,48 @@ async def test_a_reopen_hands_the_new_policy_to_waiting_attempts():
         assert {s.policy.version for s in samples} == {"v2"}
         assert len(fe.requests) == 4  # no attempt wasted on the old expectation
         assert c.rules.expected == PolicyIdentity(version="v2", digest="d1")
+
+
+class Restarting(httpx.AsyncBaseTransport):
+    """A frontend that refuses connections for its first `refusals` requests (it is
+    restarting), then serves as `fe`."""
+
+    def __init__(self, fe: FakeFrontend, refusals: int) -> None:
+        self.inner, self.refusals, self.refused = fe.transport(), refusals, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.refused < self.refusals:
+            self.refused += 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+async def test_an_unreachable_frontend_is_ridden_out_without_spending_attempts():
+    """Six refused connections in a row (a frontend restarting) do not use up a policy of
+    two attempts: nothing was sent, and the sample is admitted once the frontend is back."""
+    fe = FakeFrontend()
+    restarting = Restarting(fe, 6)
+    retry = RetryPolicy(2, 0.001, 0.002, attempt_timeout=5.0)
+    async with RolloutClient("http://frontend", MODEL, transport=restarting,
+                             retry=retry) as c:
+        s = await c.generate("s", PROMPT)
+    assert restarting.refused == 6 and len(fe.requests) == 1
+    assert s.attempt == 7 and fe.cancelled == []  # nothing to cancel: nothing was sent
+
+
+async def test_an_unreachable_frontend_counts_once_its_budget_is_spent():
+    fe = FakeFrontend()
+    for budget, tries in ((0.0, 2), (0.05, None)):
+        restarting = Restarting(fe, 10_000)
+        retry = RetryPolicy(2, 0.01, 0.01, jitter=0, unreachable_for=budget)
+        async with RolloutClient("http://frontend", MODEL, transport=restarting,
+                                 retry=retry) as c:
+            with pytest.raises(SampleFailed) as info:
+                await c.generate("s", PROMPT)
+        assert info.value.reason.startswith("transport: ConnectError")
+        if tries is not None:  # no budget: a refusal is an attempt like any other
+            assert restarting.refused == tries
+        else:  # refusals are free for 0.05 s, then each one counts
+            assert 2 < restarting.refused < 100
+    with pytest.raises(ValueError):
+        RetryPolicy(unreachable_for=-1)

@@ -3,6 +3,7 @@ flags beside them, the settings rlfleet enforces; advertised addresses."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,33 @@ def test_fleet_spec_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         launch.FleetSpec.load({"workers": [{"kind": "vllm"}]}, state_dir=tmp_path)
     with pytest.raises(ValueError, match="unknown keys"):
         launch.FleetSpec.load({"worker": []}, state_dir=tmp_path)
+
+
+def test_rlfleet_up_hands_every_member_the_admin_token_file(tmp_path):
+    """`rlfleet up --admin-token-file F`: the frontend and every worker read the token from
+    F (it never appears on a command line); a missing or empty file is refused up front."""
+    from rlfleet.cli import build_parser
+    from rlfleet.frontend.__main__ import parse_args as frontend_args
+    from rlfleet.runtime import launch
+    from rlfleet.worker.serve import add_worker_args, settle_worker_args
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = build_parser().parse_args(["up", "--kind", "mocker", "--workers", "2",
+                                      "--admin-token-file", str(token)])
+    spec = launch.FleetSpec.load(None, state_dir=tmp_path, kind=args.kind, count=args.workers,
+                                 admin_token_file=args.admin_token_file)
+    for m in [spec.frontend, *spec.workers]:
+        i = m.args.index("--admin-token-file")
+        assert m.args[i + 1] == str(token.absolute()) and "s3cret" not in m.args
+    assert frontend_args(spec.frontend.args).admin_token == "s3cret"
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    worker = p.parse_args(spec.workers[0].args)
+    settle_worker_args(worker)
+    assert worker.admin_token == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    for bad in (tmp_path / "missing", tmp_path / "empty"):
+        with pytest.raises(ValueError, match="--admin-token-file"):
+            launch.FleetSpec.load(None, state_dir=tmp_path, kind="mocker",
+                                  admin_token_file=str(bad))

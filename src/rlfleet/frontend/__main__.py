@@ -15,7 +15,7 @@ from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
 from rlfleet.frontend.kv import DEFAULT_OVERLAP_WEIGHT, DEFAULT_OVERLOAD, KvRouter
 from rlfleet.frontend.rl import rl_app
-from rlfleet.frontend.router import ROUTER_MODES, WorkerPool
+from rlfleet.frontend.router import DOWN_SECONDS, ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
 from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
@@ -23,7 +23,7 @@ from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
-from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.request_plane import STALL_TIMEOUT, WorkerClient
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.runtime.tracing import add_tracing_args
 
@@ -70,10 +70,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
                    help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
     p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
-    p.add_argument("--stall-timeout", type=float, default=30.0,
-                   help="seconds a worker with requests in flight may answer nothing at all "
-                        "(not even a ping) before it is marked down and its requests fail "
-                        "over (not yet started) or fail (0: never)")
+    p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT,
+                   help="the stream-plane heartbeat: seconds a worker with requests in flight "
+                        "may answer nothing at all (not even a ping, sent after a third of "
+                        "it) before it is marked down and its requests fail over (not yet "
+                        f"started) or fail (default {STALL_TIMEOUT:g}; 0: never)")
+    p.add_argument("--down-seconds", type=float, default=DOWN_SECONDS,
+                   help="seconds a worker that stalled, broke a request or could not be "
+                        "reached stays out of routing before it is tried again (default "
+                        f"{DOWN_SECONDS:g})")
     p.add_argument("--admin-token", default=None,
                    help="the fleet's admin token: sent to workers (their request plane "
                         "requires it when they have one) and accepted to cancel any run "
@@ -102,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{args.kv_overload_threshold}")
     if not args.kv_overlap_weight >= 0:
         p.error(f"--kv-overlap-weight must be at least 0, got {args.kv_overlap_weight}")
+    for flag in ("stall_timeout", "down_seconds"):
+        if not getattr(args, flag) >= 0:
+            p.error(f"--{flag.replace('_', '-')} must be 0 or more seconds")
     try:
         settle_admin_token(args)
     except ValueError as e:
@@ -120,7 +128,7 @@ async def serve(args: argparse.Namespace) -> None:
     kv = KvRouter(args.kv_overload_threshold, args.kv_overlap_weight) \
         if args.router_mode == "kv" else None
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
-                      gated_hold=args.gated_hold, kv=kv)
+                      gated_hold=args.gated_hold, kv=kv, down_seconds=args.down_seconds)
     client = WorkerClient(request_timeout=args.request_timeout,
                           stall_timeout=args.stall_timeout or None, admin_token=args.admin_token)
     dispatch.MAX_RESPONSE_ENTRIES = args.max_response_entries or None

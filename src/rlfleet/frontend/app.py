@@ -50,7 +50,8 @@ async def health(request: Request) -> Response:
     pool = frontend_of(request).pool
     workers = [{"instance_id": w.instance_id, "model": w.model, "url": w.url,
                 "usable": w.usable, "inflight": w.inflight, "step": w.step,
-                **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {})}
+                **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
+                **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
     return json_response({"status": "healthy" if workers else "no_workers", "workers": workers})
 

@@ -76,7 +76,8 @@ def rl_app(discovery: Discovery, namespace: str, journal: str | None = None) -> 
                 valid.append(entry)
         listed = await asyncio.gather(*(describe(e) for e in valid))
         body: dict[str, Any] = {"protocol_version": PROTOCOL_VERSION, "namespace": namespace,
-                                "workers": sorted(listed, key=lambda w: w["instance_id"])}
+                                "workers": sorted(listed, key=lambda w: w["instance_id"]),
+                                "discovery": discovery.url}
         if skipped:
             body["skipped"] = skipped
         return json_response(body)

@@ -1,4 +1,6 @@
-"""Which worker serves a request: the live set from discovery, and a routing policy."""
+"""Which worker serves a request: the live set from discovery (only the workers that serve
+their model's committed policy, CommittedPolicy, when a refresh coordinator published one),
+and a routing policy."""
 
 from __future__ import annotations
 
@@ -10,14 +12,22 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
 from rlfleet.frontend.kv import KvRouter, Prefix
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.runtime.discovery import Discovery
+from rlfleet.protocol.rl import CommittedPolicy
+from rlfleet.runtime.discovery import Discovery, DiscoveryError
 from rlfleet.runtime.http import HttpError
 
 log = logging.getLogger("rlfleet.router")
 
 ROUTER_MODES = ("round-robin", "least-loaded", "random", "kv")
+#: seconds a worker stays out of routing after a request found it unreachable, broken or
+#: stalled (python -m rlfleet.frontend --down-seconds)
+DOWN_SECONDS = 30.0
+COMMITTED_POLL = 1.0  # seconds between reads of the models' committed policies
 
 
 @dataclass
@@ -29,10 +39,18 @@ class Worker:
     entry: dict
     inflight: int = 0
     down_until: float = 0.0  # set when a request found it unreachable or broken
+    # why it serves no policy the fleet committed (CommittedPolicy): left out of a refresh
+    off_policy: str | None = None
 
     @property
     def usable(self) -> bool:
-        return time.monotonic() >= self.down_until and not self.entry.get("gated", False)
+        return time.monotonic() >= self.down_until and not self.entry.get("gated", False) \
+            and self.off_policy is None
+
+    @property
+    def policy(self) -> PolicyIdentity:
+        """The policy it serves, as its discovery entry says."""
+        return PolicyIdentity.from_stamped(self.entry)
 
     @property
     def step(self) -> int | None:
@@ -73,13 +91,19 @@ class WorkerPool:
     discovery: Discovery
     namespace: str
     mode: str = "round-robin"
-    down_seconds: float = 30.0
+    down_seconds: float = DOWN_SECONDS
     # how long a request waits for a worker while its model's workers are gated (a policy
     # refresh in progress): held, not refused
     gated_hold: float = 60.0
+    # how often the models' committed policies (CommittedPolicy records) are read again;
+    # they are also read before every change of the live set is applied
+    committed_poll: float = COMMITTED_POLL
     workers: dict[int, Worker] = field(default_factory=dict)
+    committed: dict[str, CommittedPolicy] = field(default_factory=dict)
     _rr: itertools.count = field(default_factory=itertools.count)
     _task: asyncio.Task | None = None
+    _poller: asyncio.Task | None = None
+    _unreadable: set[str] = field(default_factory=set)  # records whose failure was logged
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
     kv: KvRouter | None = None  # mode "kv": the workers' prefix caches (frontend/kv.py)
@@ -92,14 +116,16 @@ class WorkerPool:
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._follow())
+        self._poller = asyncio.create_task(self._poll_committed())
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._ready.wait(), 5)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._poller):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.kv is not None:
             await self.kv.close()
 
@@ -110,7 +136,11 @@ class WorkerPool:
             try:
                 async for entries in self.discovery.watch(self.namespace):
                     try:
-                        self.update([e for e in entries if e.get("endpoint") == "generate"])
+                        generate = [e for e in entries if e.get("endpoint") == "generate"]
+                        # the records first: a worker that changes after its coordinator
+                        # committed (a reopen) is judged against what was committed
+                        await self.read_committed({e.get("model") for e in generate})
+                        self.update(generate)
                     except Exception:  # a malformed entry must not freeze membership
                         log.exception("discovery update not applied; keeping the last set")
                     self._ready.set()
@@ -143,8 +173,67 @@ class WorkerPool:
         self.workers = fresh
         if self.kv is not None:
             self.kv.sync({iid: w.entry for iid, w in fresh.items()})
+        self._judge()
+        self._wake()
+
+    def _wake(self) -> None:
         self._changed.set()  # wake requests held for a worker
         self._changed = asyncio.Event()
+
+    # ---------------------------------------------------------------- committed policies
+
+    async def _poll_committed(self) -> None:
+        """Read the models' committed policies every `committed_poll` seconds: a commit
+        changes no worker's entry when a worker was left out of it."""
+        while True:
+            await asyncio.sleep(self.committed_poll)
+            before = dict(self.committed)
+            try:
+                await self.read_committed({w.model for w in self.workers.values()})
+            except Exception:  # a bug; the last records stand
+                log.exception("reading the committed policies failed")
+                continue
+            if self.committed != before:
+                self._judge()
+                self._wake()
+
+    async def read_committed(self, models: set) -> None:
+        """Read the committed-policy record of each model (a store that cannot be read, or a
+        record that is not one, leaves the last one read in place, and says so once)."""
+        for model in sorted(m for m in models if isinstance(m, str)):
+            name = CommittedPolicy.record_name(self.namespace, model)
+            try:
+                raw = await self.discovery.get_record(name)
+                rec = None if raw is None else CommittedPolicy.from_record(raw)
+            except (DiscoveryError, msgspec.ValidationError) as e:
+                if name not in self._unreadable:
+                    self._unreadable.add(name)
+                    log.warning("cannot read the committed policy of %s (%s); routing by the "
+                                "last one read: %s", model, name, e)
+                continue
+            self._unreadable.discard(name)
+            if rec is None:
+                self.committed.pop(model, None)
+            elif rec != self.committed.get(model):
+                log.info("committed policy of %s: %s", model, rec.describe())
+                self.committed[model] = rec
+
+    def _judge(self) -> None:
+        """Take out of routing every worker that serves no committed policy of its model
+        (left out of a refresh: whatever its lease says, its weights are not the fleet's),
+        and back in those that do."""
+        for w in self.workers.values():
+            rec = self.committed.get(w.model)
+            policy = w.policy
+            why = None if rec is None or rec.serves(policy) else (
+                f"serves {policy.version} ({policy.digest}, step {policy.step}), not the "
+                f"committed policy {rec.describe()}")
+            if why != w.off_policy:
+                if why:
+                    log.warning("worker %s out of routing: %s", w.instance_id, why)
+                else:
+                    log.info("worker %s serves the committed policy again", w.instance_id)
+                w.off_policy = why
 
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers.values()})
@@ -161,8 +250,11 @@ class WorkerPool:
         serving = [w for w in all_ if w.usable]
         ok = [w for w in serving if w.instance_id not in exclude]
         if not ok:
+            off = [w for w in all_ if w.off_policy]
+            why = (f"; {len(off)} serve a policy other than the committed one "
+                   f"({self.committed[model].describe()})" if off else "")
             raise NoWorker(f"no live worker can serve {model!r} right now "
-                           f"({len(all_)} known, none usable); retry shortly", 503)
+                           f"({len(all_)} known, none usable{why}); retry shortly", 503)
         if bound is not None:  # the newest step counts over every serving worker
             inside = {w.instance_id for w in within(bound, serving, model)}
             ok = [w for w in ok if w.instance_id in inside]

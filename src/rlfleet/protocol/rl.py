@@ -1,5 +1,6 @@
 """Discovery v1: the entry a worker publishes for each of its endpoints (`WorkerEntry`),
-and GET /v1/rl/workers, protocol version 1, which lists the `rl` ones (`RlWorker`)."""
+the committed policy a refresh coordinator publishes per model (`CommittedPolicy`), and
+GET /v1/rl/workers, protocol version 1, which lists the `rl` ones (`RlWorker`)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,58 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
         return msgspec.convert({**entry, "policy": PolicyIdentity.from_stamped(entry)}, cls)
 
 
+class CommittedPolicy(msgspec.Struct, kw_only=True, frozen=True):
+    """The policy a fleet's refresh coordinator committed for one model, published in the
+    discovery store as a record beside the entries (`record_name`), so that every frontend
+    routes the model's requests only to workers that serve it (`serves`): a worker left out
+    of a refresh serves the old policy whatever its lease says, and is not routed.
+
+    The coordinator writes it when a transaction begins (the policy the fleet is committed
+    to, and the one the transaction is `admitting`: a rolling refresh's reopened waves serve
+    that one before it commits) and again when it commits (before a synchronous fleet
+    reopens). A record of an older fleet `epoch` never replaces a newer one."""
+
+    model: str
+    epoch: int  # the fleet epoch of the transaction that wrote it (rlfleet.rl.journal)
+    refresh_id: int  # that transaction's journal record
+    committed: PolicyIdentity | None = None  # None: not known (nothing is filtered)
+    admitting: PolicyIdentity | None = None  # the target of the transaction under way
+    written_at: float = 0.0  # time.time() of the write
+
+    @staticmethod
+    def record_name(namespace: str, model: str) -> str:
+        """Its name among the store's records (`Discovery.put_record`)."""
+        return f"{namespace}/committed-policy/{model}"
+
+    @property
+    def binding(self) -> bool:
+        """Whether it names a policy a worker can be checked against (its digest)."""
+        return self.committed is not None and self.committed.digest is not None
+
+    def serves(self, policy: PolicyIdentity) -> bool:
+        """Whether a worker serving `policy` serves the committed policy (or the one being
+        admitted): the same weights, by content digest (a worker started from the
+        committed checkpoint serves it before any coordinator gave it the step; a
+        request's staleness bound still judges steps, rlfleet.frontend.router.within)."""
+        return not self.binding or any(
+            p is not None and p.digest is not None and p.digest == policy.digest
+            for p in (self.committed, self.admitting))
+
+    def describe(self) -> str:
+        c = self.committed or PolicyIdentity()
+        return (f"{c.version} ({c.digest}, step {c.step}), fleet epoch {self.epoch}"
+                + (f", admitting {self.admitting.version} ({self.admitting.digest}, step "
+                   f"{self.admitting.step})" if self.admitting else ""))
+
+    def to_record(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> CommittedPolicy:
+        """msgspec.ValidationError says what is wrong with one that is not a record."""
+        return msgspec.convert(record, cls)
+
+
 class RlWorker(BaseModel):
     namespace: str
     component: str
@@ -140,3 +193,6 @@ class RlWorkers(BaseModel):
     namespace: str
     workers: list[RlWorker]
     skipped: list[SkippedEntry] = Field(default_factory=list)
+    # an rlfleet extension: the discovery store's URL, where a refresh coordinator
+    # publishes the committed policy (CommittedPolicy) that every frontend routes by
+    discovery: str | None = None

@@ -158,6 +158,7 @@ class _End:
     retry: bool = True
     reuse_request_id: bool = False
     partial: Generation | None = None  # output to offer the partial-rollout policy
+    unreachable: bool = False  # the frontend could not be reached: nothing was sent
 
 
 @dataclass
@@ -271,10 +272,12 @@ class RolloutClient:
         reasons: list[str] = []
         reuse: str | None = None  # a timed-out request to rejoin (in the end: to cancel)
         timeout = attempt_timeout if attempt_timeout is not None else self.retry.attempt_timeout
+        tries = counted = 0
+        unreachable_since: float | None = None  # the frontend unreachable since (in a row)
         try:
-            for k in range(self.retry.max_attempts):
-                if k:
-                    pause = self.retry.backoff(k)
+            while counted < self.retry.max_attempts:
+                if tries:
+                    pause = self.retry.backoff(tries)
                     if deadline is not None and time.monotonic() + pause >= deadline:
                         reasons.append("deadline")
                         break
@@ -300,7 +303,15 @@ class RolloutClient:
                     telemetry.SAMPLES.labels("admitted").inc()
                     telemetry.SAMPLE_SECONDS.observe(time.monotonic() - t0)
                     return result
+                tries += 1
                 reasons.append(result.reason)
+                if not result.unreachable:
+                    counted, unreachable_since = counted + 1, None
+                elif unreachable_since is None:
+                    unreachable_since = time.monotonic()
+                    counted += self.retry.unreachable_for <= 0
+                elif time.monotonic() - unreachable_since >= self.retry.unreachable_for:
+                    counted += 1  # unreachable for longer than the policy rides out
                 reuse = rid if result.reuse_request_id else None
                 if not result.retry:
                     break
@@ -432,6 +443,9 @@ class RolloutClient:
             raise
         except StreamError as e:
             end = _End(f"stream_error: {e}", partial=acc.result() if acc is not None else None)
+            return self._close(a, trace, AttemptState.FAILED, end)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # nothing reached it
+            end = _End(f"transport: {type(e).__name__}: {e}", unreachable=True)
             return self._close(a, trace, AttemptState.FAILED, end)
         except httpx.HTTPError as e:
             self._cancel_remotely(a.request_id)  # the frontend may keep running it

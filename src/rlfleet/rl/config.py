@@ -61,7 +61,9 @@ class RefreshConfig:
     source): 0, every worker pulls the version from the source; k >= 1, a pipelined
     fan-out (rlfleet.weights.fanout): only the first worker in discovery pulls from the
     source and each other one from a worker before it, a chain (1) or a k-ary tree, each
-    serving what it has while it still receives."""
+    serving what it has while it still receives. `discovery`: the store where the committed policy is
+    published for the frontends (rlfleet.rl.committed; default: the one the RL listener
+    names)."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -86,6 +88,7 @@ class RefreshConfig:
     min_serving: int = 1
     wave_size: int | None = None
     stage_fanout: int = 0
+    discovery: str | None = None
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -135,7 +138,8 @@ class RefreshConfig:
             mode=getattr(args, "mode", RefreshMode.SYNC), max_lag=getattr(args, "max_lag", 1),
             min_serving=getattr(args, "min_serving", 1),
             wave_size=getattr(args, "wave_size", None),
-            stage_fanout=getattr(args, "stage_fanout", 0))
+            stage_fanout=getattr(args, "stage_fanout", 0),
+            discovery=getattr(args, "discovery", None))
 
 
 def _check_counts(c: RefreshConfig) -> None:

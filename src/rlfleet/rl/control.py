@@ -179,6 +179,12 @@ class WorkerControl(abc.ABC):
     transfer_detail: dict[str, Any] | None = None
     #: whether the target is staged on the workers before the fleet is gated (`prepare`)
     stages: bool = False
+    #: from the last `discover`: the workers' discovery namespace and store, and the models
+    #: they serve (where the committed policy is published: rlfleet.rl.committed)
+    namespace: str | None = None
+    discovery_url: str | None = None
+    models: frozenset[str] = frozenset()
+    seen_epoch: int = 0  # the newest fleet epoch a listed worker reports
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
@@ -295,6 +301,11 @@ class VllmControl(WorkerControl):
                               f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
         out = {}
         self.listed = body.get("workers", [])
+        self.namespace, self.discovery_url = body.get("namespace"), body.get("discovery")
+        self.models = frozenset(e["model"] for e in self.listed
+                                if isinstance(e.get("model"), str)
+                                and self.model in (None, e["model"]))
+        self.seen_epoch = max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
         for e in self.listed:
             if self.model is not None and e.get("model") != self.model:
                 continue
@@ -313,7 +324,7 @@ class VllmControl(WorkerControl):
 
     async def newest_epoch(self, ch: Channel) -> int:
         await self.discover(ch)
-        return max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
+        return self.seen_epoch
 
     async def inspect(self, ch: Channel, w: FleetWorker) -> PolicyIdentity | None:
         res = await ch.on(w, "inspect", admin.GET_WEIGHT_VERSION)

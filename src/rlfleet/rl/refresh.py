@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.rl import committed as committed_policy
 from rlfleet.rl import recovery, telemetry
 from rlfleet.rl.config import RefreshConfig, RefreshMode, UpdatePath
 from rlfleet.rl.control import (
@@ -288,6 +289,9 @@ class PolicyRefresh:
             previous=previous.identity if previous else None)
         self.on_event(f"[refresh {refresh_id}] {kind} to {target.version} (step "
                       f"{target.step}), fleet epoch {epoch}")
+        # workers serving either policy stay routable while the transaction runs
+        await self._publish(epoch, refresh_id, previous.identity if previous else None,
+                            target.identity)
         return Transaction(kind, refresh_id, epoch,
                            Channel(http, cfg.timeout, cfg.admin_token, epoch),
                            httpx.AsyncClient(),  # the workers' HTTP request planes (probes)
@@ -308,8 +312,20 @@ class PolicyRefresh:
         if decision != "fenced":
             self.holdings.update({w.instance_id: w.holds
                                   for w in tx.workers.values() if w.holds})
+        if served is not None and decision != "fenced":
+            await self._publish(tx.epoch, tx.id, served.identity, None)
         return RefreshResult(tx.id, decision, reason, tx.state, summaries, tx.steps,
                              served or target, tx.epoch, tx.kind)
+
+    async def _publish(self, epoch: int, refresh_id: int, committed: PolicyIdentity | None,
+                       admitting: PolicyIdentity | None) -> None:
+        """The fleet's committed policy, where every frontend routes by it."""
+        control, cfg = self.control, self.config
+        await committed_policy.publish(
+            cfg.discovery or control.discovery_url, control.namespace,
+            {cfg.model} if cfg.model else control.models, epoch=epoch, refresh_id=refresh_id,
+            committed=committed, admitting=admitting, seen_epoch=control.seen_epoch,
+            on_event=self.on_event)
 
     # ------------------------------------------------------------------ synchronous
 
@@ -345,7 +361,11 @@ class PolicyRefresh:
                 wave.target, wave.to_apply, recovered = await recovery.choose(
                     tx, control, target, tx.previous, interrupted, self.on_event)
 
-        wave = Wave(list(tx.workers.values()), target, close_reason, after_pause=after_pause)
+        async def commit(wave: Wave) -> None:  # before the verified workers reopen
+            await self._publish(tx.epoch, tx.id, wave.target.identity, None)
+
+        wave = Wave(list(tx.workers.values()), target, close_reason, after_pause=after_pause,
+                    before_reopen=commit)
         ok_workers = await self.waves.run(tx, wave, min_workers=self.config.min_workers)
         if wave.rolled_back:
             return wave.target, "rolled_back", wave.rolled_back

@@ -41,6 +41,8 @@ class Wave:
     to_apply: list[FleetWorker] | None = None  # those that need the transfer (None: all)
     rolled_back: str | None = None  # why the wave rolled back to the previous policy
     after_pause: Callable[[Wave], Awaitable[None]] | None = field(default=None, repr=False)
+    # called once its workers are verified on `wave.target`, just before they reopen
+    before_reopen: Callable[[Wave], Awaitable[None]] | None = field(default=None, repr=False)
 
 
 async def _each(workers: Sequence[FleetWorker], fn: Callable[[FleetWorker], Awaitable[Any]]
@@ -92,6 +94,8 @@ class Waves:
         if min_workers is not None and len(ok_workers) < min_workers:
             raise RefreshHeld(f"only {len(ok_workers)} worker(s) verified on "
                               f"{wave.target.version}; need {min_workers}")
+        if wave.before_reopen is not None:
+            await wave.before_reopen(wave)
         await tx.timed("reopen", _each(ok_workers, lambda w: control.open(ch, w)))
         ok_workers = tx.active(wave.workers)  # a worker whose reopen failed stays out
         for w in ok_workers:

@@ -5,6 +5,7 @@ process group, and a log file."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import default_discovery_url
 from rlfleet.runtime.logs import READY_PREFIX, parse_ready
 
@@ -313,8 +315,11 @@ class FleetSpec:
     @classmethod
     def load(cls, config: dict[str, Any] | None = None, *, state_dir: Path,
              discovery: str | None = None, kind: str | None = None, count: int | None = None,
-             worker_args: list[str] | None = None) -> FleetSpec:
-        """From a fleet.yaml mapping (see the README), with the command line's overrides."""
+             worker_args: list[str] | None = None,
+             admin_token_file: str | None = None) -> FleetSpec:
+        """From a fleet.yaml mapping (see the README), with the command line's overrides.
+        `admin_token_file`: every member reads the fleet's admin token from it (checked
+        here: readable and not empty; never on a command line)."""
         cfg = dict(config or {})
         unknown = set(cfg) - {"discovery", "namespace", "frontend", "workers"}
         if unknown:
@@ -324,6 +329,10 @@ class FleetSpec:
                 or (Path(state_dir).absolute() / "discovery").as_uri())
         namespace = str(cfg.get("namespace") or os.environ.get("DYN_NAMESPACE", "dynamo"))
         common = ["--discovery", disc, "--namespace", namespace]
+        if admin_token_file:
+            path = str(Path(admin_token_file).absolute())
+            settle_admin_token(argparse.Namespace(admin_token=None, admin_token_file=path))
+            common += ["--admin-token-file", path]
         fe = to_flags(cfg.get("frontend"))
         frontend = Member("frontend", "rlfleet.frontend", [*common, *fe], cpus=0.5)
         groups = cfg.get("workers") or [{}]

@@ -135,6 +135,28 @@ class Listing:
                    [s for s in skipped if s.matches(namespace, component, endpoint)])
 
 
+RECORD_MAX_BYTES = 64 << 10  # a record is a few hundred bytes; anything this big is not one
+
+
+def _check_record(name: str, value: Any = None) -> None:
+    """A record's name is a non-empty path of non-empty parts; its value a JSON object."""
+    if not isinstance(name, str) or not name or len(name) > 1024 \
+            or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"a discovery record name is a path like 'ns/kind/name' (no empty, "
+                         f"'.' or '..' parts), not {name!r}")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise TypeError(f"a discovery record is a JSON object, not {type(value).__name__}")
+    try:
+        size = len(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"discovery record {name} is not JSON-serialisable: {exc}") from exc
+    if size > RECORD_MAX_BYTES:
+        raise ValueError(f"discovery record {name} is {size} bytes; at most "
+                         f"{RECORD_MAX_BYTES} are kept")
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -288,6 +310,12 @@ class Discovery(abc.ABC):
     @abc.abstractmethod
     def _changes(self, namespace: str | None) -> ChangeSource: ...
 
+    async def _put_record(self, name: str, value: dict[str, Any]) -> None:
+        raise DiscoveryError(f"discovery {self.url} keeps no records")
+
+    async def _get_record(self, name: str) -> dict[str, Any] | None:
+        raise DiscoveryError(f"discovery {self.url} keeps no records")
+
     async def _close_backend(self) -> None:
         return None
 
@@ -359,6 +387,22 @@ class Discovery(abc.ABC):
                 await changes.wait(interval, failing)
         finally:
             await changes.aclose()
+
+    async def put_record(self, name: str, value: dict[str, Any]) -> None:
+        """Publish a small JSON object under `name`, beside the entries and under no lease
+        (it stays until it is replaced): what one writer states for every reader of the
+        store, such as a model's committed policy (rlfleet.protocol.rl.CommittedPolicy).
+        Records are never in listings or watches."""
+        self._check_open()
+        _check_record(name, value)
+        await self._put_record(name, json.loads(json.dumps(value)))
+
+    async def get_record(self, name: str) -> dict[str, Any] | None:
+        """The record under `name` (None: none was published, or it cannot be read: that
+        is logged)."""
+        self._check_open()
+        _check_record(name)
+        return await self._get_record(name)
 
     async def close(self) -> None:
         """Deregister this object's registrations (best effort) and release the backend."""

@@ -1,6 +1,7 @@
 """The etcd store (etcd v3 through ``aetcd``): multi-host. ``etcd://host:port[,host:port...]``,
 keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``, one lease per
-registration. Every call has a deadline; with several endpoints a failed one hands over to
+registration; records (`Discovery.put_record`) under ``/rlfleet/discovery-records/<name>``,
+with no lease. Every call has a deadline; with several endpoints a failed one hands over to
 the next. A value that is not a valid entry is skipped and reported, never fatal.
 """
 
@@ -263,6 +264,29 @@ class EtcdDiscovery(Discovery):
                 continue
             items.append((key, entry))
         return Listing.of(items, skipped, namespace, component, endpoint)
+
+    def _record_key(self, name: str) -> bytes:
+        """Beside the entries' prefix, never under it: `<prefix>-records/<name>`."""
+        return (self.prefix.rstrip("/") + "-records/" + name).encode()
+
+    async def _put_record(self, name: str, value: dict[str, Any]) -> None:
+        key, data = self._record_key(name), json.dumps(value).encode()
+        await self._call(f"put record {name}", lambda c: c.put(key, data))
+
+    async def _get_record(self, name: str) -> dict[str, Any] | None:
+        key = self._record_key(name)
+        kv = await self._call(f"get record {name}", lambda c: c.get(key))
+        if kv is None:
+            return None
+        try:
+            value = json.loads(kv.value.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            log.warning("discovery %s: record %s is unusable: %s", self.url, name, exc)
+            return None
+        if not isinstance(value, dict):
+            log.warning("discovery %s: record %s is not a JSON object", self.url, name)
+            return None
+        return value
 
     def _key_of(self, etcd_key: str) -> str | None:
         key = etcd_key.removeprefix(self.prefix)

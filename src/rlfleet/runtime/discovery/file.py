@@ -1,5 +1,6 @@
 """The file store: one JSON file per entry in a directory (one host, or a filesystem that all
-hosts share). ``file:///path/to/dir``.
+hosts share). ``file:///path/to/dir``. Records (`Discovery.put_record`) are files in its ``records/``
+subdirectory, which listings never read.
 
 Every file operation runs in a worker thread, never on the event loop: a slow disk, a FIFO
 or a huge file named ``*.json`` cannot stall a server. Files that cannot be read are skipped
@@ -250,7 +251,69 @@ class FileDiscovery(base.Discovery):
             if now - path.lstat().st_mtime > self.TMP_MAX_AGE:
                 path.unlink()
 
+    def _record_path(self, name: str) -> Path:
+        return self.directory / "records" / f"{urllib.parse.quote(name, safe='')}.json"
+
+    def _write_record(self, name: str, value: dict[str, Any]) -> None:
+        path = self._record_path(name)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump({"record": value, "written_at": time.time()}, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise DiscoveryError(f"file discovery {self.directory}: cannot write record "
+                                 f"{name}: {exc}") from exc
+
+    def _read_record(self, name: str) -> dict[str, Any] | None:
+        path = self._record_path(name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot read record "
+                                 f"{name}: {exc}") from exc
+        record, error = self._parse_record(path, st)
+        if error is not None:
+            log.warning("discovery %s: record %s (%s) is unusable: %s", self.url, name, path,
+                        error)
+        return record
+
+    @staticmethod
+    def _parse_record(path: Path, st: os.stat_result) -> tuple[dict[str, Any] | None, str | None]:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > base.RECORD_MAX_BYTES + 4096:
+            return None, "not a regular file of a record's size"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            return None, f"cannot open: {exc}"
+        try:
+            data = os.read(fd, base.RECORD_MAX_BYTES + 4097)
+        except OSError as exc:
+            return None, f"cannot read: {exc}"
+        finally:
+            os.close(fd)
+        try:
+            outer = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            return None, f"not a JSON record: {exc}"
+        if not isinstance(outer, dict) or not isinstance(outer.get("record"), dict):
+            return None, 'not a discovery record ({"record": {...}})'
+        return outer["record"], None
+
     # ------------------------------------------------------------ on the loop
+
+    async def _put_record(self, name: str, value: dict[str, Any]) -> None:
+        await self._io(self._write_record, name, value)
+
+    async def _get_record(self, name: str) -> dict[str, Any] | None:
+        return await self._io(self._read_record, name)
 
     async def _list(self, namespace: str | None, component: str | None,
                     endpoint: str | None) -> base.Listing:

@@ -14,6 +14,10 @@ Guarantees on the stream plane:
 - a worker that dies (its connection closes, even between two coalesced events) ends
   every stream on it at once with a 502 error; a worker that sends nothing on a stream
   for `request_timeout` seconds ends that stream with a 504;
+- heartbeats (`Heartbeat`): while requests are in flight, a worker that answers nothing,
+  not even a PING, for `stall_timeout` seconds (default STALL_TIMEOUT, 3 s: a stopped or
+  hung process, a cut link) ends every stream on it at once as stalled (504), so that the
+  frontend fails them over or fails them in seconds, and its link is dropped;
 - back-pressure, per stream and per connection: a worker sends at most WINDOW events of
   a stream that the frontend has not taken yet (CREDIT frames move the window), and stops
   altogether while the frontend does not read its connection. The worker then stops
@@ -22,6 +26,8 @@ Guarantees on the stream plane:
 """
 
 from rlfleet.runtime.request_plane.client import (
+    STALL_TIMEOUT,
+    Heartbeat,
     WorkerClient,
     WorkerError,
     WorkerLink,
@@ -30,5 +36,5 @@ from rlfleet.runtime.request_plane.client import (
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
 
-__all__ = ["FrameReader", "FrameWriter", "WorkerClient", "WorkerError", "WorkerLink",
-           "WorkerStream", "generate_over_http", "split_address"]
+__all__ = ["STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient",
+           "WorkerError", "WorkerLink", "WorkerStream", "generate_over_http", "split_address"]

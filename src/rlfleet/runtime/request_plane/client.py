@@ -8,6 +8,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -128,6 +129,37 @@ _done = msgspec.msgpack.Decoder(Done)
 _error = msgspec.msgpack.Decoder(EngineError)
 
 
+#: seconds a worker with requests in flight may answer nothing at all, not even a PING,
+#: before it counts as stalled (python -m rlfleet.frontend --stall-timeout)
+STALL_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The stream plane's heartbeat on one link: while requests are in flight, a worker
+    quiet for a third of `timeout` is PINGed (again every third of it), and one that has
+    answered nothing at all for `timeout` seconds (stopped, hung, cut off) is stalled. The
+    worker answers a PING on its event loop, so a busy engine does not look silent."""
+
+    timeout: float
+
+    @property
+    def interval(self) -> float:
+        """How often the link looks (a stall is noticed within timeout + interval)."""
+        return max(0.05, self.timeout / 8)
+
+    def due(self, now: float, heard: float, pinged: float) -> str | None:
+        """"stalled", "ping" or None, for a link last heard from at `heard` and last
+        PINGed at `pinged` (monotonic seconds)."""
+        quiet = now - heard
+        if quiet > self.timeout:
+            return "stalled"
+        third = self.timeout / 3
+        if quiet > third and now - pinged > third:
+            return "ping"
+        return None
+
+
 class WorkerLink(asyncio.Protocol):
     """The frontend's persistent stream-plane connection to one worker."""
 
@@ -136,6 +168,7 @@ class WorkerLink(asyncio.Protocol):
         self.address = address
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
+        self.heartbeat = Heartbeat(stall_timeout) if stall_timeout else None
         self.admin_token = admin_token
         self.heard = time.monotonic()  # when the worker last sent anything
         self._pinged = 0.0
@@ -279,17 +312,17 @@ class WorkerLink(asyncio.Protocol):
         while anything is outstanding, PING a worker that has been quiet for a third of
         `stall_timeout`: one that answers nothing at all for `stall_timeout` (stopped,
         hung, cut off) fails every stream as stalled and loses the link."""
-        timeout, stall = self.request_timeout, self.stall_timeout
-        interval = min(1.0, max(0.05, timeout / 8), *((max(0.05, stall / 8),) if stall else ()))
+        timeout, beat = self.request_timeout, self.heartbeat
+        interval = min(1.0, max(0.05, timeout / 8), *((beat.interval,) if beat else ()))
         while True:
             await asyncio.sleep(interval)
             now = time.monotonic()
-            if stall and self.streams:
-                quiet = now - self.heard
-                if quiet > stall:
-                    self._stalled(quiet)
+            if beat is not None and self.streams:
+                due = beat.due(now, self.heard, self._pinged)
+                if due == "stalled":
+                    self._stalled(now - self.heard)
                     return
-                if quiet > stall / 3 and now - self._pinged > stall / 3 and self.open:
+                if due == "ping" and self.open:
                     self._pinged = now
                     self.writer.put(Frame.PING, 0, None)
             stale = [s for s in self.streams.values()
@@ -331,7 +364,8 @@ class WorkerClient:
     opened on first use and kept."""
 
     def __init__(self, connect_timeout: float = 5.0, request_timeout: float = 600.0,
-                 stall_timeout: float | None = 30.0, admin_token: str | None = None) -> None:
+                 stall_timeout: float | None = STALL_TIMEOUT, admin_token: str | None = None
+                 ) -> None:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
