@@ -275,7 +275,9 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         # step by step from the worker, so that a worker leaving the bound is seen mid-run
         req = msgspec.structs.replace(req, stream=True)
     for attempt in range(MAX_ATTEMPTS):
-        w = await pool.acquire(model, tried, bound)
+        # a request its worker keeps (retain) goes where every frontend sends its ID
+        w = await pool.acquire(model, tried, bound,
+                               req.request_id if req.retain is not None else None)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
