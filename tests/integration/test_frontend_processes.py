@@ -71,15 +71,22 @@ def wait_until_routed(c: httpx.Client, count: int, timeout: float = 30.0) -> Non
         time.sleep(0.1)
 
 
-def generations(f) -> int:
-    """Generate requests the workers' engines ran (every outcome), over both workers."""
+def worker_count(f, name: str, labels: str) -> int:
+    """A worker series summed over both workers."""
     total = 0.0
     for p in f.workers:
         text = httpx.get(f"{p.ready['url']}/metrics", timeout=10).text
-        total += sum(float(v) for v in re.findall(
-            rf'^rlfleet_worker_requests_total{{model="{MODEL}",outcome="[a-z]+"}} (\S+)$',
-            text, re.M))
+        total += sum(float(v) for v in re.findall(rf'^{name}{{{labels}}} (\S+)$', text, re.M))
     return int(total)
+
+
+def generations(f) -> int:
+    """Generate requests the workers' engines ran (every outcome)."""
+    return worker_count(f, "rlfleet_worker_requests_total", f'model="{MODEL}",outcome="[a-z]+"')
+
+
+def attaches(f) -> int:
+    return worker_count(f, "rlfleet_worker_request_id_attaches_total", f'model="{MODEL}"')
 
 
 BODY = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True,
@@ -101,7 +108,7 @@ def post(client_or_url, rid: str, body: dict = BODY, **headers) -> httpx.Respons
 def test_a_retry_through_another_process_or_frontend_is_not_generated_again(fleet):
     f = fleet
     a, b = f.pinned
-    before = generations(f)
+    before, attached = generations(f), attaches(f)
     out: dict = {}
     first = threading.Thread(target=lambda: out.update(r=post(a, "retry-1")))
     first.start()
@@ -116,11 +123,19 @@ def test_a_retry_through_another_process_or_frontend_is_not_generated_again(flee
     after_other = post(f.other_url, "retry-1")
     assert tokens(after_b) == want and tokens(after_other) == want
     assert generations(f) - before == 1
+    # the two retries during the run joined it at the worker; those after it were answered
+    # by the process or frontend that had followed it
+    assert attaches(f) - attached == 2
     # the same ID for another body is refused whichever way it comes in
     for via in (a, b, f.other_url):
         r = post(via, "retry-1", {**BODY, "prompt": [9, 9]})
         assert r.status_code == 409, r.text
     assert generations(f) - before == 1
+    # ... by the worker too, when the process it comes through has not seen the ID
+    assert len(tokens(post(a, "retry-2", {**BODY, "max_tokens": 2}))) == 2
+    r = post(b, "retry-2", {**BODY, "max_tokens": 3})
+    assert r.status_code == 409 and "different request" in r.text, r.text
+    assert generations(f) - before == 2
 
 
 def test_requests_with_an_id_spread_over_the_workers(fleet):
@@ -176,9 +191,9 @@ def test_metrics_sum_every_process(fleet):
     start = [metric(c.get("/metrics").text, name, labels) for c in (a, b)]
     assert start[0] == start[1]  # either process answers for both
     body = {**BODY, "max_tokens": 3}
-    for i in range(3):
+    for _ in range(3):
         assert a.post("/v1/completions", json=body).status_code == 200
-    for i in range(2):
+    for _ in range(2):
         assert b.post("/v1/completions", json=body).status_code == 200
     for c in (a, b):
         text = c.get("/metrics").text

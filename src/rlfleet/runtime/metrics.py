@@ -135,6 +135,10 @@ WORKER_GENERATED_TOKENS = Counter("rlfleet_worker_generated_tokens_total",
 WORKER_PROMPT_TOKENS = Counter("rlfleet_worker_prompt_tokens_total",
                                "Prompt tokens admitted by this worker's engine", ["model"],
                                registry=WORKER)
+WORKER_ATTACHES = Counter("rlfleet_worker_request_id_attaches_total",
+                          "Requests that attached to a run this worker keeps by X-Request-Id "
+                          "(a retry through any frontend) instead of generating again",
+                          ["model"], registry=WORKER)
 WORKER_RUNNING = Gauge("rlfleet_worker_running_requests", "Requests running in the engine",
                        ["model"], registry=WORKER)
 
@@ -142,7 +146,7 @@ WORKER_RUNNING = Gauge("rlfleet_worker_running_requests", "Requests running in t
 class WorkerSeries:
     """One worker's series, bound to the model it serves (an engine holds one)."""
 
-    __slots__ = ("model", "requests", "seconds", "generated", "prompt", "running")
+    __slots__ = ("model", "requests", "seconds", "generated", "prompt", "running", "attaches")
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -151,6 +155,7 @@ class WorkerSeries:
         self.generated = WORKER_GENERATED_TOKENS.labels(model)
         self.prompt = WORKER_PROMPT_TOKENS.labels(model)
         self.running = WORKER_RUNNING.labels(model)
+        self.attaches = WORKER_ATTACHES.labels(model)
 
 
 class WorkerStateCollector:

@@ -88,8 +88,10 @@ class KeptRuns:
     """The runs one worker keeps (see the module docstring)."""
 
     def __init__(self, open_: Opener, rest: Rest, orphan_grace: float = 30.0,
-                 window: float = 600.0, max_runs: int = 10_000, max_bytes: int = 1 << 30) -> None:
+                 window: float = 600.0, max_runs: int = 10_000, max_bytes: int = 1 << 30,
+                 attached: Callable[[], None] | None = None) -> None:
         self._open, self._rest = open_, rest
+        self._attached = attached  # told of each request that joins a kept run
         self.orphan_grace, self.window = orphan_grace, window
         self.max_runs, self.max_bytes = max_runs, max_bytes
         self.runs: OrderedDict[str, KeptRun] = OrderedDict()
@@ -125,6 +127,8 @@ class KeptRuns:
                 raise HttpError(409, f"X-Request-Id {rid!r} was already used for a different "
                                      "request; use a new request ID for a new request")
             if not (run.done and (run.failed or run.error is not None)):
+                if self._attached is not None:
+                    self._attached()
                 return run
             self._forget(rid)  # it failed: this attempt starts anew
         if self.kept_bytes > self.max_bytes:

@@ -211,7 +211,7 @@ class WorkerPlane:
         # not safe to share between threads)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # runs kept by request ID for retries through any frontend (GenerateRequest.retain)
-        self.kept = KeptRuns(self.open, self.rest)
+        self.kept = KeptRuns(self.open, self.rest, attached=engine.series.attaches.inc)
 
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
