@@ -22,7 +22,7 @@ from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry, token_hash
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
 from rlfleet.runtime import metrics, tracing
-from rlfleet.runtime.http import ERROR_HANDLERS, HttpError, json_response
+from rlfleet.runtime.http import DIRECT_SEND, ERROR_HANDLERS, HttpError, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
 log = logging.getLogger("rlfleet.frontend.requests")
@@ -155,6 +155,7 @@ class Accounting:
                 traceparent = value
         status = 500
         state = scope.setdefault("state", {})  # a generation route puts its `model` here
+        scope[DIRECT_SEND] = send  # what follows the response start passes nothing here
 
         async def send_and_note(message: Message) -> None:
             nonlocal status

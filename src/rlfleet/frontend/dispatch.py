@@ -46,6 +46,10 @@ def check_response_size(req: GenerateRequest, max_model_len: Any) -> None:
                              "max_tokens or logprobs, or split the request")
 
 
+# model -> its series of FRONTEND_GENERATED_TOKENS (labels() on every step takes a lock)
+_GENERATED: dict[str, Any] = {}
+
+
 class Choice:
     """One choice's output so far (with `keep` false, only how many tokens: a stream that
     has rendered each delta needs no copy of them)."""
@@ -129,7 +133,11 @@ class Result:
                 self.choices[d.index].add(d)
                 tokens += len(d.token_ids)
             if tokens:
-                metrics.FRONTEND_GENERATED_TOKENS.labels(self.model).inc(tokens)
+                counter = _GENERATED.get(self.model)
+                if counter is None:
+                    counter = _GENERATED[self.model] = \
+                        metrics.FRONTEND_GENERATED_TOKENS.labels(self.model)
+                counter.inc(tokens)
             return deltas
         if kind is Head:
             h: Head = ev  # type: ignore[assignment]
