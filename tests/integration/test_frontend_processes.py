@@ -232,3 +232,22 @@ def test_the_staleness_bound_holds_in_every_process(fleet):
             "policy": {"min_step": 9}}}, headers={"X-Request-Id": "never"})
         assert r.status_code == 409 and "steps served: 3, 4" in r.json()["error"]["message"], \
             r.text
+
+
+def test_a_worker_keeps_a_run_for_direct_callers_over_http_too(fleet):
+    f = fleet
+    url = f"{f.workers[0].ready['url']}/generate"
+    body = {"request_id": "http-1", "prompt_token_ids": [1, 2, 3], "retain": "body-1",
+            "sampling": {"max_tokens": 5, "ignore_eos": True}}
+    before = generations(f)
+    first = httpx.post(url, json=body, timeout=30)
+    again = httpx.post(url, json=body, timeout=30)
+    assert first.status_code == 200 and again.status_code == 200, (first.text, again.text)
+    lines = first.text.splitlines()
+    assert len(lines) >= 3 and lines == again.text.splitlines()  # Head, steps, done
+    assert generations(f) - before == 1
+    r = httpx.post(url, json={**body, "retain": "body-2"}, timeout=30)
+    assert r.status_code == 409, r.text
+    r = httpx.post(url, json={**body, "request_id": "http-2", "prompt_token_ids": [10 ** 9]},
+                   timeout=30)
+    assert r.status_code == 400, r.text  # refused as given: a status, and nothing kept

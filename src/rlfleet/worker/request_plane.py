@@ -324,6 +324,8 @@ class WorkerPlane:
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             self.engine.series.requests["rejected"].inc()
             return error_response(400, _decode_error(e, raw))
+        if req.retain is not None:
+            return await self._http_kept(req, request)
         watch = ClientWatch(request)
         try:
             opened = await self.open(req)
@@ -350,6 +352,35 @@ class WorkerPlane:
             raise
         finally:
             await opened.aclose()
+
+    async def _http_kept(self, req: GenerateRequest, request: Request) -> Response:
+        """A request this worker keeps by its ID (rlfleet.worker.kept), over HTTP: the
+        run's events from its Head, one JSON line each; refused: the error's status.
+        Leaving detaches from the run."""
+        kept = self.kept
+        try:
+            run = kept.start(req)
+        except HttpError as e:
+            return e.response()
+        kept.attach(run)
+        try:
+            await run.wait_past(-1)
+        except BaseException:
+            kept.detach(run)
+            raise
+        if run.head is None:
+            kept.detach(run)
+            return (run.error or HttpError(500, "the request ended before its first event")
+                    ).response()
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for kind, ev in kept.follow(run):
+                    yield _json.encode(ErrorEvent(error=ev) if kind is Frame.ERROR else ev) \
+                        + b"\n"
+            finally:
+                kept.detach(run)
+        return StreamResponse(lines(), ClientWatch(request), "application/x-ndjson")
 
     async def _http_abort(self, request: Request) -> Response:
         """End a running request now; its stream finishes with its partial output and
