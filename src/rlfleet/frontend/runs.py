@@ -12,7 +12,12 @@ A request ID names a request: the same route with the same JSON body (whatever i
 spacing or key order) rejoins the run; anything else under that ID is a 409. A run whose
 worker died or stalled before it finished starts anew on a retry (nothing of it was
 admitted: it never ended). Only its owner can cancel a run: whoever presents the
-`X-Cancel-Token` the request was started with, or the frontend's admin token."""
+`X-Cancel-Token` the request was started with, or the frontend's admin token.
+
+This registry answers retries that come back to the same process. Across processes and
+frontends, the worker keeps the run too (GenerateRequest.retain, rlfleet.worker.kept) and
+every frontend routes the ID to the same worker (rlfleet.frontend.router.rank), so a
+retry through any of them attaches to the first attempt there."""
 
 from __future__ import annotations
 
