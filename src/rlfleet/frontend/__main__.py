@@ -1,4 +1,5 @@
-"""python -m rlfleet.frontend [--http-host H] [--http-port P] [--advertise-host A] [--discovery URL]"""
+"""python -m rlfleet.frontend [--http-host H] [--http-port P] [--advertise-host A] [--discovery URL]
+[--processes K]"""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 
 import uvloop
 
@@ -14,6 +16,7 @@ from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
 from rlfleet.frontend.kv import DEFAULT_OVERLAP_WEIGHT, DEFAULT_OVERLOAD, KvRouter
+from rlfleet.frontend.processes import run_group
 from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import DOWN_SECONDS, ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import RunRegistry
@@ -98,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the policy-refresh journal (a SQLite file or etcd://host:port[/name])"
                         " whose last refreshes the status page (GET /fleet on the RL listener) "
                         "shows (default: $RLFLEET_JOURNAL)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="serve the port from this many processes (SO_REUSEPORT: the kernel "
+                        "spreads connections over them); a retry of an X-Request-Id through "
+                        "any of them, or through another frontend on the same discovery "
+                        "store, attaches to the first attempt (default 1)")
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of K
     ServerLimits.add_args(p)
     add_log_args(p)
     add_tracing_args(p)
@@ -110,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("stall_timeout", "down_seconds"):
         if not getattr(args, flag) >= 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more seconds")
+    if args.processes < 1:
+        p.error(f"--processes must be at least 1, got {args.processes}")
     try:
         settle_admin_token(args)
     except ValueError as e:
@@ -135,11 +146,12 @@ async def serve(args: argparse.Namespace) -> None:
     runs = RunRegistry(max_kept_bytes=args.max_kept_bytes, admin_token=args.admin_token)
     await pool.start()
     limits = ServerLimits.from_args(args)
-    servers = [AppServer(build_app(pool, client, runs), bind_socket(args.http_host, args.http_port),
-                         limits=limits)]
+    reuse = args.reuse_port
+    servers = [AppServer(build_app(pool, client, runs),
+                         bind_socket(args.http_host, args.http_port, reuse), limits=limits)]
     if args.enable_rl:
         servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
-                                 bind_socket(args.http_host, args.rl_port), limits=limits))
+                                 bind_socket(args.http_host, args.rl_port, reuse), limits=limits))
     for s in servers:
         await s.start()
     host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))
@@ -160,8 +172,12 @@ async def serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     keep_output_json(args.log_format)
+    if args.processes > 1:
+        setup_logging(args.log_level, args.log_format)
+        sys.exit(run_group(args, argv))
     uvloop.run(serve(args))
 
 

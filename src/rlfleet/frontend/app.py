@@ -5,6 +5,7 @@ per-request accounting."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
@@ -16,11 +17,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet.frontend import openai, sglang
 from rlfleet.frontend.generation import Frontend, frontend_of
-from rlfleet.frontend.router import WorkerPool
-from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry
+from rlfleet.frontend.router import WorkerPool, rank
+from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry, token_hash
+from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
 from rlfleet.runtime import metrics, tracing
-from rlfleet.runtime.http import ERROR_HANDLERS, HttpError, json_response
+from rlfleet.runtime.http import DIRECT_SEND, ERROR_HANDLERS, HttpError, json_response
 from rlfleet.runtime.request_plane import WorkerClient
 
 log = logging.getLogger("rlfleet.frontend.requests")
@@ -53,7 +55,9 @@ async def health(request: Request) -> Response:
                 **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
                 **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
-    return json_response({"status": "healthy" if workers else "no_workers", "workers": workers})
+    # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes)
+    return json_response({"status": "healthy" if workers else "no_workers",
+                          "process": os.getpid(), "workers": workers})
 
 
 async def metrics_route(request: Request) -> Response:
@@ -67,19 +71,59 @@ async def cancel(request: Request) -> Response:
     rid = request.path_params["rid"]
     auth = request.headers.get("authorization", "")
     admin = auth[7:] if auth[:7].lower() == "bearer " else None
+    token = request.headers.get(CANCEL_TOKEN_HEADER)
     parts = [(part, fe.runs.running(part)) for part in _parts(fe, rid)]  # or each of a batch
+    if all(run is None for _, run in parts):  # another frontend (process) may hold it
+        return json_response({"request_id": rid,
+                              "cancelled": await _cancel_elsewhere(fe, rid, token, admin)})
     for _, run in parts:
-        if run is not None and not fe.runs.may_cancel(
-                run, request.headers.get(CANCEL_TOKEN_HEADER), admin):
-            raise HttpError(403, f"only the owner of request {rid!r} can cancel it: send the "
-                                 "X-Cancel-Token header it was started with (or the frontend's "
-                                 "admin token as Authorization: Bearer)")
+        if run is not None and not fe.runs.may_cancel(run, token, admin):
+            raise _not_owner(rid)
     cancelled = False
     for part, run in parts:  # the request, or each prompt of a batch (<id>-<i>)
         worker = run.worker if run is not None else None
         if worker is not None and await fe.client.cancel(worker.address, part):
             cancelled = True
     return json_response({"request_id": rid, "cancelled": cancelled})
+
+
+def _not_owner(rid: str) -> HttpError:
+    return HttpError(403, f"only the owner of request {rid!r} can cancel it: send the "
+                          "X-Cancel-Token header it was started with (or the frontend's "
+                          "admin token as Authorization: Bearer)")
+
+
+# how many workers, in the request ID's rank order, a relayed cancel asks per model (the
+# one that took the run is the first usable one when it started)
+RELAY_TRIES = 3
+
+
+async def _cancel_elsewhere(fe: Frontend, rid: str, token: str | None, admin: str | None
+                            ) -> bool:
+    """Cancel a run this process does not hold: the worker that keeps it (where every
+    frontend routes its ID, rlfleet.frontend.router.rank) ends it if the caller owns it
+    (the token's hash is checked there; this frontend's admin is vouched for)."""
+    owner = None if fe.runs.is_admin(admin) else (token_hash(token) or b"").hex()
+
+    async def relay(part: str) -> str:
+        for model in fe.pool.models():
+            for w in rank(part, fe.pool.for_model(model))[:RELAY_TRIES]:
+                status = await fe.client.cancel_as(w.address, part, owner)
+                if status != CANCEL_UNKNOWN:
+                    return status
+        return CANCEL_UNKNOWN
+
+    statuses = [await relay(rid)]
+    if statuses[0] == CANCEL_UNKNOWN:  # or the parts of a batch: <id>-0, <id>-1, ...
+        statuses = []
+        while len(statuses) < 1024:
+            status = await relay(f"{rid}-{len(statuses)}")
+            if status == CANCEL_UNKNOWN:
+                break
+            statuses.append(status)
+    if CANCEL_FORBIDDEN in statuses:
+        raise _not_owner(rid)
+    return CANCEL_OK in statuses
 
 
 def _parts(fe, rid: str) -> list[str]:
@@ -114,6 +158,7 @@ class Accounting:
                 traceparent = value
         status = 500
         state = scope.setdefault("state", {})  # a generation route puts its `model` here
+        scope[DIRECT_SEND] = send  # what follows the response start passes nothing here
 
         async def send_and_note(message: Message) -> None:
             nonlocal status

@@ -55,6 +55,10 @@ def check_response_size(req: GenerateRequest, max_model_len: Any) -> None:
                              "max_tokens or logprobs, or split the request")
 
 
+# model -> its series of FRONTEND_GENERATED_TOKENS (labels() on every step takes a lock)
+_GENERATED: dict[str, Any] = {}
+
+
 class Choice:
     """One choice's output so far (with `keep` false, only how many tokens: a stream that
     has rendered each delta needs no copy of them)."""
@@ -141,7 +145,11 @@ class Result:
                 self.choices[d.index].add(d)
                 tokens += len(d.token_ids)
             if tokens:
-                metrics.FRONTEND_GENERATED_TOKENS.labels(self.model).inc(tokens)
+                counter = _GENERATED.get(self.model)
+                if counter is None:
+                    counter = _GENERATED[self.model] = \
+                        metrics.FRONTEND_GENERATED_TOKENS.labels(self.model)
+                counter.inc(tokens)
             return deltas
         if kind is Head:
             h: Head = ev  # type: ignore[assignment]
@@ -292,7 +300,10 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     prefix = Prefix(req.prompt_token_ids, req.cache_salt) \
         if kv is not None and req.prompt_token_ids is not None else None
     for attempt in range(MAX_ATTEMPTS):
-        w = await pool.acquire(model, tried, bound, prefix)
+        # a request its worker keeps (retain) goes where every frontend sends its ID, unless
+        # the KV router places it by its prefix (WorkerPool.pick)
+        w = await pool.acquire(model, tried, bound, prefix,
+                               req.request_id if req.retain is not None else None)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)

@@ -18,7 +18,14 @@ from starlette.responses import Response
 
 from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
 from rlfleet.frontend.router import WorkerPool
-from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRun, RequestIdConflict, RunRegistry
+from rlfleet.frontend.runs import (
+    CANCEL_TOKEN_HEADER,
+    GenerationRun,
+    RequestIdConflict,
+    RunRegistry,
+    fingerprint,
+    token_hash,
+)
 from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime import tracing
@@ -284,6 +291,11 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
         _check_batch_reuse(fe.runs, request.headers[REQUEST_ID_HEADER], len(greqs))
     body = await request.body()
     cancel_token = request.headers.get(CANCEL_TOKEN_HEADER)
+    if keep:  # the worker keeps the run too, for a retry through another frontend
+        retain = fingerprint(request.url.path, body)
+        owner = token_hash(cancel_token)
+        for greq in greqs:
+            greq.retain, greq.cancel_hash = retain, None if owner is None else owner.hex()
     followers: list[Follower] = []
     try:
         for greq, res in zip(greqs, results, strict=True):

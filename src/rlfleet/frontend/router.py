@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import random
@@ -84,6 +85,18 @@ def within(bound: PolicyBound, workers: list[Worker], model: str) -> list[Worker
         raise NoWorker(f"no worker of {model!r} serves a policy within nvext.policy "
                        f"({bound.describe()}): wanted {wanted}; steps served: {names}", 409)
     return ok
+
+
+def rank(key: str, workers: list[Worker]) -> list[Worker]:
+    """`workers` in the order every frontend gives them for `key` (rendezvous hashing: the
+    highest digest of key and instance ID first), whatever order it learnt them in: a
+    request ID's retries go to the same worker through any frontend, and when a worker
+    leaves, only the IDs it ranked first move."""
+    k = key.encode("utf-8", "surrogatepass") + b"\0"
+
+    def score(w: Worker) -> bytes:
+        return hashlib.blake2b(k + str(w.instance_id).encode(), digest_size=8).digest()
+    return sorted(workers, key=score, reverse=True)
 
 
 @dataclass
@@ -242,7 +255,14 @@ class WorkerPool:
         return [w for w in self.workers.values() if w.model == model]
 
     def pick(self, model: str, exclude: set[int] = frozenset(),
-             bound: PolicyBound | None = None, prefix: Prefix | None = None) -> Worker:
+             bound: PolicyBound | None = None, prefix: Prefix | None = None,
+             key: str | None = None) -> Worker:
+        """A worker for a request of `model` by the routing mode; with a `key` (the
+        X-Request-Id of a request the workers keep), the first usable one in `rank` order
+        over all the model's workers, so that every frontend picks the same one. In mode
+        "kv" a request with a `prefix` goes where its prefix is cached instead: a retry of
+        it through another frontend usually finds the same worker (the one holding its
+        prefix), but only `rank` guarantees it."""
         all_ = self.for_model(model)
         if not all_:
             known = ", ".join(self.models()) or "none"
@@ -261,8 +281,13 @@ class WorkerPool:
             if not ok:
                 raise NoWorker(f"no live worker of {model!r} within nvext.policy "
                                f"({bound.describe()}) is left to try", 503)
-        if self.kv is not None:
+        if self.kv is not None and prefix is not None:
             return self.kv.choose(ok, prefix)  # type: ignore[return-value]
+        if key is not None:
+            usable = {w.instance_id for w in ok}
+            return next(w for w in rank(key, all_) if w.instance_id in usable)
+        if self.kv is not None:
+            return self.kv.choose(ok, None)  # type: ignore[return-value]
         if self.mode == "least-loaded":
             low = min(w.inflight for w in ok)
             ok = [w for w in ok if w.inflight == low]
@@ -272,15 +297,15 @@ class WorkerPool:
         return ok[next(self._rr) % len(ok)]
 
     async def acquire(self, model: str, exclude: set[int] = frozenset(),
-                      bound: PolicyBound | None = None, prefix: Prefix | None = None
-                      ) -> Worker:
+                      bound: PolicyBound | None = None, prefix: Prefix | None = None,
+                      key: str | None = None) -> Worker:
         """pick(), but while the model's only candidates are gated (a policy refresh is
         under way), or while none serves a policy within `bound`, wait for one, up to
         `gated_hold` seconds."""
         deadline = time.monotonic() + self.gated_hold
         while True:
             try:
-                return self.pick(model, exclude, bound, prefix)
+                return self.pick(model, exclude, bound, prefix, key)
             except NoWorker as e:
                 gated = any(w.entry.get("gated") for w in self.for_model(model)
                             if w.instance_id not in exclude)

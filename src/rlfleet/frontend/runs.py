@@ -12,7 +12,12 @@ A request ID names a request: the same route with the same JSON body (whatever i
 spacing or key order) rejoins the run; anything else under that ID is a 409. A run whose
 worker died or stalled before it finished starts anew on a retry (nothing of it was
 admitted: it never ended). Only its owner can cancel a run: whoever presents the
-`X-Cancel-Token` the request was started with, or the frontend's admin token."""
+`X-Cancel-Token` the request was started with, or the frontend's admin token.
+
+This registry answers retries that come back to the same process. Across processes and
+frontends, the worker keeps the run too (GenerateRequest.retain, rlfleet.worker.kept) and
+every frontend routes the ID to the same worker (rlfleet.frontend.router.rank), so a
+retry through any of them attaches to the first attempt there."""
 
 from __future__ import annotations
 
@@ -50,7 +55,8 @@ def fingerprint(route: str, body: bytes) -> str:
     return hashlib.blake2b(route.encode() + b"\0" + canonical, digest_size=16).hexdigest()
 
 
-def _token_hash(token: str | None) -> bytes | None:
+def token_hash(token: str | None) -> bytes | None:
+    """The SHA-256 of a cancel token (None: none given)."""
     return None if not token else hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
@@ -209,20 +215,24 @@ class RunRegistry:
         if keep and self.kept_bytes > self.max_kept_bytes:
             raise HttpError(429, "this frontend holds as much of requests with an X-Request-Id "
                                  "as it may (runs in flight); retry shortly")
-        run = GenerationRun(request_id, fp, keep, cancel_token=_token_hash(cancel_token))
+        run = GenerationRun(request_id, fp, keep, cancel_token=token_hash(cancel_token))
         run.task = asyncio.create_task(self._pump(run, source(run)))
         if keep:
             self.runs[request_id] = run
         return run, False
 
+    def is_admin(self, admin_token: str | None) -> bool:
+        """Whether `admin_token` is this frontend's admin token."""
+        return bool(self.admin_token and admin_token and hmac.compare_digest(
+            admin_token.encode("utf-8", "surrogatepass"),
+            self.admin_token.encode("utf-8", "surrogatepass")))
+
     def may_cancel(self, run: GenerationRun, cancel_token: str | None, admin_token: str | None) -> bool:
         """Whether a caller presenting these tokens owns the run (or administers the
         frontend)."""
-        if self.admin_token and admin_token and hmac.compare_digest(
-                admin_token.encode("utf-8", "surrogatepass"),
-                self.admin_token.encode("utf-8", "surrogatepass")):
+        if self.is_admin(admin_token):
             return True
-        given = _token_hash(cancel_token)
+        given = token_hash(cancel_token)
         return run.cancel_token is not None and given is not None \
             and hmac.compare_digest(given, run.cancel_token)
 

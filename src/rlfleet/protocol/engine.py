@@ -246,6 +246,15 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     # W3C trace context of the caller's span (rlfleet.runtime.tracing): the worker's span,
     # and the engine's, start under it; log lines about the request name its trace
     traceparent: Annotated[str, Meta(max_length=256)] | None = None
+    # set by a frontend for a request with a caller-chosen X-Request-Id: what that ID stands
+    # for (a digest of the route and body). The worker then owns the run under its request
+    # ID: another request with the same ID and `retain` attaches to it (all its events from
+    # the start) instead of generating again, whichever frontend (process) sends it; the
+    # same ID with another `retain` is refused (409). See rlfleet.worker.kept.
+    retain: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    # with `retain`: the SHA-256 (hex) of the X-Cancel-Token the request was started with;
+    # a cancel relayed by a frontend that does not hold the run must present the same
+    cancel_hash: Annotated[str, Meta(max_length=64)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
@@ -309,10 +318,20 @@ class CancelRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     reason `abort` (the engine's abort; the caller is still listening)."""
 
     request_id: Annotated[str, Meta(min_length=1)]
+    # set by a frontend relaying its caller's cancel: the SHA-256 (hex) of the X-Cancel-Token
+    # the caller presented; the worker ends only a run it keeps (GenerateRequest.retain)
+    # that was started with the same token. Unset: the frontend vouches for the caller (its
+    # admin, or the frontend's own staleness abort)
+    owner: Annotated[str, Meta(max_length=64)] | None = None
+
+
+# Cancelled.status: ended (or ending) / a relayed cancel whose token is not the run's /
+# a relayed cancel for a run this worker does not keep
+CANCEL_OK, CANCEL_FORBIDDEN, CANCEL_UNKNOWN = "ok", "forbidden", "unknown"
 
 
 class Cancelled(Struct, kw_only=True):
-    status: str
+    status: str  # CANCEL_OK, CANCEL_FORBIDDEN or CANCEL_UNKNOWN
     request_id: str
 
 

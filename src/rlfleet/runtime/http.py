@@ -162,6 +162,12 @@ class ClientWatch:
         return False
 
 
+# ASGI scope key: the server's `send` as the outermost middleware that looks only at the
+# response start got it; a StreamResponse writes its body chunks with it, past the layers
+# in between (one call per streamed token instead of one per layer)
+DIRECT_SEND = "rlfleet.direct_send"
+
+
 class StreamResponse(Response):
     """A streamed response (SSE or NDJSON) written chunk by chunk from `chunks`; when the
     caller goes away (the `watch` cancels this task), `chunks` is closed, which ends the
@@ -180,8 +186,9 @@ class StreamResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
+            body = scope.get(DIRECT_SEND, send)
             async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
             self.watch.finish()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except BaseException as e:

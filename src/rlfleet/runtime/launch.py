@@ -94,7 +94,7 @@ class Proc:
         return code
 
 
-def _die_with_parent() -> None:
+def die_when_parent_dies() -> None:
     """In the child before exec: SIGKILL when the thread that started it dies (a Ray actor
     killed by Ray takes its worker with it)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -122,7 +122,7 @@ def children_die_with_this_process() -> bool:
     global _children_die
     if _children_die is not None:
         return _children_die
-    os.register_at_fork(after_in_child=_die_with_parent)
+    os.register_at_fork(after_in_child=die_when_parent_dies)
     _children_die = shutil.which("setpriv") is not None and os.access(CHILD_WRAPPER, os.X_OK)
     if not _children_die:
         return False
@@ -145,7 +145,7 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
         popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=engine_env(env),
                                  start_new_session=True, cwd=cwd,
-                                 preexec_fn=_die_with_parent if die_with_parent else None)
+                                 preexec_fn=die_when_parent_dies if die_with_parent else None)
     proc = Proc(name, popen, log_path)
 
     def watch() -> None:

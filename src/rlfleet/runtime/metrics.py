@@ -19,6 +19,7 @@ request longer).
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import weakref
 from collections import deque
@@ -32,11 +33,15 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
 from starlette.responses import Response
 
 from rlfleet.protocol.identity import PolicyIdentity
+
+# prometheus_client's multiprocess mode: its directory (set by the parent of a process group)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # seconds: from 10 ms to 4 h
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -54,7 +59,8 @@ FRONTEND_REQUESTS = Counter("rlfleet_frontend_requests_total",
                             "Requests answered by the frontend, by model, route and HTTP status",
                             ["model", "route", "status"], registry=FRONTEND)
 FRONTEND_INFLIGHT = Gauge("rlfleet_frontend_inflight_requests", "Requests in flight, by route",
-                          ["route"], registry=FRONTEND)
+                          ["route"], registry=FRONTEND,
+                          multiprocess_mode="livesum")  # summed over a frontend's processes
 FRONTEND_LATENCY = Histogram("rlfleet_frontend_request_seconds",
                              "Request latency to the last byte, by model and route",
                              ["model", "route"], buckets=LATENCY_BUCKETS, registry=FRONTEND)
@@ -129,6 +135,10 @@ WORKER_GENERATED_TOKENS = Counter("rlfleet_worker_generated_tokens_total",
 WORKER_PROMPT_TOKENS = Counter("rlfleet_worker_prompt_tokens_total",
                                "Prompt tokens admitted by this worker's engine", ["model"],
                                registry=WORKER)
+WORKER_ATTACHES = Counter("rlfleet_worker_request_id_attaches_total",
+                          "Requests that attached to a run this worker keeps by X-Request-Id "
+                          "(a retry through any frontend) instead of generating again",
+                          ["model"], registry=WORKER)
 WORKER_RUNNING = Gauge("rlfleet_worker_running_requests", "Requests running in the engine",
                        ["model"], registry=WORKER)
 
@@ -136,7 +146,7 @@ WORKER_RUNNING = Gauge("rlfleet_worker_running_requests", "Requests running in t
 class WorkerSeries:
     """One worker's series, bound to the model it serves (an engine holds one)."""
 
-    __slots__ = ("model", "requests", "seconds", "generated", "prompt", "running")
+    __slots__ = ("model", "requests", "seconds", "generated", "prompt", "running", "attaches")
 
     def __init__(self, model: str) -> None:
         self.model = model
@@ -145,6 +155,7 @@ class WorkerSeries:
         self.generated = WORKER_GENERATED_TOKENS.labels(model)
         self.prompt = WORKER_PROMPT_TOKENS.labels(model)
         self.running = WORKER_RUNNING.labels(model)
+        self.attaches = WORKER_ATTACHES.labels(model)
 
 
 class WorkerStateCollector:
@@ -206,9 +217,24 @@ class TokenRate:
 
 # ---------------------------------------------------------------------------- exposition
 
+# what each registry reads at scrape time (no prometheus_client values behind it)
+_LIVE = {id(FRONTEND): FLEET, id(WORKER): WORKER_STATE}
+
+
 def exposition(registry: CollectorRegistry) -> bytes:
-    """The text exposition of `registry` and of the process registry."""
-    return generate_latest(registry) + generate_latest(REGISTRY)
+    """The text exposition of `registry` and of the process registry. In a process of a
+    group that shares its series (prometheus_client's multiprocess mode, $MULTIPROC_ENV
+    set: `python -m rlfleet.frontend --processes K`), every process's series summed
+    instead, and what `registry` reads at scrape time as this process sees it."""
+    path = os.environ.get(MULTIPROC_ENV)
+    if not path:
+        return generate_latest(registry) + generate_latest(REGISTRY)
+    summed = CollectorRegistry()
+    multiprocess.MultiProcessCollector(summed, path)
+    live = CollectorRegistry()
+    if id(registry) in _LIVE:
+        live.register(_LIVE[id(registry)])
+    return generate_latest(summed) + generate_latest(live)
 
 
 def metrics_response(registry: CollectorRegistry) -> Response:

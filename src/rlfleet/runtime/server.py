@@ -14,13 +14,17 @@ import uvicorn
 from rlfleet.runtime.limits import BodyLimit, ServerLimits, guarded_protocol
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket; port 0 picks a free one (read it back with getsockname).
     Connections accepted on it send small writes at once (TCP_NODELAY): a response head
-    and its body in two writes must not wait for the client's delayed ACK (~40 ms)."""
+    and its body in two writes must not wait for the client's delayed ACK (~40 ms).
+    `reuse_port`: SO_REUSEPORT, so that several processes listen on the port and the
+    kernel spreads connections over them."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(4096)

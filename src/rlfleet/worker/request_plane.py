@@ -20,6 +20,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rlfleet.protocol.engine import (
+    CANCEL_FORBIDDEN,
+    CANCEL_OK,
+    CANCEL_UNKNOWN,
     MAGIC,
     WINDOW,
     Cancelled,
@@ -46,6 +49,7 @@ from rlfleet.runtime.http import (
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
 from rlfleet.worker.engine import BadRequest, Engine
+from rlfleet.worker.kept import KeptRuns
 from rlfleet.worker.system_server import FaultInjector, InjectedFault
 
 log = logging.getLogger("rlfleet.request_plane")
@@ -206,6 +210,8 @@ class WorkerPlane:
         # one thread renders templates and tokenises, off the event loop (a tokeniser is
         # not safe to share between threads)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        # runs kept by request ID for retries through any frontend (GenerateRequest.retain)
+        self.kept = KeptRuns(self.open, self.rest, attached=engine.series.attaches.inc)
 
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
@@ -318,6 +324,8 @@ class WorkerPlane:
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             self.engine.series.requests["rejected"].inc()
             return error_response(400, _decode_error(e, raw))
+        if req.retain is not None:
+            return await self._http_kept(req, request)
         watch = ClientWatch(request)
         try:
             opened = await self.open(req)
@@ -344,6 +352,35 @@ class WorkerPlane:
             raise
         finally:
             await opened.aclose()
+
+    async def _http_kept(self, req: GenerateRequest, request: Request) -> Response:
+        """A request this worker keeps by its ID (rlfleet.worker.kept), over HTTP: the
+        run's events from its Head, one JSON line each; refused: the error's status.
+        Leaving detaches from the run."""
+        kept = self.kept
+        try:
+            run = kept.start(req)
+        except HttpError as e:
+            return e.response()
+        kept.attach(run)
+        try:
+            await run.wait_past(-1)
+        except BaseException:
+            kept.detach(run)
+            raise
+        if run.head is None:
+            kept.detach(run)
+            return (run.error or HttpError(500, "the request ended before its first event")
+                    ).response()
+
+        async def lines() -> AsyncIterator[bytes]:
+            try:
+                async for kind, ev in kept.follow(run):
+                    yield _json.encode(ErrorEvent(error=ev) if kind is Frame.ERROR else ev) \
+                        + b"\n"
+            finally:
+                kept.detach(run)
+        return StreamResponse(lines(), ClientWatch(request), "application/x-ndjson")
 
     async def _http_abort(self, request: Request) -> Response:
         """End a running request now; its stream finishes with its partial output and
@@ -413,6 +450,7 @@ class StreamServer:
             link.transport.close()
             for task in list(link.tasks.values()):
                 task.cancel()
+        await self.plane.kept.close()
 
 
 class _Window:
@@ -560,7 +598,8 @@ class _FrontendLink(asyncio.Protocol):
                 self._error(sid, 400, f"stream {sid} is already running on this connection")
                 return
             self.windows[sid] = _Window()
-            self.tasks[sid] = asyncio.ensure_future(self._generate(sid, req))
+            self.tasks[sid] = asyncio.ensure_future(
+                self._generate(sid, req) if req.retain is None else self._follow_kept(sid, req))
         elif kind == Frame.CREDIT:
             window = self.windows.get(sid)
             if window is not None:
@@ -581,11 +620,11 @@ class _FrontendLink(asyncio.Protocol):
             asyncio.ensure_future(self._tokenize(sid, req))
         elif kind == Frame.CANCEL:
             try:
-                rid = _cancel.decode(body).request_id
+                creq = _cancel.decode(body)
             except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
                 return
-            asyncio.ensure_future(self._cancel(sid, rid))
+            asyncio.ensure_future(self._cancel(sid, creq))
         else:
             self._error(sid, 400, f"unknown frame kind {kind}")
 
@@ -597,13 +636,21 @@ class _FrontendLink(asyncio.Protocol):
         except Exception as e:  # noqa: BLE001 - the caller hears of it
             self._error(sid, 500, f"tokenize failed: {type(e).__name__}: {e}")
 
-    async def _cancel(self, sid: int, rid: str) -> None:
+    async def _cancel(self, sid: int, req: CancelRequest) -> None:
+        rid = req.request_id
+        if req.owner is not None:  # relayed for a caller: only the owner of a kept run
+            run = self.plane.kept.runs.get(rid)
+            status = CANCEL_UNKNOWN if run is None or run.done else \
+                CANCEL_OK if run.may_cancel(req.owner) else CANCEL_FORBIDDEN
+            if status != CANCEL_OK:
+                self.writer.put(Frame.REPLY, sid, Cancelled(status=status, request_id=rid))
+                return
         try:
             await self.plane.engine.abort(rid)
         except Exception as e:  # noqa: BLE001 - the caller hears of it
             self._error(sid, 500, f"abort failed: {type(e).__name__}: {e}")
             return
-        self.writer.put(Frame.REPLY, sid, Cancelled(status="ok", request_id=rid))
+        self.writer.put(Frame.REPLY, sid, Cancelled(status=CANCEL_OK, request_id=rid))
 
     async def _generate(self, sid: int, req: GenerateRequest) -> None:
         put = self.writer.put
@@ -637,6 +684,38 @@ class _FrontendLink(asyncio.Protocol):
                           extra={"request_id": req.request_id,
                                  "trace_id": tracing.trace_id_of(req.traceparent)})
             self._error(sid, 500, f"worker failed: {type(e).__name__}: {e}")
+        finally:
+            del self.tasks[sid]
+            del self.windows[sid]
+
+    async def _follow_kept(self, sid: int, req: GenerateRequest) -> None:
+        """A request the worker keeps by its ID (rlfleet.worker.kept): start its run, or
+        follow the one already kept, from its Head. Leaving (CLOSE, a lost connection)
+        detaches from the run; it is not aborted while a retry may still come for it."""
+        put = self.writer.put
+        window = self.windows[sid]
+        kept = self.plane.kept
+        try:
+            try:
+                run = kept.start(req)
+            except HttpError as e:
+                self._error(sid, e.status, e.message)
+                return
+            kept.attach(run)
+            try:
+                async for kind, ev in kept.follow(run):
+                    if window.credit <= 0:
+                        await window.opened()
+                    window.credit -= 1
+                    if self._paused:
+                        await self._writable()
+                    put(kind, sid, ev)
+            except HttpError as e:
+                self._error(sid, e.status, e.message)
+            finally:
+                kept.detach(run)
+        except asyncio.CancelledError:
+            pass
         finally:
             del self.tasks[sid]
             del self.windows[sid]

@@ -14,6 +14,8 @@ from typing import Any
 import msgspec
 
 from rlfleet.protocol.engine import (
+    CANCEL_OK,
+    CANCEL_UNKNOWN,
     MAGIC,
     WINDOW,
     Cancelled,
@@ -415,13 +417,19 @@ class WorkerClient:
 
     async def cancel(self, address: str, request_id: str) -> bool:
         """The engine's abort: the request ends now with its partial output."""
+        return await self.cancel_as(address, request_id) == CANCEL_OK
+
+    async def cancel_as(self, address: str, request_id: str, owner: str | None = None) -> str:
+        """The engine's abort, relayed for a caller who presented the cancel token whose
+        SHA-256 (hex) is `owner` (None: vouched for by this frontend); the worker's answer
+        (CANCEL_OK, CANCEL_FORBIDDEN, CANCEL_UNKNOWN), CANCEL_UNKNOWN when unreachable."""
         try:
             link = await self.link(address)
-            out = await link.call(Frame.CANCEL, CancelRequest(request_id=request_id), _cancelled,
-                                  10.0)
+            out = await link.call(Frame.CANCEL, CancelRequest(request_id=request_id, owner=owner),
+                                  _cancelled, 10.0)
         except WorkerError:
-            return False
-        return out.status == "ok"
+            return CANCEL_UNKNOWN
+        return out.status
 
     async def tokenize(self, address: str, req: TokenizeRequest) -> Tokens:
         link = await self.link(address)
