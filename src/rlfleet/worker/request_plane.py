@@ -45,7 +45,7 @@ from rlfleet.runtime.http import (
     json_response,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
-from rlfleet.worker.engine import BadRequest, Engine
+from rlfleet.worker.engine import BadRequest, Engine, UnknownAdapter
 from rlfleet.worker.system_server import FaultInjector, InjectedFault
 
 log = logging.getLogger("rlfleet.request_plane")
@@ -248,7 +248,7 @@ class WorkerPlane:
             first = None
         except BadRequest as e:
             series.requests["rejected"].inc()
-            raise HttpError(400, str(e)) from e
+            raise HttpError(404 if isinstance(e, UnknownAdapter) else 400, str(e)) from e
         except asyncio.CancelledError:  # the caller left before the first event
             await events.aclose()
             series.requests["abandoned"].inc()
@@ -257,7 +257,7 @@ class WorkerPlane:
             series.requests["error"].inc()
             raise HttpError(500, f"engine failed: {type(e).__name__}: {e}") from e
         # the weights that produced the first token (a pause may have swapped them)
-        head = Head.of(ids, engine.serving_policy())
+        head = Head.of(ids, engine.request_policy(req))
         if first is not None and "prompt_logprobs" in first and "done" not in first:
             plps = first.pop("prompt_logprobs")
             if plps is not None:
