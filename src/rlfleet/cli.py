@@ -16,9 +16,13 @@ if TYPE_CHECKING:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from rlfleet.models import make_model
+    from rlfleet.models import make_adapter, make_model
 
-    out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype)
+    if args.adapter:
+        out = make_adapter(Path(args.out), size=args.size, rank=args.rank, seed=args.seed,
+                           dtype=args.dtype)
+    else:
+        out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype)
     print(out)
     return 0
 
@@ -308,6 +312,10 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    mm.add_argument("--adapter", action="store_true",
+                    help="write a random LoRA adapter (peft's format) for a model of --size "
+                         "instead of a model")
+    mm.add_argument("--rank", type=int, default=8, help="the adapter's rank (with --adapter)")
     mm.set_defaults(func=_make_model)
 
     dg = sub.add_parser("digest", help="print the content digest of a checkpoint directory")

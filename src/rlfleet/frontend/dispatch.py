@@ -284,7 +284,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
         stale = None if bound is None else \
-            Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable],
+            Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable_for(model)],
                                             model), model)
         if on_pick is not None:
             on_pick(w)

@@ -51,6 +51,16 @@ class Worker:
         """Whether a request for `model` (its model, or an adapter it serves) can go here."""
         return model == self.model or model in self.adapters
 
+    def usable_for(self, model: str) -> bool:
+        """Usable, and for an adapter, open to requests (a refresh of it closes it)."""
+        return self.usable and (model == self.model
+                                or self.adapters.get(model, {}).get("open", True) is not False)
+
+    def gated_for(self, model: str) -> bool:
+        """Closed to `model`'s requests by a refresh (the worker's, or the adapter's)."""
+        return bool(self.entry.get("gated")) or (
+            model != self.model and self.adapters.get(model, {}).get("open") is False)
+
     def step_of(self, model: str) -> int | None:
         """The fleet step of `model`'s policy here: the model's, or the adapter's own."""
         if model == self.model:
@@ -181,7 +191,7 @@ class WorkerPool:
             adapters = ", ".join(sorted(self.adapters()))
             raise NoWorker(f"model {model!r} is not served here (models: {known}"
                            + (f"; LoRA adapters: {adapters}" if adapters else "") + ")", 404)
-        serving = [w for w in all_ if w.usable]
+        serving = [w for w in all_ if w.usable_for(model)]
         ok = [w for w in serving if w.instance_id not in exclude]
         if not ok:
             raise NoWorker(f"no live worker can serve {model!r} right now "
@@ -210,7 +220,7 @@ class WorkerPool:
             try:
                 return self.pick(model, exclude, bound)
             except NoWorker as e:
-                gated = any(w.entry.get("gated") for w in self.for_model(model)
+                gated = any(w.gated_for(model) for w in self.for_model(model)
                             if w.instance_id not in exclude)
                 left = deadline - time.monotonic()
                 if not (e.status == 409 or (e.status == 503 and gated)) or left <= 0:

@@ -397,8 +397,8 @@ class LoraLoadRequest(LoraRequest, kw_only=True, frozen=True):
 
 
 class LoraAdmissionRequest(LoraRequest, kw_only=True, frozen=True):
-    """Open or close one adapter to requests (the base model and other adapters serve on):
-    while closed, requests naming it wait on the worker until it opens again."""
+    """Open or close one adapter to rollouts (the base model and other adapters serve on):
+    while closed, frontends hold requests that name it (its flag in discovery)."""
 
     open: bool
     reason: str | None = None

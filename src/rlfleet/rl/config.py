@@ -21,6 +21,7 @@ class UpdatePath(enum.StrEnum):
     VLLM_DISTRIBUTED = "vllm-distributed"
     SGLANG_DISK = "sglang-disk"
     VLLM_STAGED = "vllm-staged"  # pulled while serving (rlfleet.rl.staged), installed gated
+    VLLM_ADAPTER = "vllm-adapter"  # one LoRA adapter, the engine serving on (rlfleet.rl.adapter)
 
 
 class OnFailure(enum.StrEnum):
@@ -57,7 +58,8 @@ class RefreshConfig:
     host's address toward the workers), `master_port`: the distributed path's process group.
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
-    ahead of a serving worker."""
+    ahead of a serving worker. `adapter` (with path vllm-adapter): refresh that LoRA adapter
+    alone, the base model and other adapters serving on (rlfleet.rl.adapter)."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -81,6 +83,7 @@ class RefreshConfig:
     max_lag: int = 1
     min_serving: int = 1
     wave_size: int | None = None
+    adapter: str | None = None  # the LoRA adapter a vllm-adapter refresh moves
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -99,6 +102,9 @@ class RefreshConfig:
                              f"{self.transfer_backend!r}")
         if self.path is not UpdatePath.SGLANG_DISK and not self.rl_url:
             raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
+        if (self.path is UpdatePath.VLLM_ADAPTER) != bool(self.adapter):
+            raise ValueError("path vllm-adapter and adapter (the LoRA adapter's name) go "
+                             "together: give both, or neither")
         if self.mode is RefreshMode.ROLLING:
             if self.path is UpdatePath.SGLANG_DISK:
                 raise ValueError("a rolling refresh needs workers that leave and rejoin "

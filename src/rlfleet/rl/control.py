@@ -179,6 +179,8 @@ class WorkerControl(abc.ABC):
     transfer_detail: dict[str, Any] | None = None
     #: whether the target is staged on the workers before the fleet is gated (`prepare`)
     stages: bool = False
+    #: the LoRA adapter the post-update probe names (None: the base model)
+    probe_adapter: str | None = None
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:

@@ -45,6 +45,7 @@ import httpx
 
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl import recovery, telemetry
+from rlfleet.rl.adapter import VllmAdapterControl
 from rlfleet.rl.config import RefreshConfig, RefreshMode, UpdatePath
 from rlfleet.rl.control import (
     Channel,
@@ -79,6 +80,8 @@ def make_control(config: RefreshConfig) -> WorkerControl:
         return SglangControl(config.sglang_workers)
     if config.path is UpdatePath.VLLM_STAGED:
         return VllmStagedControl(config.rl_url, config.model)
+    if config.path is UpdatePath.VLLM_ADAPTER:
+        return VllmAdapterControl(config.rl_url, config.model, config.adapter)
     return VllmControl(config.rl_url, config.model,
                        distributed=config.path is UpdatePath.VLLM_DISTRIBUTED,
                        backend=config.transfer_backend, master_address=config.master_address,

@@ -8,15 +8,16 @@ running on the old version finish on it, and the old one is removed once none ru
 Nothing is paused: the base model and every other adapter serve throughout, and a load
 that fails leaves the old version serving.
 
-Each adapter has its own admission gate (`set_open`): while closed, requests that name it
-wait on the worker (bounded: GATE_WAIT) until it opens again; nothing else waits."""
+Each adapter has its own admission flag (`set_open`), published in the worker's discovery
+entry: while it is closed, frontends hold requests that name the adapter (as they hold a
+gated worker's), and route the base model's and the other adapters' as before; the
+worker's own request plane (a refresh's probe) still serves it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +29,6 @@ from rlfleet.worker.engine import AdapterState, BadRequest, UnknownAdapter
 
 log = logging.getLogger("rlfleet.vllm.adapters")
 
-#: how long a request naming a closed adapter waits for it to open before it is refused
-GATE_WAIT = float(os.environ.get("RLFLEET_LORA_GATE_WAIT", 120))
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -52,12 +51,9 @@ class Adapter:
     """A name and the version requests that name it run on, with its gate."""
 
     current: Served
-    opened: asyncio.Event = field(default_factory=asyncio.Event)
+    open: bool = True  # admitted by frontends (a refresh coordinator closes it)
     reason: str | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load or unload at a time
-
-    def __post_init__(self) -> None:
-        self.opened.set()
 
 
 def adapter_problem(path: Path, base: dict[str, tuple[str, tuple[int, ...]]],
@@ -122,12 +118,12 @@ class LoraAdapters:
 
     def states(self) -> list[AdapterState]:
         return [AdapterState(a.current.policy, a.current.rank, a.current.path,
-                             a.opened.is_set(), a.reason) for a in self.by_name.values()]
+                             a.open, a.reason) for a in self.by_name.values()]
 
     def state(self, name: str) -> AdapterState:
         a = self._get(name)
         return AdapterState(a.current.policy, a.current.rank, a.current.path,
-                            a.opened.is_set(), a.reason)
+                            a.open, a.reason)
 
     def _get(self, name: str) -> Adapter:
         a = self.by_name.get(name)
@@ -159,7 +155,9 @@ class LoraAdapters:
                 raise BadRequest(f"this worker serves {self.max_loras} adapters already "
                                  f"(--max-loras): unload one first "
                                  f"({', '.join(sorted(self.by_name))})")
-            lora = LoRARequest(name, self._next_id, str(path))
+            # a name of its own per version: vLLM's prefix cache keys KV by the adapter's
+            # name and path, and a new version may come from the same path
+            lora = LoRARequest(f"{name}@{self._next_id}", self._next_id, str(path))
             self._next_id += 1
             t0 = time.monotonic()
             try:
@@ -186,7 +184,6 @@ class LoraAdapters:
         a = self._get(name)
         async with a.lock:
             del self.by_name[name]
-            a.opened.set()  # waiting requests find it gone
             self._retire(a.current)
         return a.current.policy
 
@@ -205,24 +202,13 @@ class LoraAdapters:
 
     def set_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
         a = self._get(name)
-        if open_:
-            a.reason = None
-            a.opened.set()
-        else:
-            a.reason = reason or "closed by a refresh coordinator"
-            a.opened.clear()
+        a.open = open_
+        a.reason = None if open_ else (reason or "closed by a refresh coordinator")
         return self.state(name)
 
-    async def bind(self, name: str) -> Served:
-        """The version a new request naming `name` runs on (waiting while it is closed)."""
+    def bind(self, name: str) -> Served:
+        """The version a new request naming `name` runs on (to `release` when it ends)."""
         a = self._get(name)
-        if not a.opened.is_set():
-            try:
-                await asyncio.wait_for(a.opened.wait(), GATE_WAIT)
-            except TimeoutError:
-                raise BadRequest(f"adapter {name!r} stayed closed for {GATE_WAIT:.0f} s "
-                                 f"({a.reason}): try again later") from None
-            a = self._get(name)
         a.current.running += 1
         return a.current
 

@@ -320,7 +320,7 @@ class VllmEngine(Engine, EngineControl):
             prompt["cache_salt"] = req.cache_salt
         # the engine's own span (vLLM traces when it has an OTLP endpoint) joins the request's
         trace = {"traceparent": req.traceparent} if req.traceparent and self.traced else None
-        served = await self._lora().bind(req.adapter) if req.adapter is not None else None
+        served = self._lora().bind(req.adapter) if req.adapter is not None else None
         if served is not None:
             self._bound[req.request_id] = served.policy
         try:

@@ -1,0 +1,166 @@
+"""LoRA adapters as policies on a real vLLM worker (CPU build, float32): loaded at run time,
+named by a request's `model`, replaced by a new version while the base model serves, and
+refused clearly when they do not fit. One fleet for the module (vLLM starts are slow)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rlfleet.models import make_adapter
+from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
+
+pytestmark = pytest.mark.integration
+
+LORA_FLAGS = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {"a1": make_adapter(root / "a1", rank=8, seed=1),
+            "a2": make_adapter(root / "a2", rank=8, seed=2),
+            "b1": make_adapter(root / "b1", rank=4, seed=3),
+            "rank32": make_adapter(root / "rank32", rank=32, seed=4),
+            "other_base": make_adapter(root / "other", size="small", rank=4, seed=5)}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory, tiny_model, adapters):
+    args = vllm_worker_args(tiny_model, MODEL_NAME, *LORA_FLAGS, "--allowed-weights-root",
+                            str(adapters["a1"].parent))
+    with local_fleet(tmp_path_factory.mktemp("lora-fleet"), [args], kind="vllm",
+                     model=MODEL_NAME, lease_ttl=3.0, enable_rl=True) as f:
+        yield f
+
+
+def system(fleet) -> str:
+    return fleet.workers[0].ready["system_url"]
+
+
+def engine(fleet, route: str, **body) -> dict:
+    r = httpx.post(f"{system(fleet)}/engine/{route}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def complete(fleet, model: str, max_tokens: int = 12, **kw) -> httpx.Response:
+    return httpx.post(f"{fleet.url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "nvext": {"extra_fields": ["engine_data"]}, **kw})
+
+
+def tokens(r: httpx.Response) -> list[int]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["nvext"]["engine_data"]["completion_token_ids"]
+
+
+def listed(fleet, name: str, timeout: float = 15) -> dict:
+    """The adapter once the frontend's /v1/models lists it (discovery carries it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cards = {c["id"]: c for c in httpx.get(f"{fleet.url}/v1/models").json()["data"]}
+        if name in cards:
+            return cards[name]
+        time.sleep(0.2)
+    raise AssertionError(f"{name} never listed in /v1/models")
+
+
+def test_an_adapter_changes_the_tokens_of_the_requests_naming_it_and_only_those(fleet,
+                                                                               adapters):
+    base = tokens(complete(fleet, MODEL_NAME))
+    loaded = engine(fleet, "load_lora_adapter", lora_name="a1",
+                    lora_path=str(adapters["a1"]), weight_version="a1-v1", step=1)
+    assert loaded["status"] == "ok", loaded
+    assert loaded["adapter"] == "a1" and loaded["version"] == "a1-v1" and loaded["step"] == 1
+    assert loaded["weight_digest"].startswith("blake3:") and loaded["rank"] == 8
+    card = listed(fleet, "a1")
+    assert card["parent"] == MODEL_NAME
+
+    r = complete(fleet, "a1")
+    on_adapter = tokens(r)
+    assert on_adapter != base
+    data = r.json()["choices"][0]["nvext"]["engine_data"]
+    assert data["weight_adapter"] == "a1" and data["weight_version"] == "a1-v1"
+    assert data["weight_step"] == 1 and data["weight_digest"] == loaded["weight_digest"]
+    assert tokens(complete(fleet, MODEL_NAME)) == base  # the base model is untouched
+    base_data = complete(fleet, MODEL_NAME).json()["choices"][0]["nvext"]["engine_data"]
+    assert "weight_adapter" not in base_data
+
+    version = engine(fleet, "get_weight_version")
+    assert {"adapter": "a1", "version": "a1-v1", "digest": loaded["weight_digest"],
+            "step": 1} in version["adapters"]
+    rl = httpx.get(f"{fleet.rl_url}/v1/rl/workers").json()["workers"][0]
+    assert "load_lora" not in rl["routes"] and "unload_lora" not in rl["routes"]
+
+
+def test_bad_adapters_are_refused_by_name_and_nothing_else_changes(fleet, adapters):
+    engine(fleet, "load_lora_adapter", lora_name="a1", lora_path=str(adapters["a1"]),
+           weight_version="a1-v1", step=1)
+    before = tokens(complete(fleet, "a1"))
+    cases = {
+        "rank32": ("--max-lora-rank 16", dict(lora_path=str(adapters["rank32"]))),
+        "other_base": ("another base model", dict(lora_path=str(adapters["other_base"]))),
+        "missing": ("does not exist", dict(lora_path=str(adapters["a1"].parent / "nope"))),
+    }
+    for name, (says, body) in cases.items():
+        got = engine(fleet, "load_lora_adapter", lora_name="a1", weight_version="bad", **body)
+        assert got["status"] == "error" and says in got["message"], (name, got)
+    assert tokens(complete(fleet, "a1")) == before  # the old version still serves
+    assert engine(fleet, "get_weight_version")["adapters"][0]["version"] == "a1-v1"
+
+    r = complete(fleet, "no-such-adapter")
+    assert r.status_code == 404 and "no-such-adapter" in r.text
+    r = httpx.post(f"{system(fleet)}/engine/unload_lora_adapter", json={"lora_name": "zz"})
+    assert r.json()["status"] == "error" and "zz" in r.json()["message"]
+    r = httpx.post(f"{system(fleet)}/engine/load_lora_adapter", json={"lora_name": "a1"})
+    assert r.json()["status"] == "error" and "lora_path is required" in r.json()["message"]
+    # vLLM's own runtime-LoRA route: 4xx with vLLM's error shape
+    r = httpx.post(f"{system(fleet)}/v1/load_lora_adapter",
+                   json={"lora_name": "a1", "lora_path": str(adapters["rank32"])})
+    assert r.status_code == 400 and "--max-lora-rank" in r.text
+    r = httpx.post(f"{system(fleet)}/v1/unload_lora_adapter", json={"lora_name": "zz"})
+    assert r.status_code == 404 and "zz" in r.text
+    assert tokens(complete(fleet, "a1")) == before
+
+
+def test_a_new_version_serves_while_the_base_model_streams_unpaused(fleet, adapters):
+    engine(fleet, "load_lora_adapter", lora_name="a1", lora_path=str(adapters["a1"]),
+           weight_version="a1-v1", step=1)
+    old = tokens(complete(fleet, "a1"))
+    base = tokens(complete(fleet, MODEL_NAME))
+    stop, results, gaps = threading.Event(), [], []
+
+    def base_traffic() -> None:
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                r = c.post(f"{fleet.url}/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12,
+                    "temperature": 0, "ignore_eos": True})
+                gaps.append(time.monotonic() - t0)
+                results.append((r.status_code, r.json()["choices"][0]["text"]
+                                if r.status_code == 200 else r.text))
+    t = threading.Thread(target=base_traffic)
+    t.start()
+    try:
+        time.sleep(1.0)
+        got = engine(fleet, "load_lora_adapter", lora_name="a1", lora_path=str(adapters["a2"]),
+                     weight_version="a1-v2", step=2)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        t.join()
+    assert got["status"] == "ok" and got["replaced"] == "a1-v1", got
+    new = complete(fleet, "a1")
+    assert tokens(new) != old
+    assert new.json()["choices"][0]["nvext"]["engine_data"]["weight_version"] == "a1-v2"
+    assert results and all(code == 200 for code, _ in results), results
+    base_text = complete(fleet, MODEL_NAME, nvext={}).json()["choices"][0]["text"]
+    assert {text for _, text in results} == {base_text}  # the base never changed
+    assert tokens(complete(fleet, MODEL_NAME)) == base
