@@ -4,6 +4,7 @@ refused clearly when they do not fit. One fleet for the module (vLLM starts are 
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,9 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
+from rlfleet.rl.fleet import Fleet
+from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.rl.sample import SampleRequest, SamplingSpec
 from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
 
 pytestmark = pytest.mark.integration
@@ -57,7 +61,7 @@ def complete(fleet, model: str, max_tokens: int = 12, **kw) -> httpx.Response:
 
 def tokens(r: httpx.Response) -> list[int]:
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["nvext"]["engine_data"]["completion_token_ids"]
+    return r.json()["nvext"]["engine_data"]["completion_token_ids"]
 
 
 def listed(fleet, name: str, timeout: float = 15) -> dict:
@@ -85,11 +89,11 @@ def test_an_adapter_changes_the_tokens_of_the_requests_naming_it_and_only_those(
     r = complete(fleet, "a1")
     on_adapter = tokens(r)
     assert on_adapter != base
-    data = r.json()["choices"][0]["nvext"]["engine_data"]
+    data = r.json()["nvext"]["engine_data"]
     assert data["weight_adapter"] == "a1" and data["weight_version"] == "a1-v1"
     assert data["weight_step"] == 1 and data["weight_digest"] == loaded["weight_digest"]
     assert tokens(complete(fleet, MODEL_NAME)) == base  # the base model is untouched
-    base_data = complete(fleet, MODEL_NAME).json()["choices"][0]["nvext"]["engine_data"]
+    base_data = complete(fleet, MODEL_NAME).json()["nvext"]["engine_data"]
     assert "weight_adapter" not in base_data
 
     version = engine(fleet, "get_weight_version")
@@ -134,33 +138,126 @@ def test_a_new_version_serves_while_the_base_model_streams_unpaused(fleet, adapt
            weight_version="a1-v1", step=1)
     old = tokens(complete(fleet, "a1"))
     base = tokens(complete(fleet, MODEL_NAME))
-    stop, results, gaps = threading.Event(), [], []
-
-    def base_traffic() -> None:
-        with httpx.Client(timeout=60) as c:
-            while not stop.is_set():
-                t0 = time.monotonic()
-                r = c.post(f"{fleet.url}/v1/completions", json={
-                    "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12,
-                    "temperature": 0, "ignore_eos": True})
-                gaps.append(time.monotonic() - t0)
-                results.append((r.status_code, r.json()["choices"][0]["text"]
-                                if r.status_code == 200 else r.text))
-    t = threading.Thread(target=base_traffic)
-    t.start()
-    try:
-        time.sleep(1.0)
+    with BaseTraffic(fleet) as traffic:
         got = engine(fleet, "load_lora_adapter", lora_name="a1", lora_path=str(adapters["a2"]),
                      weight_version="a1-v2", step=2)
-        time.sleep(1.0)
-    finally:
-        stop.set()
-        t.join()
     assert got["status"] == "ok" and got["replaced"] == "a1-v1", got
     new = complete(fleet, "a1")
     assert tokens(new) != old
-    assert new.json()["choices"][0]["nvext"]["engine_data"]["weight_version"] == "a1-v2"
-    assert results and all(code == 200 for code, _ in results), results
-    base_text = complete(fleet, MODEL_NAME, nvext={}).json()["choices"][0]["text"]
-    assert {text for _, text in results} == {base_text}  # the base never changed
+    assert new.json()["nvext"]["engine_data"]["weight_version"] == "a1-v2"
+    assert traffic.codes and set(traffic.codes) == {200}, traffic.codes
+    assert traffic.texts == {traffic.base_text}  # the base never changed
     assert tokens(complete(fleet, MODEL_NAME)) == base
+
+
+# ------------------------------------------------------------------ refreshes of adapters
+
+
+def test_an_adapter_refresh_moves_one_adapter_while_the_base_streams(fleet, adapters,
+                                                                    tmp_path):
+    """PolicyRefresh on path vllm-adapter: the gate, the load, the verify and the probe touch
+    the adapter only; base requests are never refused or paused; a wrong-base version is
+    refused and rolled back, the old version serving again."""
+    refresh = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, path="vllm-adapter",
+                            adapter="r1", journal=tmp_path / "journal.sqlite",
+                            on_failure="rollback")
+    try:
+        first = asyncio.run(refresh.refresh(adapters["a1"], "r1-v1"))
+        assert first.decision == "reopened", first.reason
+        v1 = tokens(complete(fleet, "r1"))
+        base = tokens(complete(fleet, MODEL_NAME))
+        with BaseTraffic(fleet) as traffic:
+            second = asyncio.run(refresh.refresh(adapters["a2"], "r1-v2"))
+        assert second.decision == "reopened", second.reason
+        assert traffic.codes and set(traffic.codes) == {200}, traffic.codes
+        assert traffic.texts == {traffic.base_text}
+        r = complete(fleet, "r1")
+        assert tokens(r) != v1
+        data = r.json()["nvext"]["engine_data"]
+        assert (data["weight_adapter"], data["weight_version"], data["weight_step"]) == \
+            ("r1", "r1-v2", 1)
+        steps = {s["name"] for s in second.steps}
+        assert {"gate", "apply", "verify", "probe", "reopen"} <= steps
+        calls = [c["route"] for w in second.workers for c in w["calls"]]
+        assert "pause_generation" not in calls and "flush_cache" not in calls
+        assert tokens(complete(fleet, MODEL_NAME)) == base
+
+        wrong = asyncio.run(refresh.refresh(adapters["other_base"], "r1-wrong"))
+        assert wrong.decision == "rolled_back", wrong.reason
+        assert "another base model" in wrong.reason
+        r = complete(fleet, "r1")
+        assert r.json()["nvext"]["engine_data"]["weight_version"] == "r1-v2"
+        record = refresh.journal.get(second.refresh_id)
+        assert record.target.adapter == "r1" and record.served.version == "r1-v2"
+        assert record["fleet"].endswith("#lora=r1")
+    finally:
+        refresh.close()
+
+
+def test_two_runs_refresh_their_adapters_concurrently_with_exactly_once_admission(
+        fleet, adapters, tmp_path):
+    """Two trainers on one fleet, each its adapter, ledger and journal: they refresh at the
+    same time (neither fences nor gates the other) and each admits its samples once, only
+    from its own adapter's current version."""
+    def run(name: str, versions: list[str], out: dict) -> None:
+        fl = Fleet(fleet.url, name, rl_url=fleet.rl_url, ledger=tmp_path / f"{name}.sqlite",
+                   journal=tmp_path / f"{name}-journal.sqlite", path="vllm-adapter",
+                   adapter=name)
+        try:
+            for i, path in enumerate(versions):
+                result = fl.refresh(path, f"{name}-v{i}")
+                assert result.decision == "reopened", result.reason
+                batch = [SampleRequest(f"{name}-{i}-{k}", PROMPT, SamplingSpec(
+                    max_tokens=8, temperature=1.0, seed=k)) for k in range(4)]
+                for o in fl.rollout(batch):
+                    assert o.admitted, o.reason
+                    p = o.sample.policy
+                    out.setdefault(name, []).append((o.sample_id, p.adapter, p.version))
+            out[f"{name}-ledger"] = fl.ledger.admitted()
+        finally:
+            fl.close()
+
+    out: dict = {}
+    threads = [threading.Thread(target=run, args=(n, vs, out)) for n, vs in (
+        ("run-a", [str(adapters["a1"]), str(adapters["a2"])]),
+        ("run-b", [str(adapters["b1"]), str(adapters["a1"])]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    for name in ("run-a", "run-b"):
+        got = out[name]
+        assert len(got) == 8 and len({s for s, _, _ in got}) == 8, got
+        assert {a for _, a, _ in got} == {name}
+        assert [v for s, _, v in got] == [f"{name}-v{int(s.split('-')[2])}" for s, _, _ in got]
+        assert set(out[f"{name}-ledger"]) == {s for s, _, _ in got}
+
+
+class BaseTraffic:
+    """Greedy base-model completions, one after another, while the block runs."""
+
+    def __init__(self, fleet) -> None:
+        self.fleet, self.codes, self.texts = fleet, [], set()
+        self.stop = threading.Event()
+        self.base_text = complete(fleet, MODEL_NAME).json()["choices"][0]["text"]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                r = c.post(f"{self.fleet.url}/v1/completions", json={
+                    "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0,
+                    "ignore_eos": True})
+                self.codes.append(r.status_code)
+                if r.status_code == 200:
+                    self.texts.add(r.json()["choices"][0]["text"])
+
+    def __enter__(self) -> BaseTraffic:
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(0.5)
+        self.stop.set()
+        self.thread.join()

@@ -32,7 +32,9 @@ class VllmAdapterControl(VllmControl):
     """The workers of the RL listener that serve `model`, refreshing its adapter `adapter`."""
 
     def __init__(self, rl_url: str, model: str | None, adapter: str) -> None:
-        super().__init__(rl_url, model)
+        """`model`: the base model the adapter adapts (its name, or the adapter's own: then
+        every worker that serves adapters is a candidate)."""
+        super().__init__(rl_url, None if model == adapter else model)
         self.adapter = self.probe_adapter = adapter
         self.fleet = f"{self.rl_url}#lora={adapter}"
         self.path = "vllm-adapter"

@@ -235,7 +235,8 @@ class PolicyRefresh:
             probe = await asyncio.to_thread(reference_probe, path, None, cfg.probe_tokens)
         if cfg.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None and path is None:
             raise ValueError("the distributed path needs tensors or a checkpoint path")
-        return Policy(PolicyIdentity(version=version, digest=digest), path=path,
+        return Policy(PolicyIdentity(version=version, digest=digest, adapter=cfg.adapter),
+                      path=path,
                       tensors=tensors, source=source, probe=probe)
 
     # ------------------------------------------------------------------ a transaction
