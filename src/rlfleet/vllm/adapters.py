@@ -85,6 +85,10 @@ def _shape_problem(sig: dict[str, tuple[str, tuple[int, ...]]],
                    base: dict[str, tuple[str, tuple[int, ...]]], rank: int) -> str | None:
     """Why the adapter's A and B matrices do not fit the base model's layers."""
     pairs = 0
+    other = sorted(n for n in sig if "lora_embedding" in n or ".lm_head." in n)
+    if other:  # the output layer's LoRA is not served (rlfleet.vllm.extension)
+        return (f"the adapter adapts the embeddings or the output layer ({other[0]}): rlfleet "
+                "serves adapters of the transformer layers' projections only")
     for name, (_, shape) in sorted(sig.items()):
         part = "lora_A" if ".lora_A." in name else "lora_B" if ".lora_B." in name else None
         if part is None:
