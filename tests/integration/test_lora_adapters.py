@@ -16,11 +16,12 @@ from rlfleet.models import make_adapter
 from rlfleet.rl.fleet import Fleet
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.sample import SampleRequest, SamplingSpec
+from rlfleet.weights.adapters import publish_adapter
 from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
 
 pytestmark = pytest.mark.integration
 
-LORA_FLAGS = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
+LORA_FLAGS = ("--enable-lora", "--max-loras", "6", "--max-lora-rank", "16")
 PROMPT = "The quick brown fox"
 
 
@@ -261,3 +262,32 @@ class BaseTraffic:
         time.sleep(0.5)
         self.stop.set()
         self.thread.join()
+
+
+def test_adapter_versions_through_the_weight_plane_and_a_wrong_base_delta_refused(
+        fleet, adapters):
+    root = adapters["a1"].parent / "artifacts"
+    publish_adapter(adapters["a1"], root, "w-v1")
+    publish_adapter(adapters["a2"], root, "w-v2", base=("w-v1", adapters["a1"]))
+    publish_adapter(adapters["b1"], root, "w-v3", base=("w-v1", adapters["a1"]))
+    direct = {}
+    for name in ("a1", "a2"):  # the tokens of each version, loaded from its directory
+        assert engine(fleet, "load_lora_adapter", lora_name="direct",
+                      lora_path=str(adapters[name]))["status"] == "ok"
+        direct[name] = tokens(complete(fleet, "direct"))
+    got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v1"),
+                 weight_version="w-v1")
+    assert got["status"] == "ok", got
+    assert tokens(complete(fleet, "w")) == direct["a1"]
+    got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v2"),
+                 weight_version="w-v2")
+    assert got["status"] == "ok" and got["replaced"] == "w-v1", got
+    assert tokens(complete(fleet, "w")) == direct["a2"]
+    # w-v3 is a delta against w-v1; the worker serves w-v2: refused, w-v2 serving on
+    got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v3"),
+                 weight_version="w-v3")
+    assert got["status"] == "error" and "delta against adapter version 'w-v1'" in \
+        got["message"] and "serves 'w-v2'" in got["message"], got
+    assert tokens(complete(fleet, "w")) == direct["a2"]
+    for name in ("w", "direct"):
+        assert engine(fleet, "unload_lora_adapter", lora_name=name)["status"] == "ok"

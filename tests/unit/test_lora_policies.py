@@ -17,7 +17,9 @@ from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.config import RefreshConfig
 from rlfleet.rl.journal.record import IDENTITY_FIELDS, stored_columns
 from rlfleet.vllm.adapters import adapter_problem
-from rlfleet.weights.digest import checkpoint_signature
+from rlfleet.weights.adapters import is_artifact, materialize_adapter, publish_adapter
+from rlfleet.weights.artifacts import WrongBase
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
 
 ADAPTED = PolicyIdentity(version="a-v1", digest="blake3:aa", step=3, adapter="a")
 BASE = PolicyIdentity(version="v1", digest="blake3:bb", step=2)
@@ -105,3 +107,19 @@ def test_an_adapter_refresh_names_its_adapter():
         RefreshConfig(rl_url="http://x", path="vllm-adapter")
     with pytest.raises(ValueError, match="adapter"):
         RefreshConfig(rl_url="http://x", adapter="a")
+
+
+def test_adapter_versions_travel_as_artifacts_and_a_delta_applies_on_its_base_only(tmp_path):
+    a1, a2 = make_adapter(tmp_path / "a1", seed=1), make_adapter(tmp_path / "a2", seed=2)
+    publish_adapter(a1, tmp_path / "art", "v1")
+    delta = publish_adapter(a2, tmp_path / "art", "v2", base=("v1", a1))
+    assert delta.format == "xor-delta" and delta.digest == checkpoint_digest(a2)
+    assert is_artifact(tmp_path / "art" / "v2") and not is_artifact(a1)
+    m1 = materialize_adapter(tmp_path / "art" / "v1", tmp_path / "m1", None)
+    assert checkpoint_digest(m1) == checkpoint_digest(a1)
+    m2 = materialize_adapter(tmp_path / "art" / "v2", tmp_path / "m2", ("v1", m1))
+    assert checkpoint_digest(m2) == checkpoint_digest(a2)
+    with pytest.raises(WrongBase, match="delta against adapter version 'v1'.*serves 'v2'"):
+        materialize_adapter(tmp_path / "art" / "v2", tmp_path / "m3", ("v2", m2))
+    with pytest.raises(WrongBase, match="serves 'none'"):
+        materialize_adapter(tmp_path / "art" / "v2", tmp_path / "m4", None)

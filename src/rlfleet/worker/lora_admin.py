@@ -3,13 +3,19 @@
 is a policy of its own, loaded, replaced by a new version, gated and unloaded while the base
 model and the other adapters serve on.
 
+`lora_path` is a peft adapter directory, or an adapter version of the weight plane
+(rlfleet.weights.adapters: full, or an XOR delta applied only on the version served).
+
 Each adapter has its own fleet fence (the epoch of its own refresh coordinator, in the
 body's `fleet_epoch`): two RL runs that train one adapter each on one fleet take epochs of
 their own and never fence each other, nor the base model's coordinator."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +32,8 @@ from rlfleet.protocol.admin import (
     NoFields,
 )
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.weights.adapters import is_artifact, materialize_adapter
+from rlfleet.weights.artifacts import ArtifactError
 from rlfleet.worker.engine import AdapterState, BadRequest, EngineControl
 from rlfleet.worker.system_server import FleetFence, Route
 
@@ -71,14 +79,28 @@ class LoraAdmin:
         fence = self._fence(req)
         try:
             path = self.lora_path(req.lora_path)
+            if is_artifact(path):  # a weight-plane version: full, or a delta on the served one
+                path = await asyncio.to_thread(self._materialize, req.lora_name, path)
             policy, replaced = await self.engine.load_adapter(
                 req.lora_name, path, req.weight_version, req.step, req.digest)
-        except (BadRequest, AdminRequestError) as e:
-            return LoraAdapterReply.failed(str(e), lora_name=req.lora_name)
+        except (BadRequest, AdminRequestError, ArtifactError) as e:
+            return LoraAdapterReply.failed(str(e) + ("; nothing was changed" if isinstance(
+                e, ArtifactError) else ""), lora_name=req.lora_name)
         state = next(s for s in self.engine.adapters() if s.policy == policy)
         return adapter_reply(state, fence, replaced=replaced,
                              message=f"adapter {req.lora_name} serves version "
                                      f"{policy.version} (step {policy.step})")
+
+    def _materialize(self, name: str, path: Path) -> Path:
+        """The artifact at `path` as a plain adapter directory of this worker's own."""
+        served = next(((s.policy.version, Path(s.path)) for s in self.engine.adapters()
+                       if s.policy.adapter_name == name), None)
+        out = Path(tempfile.mkdtemp(prefix=f"rlfleet-lora-{name[:32]}-"))
+        try:
+            return materialize_adapter(path, out, served)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)
+            raise
 
     async def unload_lora_adapter(self, req: LoraRequest) -> LoraAdapterReply:
         fence = self._fence(req)
