@@ -88,14 +88,16 @@ async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
                             timeout=600) for k in range(3)]
     for k, o in enumerate(others):  # 3 more adapters, for the 4-adapter mix
         assert (await o.refresh(adapters[f"o{k}"], f"o{k}-v0")).ok
-    full_w, lora_w = [], []
+    full_w, lora_w, full_s, lora_s = [], [], [], []
     for i in range(args.rounds):
         res = await full.refresh(ckpt["B" if i % 2 == 0 else "A"], f"full-{i}")
         assert res.ok, res.reason
         full_w.append(window(res))
+        full_s.append(res.step_seconds())
         res = await lora.refresh(adapters["r1" if i % 2 == 0 else "r2"], f"r-{i}")
         assert res.ok, res.reason
         lora_w.append(window(res))
+        lora_s.append(res.step_seconds())
     await asyncio.sleep(2)  # discovery settles on the last versions
 
     url, c, n = fleet.url, args.concurrency, args.tokens
@@ -110,7 +112,8 @@ async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
     four = await load(url, ["r", "o0", "o1", "o2"], args.seconds, c, n)
     for r in (full, lora, *others):
         r.close()
-    return {"full_windows": full_w, "lora_windows": lora_w, "quiet": quiet, "busy": busy,
+    return {"full_windows": full_w, "lora_windows": lora_w, "full_steps": full_s,
+            "lora_steps": lora_s, "quiet": quiet, "busy": busy,
             "refreshes_during": len(during), "base_alone": base_alone, "four": four,
             "full_bytes": size_of(ckpt["A"]), "lora_bytes": size_of(adapters["r1"])}
 
@@ -122,6 +125,10 @@ def report(m: dict, args: argparse.Namespace) -> dict:
     print(f"gated window: full-model refresh median {fw:.3f} s "
           f"{[round(x, 3) for x in m['full_windows']]}; adapter refresh median {lw:.3f} s "
           f"{[round(x, 3) for x in m['lora_windows']]}")
+    for kind in ("full", "lora"):
+        steps = m[f"{kind}_steps"]
+        print(f"  {kind} refresh steps (median s): " + ", ".join(
+            f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}" for k in WINDOW))
     print(f"bytes per version: model {m['full_bytes']:,}, adapter {m['lora_bytes']:,}")
     q, b = m["quiet"], m["busy"]
     print(f"tok/s without refreshes: base {q[MODEL]:.0f}, other adapter {q['o0']:.0f}; "

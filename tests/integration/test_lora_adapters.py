@@ -19,7 +19,7 @@ from rlfleet.rl.sample import SampleRequest, SamplingSpec
 from rlfleet.weights.adapters import publish_adapter
 from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.engine
 
 LORA_FLAGS = ("--enable-lora", "--max-loras", "6", "--max-lora-rank", "16")
 PROMPT = "The quick brown fox"
