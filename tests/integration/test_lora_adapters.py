@@ -76,6 +76,18 @@ def listed(fleet, name: str, timeout: float = 15) -> dict:
     raise AssertionError(f"{name} never listed in /v1/models")
 
 
+def served(fleet, name: str, version: str, timeout: float = 15) -> None:
+    """Until the frontend routes `name` to a worker that lists it at `version`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = complete(fleet, name, max_tokens=1)
+        if r.status_code == 200 and r.json()["nvext"]["engine_data"].get(
+                "weight_version") == version:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} never served at {version}")
+
+
 def test_an_adapter_changes_the_tokens_of_the_requests_naming_it_and_only_those(fleet,
                                                                                adapters):
     base = tokens(complete(fleet, MODEL_NAME))
@@ -269,19 +281,24 @@ def test_adapter_versions_through_the_weight_plane_and_a_wrong_base_delta_refuse
     root = adapters["a1"].parent / "artifacts"
     publish_adapter(adapters["a1"], root, "w-v1")
     publish_adapter(adapters["a2"], root, "w-v2", base=("w-v1", adapters["a1"]))
-    publish_adapter(adapters["b1"], root, "w-v3", base=("w-v1", adapters["a1"]))
+    third = make_adapter(root.parent / "c1", rank=8, seed=6)
+    publish_adapter(third, root, "w-v3", base=("w-v1", adapters["a1"]))
     direct = {}
     for name in ("a1", "a2"):  # the tokens of each version, loaded from its directory
-        assert engine(fleet, "load_lora_adapter", lora_name="direct",
-                      lora_path=str(adapters[name]))["status"] == "ok"
+        got = engine(fleet, "load_lora_adapter", lora_name="direct",
+                     lora_path=str(adapters[name]), weight_version=name)
+        assert got["status"] == "ok", got
+        served(fleet, "direct", name)
         direct[name] = tokens(complete(fleet, "direct"))
     got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v1"),
                  weight_version="w-v1")
     assert got["status"] == "ok", got
+    served(fleet, "w", "w-v1")
     assert tokens(complete(fleet, "w")) == direct["a1"]
     got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v2"),
                  weight_version="w-v2")
     assert got["status"] == "ok" and got["replaced"] == "w-v1", got
+    served(fleet, "w", "w-v2")
     assert tokens(complete(fleet, "w")) == direct["a2"]
     # w-v3 is a delta against w-v1; the worker serves w-v2: refused, w-v2 serving on
     got = engine(fleet, "load_lora_adapter", lora_name="w", lora_path=str(root / "w-v3"),
