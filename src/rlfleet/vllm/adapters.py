@@ -119,6 +119,7 @@ class LoraAdapters:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.by_name: dict[str, Adapter] = {}
         self._next_id = 1
+        self._removing: set[asyncio.Future] = set()  # retired versions being removed
 
     def states(self) -> list[AdapterState]:
         return [AdapterState(a.current.policy, a.current.rank, a.current.path,
@@ -198,9 +199,14 @@ class LoraAdapters:
 
     def _remove(self, served: Served) -> None:
         task = asyncio.ensure_future(self.llm.remove_lora(served.lora.lora_int_id))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning(
-            "removing adapter %s version %s: %r", served.policy.adapter, served.policy.version,
-            t.exception()))
+        self._removing.add(task)
+
+        def done(t: asyncio.Future) -> None:
+            self._removing.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.warning("removing adapter %s version %s: %r", served.policy.adapter,
+                            served.policy.version, t.exception())
+        task.add_done_callback(done)
 
     # ------------------------------------------------------------ serving
 

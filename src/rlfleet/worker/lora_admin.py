@@ -86,7 +86,8 @@ class LoraAdmin:
         except (BadRequest, AdminRequestError, ArtifactError) as e:
             return LoraAdapterReply.failed(str(e) + ("; nothing was changed" if isinstance(
                 e, ArtifactError) else ""), lora_name=req.lora_name)
-        state = next(s for s in self.engine.adapters() if s.policy == policy)
+        state = next((s for s in self.engine.adapters() if s.policy == policy),
+                     AdapterState(policy, 0, str(path)))  # (replaced again meanwhile)
         return adapter_reply(state, fence, replaced=replaced,
                              message=f"adapter {req.lora_name} serves version "
                                      f"{policy.version} (step {policy.step})")
