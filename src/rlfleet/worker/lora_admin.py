@@ -57,6 +57,9 @@ class LoraAdmin:
         self.fences: dict[str, FleetFence] = {}  # adapter name -> its coordinator's fence
 
     def routes(self) -> list[Route]:
+        """The adapter routes, on an engine that serves adapters (vLLM's --enable-lora)."""
+        if self.engine.adapter_limits() is None:
+            return []
         return [Route(admin.LOAD_LORA_ADAPTER, self.load_lora_adapter),
                 Route(admin.UNLOAD_LORA_ADAPTER, self.unload_lora_adapter),
                 Route(admin.SET_LORA_ADMISSION, self.set_lora_admission),

@@ -146,7 +146,8 @@ class NativeRL:
 
     def router(self) -> APIRouter:
         r = APIRouter()
-        self._add_lora_routes(r)
+        if self.engine.adapter_limits() is not None:  # --enable-lora
+            self._add_lora_routes(r)
         self._add_generation_routes(r)
         self._add_transfer_routes(r)
         self._add_weight_routes(r)
