@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 from rlfleet.protocol import admin
 from rlfleet.protocol.admin import LoraAdmissionRequest, LoraLoadRequest
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.rl.control import Channel, FleetWorker, VllmControl, gather_all, lost
+from rlfleet.rl.control import (
+    Channel,
+    FleetWorker,
+    RefreshHeld,
+    VllmControl,
+    gather_all,
+    lost,
+)
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
@@ -39,9 +46,6 @@ class VllmAdapterControl(VllmControl):
         self.fleet = f"{self.rl_url}#lora={adapter}"
         self.path = "vllm-adapter"
         self.required_routes = ADAPTER_ROUTES
-
-    def _epoch(self, ch: Channel) -> int | None:
-        return ch.epoch
 
     async def newest_epoch(self, ch: Channel) -> int:
         ws = await self.discover(ch)
@@ -68,7 +72,7 @@ class VllmAdapterControl(VllmControl):
     async def _admission(self, ch: Channel, w: FleetWorker, step: str, open_: bool,
                          reason: str | None = None) -> None:
         res = await ch.on(w, step, admin.SET_LORA_ADMISSION, LoraAdmissionRequest(
-            lora_name=self.adapter, open=open_, reason=reason, fleet_epoch=self._epoch(ch)))
+            lora_name=self.adapter, open=open_, reason=reason, fleet_epoch=ch.epoch))
         if not res.ok and "no LoRA adapter" not in str(res.message):  # a first load: none yet
             w.exclude(f"adapter {step} failed: {res.message}", lost(res))
 
@@ -90,13 +94,11 @@ class VllmAdapterControl(VllmControl):
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
         if target.path is None:
-            from rlfleet.rl.control import RefreshHeld
-
             raise RefreshHeld(f"adapter {self.adapter}: version {target.version} has no "
                               "adapter directory to load")
         return await self._transfer_each(ch, ws, admin.LOAD_LORA_ADAPTER, LoraLoadRequest(
             lora_name=self.adapter, lora_path=target.path, weight_version=target.version,
-            step=target.step, digest=target.digest, fleet_epoch=self._epoch(ch)))
+            step=target.step, digest=target.digest, fleet_epoch=ch.epoch))
 
     async def verify(self, ch: Channel, w: FleetWorker, target: Policy) -> str | None:
         found = await self.inspect(ch, w)
