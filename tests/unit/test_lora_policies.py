@@ -17,6 +17,7 @@ from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rl.config import RefreshConfig
 from rlfleet.rl.journal.record import IDENTITY_FIELDS, stored_columns
 from rlfleet.vllm.adapters import adapter_problem
+from rlfleet.vllm.args import engine_args, parse_args
 from rlfleet.weights.adapters import is_artifact, materialize_adapter, publish_adapter
 from rlfleet.weights.artifacts import WrongBase
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
@@ -123,3 +124,14 @@ def test_adapter_versions_travel_as_artifacts_and_a_delta_applies_on_its_base_on
         materialize_adapter(tmp_path / "art" / "v2", tmp_path / "m3", ("v2", m2))
     with pytest.raises(WrongBase, match="serves 'none'"):
         materialize_adapter(tmp_path / "art" / "v2", tmp_path / "m4", None)
+
+
+def test_the_worker_takes_vllms_lora_arguments_and_checks_them(capsys):
+    args = parse_args(["--model", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank",
+                       "16", "--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b"}'])
+    ea = engine_args(args)
+    assert ea.enable_lora and ea.max_loras == 3 and ea.max_lora_rank == 16
+    assert [(m.name, m.path) for m in args.lora_modules] == [("a", "/x/a"), ("b", "/x/b")]
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--lora-modules", "a=/x/a"])
+    assert "needs --enable-lora" in capsys.readouterr().err
