@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on the tiny model, sampling through a local rlfleet fleet.
 
-    python examples/trl_grpo.py --steps 4 [--out DIR] [--workers 2]
+    python examples/trl_grpo.py --steps 4 [--out DIR] [--workers 2] [--lora]
 
 Makes the tiny test model (float32), starts a frontend with the RL listener and vLLM
 workers (gated until the first refresh verifies them; they read policies from
@@ -11,7 +11,12 @@ step: after a chat prompt, write 8 tokens; the smaller their token IDs, the high
 reward. Everything it started is stopped on the way out. Last line of output, one JSON object:
 {"steps", "samples_admitted", "refreshes_verified", "max_abs_logprob_diff"}.
 DIR also holds trained.jsonl (what TRL handed its reward function, per sequence) and the
-refresh journal."""
+refresh journal.
+
+With --lora, TRL trains a LoRA adapter (GRPOTrainer's `peft_config`): the workers serve the
+base model with vLLM's --enable-lora, and after every step the callback publishes the
+adapter alone and refreshes only it (`Fleet(..., path="vllm-adapter", adapter=LORA)`,
+requests naming the adapter `LORA`), the base model serving throughout."""
 
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ from pathlib import Path
 import httpx
 
 MODEL = "tiny"
+LORA = "tiny-lora"  # the adapter's name with --lora (what its requests' `model` names)
+LORA_FLAGS = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16")
 WORKER_FLAGS = ("--dtype", "float32", "--max-model-len", "512", "--enforce-eager")
 VOCAB = 151936  # logits of the tiny model
 
@@ -42,7 +49,7 @@ def wait_listed(rl_url: str, count: int, timeout: float = 120.0) -> None:
 
 
 def train(frontend_url: str, rl_url: str, model_dir: Path, out: Path, steps: int,
-          group: int, prompts: int) -> dict:
+          group: int, prompts: int, lora: bool = False) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig
@@ -66,6 +73,9 @@ def train(frontend_url: str, rl_url: str, model_dir: Path, out: Path, steps: int
                       save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
                       disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="float32")
+    if lora:
+        trainer, rollout = train_lora(frontend_url, rl_url, model, dataset, args, reward, out)
+        return _summary(trainer, rollout, log)
 
     # --- README: TRL integration (begin) ---
     from trl import GRPOTrainer
@@ -81,7 +91,33 @@ def train(frontend_url: str, rl_url: str, model_dir: Path, out: Path, steps: int
     trainer.train()
     fleet.close()
     # --- README: TRL integration (end) ---
+    return _summary(trainer, rollout, log)
 
+
+def train_lora(frontend_url: str, rl_url: str, model: object, dataset: object, args: object,
+               reward: object, out: Path) -> tuple:
+    """The same run, training a LoRA adapter (--lora)."""
+    from peft import LoraConfig
+    from trl import GRPOTrainer
+
+    from rlfleet.integrations.trl import FleetRollout
+    from rlfleet.rl import Fleet
+
+    # --- README: TRL with PEFT (begin) ---
+    fleet = Fleet(frontend_url, LORA, rl_url=rl_url, ledger=out / "ledger.sqlite",
+                  journal=out / "journal.sqlite", path="vllm-adapter", adapter=LORA)
+    rollout = FleetRollout(fleet, checkpoints=out / "checkpoints")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, train_dataset=dataset, args=args,
+                          rollout_func=rollout, callbacks=[rollout.callback],
+                          peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=[
+                              "q_proj", "k_proj", "v_proj", "o_proj"]))
+    trainer.train()
+    fleet.close()
+    # --- README: TRL with PEFT (end) ---
+    return trainer, rollout
+
+
+def _summary(trainer: object, rollout: object, log: object) -> dict:
     log.close()
     return {"steps": trainer.state.global_step,
             "samples_admitted": rollout.stats.samples_admitted,
@@ -96,6 +132,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--prompts", type=int, default=2, help="prompts per step")
+    p.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft)")
     a = p.parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 
@@ -109,15 +146,17 @@ def main() -> None:
         model_dir = make_model(out / "model", size="tiny", seed=0, dtype="float32")
         with LocalFleet(out / "fleet", lease_ttl=5) as local:
             local.start_frontend(enable_rl=True)
+            # with --lora the base model serves from the start; its adapter is refreshed
+            flags = LORA_FLAGS if a.lora else ("--start-gated",)
             procs = [local.start_worker("--model", str(model_dir), "--served-model-name", MODEL,
-                                        "--enable-rl", "--system-port", "0", "--start-gated",
+                                        "--enable-rl", "--system-port", "0", *flags,
                                         "--allowed-weights-root", str(out / "checkpoints"),
                                         *WORKER_FLAGS, wait=False) for _ in range(a.workers)]
             for w in procs:
                 w.wait_ready(600)
             wait_listed(local.rl_url, a.workers)
             summary = train(local.url, local.rl_url, model_dir, out, a.steps, a.group_size,
-                            a.prompts)
+                            a.prompts, a.lora)
     print(json.dumps(summary), flush=True)
 
 

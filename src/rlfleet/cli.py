@@ -16,10 +16,14 @@ if TYPE_CHECKING:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from rlfleet.models import make_model
+    from rlfleet.models import make_adapter, make_model
 
-    out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype,
-                     arch=args.arch)
+    if args.adapter:
+        out = make_adapter(Path(args.out), size=args.size, rank=args.rank, seed=args.seed,
+                           dtype=args.dtype)
+    else:
+        out = make_model(Path(args.out), size=args.size, seed=args.seed, dtype=args.dtype,
+                         arch=args.arch)
     print(out)
     return 0
 
@@ -314,6 +318,10 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     mm.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     mm.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3",
                     help="qwen3-moe: a Qwen3-MoE model (8 experts, top-2, every layer)")
+    mm.add_argument("--adapter", action="store_true",
+                    help="write a random LoRA adapter (peft's format) for a model of --size "
+                         "instead of a model")
+    mm.add_argument("--rank", type=int, default=8, help="the adapter's rank (with --adapter)")
     mm.set_defaults(func=_make_model)
 
     dg = sub.add_parser("digest", help="print the content digest of a checkpoint directory")

@@ -33,7 +33,8 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", 
 
 async def models(request: Request) -> Response:
     """The served models, as vLLM lists them: `root` (where the weights came from),
-    `max_model_len` and a permission entry, from the workers' discovery entries."""
+    `max_model_len` and a permission entry, from the workers' discovery entries; then the
+    LoRA adapters they serve, each with `parent` its base model."""
     pool = frontend_of(request).pool
     now = int(time.time())
     cards = []
@@ -44,6 +45,12 @@ async def models(request: Request) -> Response:
         cards.append(ModelCard(
             id=m, created=now, root=root if isinstance(root, str) else m,
             max_model_len=mml if isinstance(mml, int) else None,
+            permission=[ModelPermission(id=f"modelperm-{uuid.uuid4().hex[:16]}", created=now)]))
+    for name, parent in sorted(pool.adapters().items()):  # as vLLM lists LoRA adapters
+        w = next(w for w in pool.for_model(name))
+        cards.append(ModelCard(
+            id=name, created=now, root=w.adapters[name].get("path") or name, parent=parent,
+            max_model_len=w.entry.get("max_model_len"),
             permission=[ModelPermission(id=f"modelperm-{uuid.uuid4().hex[:16]}", created=now)]))
     return json_response(ModelList(data=cards))
 

@@ -250,12 +250,14 @@ class Staleness:
     bound; either way each final delta is checked against its spans, and a choice outside
     the bound is marked stale (on_stale "abort": also finished as abort)."""
 
-    __slots__ = ("bound", "floor", "first", "aborted")
+    __slots__ = ("bound", "floor", "first", "aborted", "model")
 
-    def __init__(self, bound: PolicyBound, w: Worker, newest: int | None) -> None:
+    def __init__(self, bound: PolicyBound, w: Worker, newest: int | None,
+                 model: str | None = None) -> None:
         self.bound = bound
+        self.model = model or w.model  # the model, or the adapter, whose steps count
         self.floor = bound.floor(newest)
-        self.first: int | None = w.step  # the step of the first token (the Head's)
+        self.first: int | None = w.step_of(self.model)  # the first token's (the Head's)
         self.aborted = False
 
     def allows(self, steps: list[int | None]) -> bool:
@@ -266,7 +268,7 @@ class Staleness:
 
     def left(self, w: Worker) -> bool:
         """Whether the worker's current policy takes the run out of its bound."""
-        steps = [s for s in (self.first, w.step) if s is not None]
+        steps = [s for s in (self.first, w.step_of(self.model)) if s is not None]
         return bool(steps) and not self.allows(steps)
 
     def final(self, d: Delta, head_step: int | None) -> Delta:
@@ -304,11 +306,14 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         # the KV router places it by its prefix (WorkerPool.pick)
         w = await pool.acquire(model, tried, bound, prefix,
                                req.request_id if req.retain is not None else None)
+        if model != w.model:  # it names a LoRA adapter the worker serves beside its model
+            req = msgspec.structs.replace(req, adapter=model)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
         stale = None if bound is None else \
-            Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable]))
+            Staleness(bound, w, newest_step([v for v in pool.for_model(model) if v.usable_for(model)],
+                                            model), model)
         if on_pick is not None:
             on_pick(w)
         w.inflight += 1
@@ -337,7 +342,8 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                         stale.aborted = True  # ends with the partial output, then checked
                         log.info("request %s: worker %s moved to step %s, out of nvext.policy "
                                  "(%s) from step %s; aborting it", req.request_id,
-                                 w.instance_id, w.step, bound.describe(), stale.first)
+                                 w.instance_id, w.step_of(model), bound.describe(),
+                                 stale.first)
                         if not await client.cancel(w.address, req.request_id):
                             log.warning("request %s: the abort did not reach worker %s",
                                         req.request_id, w.instance_id)

@@ -59,6 +59,35 @@ class Worker:
         s = self.entry.get("weight_step")
         return s if type(s) is int else None
 
+    @property
+    def adapters(self) -> dict[str, dict]:
+        """The LoRA adapters it serves beside its model, by name (each a policy of its own:
+        {adapter, version, digest, step}), as its discovery entry lists them."""
+        listed = self.entry.get("adapters")
+        return {a["adapter"]: a for a in listed if isinstance(a, dict)
+                and isinstance(a.get("adapter"), str)} if isinstance(listed, list) else {}
+
+    def serves(self, model: str) -> bool:
+        """Whether a request for `model` (its model, or an adapter it serves) can go here."""
+        return model == self.model or model in self.adapters
+
+    def usable_for(self, model: str) -> bool:
+        """Usable, and for an adapter, open to requests (a refresh of it closes it)."""
+        return self.usable and (model == self.model
+                                or self.adapters.get(model, {}).get("open", True) is not False)
+
+    def gated_for(self, model: str) -> bool:
+        """Closed to `model`'s requests by a refresh (the worker's, or the adapter's)."""
+        return bool(self.entry.get("gated")) or (
+            model != self.model and self.adapters.get(model, {}).get("open") is False)
+
+    def step_of(self, model: str) -> int | None:
+        """The fleet step of `model`'s policy here: the model's, or the adapter's own."""
+        if model == self.model:
+            return self.step
+        s = self.adapters.get(model, {}).get("step")
+        return s if type(s) is int else None
+
 
 class NoWorker(HttpError):
     """No live worker serves the model (HTTP 503, or 404 for an unknown model; 409: none
@@ -68,18 +97,23 @@ class NoWorker(HttpError):
         super().__init__(status, message, "model_not_found" if status == 404 else None)
 
 
-def newest_step(workers: list[Worker]) -> int | None:
-    """The newest fleet step these workers serve (None: none declares one)."""
-    return max((w.step for w in workers if w.step is not None), default=None)
+def newest_step(workers: list[Worker], model: str | None = None) -> int | None:
+    """The newest fleet step these workers serve for `model` (None: their own models; an
+    adapter's name: its own steps) (None: none declares one)."""
+    steps = [w.step if model is None else w.step_of(model) for w in workers]
+    return max((s for s in steps if s is not None), default=None)
 
 
 def within(bound: PolicyBound, workers: list[Worker], model: str) -> list[Worker]:
-    """The serving workers whose policy is within `bound` (max_lag counts from the newest
-    step any of them serves); NoWorker 409 naming the steps wanted and served if none."""
-    floor = bound.floor(newest_step(workers))
-    ok = [w for w in workers if w.step is not None and floor is not None and w.step >= floor]
+    """The serving workers whose policy of `model` (the model's, or an adapter's own) is
+    within `bound` (max_lag counts from the newest step any of them serves); NoWorker 409
+    naming the steps wanted and served if none."""
+    floor = bound.floor(newest_step(workers, model))
+    ok = [w for w in workers if (s := w.step_of(model)) is not None and floor is not None
+          and s >= floor]
     if not ok:
-        served = sorted({w.step for w in workers}, key=lambda s: -1 if s is None else s)
+        served = sorted({w.step_of(model) for w in workers},
+                        key=lambda s: -1 if s is None else s)
         names = ", ".join("none declared" if s is None else str(s) for s in served)
         wanted = f"step >= {floor}" if floor is not None else "a declared step"
         raise NoWorker(f"no worker of {model!r} serves a policy within nvext.policy "
@@ -251,8 +285,13 @@ class WorkerPool:
     def models(self) -> list[str]:
         return sorted({w.model for w in self.workers.values()})
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served, each with the model it adapts (its parent)."""
+        return {a: w.model for w in self.workers.values() for a in w.adapters}
+
     def for_model(self, model: str) -> list[Worker]:
-        return [w for w in self.workers.values() if w.model == model]
+        """The workers that serve `model`, or serve the adapter it names."""
+        return [w for w in self.workers.values() if w.serves(model)]
 
     def pick(self, model: str, exclude: set[int] = frozenset(),
              bound: PolicyBound | None = None, prefix: Prefix | None = None,
@@ -266,8 +305,10 @@ class WorkerPool:
         all_ = self.for_model(model)
         if not all_:
             known = ", ".join(self.models()) or "none"
-            raise NoWorker(f"model {model!r} is not served here (models: {known})", 404)
-        serving = [w for w in all_ if w.usable]
+            adapters = ", ".join(sorted(self.adapters()))
+            raise NoWorker(f"model {model!r} is not served here (models: {known}"
+                           + (f"; LoRA adapters: {adapters}" if adapters else "") + ")", 404)
+        serving = [w for w in all_ if w.usable_for(model)]
         ok = [w for w in serving if w.instance_id not in exclude]
         if not ok:
             off = [w for w in all_ if w.off_policy]
@@ -307,7 +348,7 @@ class WorkerPool:
             try:
                 return self.pick(model, exclude, bound, prefix, key)
             except NoWorker as e:
-                gated = any(w.entry.get("gated") for w in self.for_model(model)
+                gated = any(w.gated_for(model) for w in self.for_model(model)
                             if w.instance_id not in exclude)
                 left = deadline - time.monotonic()
                 if not (e.status == 409 or (e.status == 503 and gated)) or left <= 0:

@@ -21,7 +21,10 @@ Extra columns for the reward functions: `rlfleet_sample_id` ("<sample>#<sequence
 `rlfleet_policy` (the policy version that generated the sequence).
 
 `FleetRollout.callback` saves the policy after every optimizer step (and once at the start
-of training) as `checkpoints/step-N` and refreshes the fleet to it with `Fleet.refresh`;
+of training) as `checkpoints/step-N` and refreshes the fleet to it with `Fleet.refresh`
+(a PEFT model, as GRPOTrainer makes with `peft_config`: its LoRA adapter alone, not a merged
+model, refreshed on a Fleet of `path="vllm-adapter", adapter=NAME` whose model is NAME, the
+base model and other adapters serving on);
 the post-update probe is the trainer's own greedy continuation, computed from the model in
 memory. A refresh that does not verify every selected worker stops training
 (`RefreshNotVerified`). The fleet then admits only samples of the new policy.
@@ -290,12 +293,11 @@ class FleetRollout:
         """Save `model` as checkpoints/step-N and move the whole fleet to it; raise
         RefreshNotVerified unless every selected worker is verified on it."""
         model = _unwrap(model)
-        base = self.base or Path(getattr(model, "name_or_path", "") or ".")
-        if not (base / "config.json").exists():
-            raise ValueError(f"{base} is not the model's checkpoint directory: pass base= to "
-                             f"FleetRollout (its config and tokenizer go next to each policy)")
         version = f"step-{step}"
-        path = save_checkpoint(model.state_dict(), base, self.checkpoints / version)
+        if hasattr(model, "peft_config"):  # a PEFT model: its adapter is the policy
+            path = self._save_adapter(model, self.checkpoints / version)
+        else:
+            path = self._save_model(model, self.checkpoints / version)
         was_training = model.training
         model.eval()
         try:
@@ -314,6 +316,32 @@ class FleetRollout:
         while len(self._saved) > self.keep_checkpoints:
             shutil.rmtree(self._saved.pop(0), ignore_errors=True)
         return result
+
+
+    def _save_model(self, model: Any, out: Path) -> Path:
+        base = self.base or Path(getattr(model, "name_or_path", "") or ".")
+        if not (base / "config.json").exists():
+            raise ValueError(f"{base} is not the model's checkpoint directory: pass base= to "
+                             f"FleetRollout (its config and tokenizer go next to each policy)")
+        return save_checkpoint(model.state_dict(), base, out)
+
+    def _save_adapter(self, model: Any, out: Path) -> Path:
+        """The adapter alone (peft's save_pretrained), not a merged model; the fleet must
+        refresh that adapter (`Fleet(..., path="vllm-adapter", adapter=NAME)`)."""
+        cfg = self.fleet.coordinator.config
+        if not cfg.adapter:
+            raise ValueError("the trainer's model is a PEFT model: its policy is the LoRA "
+                             "adapter; make the Fleet refresh an adapter: Fleet(url, NAME, "
+                             "rl_url=..., path=\"vllm-adapter\", adapter=NAME)")
+        tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            model.save_pretrained(str(tmp))
+            if out.exists():
+                shutil.rmtree(out)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return out
 
 
 class _RefreshEachStep(TrainerCallback):

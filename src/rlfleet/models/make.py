@@ -271,3 +271,46 @@ def make_model(out: Path, size: str = "tiny", seed: int = 0, dtype: str = "float
     for name, data in files.items():
         _replace(out, name, lambda f, data=data: f.write(data))
     return out
+
+
+#: the layers a test adapter adapts (peft's names for Qwen3's projections)
+ADAPTER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(out: Path, size: str = "tiny", rank: int = 8, seed: int = 0,
+                 dtype: str = "float32", alpha: int | None = None, std: float = 0.05) -> Path:
+    """Write a random LoRA adapter for `make_model(size=size)`'s architecture into `out`, in
+    peft's format (adapter_config.json, adapter_model.safetensors), every projection adapted
+    at `rank`; return `out`. Both A and B are random (peft starts B at zero, which would
+    change nothing), so the adapter changes the model's outputs."""
+    out = Path(out)
+    if rank < 1:
+        raise ValueError(f"rank must be at least 1, got {rank}")
+    torch_dtype, _ = _dtype(dtype)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in parameter_shapes(size).items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] not in ADAPTER_TARGETS:
+            continue
+        prefix = f"base_model.model.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, shape[1], generator=gen) * std
+                                              ).to(torch_dtype)
+        tensors[f"{prefix}.lora_B.weight"] = (torch.randn(shape[0], rank, generator=gen) * std
+                                              ).to(torch_dtype)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank,
+              "lora_alpha": alpha if alpha is not None else 2 * rank, "lora_dropout": 0.0,
+              "bias": "none", "target_modules": list(ADAPTER_TARGETS), "fan_in_fan_out": False,
+              "base_model_name_or_path": f"rlfleet-{size}", "inference_mode": True,
+              "modules_to_save": None, "use_rslora": False, "use_dora": False}
+    out.mkdir(parents=True, exist_ok=True)
+    _replace(out, "adapter_model.safetensors",
+             lambda f: f.write(_safetensors_bytes(tensors)))
+    _replace(out, "adapter_config.json", lambda f: f.write(_json_bytes(config)))
+    return out
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save(tensors, metadata={"format": "pt"})

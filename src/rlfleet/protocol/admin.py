@@ -393,6 +393,63 @@ class AdmissionRequest(Request, kw_only=True, frozen=True):
         "policy": "policy must be an object {version, digest}"}
 
 
+# ---------------------------------------------------------------- LoRA adapters
+
+_LORA_NAME = ("lora_name is required: the adapter's name (what a request's `model` names; "
+              "not the base model's)")
+_LORA_PATH = "lora_path is required (an adapter directory on this worker's disk: " \
+    "adapter_config.json and adapter_model.safetensors, as peft saves it)"
+_LORA_EPOCH = "fleet_epoch must be a non-negative integer (the adapter's refresh epoch)"
+
+
+class LoraRequest(Request, kw_only=True, frozen=True):
+    """A call about one adapter. `fleet_epoch`: the epoch of the adapter's own refresh
+    coordinator; each adapter has its own fence (two runs on one fleet never fence each
+    other, nor the base model's coordinator), so it travels in the body, not the header."""
+
+    lora_name: str
+    fleet_epoch: int | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {"lora_name": _LORA_NAME,
+                                          "fleet_epoch": _LORA_EPOCH}
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("lora_name",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fleet_epoch is not None and self.fleet_epoch < 0:
+            raise AdminRequestError(_LORA_EPOCH)
+
+
+class LoraLoadRequest(LoraRequest, kw_only=True, frozen=True):
+    """Load an adapter, or a new version of a loaded one (vLLM's `/v1/load_lora_adapter`
+    body, with rlfleet's identity fields): the new version serves requests that arrive from
+    then on; requests running on the old one finish on it."""
+
+    lora_path: str
+    weight_version: str | None = None  # the adapter version's label
+    step: int | None = None  # the adapter's fleet step
+    digest: str | None = None  # the content digest the caller expects (refused otherwise)
+    load_inplace: bool = False  # vLLM's flag: accepted (a new version always replaces)
+    MESSAGES: ClassVar[dict[str, str]] = {
+        **LoraRequest.MESSAGES, "lora_path": _LORA_PATH, "weight_version": _VERSION,
+        "step": _STEP, "digest": "digest must be a string (blake3:<hex>)"}
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("lora_name", "lora_path")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_step(self.step)
+
+
+class LoraAdmissionRequest(LoraRequest, kw_only=True, frozen=True):
+    """Open or close one adapter to rollouts (the base model and other adapters serve on):
+    while closed, frontends hold requests that name it (its flag in discovery)."""
+
+    open: bool
+    reason: str | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {**LoraRequest.MESSAGES,
+                                          "open": "open (boolean) is required",
+                                          "reason": "reason must be a string"}
+
+
 # error: 200 with status "error"; http500: the contract's 500; hang: sleep hang_seconds first;
 # exit: the process dies; respond: answer with the given `body` instead of running the route;
 # delay: sleep hang_seconds, then run the route as usual
@@ -537,6 +594,7 @@ class VersionReply(_Identified, Reply, kw_only=True):
     step: int | None | UnsetType = UNSET
     fleet_epoch: int | UnsetType = UNSET  # the newest fleet epoch the worker has seen
     dtype: str | UnsetType = UNSET  # what the engine computes in, when known
+    adapters: list[dict[str, Any]] | UnsetType = UNSET  # each LoRA adapter's own identity
 
 
 class IsPausedReply(Reply, kw_only=True):
@@ -597,6 +655,33 @@ class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
 class StagedListReply(Reply, kw_only=True):
     staged: list[StagedSummary] | UnsetType = UNSET  # each handle's summary
     resident: dict[str, Any] | None | UnsetType = UNSET  # {version, digest} (all handles)
+
+
+class LoraAdapterReply(_Identified, Reply, kw_only=True):
+    """One adapter as a worker serves it: its policy identity (the adapter's own version,
+    digest and step), its rank, whether it is open to requests, its fence."""
+
+    lora_name: str | UnsetType = UNSET
+    version: str | None | UnsetType = UNSET
+    weight_digest: str | None | UnsetType = UNSET
+    step: int | None | UnsetType = UNSET
+    adapter: str | UnsetType = UNSET
+    rank: int | UnsetType = UNSET
+    lora_path: str | UnsetType = UNSET
+    open: bool | UnsetType = UNSET
+    reason: str | None | UnsetType = UNSET
+    fleet_epoch: int | UnsetType = UNSET  # the newest epoch of the adapter's coordinator
+    replaced: str | None | UnsetType = UNSET  # the version a load replaced
+
+    def policy(self) -> PolicyIdentity:
+        return super().policy().of_adapter(self.lora_name or None)
+
+
+class LoraListReply(Reply, kw_only=True):
+    adapters: list[LoraAdapterReply] | UnsetType = UNSET
+    base: str | UnsetType = UNSET  # the base model's served name (their parent)
+    max_loras: int | UnsetType = UNSET
+    max_lora_rank: int | UnsetType = UNSET
 
 
 class AdmissionReply(Reply, kw_only=True):
@@ -682,6 +767,17 @@ RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", HandleRequest, Sta
 SET_ADMISSION = AdminRoute("set_admission", AdmissionRequest, AdmissionReply, serialized=False)
 FAULT_INJECTION = AdminRoute("fault_injection", FaultRequest, FaultReply, fenced=False)
 
+# LoRA adapters (not named load_lora / unload_lora: Dynamo's RL route list has none of its
+# LoRA routes); each adapter fences on its own epoch, in the body (LoraRequest)
+LOAD_LORA_ADAPTER = AdminRoute("load_lora_adapter", LoraLoadRequest, LoraAdapterReply,
+                               serialized=False, fenced=False)
+UNLOAD_LORA_ADAPTER = AdminRoute("unload_lora_adapter", LoraRequest, LoraAdapterReply,
+                                 serialized=False, fenced=False)
+SET_LORA_ADMISSION = AdminRoute("set_lora_admission", LoraAdmissionRequest, LoraAdapterReply,
+                                serialized=False, fenced=False)
+LIST_LORA_ADAPTERS = _read("list_lora_adapters", NoFields, LoraListReply)
+LORA = (LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, SET_LORA_ADMISSION, LIST_LORA_ADAPTERS)
+
 SGLANG_UPDATE_WEIGHTS_FROM_DISK = AdminRoute("control/update_weights_from_disk",
                                              SglangDiskRequest, SglangDiskReply)
 SGLANG_UPDATE_WEIGHTS_FROM_DISTRIBUTED = AdminRoute("control/update_weights_from_distributed",
@@ -735,7 +831,7 @@ NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
 ROUTES = {r.name: r for r in (
     LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
     UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
-    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17)}
+    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17, *LORA)}
 
 
 def route_names(routes: tuple[AdminRoute, ...] | list[AdminRoute]) -> frozenset[str]:

@@ -255,6 +255,9 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     # with `retain`: the SHA-256 (hex) of the X-Cancel-Token the request was started with;
     # a cancel relayed by a frontend that does not hold the run must present the same
     cancel_hash: Annotated[str, Meta(max_length=64)] | None = None
+    # the LoRA adapter to run on (its name, as the request's `model` gave it); None: the
+    # base model
+    adapter: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
@@ -345,6 +348,7 @@ class Head(Struct, kw_only=True, omit_defaults=True):
     weight_version: Any  # caller-declared label, or null
     weight_digest: str | None
     weight_step: int | None = None  # the policy's fleet step, when declared
+    weight_adapter: str | UnsetType = UNSET  # the LoRA adapter's name (its own policy)
     prompt_text: str | UnsetType = UNSET  # with echo
     prompt_token_strs: list[str] | UnsetType = UNSET  # with echo
     # with echo and stream: the prompt logprobs up front (Done then carries none), so that a

@@ -47,6 +47,9 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     controlled: bool = False  # a controller called set_admission on it
     fleet_policy: dict[str, Any] | None = None  # the policy it was last opened on
     policy: PolicyIdentity  # the policy it applied (stored as weight_<field>)
+    # the LoRA adapters it serves beside its model, each its own policy: {adapter, version,
+    # digest, step, rank, path, open} (rlfleet.worker.engine.AdapterState)
+    adapters: list[dict[str, Any]] | None = None
     fleet_epoch: int  # the newest fleet epoch it has seen
     endpoint: str
     request_plane_url: str  # dyn://<namespace>.<component>.<endpoint>
@@ -144,6 +147,7 @@ class RlWorker(BaseModel):
     weight_step: int | None = Field(None, ge=0)
     fleet_epoch: int | None = Field(None, ge=0)
     gated: bool | None = None
+    adapters: list[dict[str, Any]] | None = None  # its LoRA adapters, each a policy
 
     @field_validator("transport")
     @classmethod

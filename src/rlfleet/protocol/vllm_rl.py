@@ -54,6 +54,12 @@ ROUTES = (PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS, INIT_WEIGHT_TRANSFER_ENGINE,
           FINISH_WEIGHT_UPDATE, UPDATE_WEIGHT_VERSION, WEIGHT_INFO, GET_WORLD_SIZE,
           COLLECTIVE_RPC)
 
+# vLLM's runtime LoRA routes (`VLLM_ALLOW_RUNTIME_LORA_UPDATING`): {lora_name, lora_path}
+# and {lora_name}; a plain-text success, vLLM's ErrorResponse (400, 404) otherwise
+LOAD_LORA_ADAPTER = NativeRoute("/v1/load_lora_adapter", "POST")
+UNLOAD_LORA_ADAPTER = NativeRoute("/v1/unload_lora_adapter", "POST")
+LORA_ROUTES = (LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER)
+
 #: the weight-transfer steps, by route: what the engine is asked to do (EngineControl)
 TRANSFER_STEPS = {INIT_WEIGHT_TRANSFER_ENGINE: "init", SHUTDOWN_WEIGHT_TRANSFER_ENGINE: "shutdown",
                   START_WEIGHT_UPDATE: "start", UPDATE_WEIGHTS: "update",

@@ -21,6 +21,7 @@ class UpdatePath(enum.StrEnum):
     VLLM_DISTRIBUTED = "vllm-distributed"
     SGLANG_DISK = "sglang-disk"
     VLLM_STAGED = "vllm-staged"  # pulled while serving (rlfleet.rl.staged), installed gated
+    VLLM_ADAPTER = "vllm-adapter"  # one LoRA adapter, the engine serving on (rlfleet.rl.adapter)
 
 
 class OnFailure(enum.StrEnum):
@@ -63,7 +64,8 @@ class RefreshConfig:
     source and each other one from a worker before it, a chain (1) or a k-ary tree, each
     serving what it has while it still receives. `discovery`: the store where the committed policy is
     published for the frontends (rlfleet.rl.committed; default: the one the RL listener
-    names)."""
+    names). `adapter` (with path vllm-adapter): refresh that LoRA adapter
+    alone, the base model and other adapters serving on (rlfleet.rl.adapter)."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -89,6 +91,7 @@ class RefreshConfig:
     wave_size: int | None = None
     stage_fanout: int = 0
     discovery: str | None = None
+    adapter: str | None = None  # the LoRA adapter a vllm-adapter refresh moves
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -107,6 +110,9 @@ class RefreshConfig:
                              f"{self.transfer_backend!r}")
         if self.path is not UpdatePath.SGLANG_DISK and not self.rl_url:
             raise ValueError("the vLLM paths need rl_url (the frontend's RL listener)")
+        if (self.path is UpdatePath.VLLM_ADAPTER) != bool(self.adapter):
+            raise ValueError("path vllm-adapter and adapter (the LoRA adapter's name) go "
+                             "together: give both, or neither")
         if self.mode is RefreshMode.ROLLING:
             if self.path is UpdatePath.SGLANG_DISK:
                 raise ValueError("a rolling refresh needs workers that leave and rejoin "

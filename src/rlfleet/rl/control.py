@@ -185,6 +185,8 @@ class WorkerControl(abc.ABC):
     discovery_url: str | None = None
     models: frozenset[str] = frozenset()
     seen_epoch: int = 0  # the newest fleet epoch a listed worker reports
+    #: the LoRA adapter the post-update probe names (None: the base model)
+    probe_adapter: str | None = None
 
     @abc.abstractmethod
     async def discover(self, ch: Channel) -> dict[int, FleetWorker]:

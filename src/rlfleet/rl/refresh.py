@@ -46,6 +46,7 @@ import httpx
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl import committed as committed_policy
 from rlfleet.rl import recovery, telemetry
+from rlfleet.rl.adapter import VllmAdapterControl
 from rlfleet.rl.config import RefreshConfig, RefreshMode, UpdatePath
 from rlfleet.rl.control import (
     Channel,
@@ -80,6 +81,8 @@ def make_control(config: RefreshConfig) -> WorkerControl:
         return SglangControl(config.sglang_workers)
     if config.path is UpdatePath.VLLM_STAGED:
         return VllmStagedControl(config.rl_url, config.model, fanout=config.stage_fanout)
+    if config.path is UpdatePath.VLLM_ADAPTER:
+        return VllmAdapterControl(config.rl_url, config.model, config.adapter)
     return VllmControl(config.rl_url, config.model,
                        distributed=config.path is UpdatePath.VLLM_DISTRIBUTED,
                        backend=config.transfer_backend, master_address=config.master_address,
@@ -233,7 +236,8 @@ class PolicyRefresh:
             probe = await asyncio.to_thread(reference_probe, path, None, cfg.probe_tokens)
         if cfg.path is UpdatePath.VLLM_DISTRIBUTED and tensors is None and path is None:
             raise ValueError("the distributed path needs tensors or a checkpoint path")
-        return Policy(PolicyIdentity(version=version, digest=digest), path=path,
+        return Policy(PolicyIdentity(version=version, digest=digest, adapter=cfg.adapter),
+                      path=path,
                       tensors=tensors, source=source, probe=probe)
 
     # ------------------------------------------------------------------ a transaction
@@ -319,8 +323,12 @@ class PolicyRefresh:
 
     async def _publish(self, epoch: int, refresh_id: int, committed: PolicyIdentity | None,
                        admitting: PolicyIdentity | None) -> None:
-        """The fleet's committed policy, where every frontend routes by it."""
+        """The fleet's committed policy, where every frontend routes by it. An adapter's
+        refresh publishes none: the record names the base model's policy, and an adapter is
+        fenced per adapter on the workers (rlfleet.rl.adapter) instead."""
         control, cfg = self.control, self.config
+        if any(p is not None and p.adapter for p in (committed, admitting)):
+            return
         await committed_policy.publish(
             cfg.discovery or control.discovery_url, control.namespace,
             {cfg.model} if cfg.model else control.models, epoch=epoch, refresh_id=refresh_id,

@@ -221,6 +221,7 @@ class Waves:
         req = probe_request(f"refresh-probe-{uuid.uuid4().hex[:12]}", target.probe,
                             cfg.probe_text)
         req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
+        req.adapter = self.control.probe_adapter
         try:
             events = await generate_over_http(tx.requests, w.request_url, req, cfg.timeout,
                                               cfg.admin_token)

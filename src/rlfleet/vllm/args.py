@@ -15,6 +15,8 @@ Engine settings rlfleet relies on, and who decides them:
 - ``--worker-extension-cls``: rlfleet's, or a subclass of it, enforced (weight loading,
   digests and the trainer broadcast live there).
 - ``--skip-tokenizer-init``: refused (the worker tokenizes prompts and renders chat).
+- ``--enable-lora``, ``--max-loras``, ``--max-lora-rank``: vLLM's; ``--lora-modules``
+  (``vllm serve``'s flag) loads adapters at start-up and needs ``--enable-lora``.
 
 Everything else is vLLM's default unless given; machine-specific choices (the CPU build's
 in-process engine, KV-cache size) live in the set-up's environment file, not here.
@@ -27,6 +29,7 @@ import importlib
 import sys
 
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.launchers.cli_args import LoRAParserAction
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from rlfleet.protocol.engine import MAX_LOGPROBS
@@ -71,6 +74,12 @@ def build_parser() -> WorkerArgumentParser:
                         "shadow of the model while serving, then swapped in within the gated "
                         "window; holds a second copy of the weights on the engine's device "
                         "meanwhile) or reload (in place, inside the window)")
+    g.add_argument("--lora-modules", type=str, default=None, nargs="+",
+                   action=LoRAParserAction,
+                   help="LoRA adapters to serve from the start (needs --enable-lora), as "
+                        "`vllm serve` takes them: name=path, or JSON {\"name\", \"path\"}; "
+                        "more are loaded at run time with POST /v1/load_lora_adapter or "
+                        "/engine/load_lora_adapter")
     p.set_defaults(**DEFAULTS)
     return p
 
@@ -94,6 +103,8 @@ def check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-logprobs {args.max_logprobs}: the contract allows up to "
                          f"{MAX_LOGPROBS} logprobs per token; use at least {MAX_LOGPROBS} or -1")
     settle_worker_args(args)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules: serving adapters needs --enable-lora")
     if args.skip_tokenizer_init:
         raise ValueError("--skip-tokenizer-init: the worker needs the tokenizer (prompts, chat)")
     if args.worker_extension_cls != EXTENSION:

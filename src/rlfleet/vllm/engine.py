@@ -20,13 +20,17 @@ from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
+from rlfleet.vllm.adapters import LoraAdapters, Served
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 from rlfleet.worker.engine import (
+    NO_ADAPTERS,
+    AdapterState,
     AppliedWeights,
     BadRequest,
     Engine,
     EngineControl,
     EngineInfo,
+    UnknownAdapter,
     WeightLoadError,
 )
 
@@ -185,6 +189,8 @@ class VllmEngine(Engine, EngineControl):
         self.on_gpu = False
         self._calls: dict[object, tuple[str, float]] = {}  # engine RPCs in flight (busy)
         self.traced = False  # vLLM traces requests (it was given an OTLP endpoint)
+        self.lora: LoraAdapters | None = None  # with --enable-lora
+        self._bound: dict[str, PolicyIdentity] = {}  # request id -> its adapter's version
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
                                else args.model, vocab_size=0, max_model_len=0)
 
@@ -230,12 +236,55 @@ class VllmEngine(Engine, EngineControl):
             self.signature = checkpoint_signature(Path(self.weights_path))
             self.digest = checkpoint_digest(Path(self.weights_path))
         await self.set_version(None, declared=False)
+        await self._start_adapters()
         if self.args.warmup:
             with Progress("warm-up request (compiles the logprobs kernels)"):
                 await self._warmup()
 
     def serving_policy(self) -> PolicyIdentity:
         return PolicyIdentity(version=self.version, digest=self.digest, step=self.step)
+
+    def request_policy(self, req: GenerateRequest) -> PolicyIdentity:
+        if req.adapter is None:
+            return self.serving_policy()
+        return self._bound.get(req.request_id) or self._lora().state(req.adapter).policy
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    async def _start_adapters(self) -> None:
+        lc = self.llm.vllm_config.lora_config
+        if lc is None:
+            return
+        self.lora = LoraAdapters(self.llm, self.signature, lc.max_loras, lc.max_lora_rank)
+        for m in self.args.lora_modules or []:
+            await self.lora.load(m.name, Path(m.path).resolve(), None, None)
+
+    def _lora(self) -> LoraAdapters:
+        if self.lora is None:
+            raise UnknownAdapter(NO_ADAPTERS)
+        return self.lora
+
+    def adapters(self) -> list[AdapterState]:
+        return self.lora.states() if self.lora else []
+
+    def adapter_limits(self) -> tuple[int, int] | None:
+        return (self.lora.max_loras, self.lora.max_rank) if self.lora else None
+
+    async def load_adapter(self, name: str, path: Path, version: str | None,
+                           step: int | None, digest: str | None = None
+                           ) -> tuple[PolicyIdentity, str | None]:
+        if self.lora is None:
+            raise BadRequest(NO_ADAPTERS)
+        if name == self.info.served_model_name:
+            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
+                             "a name of its own")
+        return await self.lora.load(name, path, version, step, digest)
+
+    async def unload_adapter(self, name: str) -> PolicyIdentity:
+        return await self._lora().unload(name)
+
+    def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
+        return self._lora().set_open(name, open_, reason)
 
     async def _warmup(self) -> None:
         """The first request that asks for logprobs compiles a kernel: pay for it now."""
@@ -294,8 +343,16 @@ class VllmEngine(Engine, EngineControl):
             prompt["cache_salt"] = req.cache_salt
         # the engine's own span (vLLM traces when it has an OTLP endpoint) joins the request's
         trace = {"traceparent": req.traceparent} if req.traceparent and self.traced else None
-        results = self.llm.generate(prompt, sp, req.request_id, priority=req.priority,
-                                    session_id=req.session_id, trace_headers=trace)
+        served = self._lora().bind(req.adapter) if req.adapter is not None else None
+        if served is not None:
+            self._bound[req.request_id] = served.policy
+        try:
+            results = self.llm.generate(prompt, sp, req.request_id, priority=req.priority,
+                                        session_id=req.session_id, trace_headers=trace,
+                                        lora_request=served.lora if served else None)
+        except BaseException:
+            self._unbind(req, served)
+            raise
         prompt_lps = None
         early = req.echo and req.stream  # prompt logprobs go in the first event (see Head)
         started = False
@@ -320,7 +377,7 @@ class VllmEngine(Engine, EngineControl):
                         if s.logprobs is not None and c.logprobs is not None else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     }
-                    if c.weight_versions:
+                    if c.weight_versions and served is None:  # the base model's spans
                         choice["weight_versions"] = [_span(w) for w in c.weight_versions]
                     if experts_from is not None and c.finish_reason is not None \
                             and getattr(c, "routed_experts", None) is not None:
@@ -342,7 +399,13 @@ class VllmEngine(Engine, EngineControl):
         finally:
             self._running -= 1
             series.running.dec()
+            self._unbind(req, served)
             await results.aclose()
+
+    def _unbind(self, req: GenerateRequest, served: Served | None) -> None:
+        if served is not None:
+            self._bound.pop(req.request_id, None)
+            self.lora.release(served)
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)

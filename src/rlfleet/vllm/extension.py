@@ -36,6 +36,36 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def _prompt_logits_without_lora_rows() -> None:
+    """vLLM's CPU LoRA kernels (punica_cpu `add_lora_logits`) index the output layer's LoRA
+    by one row per sequence, and fail (killing the engine) on the prompt-logprobs path,
+    which hands them one row per prompt token, as soon as two requests share a batch.
+    rlfleet serves no adapter of the output layer or the embeddings (rlfleet.vllm.adapters
+    refuses them), so that LoRA's weights are zero and adding them is nothing: on that path
+    (rows that are not one per sequence) it is skipped, exactly."""
+    try:
+        from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+    except ImportError:  # a build without the CPU wrapper
+        return
+    original = PunicaWrapperCPU.add_lora_logits
+    if getattr(original, "rlfleet", False):
+        return
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, **kw):
+        rows = x.view(-1, x.shape[-1]).size(0)
+        if rows != self.sampler_indices.size(0):
+            if torch.count_nonzero(lora_b_stacked):
+                raise RuntimeError("an adapter of the output layer is loaded: vLLM's CPU LoRA "
+                                   "kernels cannot compute prompt logprobs with it")
+            return None
+        return original(self, y, x, lora_a_stacked, lora_b_stacked, scale, **kw)
+    add_lora_logits.rlfleet = True
+    PunicaWrapperCPU.add_lora_logits = add_lora_logits
+
+
+_prompt_logits_without_lora_rows()
+
+
 class WorkerExtension:
     """Weight loading, identity and trainer → worker transfer for rlfleet."""
 

@@ -52,6 +52,7 @@ from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
+from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
 from rlfleet.worker.system_server import FleetFence, Route
 
 if TYPE_CHECKING:
@@ -84,6 +85,7 @@ class EngineAdmin:
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
         self.admission = Admission(identity=self._policy)
         self.check_pending = False  # weights installed since the last self-check
+        self.lora = LoraAdmin(engine, self.roots, lambda: engine.info.served_model_name)
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [
@@ -111,6 +113,7 @@ class EngineAdmin:
             Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
             Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
             Route(admin.COLLECTIVE_RPC, self.collective_rpc),
+            *self.lora.routes(),
         ]
 
     # ---------------------------------------------------------------- lifecycle
@@ -231,9 +234,11 @@ class EngineAdmin:
 
     async def get_weight_version(self, req: NoFields) -> VersionReply:
         applied = self.engine.applied()
+        adapters = [p.to_dict() for p in adapter_policies(self.engine)]
         return VersionReply(**applied.policy.reply_fields(), version_declared=applied.declared,
                             fleet_epoch=self.fence.newest,
-                            dtype=applied.dtype or UNSET)  # what the probe tolerance needs
+                            dtype=applied.dtype or UNSET,  # what the probe tolerance needs
+                            adapters=adapters or UNSET)
 
     async def set_weight_version(self, req: SetVersionRequest) -> SetVersionReply:
         await self.engine.set_version(req.weight_version, declared=True, step=req.step)

@@ -22,6 +22,26 @@ class BadRequest(ValueError):
     """The request cannot be served as given; the message says what to fix (HTTP 400)."""
 
 
+class UnknownAdapter(BadRequest):
+    """The request names a LoRA adapter this worker does not serve (HTTP 404)."""
+
+
+NO_ADAPTERS = ("this worker serves no LoRA adapters: start it with vLLM's --enable-lora "
+               "(and --max-loras, --max-lora-rank)")
+
+
+@dataclass(frozen=True)
+class AdapterState:
+    """A LoRA adapter as a worker serves it: its policy (`policy.adapter` is its name), its
+    rank and directory, and whether requests that name it are admitted."""
+
+    policy: PolicyIdentity
+    rank: int
+    path: str
+    open: bool = True
+    reason: str | None = None
+
+
 @dataclass
 class EngineInfo:
     served_model_name: str
@@ -81,6 +101,15 @@ class Engine(abc.ABC):
     def serving_policy(self) -> PolicyIdentity:
         """The policy currently applied (stamped on every response)."""
         return UNKNOWN
+
+    def request_policy(self, req: GenerateRequest) -> PolicyIdentity:
+        """The policy `req` runs on (once `generate` has started it): the base model's, or
+        for a request naming an adapter, the adapter version it was admitted to."""
+        return self.serving_policy()
+
+    def adapters(self) -> list[AdapterState]:
+        """The LoRA adapters served beside the base model (none by default)."""
+        return []
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Warm up; called once before the worker registers in discovery."""
@@ -215,6 +244,29 @@ class EngineControl(abc.ABC):
         from rlfleet.weights.digest import iter_checkpoint_tensors
 
         return await self.apply_tensors(dict(iter_checkpoint_tensors(path)))
+
+    # ---- LoRA adapters (each a policy of its own, served beside the base model)
+
+    def adapter_limits(self) -> tuple[int, int] | None:
+        """(max adapters, max rank) when the engine serves adapters, else None."""
+        return None
+
+    async def load_adapter(self, name: str, path: Path, version: str | None,
+                           step: int | None, digest: str | None = None
+                           ) -> tuple[PolicyIdentity, str | None]:
+        """Load the adapter at `path` as `name` (a new version of it when loaded): requests
+        that name it from now on run on it, the base model and other adapters serve on
+        undisturbed. Returns (its policy, the version it replaced). BadRequest (nothing
+        changed, the old version serving) when it does not fit."""
+        raise BadRequest(NO_ADAPTERS)
+
+    async def unload_adapter(self, name: str) -> PolicyIdentity:
+        """Stop serving `name` (requests running on it finish); UnknownAdapter if absent."""
+        raise UnknownAdapter(NO_ADAPTERS)
+
+    def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
+        """Admit requests naming `name`, or hold them on the worker until it opens."""
+        raise UnknownAdapter(NO_ADAPTERS)
 
     # ---- a trainer's weight-update group (update_weights_from_distributed)
 

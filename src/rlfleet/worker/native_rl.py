@@ -27,7 +27,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rlfleet.protocol import admin, vllm_rl
 from rlfleet.protocol.admin import (
@@ -146,6 +146,8 @@ class NativeRL:
 
     def router(self) -> APIRouter:
         r = APIRouter()
+        if self.engine.adapter_limits() is not None:  # --enable-lora
+            self._add_lora_routes(r)
         self._add_generation_routes(r)
         self._add_transfer_routes(r)
         self._add_weight_routes(r)
@@ -278,6 +280,35 @@ class NativeRL:
         async def collective_rpc(raw_request: Request) -> Response:
             return await self.call(raw_request, vllm_rl.COLLECTIVE_RPC,
                                    lambda: self.collective_rpc(raw_request))
+
+    def _add_lora_routes(self, r: APIRouter) -> None:
+        """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter
+        (the adapter's version label is its name there: vLLM's body has none)."""
+        @r.post(vllm_rl.LOAD_LORA_ADAPTER.path)
+        async def load_lora_adapter(raw_request: Request,
+                                    body: Annotated[dict[str, Any], Body()]) -> Response:
+            async def run() -> Response:
+                req = admin.read_request(admin.LOAD_LORA_ADAPTER, body)
+                said = await self.admin.lora.load_lora_adapter(req)
+                if said.status != "ok":
+                    return vllm_error(str(said.message), 400)
+                return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added "
+                                         "successfully.")
+            return await self.call(raw_request, vllm_rl.LOAD_LORA_ADAPTER, run)
+
+        @r.post(vllm_rl.UNLOAD_LORA_ADAPTER.path)
+        async def unload_lora_adapter(raw_request: Request,
+                                      body: Annotated[dict[str, Any], Body()]) -> Response:
+            async def run() -> Response:
+                fields = admin.LoraRequest.__struct_fields__  # vLLM's lora_int_id is ignored
+                req = admin.read_request(admin.UNLOAD_LORA_ADAPTER,
+                                         {k: v for k, v in body.items() if k in fields})
+                said = await self.admin.lora.unload_lora_adapter(req)
+                if said.status != "ok":
+                    return vllm_error(str(said.message), 404)
+                return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
+                                         "successfully.")
+            return await self.call(raw_request, vllm_rl.UNLOAD_LORA_ADAPTER, run)
 
     async def collective_rpc(self, raw_request: Request) -> Response:
         """vLLM's collective_rpc for `reload_weights` (EngineAdmin.collective_rpc): fields

@@ -48,7 +48,7 @@ from rlfleet.runtime.http import (
     json_response,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
-from rlfleet.worker.engine import BadRequest, Engine
+from rlfleet.worker.engine import BadRequest, Engine, UnknownAdapter
 from rlfleet.worker.kept import KeptRuns
 from rlfleet.worker.system_server import FaultInjector, InjectedFault
 
@@ -254,7 +254,7 @@ class WorkerPlane:
             first = None
         except BadRequest as e:
             series.requests["rejected"].inc()
-            raise HttpError(400, str(e)) from e
+            raise HttpError(404 if isinstance(e, UnknownAdapter) else 400, str(e)) from e
         except asyncio.CancelledError:  # the caller left before the first event
             await events.aclose()
             series.requests["abandoned"].inc()
@@ -263,7 +263,7 @@ class WorkerPlane:
             series.requests["error"].inc()
             raise HttpError(500, f"engine failed: {type(e).__name__}: {e}") from e
         # the weights that produced the first token (a pause may have swapped them)
-        head = Head.of(ids, engine.serving_policy())
+        head = Head.of(ids, engine.request_policy(req))
         if first is not None and "prompt_logprobs" in first and "done" not in first:
             plps = first.pop("prompt_logprobs")
             if plps is not None:

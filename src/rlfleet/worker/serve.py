@@ -283,6 +283,8 @@ class WorkerProcess:
             admin_base_url=self.system_url, world_size=info.world_size,
             **self.admission.fields(),
             policy=self.engine.serving_policy(),
+            adapters=[{**a.policy.to_dict(), "rank": a.rank, "path": a.path, "open": a.open}
+                      for a in self.engine.adapters()] or None,
             fleet_epoch=self.fence.newest, endpoint=endpoint,
             request_plane_url=f"dyn://{self.args.namespace}.{WORKER_COMPONENT}.{endpoint}",
             kv_events=self._kv_events(), kv_block_size=info.kv_block_size,

@@ -344,7 +344,7 @@ class _Calls:
         try:
             reply = await route.handler(req)
         finally:
-            if spec.mutating and spec.fenced and self.changed is not None:
+            if spec.mutating and self.changed is not None:  # publishes what changed
                 await self.changed()
         if self.mounted is not None:
             self.mounted.observe(spec, req, reply, epoch)

@@ -28,6 +28,7 @@ def _sql_type(annotation: Any) -> str:
     union = typing.get_origin(annotation) in (types.UnionType, typing.Union)
     kinds = set(typing.get_args(annotation)) if union else {annotation}
     kinds.discard(type(None))
+    kinds.discard(msgspec.UnsetType)  # a field left out while unknown (the adapter)
     if kinds == {str}:
         return "TEXT"
     if kinds and kinds <= {int, bool}:
