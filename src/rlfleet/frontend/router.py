@@ -29,6 +29,7 @@ ROUTER_MODES = ("round-robin", "least-loaded", "random", "kv")
 #: stalled (python -m rlfleet.frontend --down-seconds)
 DOWN_SECONDS = 30.0
 COMMITTED_POLL = 1.0  # seconds between reads of the models' committed policies
+RELIST_DEADLINE = 2.0  # seconds for the listing a request for an unknown model makes
 
 
 @dataclass
@@ -150,6 +151,7 @@ class WorkerPool:
     _rr: itertools.count = field(default_factory=itertools.count)
     _task: asyncio.Task | None = None
     _poller: asyncio.Task | None = None
+    _relisting: asyncio.Future | None = None
     _unreadable: set[str] = field(default_factory=set)  # records whose failure was logged
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -183,11 +185,7 @@ class WorkerPool:
             try:
                 async for entries in self.discovery.watch(self.namespace):
                     try:
-                        generate = [e for e in entries if e.get("endpoint") == "generate"]
-                        # the records first: a worker that changes after its coordinator
-                        # committed (a reopen) is judged against what was committed
-                        await self.read_committed({e.get("model") for e in generate})
-                        self.update(generate)
+                        await self._apply(entries)
                     except Exception:  # a malformed entry must not freeze membership
                         log.exception("discovery update not applied; keeping the last set")
                     self._ready.set()
@@ -195,6 +193,28 @@ class WorkerPool:
             except Exception:
                 log.exception("discovery watch failed; restarting it in 1 s")
                 await asyncio.sleep(1.0)
+
+    async def _apply(self, entries: list[dict]) -> None:
+        generate = [e for e in entries if e.get("endpoint") == "generate"]
+        # the records first: a worker that changes after its coordinator committed (a
+        # reopen) is judged against what was committed
+        await self.read_committed({e.get("model") for e in generate})
+        self.update(generate)
+
+    async def _relist(self) -> None:
+        """Read discovery once now: a request named a model (or LoRA adapter) the pool does
+        not know, which may have registered since the watch's last change (an adapter a
+        refresh just loaded). Concurrent misses share one listing."""
+        if self._relisting is None or self._relisting.done():
+            self._relisting = asyncio.ensure_future(self._list_now())
+        await asyncio.shield(self._relisting)
+
+    async def _list_now(self) -> None:
+        try:
+            async with asyncio.timeout(RELIST_DEADLINE):
+                await self._apply(await self.discovery.list(self.namespace))
+        except Exception as e:  # the watch carries on; the request gets its 404
+            log.warning("listing discovery for an unknown model failed: %r", e)
 
     def update(self, entries: list[dict]) -> None:
         """Replace the live set, keeping the load and health state of workers that stay."""
@@ -344,10 +364,15 @@ class WorkerPool:
         under way), or while none serves a policy within `bound`, wait for one, up to
         `gated_hold` seconds."""
         deadline = time.monotonic() + self.gated_hold
+        relisted = False
         while True:
             try:
                 return self.pick(model, exclude, bound, prefix, key)
             except NoWorker as e:
+                if e.status == 404 and not relisted:
+                    relisted = True
+                    await self._relist()
+                    continue
                 gated = any(w.gated_for(model) for w in self.for_model(model)
                             if w.instance_id not in exclude)
                 left = deadline - time.monotonic()
