@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlfleet.rl.control import TRANSFER_BACKENDS, SglangWorker
+from rlfleet.rl.control import DEFAULT_FANOUT, TRANSFER_BACKENDS, SglangWorker
 from rlfleet.rl.probe import PROBE_TEXT
 
 
@@ -57,7 +57,10 @@ class RefreshConfig:
     host's address toward the workers), `master_port`: the distributed path's process group.
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
-    ahead of a serving worker."""
+    ahead of a serving worker. `fanout`: admin calls (and probes) in flight at once, however
+    many workers (the HTTP client holds as many connections); `phase_timeout`: seconds one
+    phase may take over the whole fleet (default: `timeout`): a worker not done by then is
+    left out as missing, named in the result, and the others go on."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -81,6 +84,8 @@ class RefreshConfig:
     max_lag: int = 1
     min_serving: int = 1
     wave_size: int | None = None
+    fanout: int = DEFAULT_FANOUT
+    phase_timeout: float | None = None
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -129,7 +134,9 @@ class RefreshConfig:
             # `rlfleet recover` has no rolling settings: a recovery is synchronous
             mode=getattr(args, "mode", RefreshMode.SYNC), max_lag=getattr(args, "max_lag", 1),
             min_serving=getattr(args, "min_serving", 1),
-            wave_size=getattr(args, "wave_size", None))
+            wave_size=getattr(args, "wave_size", None),
+            fanout=getattr(args, "fanout", DEFAULT_FANOUT),
+            phase_timeout=getattr(args, "phase_timeout", None))
 
 
 def _check_counts(c: RefreshConfig) -> None:
@@ -147,3 +154,7 @@ def _check_counts(c: RefreshConfig) -> None:
         raise ValueError("min_serving must be at least 1")
     if c.wave_size is not None and (type(c.wave_size) is not int or c.wave_size < 1):
         raise ValueError("wave_size must be at least 1")
+    if type(c.fanout) is not int or c.fanout < 1:
+        raise ValueError(f"fanout must be a positive integer, not {c.fanout!r}")
+    if c.phase_timeout is not None and not c.phase_timeout > 0:
+        raise ValueError(f"phase_timeout must be positive (seconds), not {c.phase_timeout!r}")

@@ -54,7 +54,7 @@ from rlfleet.rl.control import (
     SglangControl,
     VllmControl,
     WorkerControl,
-    gather_all,
+    for_each,
 )
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.hooks import NO_HOOKS, RefreshHooks
@@ -65,6 +65,7 @@ from rlfleet.rl.staged import VllmStagedControl, source_digest
 from rlfleet.rl.transaction import RefreshResult, RefreshState, Transaction
 from rlfleet.rl.waves import Wave, Waves
 from rlfleet.runtime import tracing
+from rlfleet.runtime.limits import raise_fd_limit
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -242,7 +243,7 @@ class PolicyRefresh:
         """Take the next epoch, run `lifecycle`, and record how it ended."""
         await asyncio.to_thread(self._from_journal)
         decision, reason, served = "held", "", None
-        async with httpx.AsyncClient() as http:
+        async with self._client() as http:
             tx = await self._begin(kind, target, recovery_of, http)
             try:
                 served, decision, reason = await lifecycle(tx)
@@ -271,12 +272,25 @@ class PolicyRefresh:
         self.on_event(f"[refresh {tx.id}] {decision}: {reason}")
         return await self._end(tx, target, served, decision, reason)
 
+    def _client(self) -> httpx.AsyncClient:
+        """An HTTP client that holds one connection per call in flight (`fanout`): a fleet of
+        a thousand workers never needs a thousand descriptors at once."""
+        raise_fd_limit()
+        n = self.config.fanout
+        return httpx.AsyncClient(limits=httpx.Limits(max_connections=n,
+                                                     max_keepalive_connections=n))
+
+    def _channel(self, http: httpx.AsyncClient, epoch: int | None = None) -> Channel:
+        cfg = self.config
+        return Channel(http, cfg.timeout, cfg.admin_token, epoch, fanout=cfg.fanout,
+                       phase_timeout=cfg.phase_timeout)
+
     async def _begin(self, kind: str, target: Policy, recovery_of: int | None,
                      http: httpx.AsyncClient) -> Transaction:
         """Open the transaction's record in the journal, at the fleet's next epoch."""
         previous, control, cfg = self.current, self.control, self.config
         try:  # a store behind the fleet (a new in-memory journal) catches up with it
-            floor = await control.newest_epoch(Channel(http, cfg.timeout, cfg.admin_token))
+            floor = await control.newest_epoch(self._channel(http))
         except (RefreshHeld, httpx.HTTPError, ValueError) as e:
             log.warning("could not read the workers' fleet epochs: %r", e)
             floor = 0
@@ -288,9 +302,8 @@ class PolicyRefresh:
             previous=previous.identity if previous else None)
         self.on_event(f"[refresh {refresh_id}] {kind} to {target.version} (step "
                       f"{target.step}), fleet epoch {epoch}")
-        return Transaction(kind, refresh_id, epoch,
-                           Channel(http, cfg.timeout, cfg.admin_token, epoch),
-                           httpx.AsyncClient(),  # the workers' HTTP request planes (probes)
+        return Transaction(kind, refresh_id, epoch, self._channel(http, epoch),
+                           self._client(),  # the workers' HTTP request planes (probes)
                            self.journal, self.on_event, previous)
 
     async def _end(self, tx: Transaction, target: Policy, served: Policy | None,
@@ -423,7 +436,8 @@ class PolicyRefresh:
                if out else ""))
 
     async def _inspect_all(self, tx: Transaction) -> None:
-        await gather_all(self.control.inspect(tx.ch, w) for w in tx.active())
+        await for_each(tx.active(), lambda w: self.control.inspect(tx.ch, w),
+                       tx.ch.phase_deadline)
 
     def _lagging(self, ws: list[FleetWorker], target: Policy) -> list[FleetWorker]:
         """The serving workers a rolling refresh to `target` moves; RefreshHeld when one
