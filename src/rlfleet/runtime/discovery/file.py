@@ -50,16 +50,16 @@ class _FileRegistration(base.Registration):
     _owner: FileDiscovery
 
     async def _establish(self) -> None:
-        await self._owner._io(self._owner._write, self.key, self.entry, self.ttl)
+        await self._owner._batched(self._owner._write, self.key, self.entry, self.ttl)
 
     async def _refresh(self) -> bool:
-        return await self._owner._touch(self.key)
+        return await self._owner._batched(self._owner._touch, self.key)
 
     async def _put(self) -> None:
         await self._establish()
 
     async def _remove(self) -> None:
-        await self._owner._io(self._owner._delete, self.key)
+        await self._owner._batched(self._owner._delete, self.key)
 
 
 class FileDiscovery(base.Discovery):
@@ -70,7 +70,6 @@ class FileDiscovery(base.Discovery):
     MAX_RECORD_BYTES = 1 << 20  # an entry is a few hundred bytes; anything this big is not one
     DEADLINE = 10.0  # seconds for one scan or write (a hung filesystem becomes a DiscoveryError)
     HOT = 1.0  # a directory changed this recently is listed again at every watch tick
-    TOUCH_BATCH = 0.05  # seconds keep-alives wait to share a trip to a thread
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).absolute()
@@ -80,8 +79,8 @@ class FileDiscovery(base.Discovery):
         self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) when last seen
         self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
         self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
-        self._touches: dict[str, asyncio.Future[bool]] = {}  # keep-alives waiting for a batch
-        self._toucher: asyncio.Task[None] | None = None
+        self._pending: list[tuple[Any, tuple, asyncio.Future]] = []  # ops for the next trip
+        self._batcher: asyncio.Task[None] | None = None
 
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> base.Registration:
         return _FileRegistration(self, key, entry, ttl)
@@ -89,32 +88,31 @@ class FileDiscovery(base.Discovery):
     def _changes(self, namespace: str | None) -> base.ChangeSource:
         return _FileChanges(self)
 
-    async def _touch(self, key: str) -> bool:
-        """Renew `key`'s lease (its file's mtime); False when the file is gone. Touches
-        asked for within `TOUCH_BATCH` seconds share one trip to a thread (a process of
-        many simulated workers renews thousands of leases)."""
-        loop = asyncio.get_running_loop()
-        fut = self._touches.get(key)
-        if fut is None:
-            fut = self._touches[key] = loop.create_future()
-        if self._toucher is None or self._toucher.done():
-            self._toucher = loop.create_task(self._touch_batch())
+    async def _batched(self, fn, *args):
+        """`fn(*args)` in a thread, in one trip with the other writes, touches and deletes
+        asked for meanwhile (a process of many simulated workers writes thousands of
+        entries: one thread hop each would queue them behind the interpreter lock)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, args, fut))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
         return await asyncio.shield(fut)
 
-    async def _touch_batch(self) -> None:
-        await asyncio.sleep(self.TOUCH_BATCH)
-        batch, self._touches = self._touches, {}
-        try:
-            alive = await self._io(self._touch_all, list(batch))
-        except BaseException as exc:
-            for fut in batch.values():
-                if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, DiscoveryError)
-                                      else DiscoveryError(f"keep-alive failed: {exc!r}"))
-            return
-        for key, fut in batch.items():
-            if not fut.done():
-                fut.set_result(key in alive)
+    async def _run_batches(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await self._io(_each_op, [(fn, args) for fn, args, _ in batch])
+            except BaseException as exc:  # the whole trip failed (a hung filesystem)
+                err = exc if isinstance(exc, DiscoveryError) else DiscoveryError(repr(exc))
+                results = [err] * len(batch)
+            for (_, _, fut), result in zip(batch, results, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
 
     async def _io(self, fn, *args):
         """Run a file operation in a thread under the lock and a deadline."""
@@ -163,19 +161,16 @@ class FileDiscovery(base.Discovery):
             raise DiscoveryError(f"file discovery {self.directory}: cannot write {key}: "
                                  f"{exc}") from exc
 
-    def _touch_all(self, keys: list[str]) -> set[str]:
-        """Set each key's file mtime to now; the keys whose file exists."""
-        alive = set()
-        for key in keys:
-            try:
-                os.utime(self._path(key))
-                alive.add(key)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                raise DiscoveryError(f"file discovery {self.directory}: cannot renew "
-                                     f"{key}: {exc}") from exc
-        return alive
+    def _touch(self, key: str) -> bool:
+        """Renew `key`'s lease: its file's mtime is now. False when the file is gone."""
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot renew "
+                                 f"{key}: {exc}") from exc
+        return True
 
     def _dir_sig(self) -> tuple[int, int, int] | None:
         """(st_dev, st_ino, st_mtime_ns) of the directory; None when it is missing."""
@@ -347,6 +342,17 @@ class FileDiscovery(base.Discovery):
         listing.leases = {key: (expires_at, _ttl_of(self, key) or 0.0)
                           for key, (_, expires_at) in live.items()}
         return listing
+
+
+def _each_op(ops: list[tuple[Any, tuple]]) -> list[Any]:
+    """Run each (fn, args); each one's result or DiscoveryError."""
+    out: list[Any] = []
+    for fn, args in ops:
+        try:
+            out.append(fn(*args))
+        except DiscoveryError as exc:
+            out.append(exc)
+    return out
 
 
 def _ttl(record: dict[str, Any]) -> float | None:
