@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -66,7 +67,7 @@ def mock_argv(root: Path, model: str, replicas: int) -> list[str]:
 
 
 def phases(res) -> dict[str, float]:
-    out: dict[str, float] = {}
+    out: dict[str, float] = {}  # seconds per phase (summed over waves)
     for s in res.steps:
         out[s["name"]] = round(out.get(s["name"], 0.0) + s["seconds"], 3)
     return out
@@ -74,17 +75,29 @@ def phases(res) -> dict[str, float]:
 
 def refresh(fleet: LocalFleet, journal: Path, ckpt: Path, version: str, seed: int,
             fanout: int, **mode) -> tuple[float, dict[str, float]]:
+    """Wall seconds of one refresh; its phases, and the CPU milliseconds per worker the
+    coordinator (this process), the simulated workers and the frontend spent on it."""
     r = PolicyRefresh(fleet.rl_url, model=MODEL, journal=str(journal), timeout=120,
                       fanout=fanout, **mode)
+    pids = {"mocker": fleet.workers[0].popen.pid, "frontend": fleet.frontend.popen.pid}
+    before = {k: proc_stats(pid)[0] for k, pid in pids.items()}
     try:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         res = asyncio.run(r.refresh(ckpt, version, digest=f"mock:{seed}"))
-        wall = time.perf_counter() - t0
+        wall, coordinator = time.perf_counter() - t0, time.process_time() - c0
     finally:
         r.journal.close()
-    if not res.fleet_moved:
-        raise RuntimeError(f"refresh to {version} did not move the fleet: {res.reason}")
-    return wall, phases(res)
+    n = max(1, len(res.workers))
+    cpu = {"coordinator": coordinator, **{k: proc_stats(pid)[0] - before[k]
+                                          for k, pid in pids.items()}}
+    print(f"refresh to {version} ({n} workers): {wall:.2f} s; CPU ms per worker: "
+          + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in cpu.items()), flush=True)
+    if not res.ok:
+        raise RuntimeError(f"refresh to {version} did not reopen the fleet: {res.reason}")
+    out = sum(w["status"] != "verified" for w in res.workers)
+    if out:  # reported, not hidden: the figure is for the workers that moved
+        print(f"refresh to {version}: {out} worker(s) kept out: {res.reason[:500]}", flush=True)
+    return wall, phases(res) | {"kept_out": out}
 
 
 def one_size(n: int, a: argparse.Namespace, work: Path) -> dict:
@@ -161,9 +174,13 @@ def main() -> None:
     p.add_argument("--fanout", type=int, default=64)
     p.add_argument("--lease-ttl", type=float, default=10.0)
     p.add_argument("--idle-seconds", type=float, default=15.0)
+    p.add_argument("--workdir", default=None,
+                   help="keep the fleets' logs and discovery here (default: a temporary "
+                        "directory, removed)")
     a = p.parse_args()
     a.sizes = sorted(int(x) for x in a.workers.split(","))
-    with tempfile.TemporaryDirectory(prefix="rlfleet-fleet-scale-") as tmp:
+    with (contextlib.nullcontext(a.workdir) if a.workdir else
+          tempfile.TemporaryDirectory(prefix="rlfleet-fleet-scale-")) as tmp:
         rows = [one_size(n, a, Path(tmp)) for n in a.sizes]
     base, top = rows[0], rows[-1]
     print(f"\n{'N':>6} {'start s':>8} {'RSS MiB':>8} {'sync s':>8} {'x base':>7} "

@@ -122,7 +122,7 @@ def test_a_killed_coordinator_is_recovered_at_scale(big):
 
 def test_a_rolling_refresh_moves_the_fleet_in_waves(big):
     res = refresh(big, "C", mode="rolling", wave_size=N // 2, fanout=32)
-    assert res.ok, res.reason
+    assert res.ok, (res.reason, [w["reason"] for w in res.workers][:3])
     waves = {s.get("wave") for s in res.steps if s["name"] == "apply"}
     assert len(waves) >= 2
     assert sum(w["status"] == "verified" for w in res.workers) == N
