@@ -65,6 +65,7 @@ from rlfleet.rl.staged import VllmStagedControl, source_digest
 from rlfleet.rl.transaction import RefreshResult, RefreshState, Transaction
 from rlfleet.rl.waves import Wave, Waves
 from rlfleet.runtime import tracing
+from rlfleet.runtime.admin_client import WorkerClients
 from rlfleet.runtime.limits import raise_fd_limit
 
 log = logging.getLogger("rlfleet.refresh")
@@ -243,8 +244,8 @@ class PolicyRefresh:
         """Take the next epoch, run `lifecycle`, and record how it ended."""
         await asyncio.to_thread(self._from_journal)
         decision, reason, served = "held", "", None
-        async with self._client() as http:
-            tx = await self._begin(kind, target, recovery_of, http)
+        async with self._client() as http, WorkerClients() as workers:
+            tx = await self._begin(kind, target, recovery_of, http, workers)
             try:
                 served, decision, reason = await lifecycle(tx)
                 if kind == "admit":
@@ -273,24 +274,23 @@ class PolicyRefresh:
         return await self._end(tx, target, served, decision, reason)
 
     def _client(self) -> httpx.AsyncClient:
-        """An HTTP client that holds one connection per call in flight (`fanout`): a fleet of
-        a thousand workers never needs a thousand descriptors at once."""
+        """The client for the frontend's RL listener (the workers' own: WorkerClients, at
+        most one kept-alive connection each; the descriptor limit is raised for them)."""
         raise_fd_limit()
-        n = self.config.fanout
-        return httpx.AsyncClient(limits=httpx.Limits(max_connections=n,
-                                                     max_keepalive_connections=n))
+        return httpx.AsyncClient()
 
-    def _channel(self, http: httpx.AsyncClient, epoch: int | None = None) -> Channel:
+    def _channel(self, http: httpx.AsyncClient, workers: WorkerClients,
+                 epoch: int | None = None) -> Channel:
         cfg = self.config
-        return Channel(http, cfg.timeout, cfg.admin_token, epoch, fanout=cfg.fanout,
+        return Channel(http, cfg.timeout, cfg.admin_token, epoch, workers, fanout=cfg.fanout,
                        phase_timeout=cfg.phase_timeout)
 
     async def _begin(self, kind: str, target: Policy, recovery_of: int | None,
-                     http: httpx.AsyncClient) -> Transaction:
+                     http: httpx.AsyncClient, workers: WorkerClients) -> Transaction:
         """Open the transaction's record in the journal, at the fleet's next epoch."""
         previous, control, cfg = self.current, self.control, self.config
         try:  # a store behind the fleet (a new in-memory journal) catches up with it
-            floor = await control.newest_epoch(self._channel(http))
+            floor = await control.newest_epoch(self._channel(http, workers))
         except (RefreshHeld, httpx.HTTPError, ValueError) as e:
             log.warning("could not read the workers' fleet epochs: %r", e)
             floor = 0
@@ -302,8 +302,8 @@ class PolicyRefresh:
             previous=previous.identity if previous else None)
         self.on_event(f"[refresh {refresh_id}] {kind} to {target.version} (step "
                       f"{target.step}), fleet epoch {epoch}")
-        return Transaction(kind, refresh_id, epoch, self._channel(http, epoch),
-                           self._client(),  # the workers' HTTP request planes (probes)
+        return Transaction(kind, refresh_id, epoch, self._channel(http, workers, epoch),
+                           workers,  # the workers' HTTP request planes (probes) too
                            self.journal, self.on_event, previous)
 
     async def _end(self, tx: Transaction, target: Policy, served: Policy | None,

@@ -221,7 +221,8 @@ class Waves:
         req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
         try:
             async with tx.ch.slot():
-                events = await generate_over_http(tx.requests, w.request_url, req, cfg.timeout,
+                events = await generate_over_http(tx.requests.get(w.request_url),
+                                                  w.request_url, req, cfg.timeout,
                                                   cfg.admin_token)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
