@@ -30,7 +30,8 @@ def big(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scale")
     root = tmp / "weights"
     ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
-    with local_fleet(tmp / "fleet", [mock_args(root, "--replicas", str(N))], lease_ttl=20.0,  # 256 workers on two busy cores
+    # a long lease: 256 workers on two busy cores must not lapse while they are refreshed
+    with local_fleet(tmp / "fleet", [mock_args(root, "--replicas", str(N))], lease_ttl=20.0,
                      enable_rl=True,
                      frontend_env={"DYN_RL_REQUEST_TIMEOUT_SECS": "30"}) as fleet:
         wait_for_workers(fleet.url, MODEL, N, timeout=180)
