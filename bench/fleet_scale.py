@@ -4,8 +4,9 @@ is measured is discovery, routing and the coordinator, never an engine).
 
 For each N: a frontend (with the RL listener) and the N workers over file discovery; the
 mocker's resident memory; a synchronous policy refresh and then a rolling one (waves of
-N/4) through `PolicyRefresh` (fan-out bound --fanout), each one's wall time and its time
-per phase. At the largest N, the discovery figures: time from a new worker's registration
+N/4) through `PolicyRefresh` (fan-out bound --fanout), each one's wall time, its time
+per phase, and the CPU per worker the coordinator, the simulated workers and the frontend
+spent on it. At the largest N, the discovery figures: time from a new worker's registration
 (its discovery file written) to the first request the frontend routes to it, the
 frontend's CPU while nothing changes, and how long after a worker is stopped (SIGSTOP)
 the frontend drops it, against its lease TTL.
