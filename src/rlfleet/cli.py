@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlfleet.rl.control import DEFAULT_CONCURRENCY
 from rlfleet.runtime.logs import add_log_args, setup_logging
 
 if TYPE_CHECKING:
@@ -377,6 +378,13 @@ def _coordinator_args(cp: argparse.ArgumentParser) -> None:
                     help="check every worker against a transformers forward pass of the "
                          "checkpoint (loads the whole model here); default: the workers "
                          "must agree with each other on a prompt their tokenizer makes")
+    cp.add_argument("--admin-concurrency", type=int, default=DEFAULT_CONCURRENCY,
+                    help="admin calls (and probes) in flight at once, whatever the fleet's "
+                         f"size (default {DEFAULT_CONCURRENCY}: 1,024 workers take 16 rounds)")
+    cp.add_argument("--phase-timeout", type=float, default=None,
+                    help="seconds one phase (gate, pause, apply, verify, ...) may take over "
+                         "the whole fleet; a worker not done by then is left out as missing "
+                         "and the others go on (default: the call timeout, 120 s)")
     cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
                     help="process-group backend of --path vllm-distributed (nccl needs "
                          "CUDA here)")

@@ -204,6 +204,35 @@ def _moe_geometry(raw: str | None) -> tuple[int, int, int] | None:
     return layers, experts, k
 
 
+@dataclass(frozen=True)
+class _Distribution:
+    """The token distribution's tables for `m` candidates: the same for every engine of one
+    vocabulary, so computed once per process (`_distribution`)."""
+
+    stride: int
+    stride_inv: int
+    cum: array  # cumulative probabilities by rank (EOS excluded)
+    lp0: float
+    lp_eos: float
+    eos_pos: int
+
+
+@functools.lru_cache(maxsize=8)
+def _distribution(m: int, eos_prob: float) -> _Distribution:
+    stride = int(m * 0.6180339887) | 1
+    while math.gcd(stride, m) != 1:
+        stride += 2
+    zipf = [(r + 1) ** -ZIPF_S for r in range(m)]
+    z = math.fsum(zipf)
+    lp0, lp_eos = math.log1p(-eos_prob) - math.log(z), math.log(eos_prob)
+    eos_pos = 0
+    while eos_pos < m and lp0 - ZIPF_S * math.log(eos_pos + 1) > lp_eos:
+        eos_pos += 1
+    return _Distribution(stride, pow(stride, -1, m),
+                         array("d", itertools.accumulate(w / z for w in zipf)), lp0, lp_eos,
+                         eos_pos)
+
+
 class MockEngine(Engine, EngineControl):
     """A deterministic token simulator behind the `Engine` contract (see the module doc).
 
@@ -249,19 +278,10 @@ class MockEngine(Engine, EngineControl):
         # The distribution: candidate rank r (0-based, EOS excluded) has probability
         # (1 - eos_prob) * (r+1)^-s / Z; the ranking of token IDs is a hashed permutation.
         self._m = m = vocab - 1  # token IDs other than EOS
-        self._stride = int(m * 0.6180339887) | 1
-        while math.gcd(self._stride, m) != 1:
-            self._stride += 2
-        self._stride_inv = pow(self._stride, -1, m)
-        zipf = [(r + 1) ** -ZIPF_S for r in range(m)]
-        z = math.fsum(zipf)
-        self._cum = array("d", itertools.accumulate(w / z for w in zipf))
-        self._eos_prob = o["eos_prob"]
-        self._lp0 = math.log1p(-self._eos_prob) - math.log(z)
-        self._lp_eos = math.log(self._eos_prob)
-        self._eos_pos = 0  # how many candidates are more likely than EOS
-        while self._eos_pos < m and self._lp(self._eos_pos) > self._lp_eos:
-            self._eos_pos += 1
+        d = _distribution(m, o["eos_prob"])  # one copy per process (--replicas: N engines)
+        self._stride, self._stride_inv, self._cum = d.stride, d.stride_inv, d.cum
+        self._eos_prob, self._lp0, self._lp_eos = o["eos_prob"], d.lp0, d.lp_eos
+        self._eos_pos = d.eos_pos  # how many candidates are more likely than EOS
 
         self._runs: dict[str, _Run] = {}
         self._mode: str | None = None  # the pause mode, None while generating

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlfleet.rl.control import TRANSFER_BACKENDS, SglangWorker
+from rlfleet.rl.control import DEFAULT_CONCURRENCY, TRANSFER_BACKENDS, SglangWorker
 from rlfleet.rl.probe import PROBE_TEXT
 
 
@@ -59,13 +59,17 @@ class RefreshConfig:
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
     ahead of a serving worker. `stage_fanout` (the staged path, from an S3 or directory
-    source): 0, every worker pulls the version from the source; k >= 1, a pipelined
-    fan-out (rlfleet.weights.fanout): only the first worker in discovery pulls from the
-    source and each other one from a worker before it, a chain (1) or a k-ary tree, each
-    serving what it has while it still receives. `discovery`: the store where the committed policy is
+    source): 0, every worker pulls the version from the source; k >= 1, a pipelined fan-out
+    (rlfleet.weights.fanout): only the first worker in discovery pulls from the source and
+    each other one from a worker before it, a chain (1) or a k-ary tree, each serving what
+    it has while it still receives. `discovery`: the store where the committed policy is
     published for the frontends (rlfleet.rl.committed; default: the one the RL listener
-    names). `adapter` (with path vllm-adapter): refresh that LoRA adapter
-    alone, the base model and other adapters serving on (rlfleet.rl.adapter)."""
+    names). `adapter` (with path vllm-adapter): refresh that LoRA adapter alone, the base
+    model and other adapters serving on (rlfleet.rl.adapter). `concurrency`: admin calls
+    (and probes) in flight at once, however many workers (the HTTP client holds as many
+    connections); `phase_timeout`: seconds one phase may take over the whole fleet (default:
+    `timeout`): a worker not done by then is left out as missing, named in the result, and
+    the others go on."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -92,6 +96,8 @@ class RefreshConfig:
     stage_fanout: int = 0
     discovery: str | None = None
     adapter: str | None = None  # the LoRA adapter a vllm-adapter refresh moves
+    concurrency: int = DEFAULT_CONCURRENCY
+    phase_timeout: float | None = None
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -145,7 +151,9 @@ class RefreshConfig:
             min_serving=getattr(args, "min_serving", 1),
             wave_size=getattr(args, "wave_size", None),
             stage_fanout=getattr(args, "stage_fanout", 0),
-            discovery=getattr(args, "discovery", None))
+            discovery=getattr(args, "discovery", None),
+            concurrency=getattr(args, "admin_concurrency", DEFAULT_CONCURRENCY),
+            phase_timeout=getattr(args, "phase_timeout", None))
 
 
 def _check_counts(c: RefreshConfig) -> None:
@@ -166,3 +174,7 @@ def _check_counts(c: RefreshConfig) -> None:
     if type(c.stage_fanout) is not int or c.stage_fanout < 0:
         raise ValueError("stage_fanout must be a non-negative integer (0: off, 1: a chain, "
                          f"k: a k-ary tree), not {c.stage_fanout!r}")
+    if type(c.concurrency) is not int or c.concurrency < 1:
+        raise ValueError(f"concurrency must be a positive integer, not {c.concurrency!r}")
+    if c.phase_timeout is not None and not c.phase_timeout > 0:
+        raise ValueError(f"phase_timeout must be positive (seconds), not {c.phase_timeout!r}")

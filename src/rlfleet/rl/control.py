@@ -15,7 +15,7 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -52,6 +52,35 @@ async def gather_all(coros) -> list[Any]:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def for_each(ws: Sequence[FleetWorker], fn: Callable[[FleetWorker], Awaitable[Any]],
+                   deadline: float | None) -> list[Any]:
+    """`fn(w)` for every worker, all started at once (the channel bounds how many calls are
+    in flight: `Channel.concurrency`); the first exception cancels the others and is raised, as
+    in `gather_all`. A worker whose `fn` is not done within `deadline` seconds is excluded as
+    missing (named in the result, its result None) and the others go on: a phase takes at
+    most `deadline`, however many workers it moves."""
+    tasks = [asyncio.ensure_future(fn(w)) for w in ws]
+    if not tasks:
+        return []
+    try:
+        done, pending = await asyncio.wait(tasks, timeout=deadline,
+                                           return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t in done and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    for t, w in zip(tasks, ws, strict=True):
+        if t in pending:
+            t.cancel()
+            w.exclude(f"no answer within the phase deadline ({deadline:g} s)", "missing")
+    await asyncio.gather(*pending, return_exceptions=True)
+    return [None if t in pending else t.result() for t in tasks]
 
 
 class RefreshHeld(Exception):
@@ -106,16 +135,39 @@ class FleetWorker:
                 "calls": self.calls}
 
 
+DEFAULT_CONCURRENCY = 64  # admin calls in flight at once: 1,024 workers take 16 rounds
+
+
 @dataclass
 class Channel(AdminClient):
     """The coordinator's admin client (its token, deadline and the transaction's fleet
-    epoch), calling one worker at a time and recording each call on it."""
+    epoch), calling one worker at a time and recording each call on it. At most `concurrency`
+    calls (and probes: `slot`) are in flight at once, whatever the fleet's size; a phase
+    over many workers ends within `phase_timeout` seconds (default: `timeout`)."""
+
+    concurrency: int = DEFAULT_CONCURRENCY
+    phase_timeout: float | None = None
+    _slots: asyncio.Semaphore = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if type(self.concurrency) is not int or self.concurrency < 1:
+            raise ValueError(f"concurrency must be a positive integer, not {self.concurrency!r}")
+        self._slots = asyncio.Semaphore(self.concurrency)
+
+    @property
+    def phase_deadline(self) -> float:
+        return self.phase_timeout or self.timeout
+
+    def slot(self) -> asyncio.Semaphore:
+        """Held around one call to a worker (`async with ch.slot():`)."""
+        return self._slots
 
     async def on(self, w: FleetWorker, step: str, route: AdminRoute, request: Any = None,
                  timeout: float | None = None) -> CallResult[Any]:
         """Call `route` on `w` for lifecycle `step`; a refusal of this epoch raises
         FleetFenced."""
-        res = await self.call(w.system_url, route, request, timeout)
+        async with self._slots:
+            res = await self.call(w.system_url, route, request, timeout)
         record(w, step, res)
         if res.stale_epoch:
             raise FleetFenced(f"worker {w.instance_id} refused {route.name}: {res.message}")
@@ -240,12 +292,12 @@ class WorkerControl(abc.ABC):
 
     async def _transfer_each(self, ch: Channel, ws: list[FleetWorker], route: AdminRoute,
                              request: Any) -> list[FleetWorker]:
-        """One update call per worker, all at once."""
+        """One update call per worker (`ch.concurrency` at once)."""
         failed: list[FleetWorker] = []
 
         async def one(w: FleetWorker) -> None:
             applied(w, await ch.on(w, "apply", route, request), failed)
-        await gather_all(one(w) for w in ws)
+        await for_each(ws, one, ch.phase_deadline)
         return failed
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.rl.control import FleetWorker, RefreshHeld, WorkerControl, gather_all
+from rlfleet.rl.control import FleetWorker, RefreshHeld, WorkerControl, for_each
 from rlfleet.rl.journal import JournalRecord, RefreshJournal
 from rlfleet.rl.policy import Policy
 from rlfleet.rl.transaction import RefreshResult, Transaction
@@ -65,7 +65,8 @@ async def choose(tx: Transaction, control: WorkerControl, target: Policy,
     interrupted `target` when every worker holds it, else back to the last verified policy
     (forward by finishing the transfer when there is none); which workers still need it;
     and why, for the journal."""
-    await tx.timed("inspect", gather_all(control.inspect(tx.ch, w) for w in tx.active()))
+    await tx.timed("inspect", for_each(tx.active(), lambda w: control.inspect(tx.ch, w),
+                                       tx.ch.phase_deadline))
     ws = tx.active()
     was = describe(interrupted[-1])
     held = ", ".join(f"{w.instance_id} holds {w.holds.version if w.holds else None}" for w in ws)

@@ -56,7 +56,7 @@ from rlfleet.rl.control import (
     SglangControl,
     VllmControl,
     WorkerControl,
-    gather_all,
+    for_each,
 )
 from rlfleet.rl.gate import RolloutGate
 from rlfleet.rl.hooks import NO_HOOKS, RefreshHooks
@@ -67,6 +67,8 @@ from rlfleet.rl.staged import VllmStagedControl, source_digest
 from rlfleet.rl.transaction import RefreshResult, RefreshState, Transaction
 from rlfleet.rl.waves import Wave, Waves
 from rlfleet.runtime import tracing
+from rlfleet.runtime.admin_client import WorkerClients
+from rlfleet.runtime.limits import raise_fd_limit
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -247,8 +249,8 @@ class PolicyRefresh:
         """Take the next epoch, run `lifecycle`, and record how it ended."""
         await asyncio.to_thread(self._from_journal)
         decision, reason, served = "held", "", None
-        async with httpx.AsyncClient() as http:
-            tx = await self._begin(kind, target, recovery_of, http)
+        async with self._client() as http, WorkerClients() as workers:
+            tx = await self._begin(kind, target, recovery_of, http, workers)
             try:
                 served, decision, reason = await lifecycle(tx)
                 if kind == "admit":
@@ -276,12 +278,24 @@ class PolicyRefresh:
         self.on_event(f"[refresh {tx.id}] {decision}: {reason}")
         return await self._end(tx, target, served, decision, reason)
 
+    def _client(self) -> httpx.AsyncClient:
+        """The client for the frontend's RL listener (the workers' own: WorkerClients, at
+        most one kept-alive connection each; the descriptor limit is raised for them)."""
+        raise_fd_limit()
+        return httpx.AsyncClient()
+
+    def _channel(self, http: httpx.AsyncClient, workers: WorkerClients,
+                 epoch: int | None = None) -> Channel:
+        cfg = self.config
+        return Channel(http, cfg.timeout, cfg.admin_token, epoch, workers, concurrency=cfg.concurrency,
+                       phase_timeout=cfg.phase_timeout)
+
     async def _begin(self, kind: str, target: Policy, recovery_of: int | None,
-                     http: httpx.AsyncClient) -> Transaction:
+                     http: httpx.AsyncClient, workers: WorkerClients) -> Transaction:
         """Open the transaction's record in the journal, at the fleet's next epoch."""
         previous, control, cfg = self.current, self.control, self.config
         try:  # a store behind the fleet (a new in-memory journal) catches up with it
-            floor = await control.newest_epoch(Channel(http, cfg.timeout, cfg.admin_token))
+            floor = await control.newest_epoch(self._channel(http, workers))
         except (RefreshHeld, httpx.HTTPError, ValueError) as e:
             log.warning("could not read the workers' fleet epochs: %r", e)
             floor = 0
@@ -296,9 +310,8 @@ class PolicyRefresh:
         # workers serving either policy stay routable while the transaction runs
         await self._publish(epoch, refresh_id, previous.identity if previous else None,
                             target.identity)
-        return Transaction(kind, refresh_id, epoch,
-                           Channel(http, cfg.timeout, cfg.admin_token, epoch),
-                           httpx.AsyncClient(),  # the workers' HTTP request planes (probes)
+        return Transaction(kind, refresh_id, epoch, self._channel(http, workers, epoch),
+                           workers,  # the workers' HTTP request planes (probes) too
                            self.journal, self.on_event, previous)
 
     async def _end(self, tx: Transaction, target: Policy, served: Policy | None,
@@ -451,7 +464,8 @@ class PolicyRefresh:
                if out else ""))
 
     async def _inspect_all(self, tx: Transaction) -> None:
-        await gather_all(self.control.inspect(tx.ch, w) for w in tx.active())
+        await for_each(tx.active(), lambda w: self.control.inspect(tx.ch, w),
+                       tx.ch.phase_deadline)
 
     def _lagging(self, ws: list[FleetWorker], target: Policy) -> list[FleetWorker]:
         """The serving workers a rolling refresh to `target` moves; RefreshHeld when one

@@ -194,7 +194,7 @@ class VllmStagedControl(VllmControl):
                 urls = self.holders.setdefault(target.version, [])
                 if w.system_url not in urls:
                     urls.append(w.system_url)
-        await gather_all(one(w) for w in ws)
+        await gather_all(one(w) for w in ws)  # staging has its own deadline (stage_timeout)
         return failed
 
     async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:

@@ -11,14 +11,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from rlfleet.rl import telemetry
 from rlfleet.rl.control import Channel, FleetFenced, FleetWorker
 from rlfleet.rl.journal import RefreshJournal
 from rlfleet.rl.policy import Policy
 from rlfleet.rl.probe import Answer
 from rlfleet.runtime import tracing
+from rlfleet.runtime.admin_client import WorkerClients
 
 
 class RefreshState(enum.StrEnum):
@@ -114,7 +113,7 @@ class Transaction:
     state and timed steps."""
 
     def __init__(self, kind: str, refresh_id: int, epoch: int, ch: Channel,
-                 requests: httpx.AsyncClient, journal: RefreshJournal,
+                 requests: WorkerClients, journal: RefreshJournal,
                  on_event: Callable[[str], None], previous: Policy | None) -> None:
         self.kind, self.id, self.epoch = kind, refresh_id, epoch
         self.ch, self.requests = ch, requests

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlfleet.rl.config import OnFailure, RefreshConfig, RefreshMode
-from rlfleet.rl.control import FleetWorker, RefreshHeld, WorkerControl, gather_all
+from rlfleet.rl.control import FleetWorker, RefreshHeld, WorkerControl, for_each
 from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.policy import Policy
 from rlfleet.rl.probe import (
@@ -45,9 +45,9 @@ class Wave:
     before_reopen: Callable[[Wave], Awaitable[None]] | None = field(default=None, repr=False)
 
 
-async def _each(workers: Sequence[FleetWorker], fn: Callable[[FleetWorker], Awaitable[Any]]
-                ) -> None:
-    await gather_all(fn(w) for w in workers)
+async def _each(tx: Transaction, workers: Sequence[FleetWorker],
+                fn: Callable[[FleetWorker], Awaitable[Any]]) -> None:
+    await for_each(workers, fn, tx.ch.phase_deadline)
 
 
 async def _untimed(name: str, coro: Awaitable[Any]) -> Any:
@@ -71,10 +71,10 @@ class Waves:
         when the failure policy says so: `wave.rolled_back`); with `min_workers`, hold the
         fleet before the reopen when fewer are verified. The workers reopened, verified."""
         control, ch, cfg = self.control, tx.ch, self.config
-        await tx.timed("gate", _each(wave.workers,
+        await tx.timed("gate", _each(tx, wave.workers,
                                      lambda w: control.close(ch, w, wave.close_reason)))
         self.hook(tx, "gated")
-        await tx.timed("pause", _each(tx.active(wave.workers),
+        await tx.timed("pause", _each(tx, tx.active(wave.workers),
                                       lambda w: control.pause(ch, w, cfg.pause_mode)))
         await tx.move(RefreshState.PAUSED)
         if wave.after_pause is not None:
@@ -96,7 +96,7 @@ class Waves:
                               f"{wave.target.version}; need {min_workers}")
         if wave.before_reopen is not None:
             await wave.before_reopen(wave)
-        await tx.timed("reopen", _each(ok_workers, lambda w: control.open(ch, w)))
+        await tx.timed("reopen", _each(tx, ok_workers, lambda w: control.open(ch, w)))
         ok_workers = tx.active(wave.workers)  # a worker whose reopen failed stays out
         for w in ok_workers:
             w.status = "verified"
@@ -108,14 +108,14 @@ class Waves:
         the workers that fail it). Unrecorded (a rollback's): no timed steps, no states."""
         control, ch = self.control, tx.ch
         timed = tx.timed if recorded else _untimed
-        await timed("reset_cache", _each(ws, lambda w: control.reset_cache(ch, w)))
+        await timed("reset_cache", _each(tx, ws, lambda w: control.reset_cache(ch, w)))
         if recorded:
             await tx.move(RefreshState.CACHE_RESET)
         await timed("verify", self.verify_all(tx, tx.active(ws), target))
         if recorded:
             await tx.move(RefreshState.VERIFIED)
             self.hook(tx, "verified")
-        await timed("resume", _each(tx.active(ws), lambda w: control.resume(ch, w)))
+        await timed("resume", _each(tx, tx.active(ws), lambda w: control.resume(ch, w)))
         if recorded:
             await tx.move(RefreshState.RESUMED)
         answers = await timed("probe", self.probe_all(tx, tx.active(ws), target))
@@ -186,7 +186,8 @@ class Waves:
     # ------------------------------------------------------------------ verify and probe
 
     async def verify_all(self, tx: Transaction, ws: list[FleetWorker], target: Policy) -> None:
-        found = await gather_all(self.control.verify(tx.ch, w, target) for w in ws)
+        found = await for_each(ws, lambda w: self.control.verify(tx.ch, w, target),
+                               tx.ch.phase_deadline)
         mismatched = [m for m in found if m]
         if mismatched:
             raise RefreshHeld(f"version check differs on {', '.join(mismatched)}: a synchronous "
@@ -197,8 +198,9 @@ class Waves:
         """Post-update generation on every worker (see rlfleet.rl.probe): each must
         reproduce the expected probe, or, without one, all must agree with each other (and
         with the workers of earlier waves). The answers of the workers that passed."""
-        answers = [a for a in await gather_all(
-            self.probe_one(tx, w, target) for w in ws) if a is not None]
+        answers = [a for a in await for_each(
+            ws, lambda w: self.probe_one(tx, w, target), tx.ch.phase_deadline)
+            if a is not None]
         if target.probe is not None:
             by_id = {w.instance_id: w for w in ws}
             for a in answers:
@@ -223,8 +225,10 @@ class Waves:
         req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
         req.adapter = self.control.probe_adapter
         try:
-            events = await generate_over_http(tx.requests, w.request_url, req, cfg.timeout,
-                                              cfg.admin_token)
+            async with tx.ch.slot():
+                events = await generate_over_http(tx.requests.get(w.request_url),
+                                                  w.request_url, req, cfg.timeout,
+                                                  cfg.admin_token)
         except WorkerError as e:
             w.record("probe", "generate", e.status, e.body)
             w.exclude(f"post-update generation failed: HTTP {e.status} {e}")

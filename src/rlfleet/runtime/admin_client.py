@@ -5,8 +5,10 @@ has a deadline and carries the admin token, the caller's fleet epoch and its tra
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 import msgspec
@@ -58,6 +60,44 @@ class CallResult(Generic[R]):
         return self.body
 
 
+class WorkerClients:
+    """One small HTTP client per worker (per scheme://host:port), for a coordinator that
+    calls a thousand of them. One shared client would hold their connections in one pool,
+    and httpcore scans every connection of its pool (and, per idle one, every connection
+    again) on each request it starts or ends: a phase over N workers costs N² there. Each
+    worker's own pool keeps its one connection alive from phase to phase, at O(1) a call;
+    the coordinator holds at most two descriptors per worker (see
+    `rlfleet.runtime.limits.raise_fd_limit`). The clients share one TLS context."""
+
+    def __init__(self, keepalive: int = 2) -> None:
+        self._limits = httpx.Limits(max_connections=None, max_keepalive_connections=keepalive)
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._tls: ssl.SSLContext | None = None
+
+    def get(self, url: str) -> httpx.AsyncClient:
+        """The client for `url`'s origin (made on first use)."""
+        parts = urlsplit(url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        client = self._clients.get(origin)
+        if client is None:
+            if self._tls is None:
+                self._tls = ssl.create_default_context()
+            client = self._clients[origin] = httpx.AsyncClient(limits=self._limits,
+                                                               verify=self._tls)
+        return client
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            await c.aclose()
+
+    async def __aenter__(self) -> WorkerClients:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
 @dataclass
 class AdminClient:
     """Calls to workers' system servers with one token, deadline and fleet epoch."""
@@ -66,6 +106,7 @@ class AdminClient:
     timeout: float
     admin_token: str | None = None
     epoch: int | None = None
+    workers: WorkerClients | None = None  # one client per worker (else `http` for all)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -83,7 +124,8 @@ class AdminClient:
         None: no fields)."""
         content = msgspec.json.encode(request) if request is not None else b"{}"
         try:
-            r = await self.http.post(f"{system_url}{admin.ROUTE_PREFIX}/{route.name}",
+            http = self.workers.get(system_url) if self.workers is not None else self.http
+            r = await http.post(f"{system_url}{admin.ROUTE_PREFIX}/{route.name}",
                                      content=content, timeout=timeout or self.timeout,
                                      headers={**self.headers,
                                               "content-type": "application/json"})

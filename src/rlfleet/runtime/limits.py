@@ -31,10 +31,9 @@ log = logging.getLogger("rlfleet.limits")
 MiB = 1 << 20
 
 
-def _default_max_connections() -> int:
-    """What the process's file-descriptor limit allows, leaving room for everything else it
-    opens (its links to workers, discovery, logs). The soft limit is raised to the hard one
-    first."""
+def raise_fd_limit() -> int:
+    """Raise the soft file-descriptor limit to the hard one (a process that talks to, or
+    simulates, a thousand workers needs thousands); the soft limit now."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 65536
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -43,9 +42,14 @@ def _default_max_connections() -> int:
             soft = want
         except (ValueError, OSError):
             pass
-    if soft == resource.RLIM_INFINITY:
-        soft = 65536
-    return max(64, min(16384, soft - 256))
+    return 65536 if soft == resource.RLIM_INFINITY else soft
+
+
+def _default_max_connections() -> int:
+    """What the process's file-descriptor limit allows, leaving room for everything else it
+    opens (its links to workers, discovery, logs). The soft limit is raised to the hard one
+    first."""
+    return max(64, min(16384, raise_fd_limit() - 256))
 
 
 @dataclass(frozen=True)

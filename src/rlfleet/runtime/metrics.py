@@ -201,8 +201,13 @@ class TokenRate:
         self.samples: deque[tuple[float, float]] = deque(maxlen=int(window) + 1)
 
     def _total(self) -> float:
-        return WORKER.get_sample_value("rlfleet_worker_generated_tokens_total",
-                                       {"model": self.series.model}) or 0.0
+        # this worker's counter alone: collecting the registry would read every worker's
+        # series and state (a process of many simulated workers samples N times a second)
+        for family in self.series.generated.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    return sample.value
+        return 0.0
 
     def sample(self) -> None:
         self.samples.append((time.monotonic(), self._total()))

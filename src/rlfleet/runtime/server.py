@@ -1,12 +1,16 @@
 """Binding a listening socket and serving an ASGI app on it, under the server limits
 (`rlfleet.runtime.limits`): every rlfleet HTTP server (frontend, RL listener, a worker's
-request plane and system server) runs as an `AppServer`, several in one process."""
+request plane and system server) runs as an `AppServer`, several in one process. One
+`AppServer` may also serve several apps, each on its own socket (`AppServer.shared`): one
+uvicorn server, so one housekeeping tick, however many listeners (a worker's request plane
+and system server; the N workers a replicated mocker simulates)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -39,16 +43,44 @@ class _Server(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+class _ByPort:
+    """ASGI: the app whose socket the connection came in on (its local port)."""
+
+    def __init__(self, apps: dict[int, Any]) -> None:
+        self.apps = apps
+
+    async def __call__(self, scope, receive, send) -> None:
+        server = scope.get("server")
+        app = self.apps.get(server[1]) if server else None
+        if app is None:  # not one of ours (uvicorn always sets the local address)
+            raise RuntimeError(f"no app listens on {server!r}")
+        await app(scope, receive, send)
+
+
 class AppServer:
-    """One ASGI app on one bound socket, started and stopped as an asyncio task."""
+    """One ASGI app on one bound socket (or, built by `shared`, one app per socket), started
+    and stopped as an asyncio task."""
 
     def __init__(self, app: Any, sock: socket.socket, log_level: str = "warning",
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None,
+                 more: Sequence[tuple[Any, socket.socket]] = ()) -> None:
         limits = limits or ServerLimits()
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
-        self._server = _Server(uvicorn.Config(BodyLimit(app, limits), log_level=log_level,
+        self.socks = [sock, *(s for _, s in more)]
+        if more:
+            apps: dict[int, Any] = {}
+            for a, s in [(app, sock), *more]:
+                p = s.getsockname()[1]
+                if p in apps:
+                    raise ValueError(f"two listeners of one server on port {p}: give each its "
+                                     "own port")
+                apps[p] = BodyLimit(a, limits)
+            served: Any = _ByPort(apps)
+        else:
+            served = BodyLimit(app, limits)
+        self._server = _Server(uvicorn.Config(served, log_level=log_level,
                                               lifespan="off", access_log=False,
                                               log_config=None,  # its lines reach ours
                                               timeout_keep_alive=limits.idle_timeout,
@@ -56,13 +88,23 @@ class AppServer:
                                               http=guarded_protocol(limits)))
         self._task: asyncio.Task | None = None
 
+    @classmethod
+    def shared(cls, pairs: Sequence[tuple[Any, socket.socket]], log_level: str = "warning",
+               limits: ServerLimits | None = None) -> AppServer:
+        """One server for several (app, bound socket) pairs, each app answering on its own
+        socket (ports must differ)."""
+        if not pairs:
+            raise ValueError("a shared server needs at least one (app, socket)")
+        (app, sock), *more = pairs
+        return cls(app, sock, log_level, limits, more)
+
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]))
+        self._task = asyncio.create_task(self._server.serve(sockets=self.socks))
         while not self._server.started:
             if self._task.done():
                 self._task.result()

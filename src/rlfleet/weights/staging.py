@@ -1018,6 +1018,14 @@ def _land(h: StagedVersion, board: ChunkBoard, staged: StagedFiles, c: Chunk, da
 # ---------------------------------------------------------------- the staging area
 
 
+def default_staging_root() -> Path:
+    """This process's staging directory in /dev/shm (else the temp directory); those of
+    processes that are gone are removed first."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    _remove_orphans(base)
+    return base / f"rlfleet-staging-{os.getpid()}"
+
+
 class StagingArea:
     """A worker's staged versions and its resident one. The transfer runs in a thread; the
     catalog (when the worker has one) is asked for a lease on the version while it is
@@ -1032,11 +1040,7 @@ class StagingArea:
         checked and the engine has prepared it (prepare_staged) while serving.
         `startup_checkpoint`: the checkpoint directory the worker was started from (the base
         of a delta named by its content digest alone, when its files have that digest)."""
-        if root is None:
-            base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-            _remove_orphans(base)
-            root = base / f"rlfleet-staging-{os.getpid()}"
-        self.root = Path(root)
+        self.root = Path(root) if root is not None else default_staging_root()
         self.root.mkdir(parents=True, exist_ok=True)
         self.catalog = catalog  # a Catalog, or its URL (opened on first use, in the loop)
         self._own_catalog = isinstance(catalog, (str, Path))
@@ -1377,5 +1381,6 @@ def _remove_orphans(base: Path) -> None:
             continue
 
 
-__all__ = ["DeltaBase", "StageState", "StagedVersion", "StagingArea", "StageRequestError",
+__all__ = ["DeltaBase", "default_staging_root",
+           "StageState", "StagedVersion", "StagingArea", "StageRequestError",
            "Source", "StartupCheckpoint", "parse_source", "parse_base", "transfer", "Resident"]

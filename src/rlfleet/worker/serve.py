@@ -8,7 +8,9 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Callable
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +177,11 @@ class WorkerProcess:
     def __init__(self, engine: Engine, args: argparse.Namespace,
                  admin_routes: Callable[[], list[Route]] | None = None, staging: Any = None,
                  admission: Admission | None = None, fence: FleetFence | None = None,
-                 mounted: MountedRoutes | None = None) -> None:
+                 mounted: MountedRoutes | None = None, discovery: Discovery | None = None
+                 ) -> None:
+        """`discovery`: a store client shared with other workers of this process (its
+        entries and leases stay this worker's own; the owner of the client closes it);
+        default: one of its own, from --discovery."""
         self.engine, self.args = engine, args
         self.mounted = mounted  # vLLM's native RL routes (rlfleet.worker.native_rl)
         self.admin_routes, self.staging = admin_routes, staging
@@ -188,12 +194,14 @@ class WorkerProcess:
         self.plane = WorkerPlane(engine, self.faults, args.trust_request_chat_template,
                                  args.admin_token)
         self.endpoints = [GENERATE_ENDPOINT, RL_ENDPOINT] if args.enable_rl else [GENERATE_ENDPOINT]
-        self.discovery = open_discovery(args.discovery)
+        self._own_discovery = discovery is None
+        self.discovery = open_discovery(args.discovery) if discovery is None else discovery
         self.serving = asyncio.Event()  # set once registered; /health says "ready" from then on
-        self.servers: list[AppServer] = []
+        self.servers: list[AppServer] = []  # the HTTP servers this worker owns (stops)
         self.regs: list[Registration] = []
         self.request_url = self.stream_address = ""
         self.system_url: str | None = None
+        self.stream: Any = None
         self._toward = discovery_peer(args.discovery)
         self._publishing = asyncio.Lock()  # one entry write at a time, each from the current state
         self._background: set[asyncio.Future] = set()
@@ -202,44 +210,61 @@ class WorkerProcess:
         self._state_key: Any = None
 
     async def start(self) -> None:
-        """Serve, register, and say so on stdout."""
-        await self._serve_request_plane()
+        """Serve (one HTTP server for the request plane and the system server), register,
+        and say so on stdout."""
+        server = AppServer.shared(await self.bind())
+        await server.start()
+        self.servers.append(server)
+        await self.go_live()
+
+    async def bind(self) -> list[tuple[Any, socket.socket]]:
+        """Bind the request plane and (with --system-port) the system server, start the
+        stream plane, and learn the URLs; the HTTP apps and their sockets, for a server
+        the caller starts (`start`, or one server for many workers: `serve_workers`)."""
+        pairs = [self._request_plane()]
+        self.stream = await self.plane.serve(bind_socket(self.args.host, 0))
+        host = advertised_host(self.args.host, self.args.advertise_host, self._toward)
+        port = self.stream.port
+        self.stream_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self.args.system_port is not None:
+            pairs.append(self._system())
+        return pairs
+
+    async def go_live(self, announce: bool = True, check_fleet: bool = True) -> None:
+        """Once its HTTP server answers: register, watch the engine, and (`announce`) write
+        the ready line on stdout. `check_fleet`: ask the store whether the fleet is
+        controlled (False: the caller did, for many workers at once)."""
         # what the status page and dashboards read: the policy and the gate at scrape time
         self._state_key = metrics.WORKER_STATE.add(self.engine.info.served_model_name,
                                                    self.engine.serving_policy,
                                                    lambda: self.admission.gated)
         self._tasks.append(asyncio.create_task(_sample_rate(self._rate)))
-        if self.args.system_port is not None:
-            await self._serve_system()
         if self.staging is not None:
             self.staging.attach(str(self.instance_id), self.system_url)
-        await self._register()
+        await self._register(check_fleet)
         self.serving.set()
         self._tasks.append(asyncio.create_task(_watch_engine(self.engine, self.admission),
                                                name="engine-watch"))
         model = self.engine.info.served_model_name
-        # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
-        announce_ready("worker", {"instance_id": self.instance_id, "url": self.request_url,
-                                  "system_url": self.system_url or "", "model": model,
-                                  "stream": self.stream_address},
-                       getattr(self.args, "log_format", None))
+        if announce:  # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
+            announce_ready("worker", self.ready_fields(), getattr(self.args, "log_format", None))
         log.info("worker %s serving %s at %s (system server: %s, discovery: %s)",
                  self.instance_id, model, self.request_url, self.system_url, self.discovery.url)
 
-    async def _serve_request_plane(self) -> None:
+    def ready_fields(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "url": self.request_url,
+                "system_url": self.system_url or "",
+                "model": self.engine.info.served_model_name, "stream": self.stream_address}
+
+    def _request_plane(self) -> tuple[Any, socket.socket]:
         args = self.args
-        rp = AppServer(self.plane.http_app(), bind_socket(args.host, args.port))
-        await rp.start()
-        self.servers.append(rp)
+        sock = bind_socket(args.host, args.port)
         host = advertised_host(args.host, args.advertise_host, self._toward)
         warn_if_unreachable("this worker", host, args.discovery)
-        self.request_url = http_url(host, rp.port)
-        # the stream plane (what frontends use) on a free port beside the HTTP request plane
-        self.stream = await self.plane.serve(bind_socket(args.host, 0))
-        port = self.stream.port
-        self.stream_address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.request_url = http_url(host, sock.getsockname()[1])
+        return self.plane.http_app(), sock
 
-    async def _serve_system(self) -> None:
+    def _system(self) -> tuple[Any, socket.socket]:
         args = self.args
         # never behind a long control call: a worker can always be taken out of rotation
         routes = (self.admin_routes() if self.admin_routes else []) + [
@@ -248,14 +273,13 @@ class WorkerProcess:
                          health=self.health, ready=self.serving.is_set, fence=self.fence,
                          changed=self.changed, mounted=self.mounted)
         system_host = args.system_host or args.host
-        ss = AppServer(app, bind_socket(system_host, args.system_port))
-        await ss.start()
-        self.servers.append(ss)
+        sock = bind_socket(system_host, args.system_port)
         self.system_url = http_url(advertised_host(system_host, args.advertise_host,
-                                                   self._toward), ss.port)
+                                                   self._toward), sock.getsockname()[1])
         if self.staging is not None:
             add_weights_route(app, self.staging.resident_dir, args.admin_token)
             add_fanout_routes(app, self.staging.held, args.admin_token)
+        return app, sock
 
     # ---------------------------------------------------------------- what it says about itself
 
@@ -304,8 +328,8 @@ class WorkerProcess:
 
     # ---------------------------------------------------------------- discovery
 
-    async def _register(self) -> None:
-        if not self.admission.gated:
+    async def _register(self, check_fleet: bool = True) -> None:
+        if check_fleet and not self.admission.gated:
             await self._gate_if_controlled()
         for endpoint in self.endpoints:
             reg = await self.discovery.register(self.entry(endpoint), ttl=self.args.lease_ttl)
@@ -365,8 +389,10 @@ class WorkerProcess:
                 await asyncio.wait_for(reg.close(), 5)
             except Exception as e:  # the lease will expire anyway
                 log.warning("deregistration failed: %r", e)
-        await self.discovery.close()
-        await self.stream.stop()
+        if self._own_discovery:
+            await self.discovery.close()
+        if self.stream is not None:
+            await self.stream.stop()
         for s in self.servers:
             await s.stop()
         if self.staging is not None:
@@ -383,15 +409,35 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
+@dataclass
+class WorkerParts:
+    """What one served worker is made of (see `WorkerProcess`)."""
+
+    engine: Engine
+    args: argparse.Namespace
+    admin_routes: Callable[[], list[Route]] | None = None
+    staging: Any = None
+    admission: Admission | None = None
+    fence: FleetFence | None = None
+    mounted: MountedRoutes | None = None
+
+
+REGISTER_CONCURRENCY = 64  # replicas registering (or deregistering) at once
+
+
 def run_worker(engine: Engine, args: argparse.Namespace,
                admin_routes: Callable[[], list[Route]] | None = None, staging=None,
                admission: Admission | None = None, fence: FleetFence | None = None,
                mounted: MountedRoutes | None = None) -> None:
     """serve_worker on uvloop (the worker's event loop carries every request's events), in
     a process of its own (its output stays JSON in json format)."""
-    keep_output_json(getattr(args, "log_format", None))
-    uvloop.run(serve_worker(engine, args, admin_routes, staging=staging, admission=admission,
-                            fence=fence, mounted=mounted))
+    run_workers([WorkerParts(engine, args, admin_routes, staging, admission, fence, mounted)])
+
+
+def run_workers(parts: list[WorkerParts]) -> None:
+    """serve_workers on uvloop, in a process of its own."""
+    keep_output_json(getattr(parts[0].args, "log_format", None))
+    uvloop.run(serve_workers(parts))
 
 
 async def serve_worker(engine: Engine, args: argparse.Namespace,
@@ -405,15 +451,69 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
     hold the worker closed while its weights are uncertain); `fence`: the fleet epoch the
     admin routes report (EngineAdmin.fence); `mounted`: routes beside /engine/* (vLLM's
     native RL routes). See `WorkerProcess`."""
+    await serve_workers([WorkerParts(engine, args, admin_routes, staging, admission, fence,
+                                     mounted)])
+
+
+async def serve_workers(parts: list[WorkerParts]) -> None:
+    """`serve_worker` for one worker or many in this process (`python -m rlfleet.mocker
+    --replicas N`): each its own engine, request plane, system server, admin state,
+    discovery entries and leases; one HTTP server for all their listeners and one client of
+    the discovery store. Many: one ready line (RLFLEET_WORKERS_READY) once all registered."""
+    args = parts[0].args
     setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
-    tracing.setup(f"rlfleet-worker {engine.info.served_model_name}",
-                  getattr(args, "otlp_traces_endpoint", None))
+    name = parts[0].engine.info.served_model_name
+    tracing.setup(f"rlfleet-worker {name}", getattr(args, "otlp_traces_endpoint", None))
     stop = _stop_on_signals()
-    with Progress(f"starting the engine for {engine.info.served_model_name}"):
-        await engine.start()
-    worker = WorkerProcess(engine, args, admin_routes, staging, admission, fence, mounted)
-    await worker.start()
+    with Progress(f"starting the engine for {name}"
+                  + (f" ({len(parts)} replicas)" if len(parts) > 1 else "")):
+        await _bounded([p.engine.start() for p in parts])
+    shared = open_discovery(args.discovery) if len(parts) > 1 else None
+    workers = [WorkerProcess(p.engine, p.args, p.admin_routes, p.staging, p.admission,
+                             p.fence, p.mounted, discovery=shared) for p in parts]
+    server: AppServer | None = None
     try:
+        if shared is None:
+            await workers[0].start()
+        else:
+            server = AppServer.shared([pair for w in workers for pair in await w.bind()])
+            await server.start()
+            await _replicas_live(workers, shared, args)
         await stop.wait()
     finally:
-        await worker.stop()
+        await _bounded([w.stop() for w in workers])
+        if server is not None:
+            await server.stop()
+        if shared is not None:
+            await shared.close()
+
+
+async def _replicas_live(workers: list[WorkerProcess], discovery: Discovery,
+                         args: argparse.Namespace) -> None:
+    """Register every replica (whether the fleet is controlled is asked once, not once per
+    replica: each ask lists the store) and say so in one line."""
+    model = workers[0].engine.info.served_model_name
+    why = await joins_controlled_fleet(discovery, args.namespace, model)
+    for w in workers:
+        if why and not w.admission.gated:
+            w.admission.gate_reason = why
+    await _bounded([w.go_live(announce=False, check_fleet=False) for w in workers])
+    announce_ready("workers", {"replicas": len(workers), "model": model,
+                               "first_url": workers[0].request_url,
+                               "first_system_url": workers[0].system_url or ""},
+                   getattr(args, "log_format", None))
+    log.info("%d simulated workers of %s serving (discovery: %s)", len(workers), model,
+             discovery.url)
+
+
+async def _bounded(coros: list[Awaitable[Any]], limit: int = REGISTER_CONCURRENCY) -> None:
+    """Await `coros`, at most `limit` at once; the first failure is raised (after all ran)."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(c: Awaitable[Any]) -> None:
+        async with gate:
+            await c
+    results = await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r

@@ -124,6 +124,9 @@ class Listing:
 
     entries: Entries
     skipped: list[Skipped] = field(default_factory=list)
+    # key -> (expires_at, ttl) of each listed lease, where the store knows them (file):
+    # what its watch checks without listing again
+    leases: dict[str, tuple[float, float]] | None = None
 
     @classmethod
     def of(cls, items: Iterable[tuple[str, Entry]], skipped: list[Skipped],
@@ -365,7 +368,9 @@ class Discovery(abc.ABC):
             await changes.start()
             while not self._closed:
                 try:
-                    entries = (await self.listing(namespace, component, endpoint)).entries
+                    listing = await self.listing(namespace, component, endpoint)
+                    changes.listed(listing)
+                    entries = listing.entries
                 except Exception as exc:  # noqa: BLE001 - a watch never dies; it reports and retries
                     if not failing:
                         if isinstance(exc, DiscoveryError):
@@ -431,6 +436,9 @@ class ChangeSource:
 
     async def start(self) -> None:
         return None
+
+    def listed(self, listing: Listing) -> None:
+        """The watch just listed this (what it yields unless nothing changed)."""
 
     async def wait(self, interval: float, failing: bool) -> None:
         await asyncio.sleep(interval)

@@ -33,7 +33,8 @@ from rlfleet.runtime.discovery.base import (
 ETCD_PREFIX = "/rlfleet/discovery/"
 ETCD_DEFAULT_PORT = 2379
 DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
-WATCH_RESYNC = 5.0  # seconds, re-list even when the etcd watch is quiet
+WATCH_RESYNC = 30.0  # seconds, re-list even when the etcd watch is quiet (a listing of a
+# thousand workers is ~1 MB: the watch, not the resync, is what keeps a frontend current)
 
 T = TypeVar("T")
 
@@ -140,6 +141,8 @@ class _EtcdChanges(ChangeSource):
         if self._alive() and not failing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), max(interval, WATCH_RESYNC))
+                # one listing for the burst an event starts (a fleet changing: N events)
+                await asyncio.sleep(interval)
             self._event.clear()
             if self._alive():
                 return

@@ -8,6 +8,13 @@ and reported (:class:`~rlfleet.runtime.discovery.base.Skipped`). A directory tha
 or is replaced does not end its entries: each keeps its lease until it expires or its owner
 rewrites it (owners recreate the directory at their next keep-alive), so a few seconds
 without the directory never empty a frontend's pool.
+
+A keep-alive touches its file (its modification time is the lease's start) rather than
+rewriting it, so the directory itself changes only when an entry is added, replaced or
+removed. A watch therefore stats one directory per tick and lists it only when it changed
+(or changed within the last `HOT` seconds: timestamps are coarse), and stats the file of an
+entry only when that entry's lease would have run out: its cost follows the changes and
+the leases, not the listing.
 """
 
 from __future__ import annotations
@@ -44,17 +51,16 @@ class _FileRegistration(base.Registration):
     _owner: FileDiscovery
 
     async def _establish(self) -> None:
-        await self._owner._io(self._owner._write, self.key, self.entry, self.ttl)
+        await self._owner._batched(self._owner._write, self.key, self.entry, self.ttl)
 
     async def _refresh(self) -> bool:
-        await self._establish()
-        return True
+        return await self._owner._batched(self._owner._touch, self.key)
 
     async def _put(self) -> None:
         await self._establish()
 
     async def _remove(self) -> None:
-        await self._owner._io(self._owner._delete, self.key)
+        await self._owner._batched(self._owner._delete, self.key)
 
 
 class FileDiscovery(base.Discovery):
@@ -64,6 +70,7 @@ class FileDiscovery(base.Discovery):
     TMP_MAX_AGE = 60.0  # delete leftover temp files older than this (crashed writers)
     MAX_RECORD_BYTES = 1 << 20  # an entry is a few hundred bytes; anything this big is not one
     DEADLINE = 10.0  # seconds for one scan or write (a hung filesystem becomes a DiscoveryError)
+    HOT = 1.0  # a directory changed this recently is listed again at every watch tick
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).absolute()
@@ -73,12 +80,40 @@ class FileDiscovery(base.Discovery):
         self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) when last seen
         self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
         self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
+        self._pending: list[tuple[Any, tuple, asyncio.Future]] = []  # ops for the next trip
+        self._batcher: asyncio.Task[None] | None = None
 
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> base.Registration:
         return _FileRegistration(self, key, entry, ttl)
 
     def _changes(self, namespace: str | None) -> base.ChangeSource:
-        return base.ChangeSource()
+        return _FileChanges(self)
+
+    async def _batched(self, fn, *args):
+        """`fn(*args)` in a thread, in one trip with the other writes, touches and deletes
+        asked for meanwhile (a process of many simulated workers writes thousands of
+        entries: one thread hop each would queue them behind the interpreter lock)."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, args, fut))
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.get_running_loop().create_task(self._run_batches())
+        return await asyncio.shield(fut)
+
+    async def _run_batches(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                results = await self._io(_each_op, [(fn, args) for fn, args, _ in batch])
+            except BaseException as exc:  # the whole trip failed (a hung filesystem)
+                err = exc if isinstance(exc, DiscoveryError) else DiscoveryError(repr(exc))
+                results = [err] * len(batch)
+            for (_, _, fut), result in zip(batch, results, strict=True):
+                if fut.done():
+                    continue
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
 
     async def _io(self, fn, *args):
         """Run a file operation in a thread under the lock and a deadline."""
@@ -127,6 +162,49 @@ class FileDiscovery(base.Discovery):
             raise DiscoveryError(f"file discovery {self.directory}: cannot write {key}: "
                                  f"{exc}") from exc
 
+    def _touch(self, key: str) -> bool:
+        """Renew `key`'s lease: its file's mtime is now. False when the file is gone."""
+        try:
+            os.utime(self._path(key))
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot renew "
+                                 f"{key}: {exc}") from exc
+        return True
+
+    def _dir_sig(self) -> tuple[int, int, int] | None:
+        """(st_dev, st_ino, st_mtime_ns) of the directory; None when it is missing."""
+        try:
+            st = os.stat(self.directory)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DiscoveryError(f"file discovery {self.directory}: cannot stat: {exc}") from exc
+        return st.st_dev, st.st_ino, st.st_mtime_ns
+
+    def _poll(self, sig: tuple[int, int, int] | None, due: dict[str, float]
+              ) -> tuple[bool, tuple[int, int, int] | None, dict[str, float]]:
+        """Whether a watch that listed at directory state `sig` must list again: the
+        directory changed (or changed within HOT seconds), or one of the entries `due`
+        (key -> ttl) was not renewed in time. Also the directory's state now and the new
+        expiry of each renewed entry."""
+        now = time.time()
+        current = self._dir_sig()
+        changed = current != sig or (current is not None and now - current[2] / 1e9 < self.HOT)
+        renewed: dict[str, float] = {}
+        for key, ttl in due.items():
+            try:
+                expires = os.stat(self._path(key)).st_mtime + ttl
+            except OSError:  # gone (or unreadable): the listing says which
+                changed = True
+                continue
+            if expires <= now:
+                changed = True
+            else:
+                renewed[key] = expires
+        return changed, current, renewed
+
     def _delete(self, key: str) -> None:
         try:
             self._path(key).unlink(missing_ok=True)
@@ -136,24 +214,25 @@ class FileDiscovery(base.Discovery):
         self._last.pop(key, None)
         self._held.pop(key, None)
 
-    def _read(self, name: str) -> tuple[dict[str, Any] | None, str | None]:
+    def _read(self, name: str) -> tuple[dict[str, Any] | None, str | None, float]:
         """(the parsed record, None), or (None, why it is unusable), or (None, None) when the
-        file is gone. Cached by inode/mtime/size; never blocks (FIFOs and devices are
-        refused before they are opened, and opened non-blocking in case of a race)."""
+        file is gone; and the file's mtime (when its lease was last renewed). Cached by
+        inode/mtime/size; never blocks (FIFOs and devices are refused before they are
+        opened, and opened non-blocking in case of a race)."""
         path = self.directory / name
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return None, None
+            return None, None, 0.0
         except OSError as exc:
-            return None, f"cannot stat: {exc}"
+            return None, f"cannot stat: {exc}", 0.0
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._cache.get(name)
         if cached is not None and cached[0] == sig:
-            return cached[1], cached[2]
+            return cached[1], cached[2], st.st_mtime
         record, error = self._parse(path, st)
         self._cache[name] = (sig, record, error)
-        return record, error
+        return record, error, st.st_mtime
 
     def _parse(self, path: Path, st: os.stat_result) -> tuple[dict[str, Any] | None, str | None]:
         if not stat.S_ISREG(st.st_mode):
@@ -219,16 +298,17 @@ class FileDiscovery(base.Discovery):
                 continue
             if not name.endswith(".json"):
                 continue
-            record, error = self._read(name)
+            record, error, renewed = self._read(name)
             if error is not None:
                 skipped.append(Skipped(str(self.directory / name), error, self._key_of_name(name)))
                 continue
             if record is None:
                 continue
-            expires_at = float(record["expires_at"])
+            ttl = _ttl(record)
+            # written with its expiry; each keep-alive since moved its mtime (`_touch`)
+            expires_at = max(float(record["expires_at"]), renewed + ttl if ttl else 0.0)
             if expires_at <= now:
-                ttl = record.get("ttl")
-                grace = self.GC_TTLS * (ttl if isinstance(ttl, int | float) and ttl > 0 else 10.0)
+                grace = self.GC_TTLS * (ttl or 10.0)
                 if now - expires_at > grace:
                     with contextlib.suppress(OSError):
                         (self.directory / name).unlink()
@@ -321,4 +401,61 @@ class FileDiscovery(base.Discovery):
         listing = base.Listing.of(((key, entry) for key, (entry, _) in live.items()), skipped,
                              namespace, component, endpoint)
         listing.entries = json.loads(json.dumps(listing.entries))  # callers get private copies
+        # ttl 0 (not known: an entry held from a vanished directory): listed again at expiry
+        listing.leases = {key: (expires_at, _ttl_of(self, key) or 0.0)
+                          for key, (_, expires_at) in live.items()}
         return listing
+
+
+def _each_op(ops: list[tuple[Any, tuple]]) -> list[Any]:
+    """Run each (fn, args); each one's result or DiscoveryError."""
+    out: list[Any] = []
+    for fn, args in ops:
+        try:
+            out.append(fn(*args))
+        except DiscoveryError as exc:
+            out.append(exc)
+    return out
+
+
+def _ttl(record: dict[str, Any]) -> float | None:
+    ttl = record.get("ttl")
+    return float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
+
+
+def _ttl_of(store: FileDiscovery, key: str) -> float | None:
+    cached = store._cache.get(store._path(key).name)
+    return _ttl(cached[1]) if cached is not None and cached[1] is not None else None
+
+
+class _FileChanges(base.ChangeSource):
+    """Wakes the watch loop when the directory changed or a listed lease ran out; between
+    changes each tick costs one stat (and one per lease that is due)."""
+
+    def __init__(self, owner: FileDiscovery) -> None:
+        self._owner = owner
+        self._sig: tuple[int, int, int] | None = None  # the directory when last listed
+        self._leases: dict[str, tuple[float, float]] = {}  # key -> (expires_at, ttl)
+
+    async def start(self) -> None:
+        self._sig = await self._owner._io(self._owner._dir_sig)
+
+    def listed(self, listing: base.Listing) -> None:
+        self._leases = dict(listing.leases or {})
+
+    async def wait(self, interval: float, failing: bool) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if failing:
+                return
+            now = time.time()
+            due = {k: ttl for k, (expires, ttl) in self._leases.items() if expires <= now}
+            try:
+                changed, sig, renewed = await self._owner._io(self._owner._poll, self._sig, due)
+            except DiscoveryError:
+                return  # the listing reports it
+            for key, expires in renewed.items():
+                self._leases[key] = (expires, self._leases[key][1])
+            if changed:
+                self._sig = sig  # stat before the listing: a later change differs from it
+                return

@@ -1,0 +1,211 @@
+"""How rlfleet's costs grow with the fleet, on simulated fleets of N = 8, 64, 256, 1,024
+workers (one `python -m rlfleet.mocker --replicas N` process: the declared simulator; what
+is measured is discovery, routing and the coordinator, never an engine).
+
+For each N: a frontend (with the RL listener) and the N workers over file discovery; the
+mocker's resident memory; a synchronous policy refresh and then a rolling one (waves of
+N/4) through `PolicyRefresh` (admin calls in flight:
+--admin-concurrency), each one's wall time, its time
+per phase, and the CPU per worker the coordinator, the simulated workers and the frontend
+spent on it. At the largest N, the discovery figures: time from a new worker's registration
+(its discovery file written) to the first request the frontend routes to it, the
+frontend's CPU while nothing changes, and how long after a worker is stopped (SIGSTOP)
+the frontend drops it, against its lease TTL.
+
+    python bench/fleet_scale.py [--workers 8,64,256,1024] [--admin-concurrency 64] [--lease-ttl 10]
+
+Baseline: the smallest N, side by side (ratio = time at N ÷ time at the smallest N). The
+last line is one JSON object: {"workers", "refresh_s", "ratio_refresh", "join_to_route_s",
+"idle_cpu_frac", "mib_per_worker", ...}."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.runtime.launch import LocalFleet
+
+MODEL = "bench-scale"
+
+
+def proc_stats(pid: int) -> tuple[float, float]:
+    """(CPU seconds, resident MiB) of a process."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status")
+               if line.startswith("VmRSS:"))
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK"), rss / 1024
+
+
+def usable(url: str, model: str) -> set[int]:
+    workers = httpx.get(f"{url}/health", timeout=30).json()["workers"]
+    return {w["instance_id"] for w in workers if w["model"] == model and w["usable"]}
+
+
+def wait_usable(url: str, model: str, n: int, timeout: float) -> float:
+    t0 = time.monotonic()
+    while len(usable(url, model)) < n:
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"the frontend routes to {len(usable(url, model))} of {n}")
+        time.sleep(0.25)
+    return time.monotonic() - t0
+
+
+def mock_argv(root: Path, model: str, replicas: int) -> list[str]:
+    return ["--served-model-name", model, "--enable-rl", "--system-port", "0",
+            "--allowed-weights-root", str(root), "--replicas", str(replicas),
+            "--log-level", "warning"]
+
+
+def phases(res) -> dict[str, float]:
+    out: dict[str, float] = {}  # seconds per phase (summed over waves)
+    for s in res.steps:
+        out[s["name"]] = round(out.get(s["name"], 0.0) + s["seconds"], 3)
+    return out
+
+
+def refresh(fleet: LocalFleet, journal: Path, ckpt: Path, version: str, seed: int,
+            concurrency: int, **mode) -> tuple[float, dict[str, float]]:
+    """Wall seconds of one refresh; its phases, and the CPU milliseconds per worker the
+    coordinator (this process), the simulated workers and the frontend spent on it."""
+    r = PolicyRefresh(fleet.rl_url, model=MODEL, journal=str(journal), timeout=120,
+                      concurrency=concurrency, **mode)
+    pids = {"mocker": fleet.workers[0].popen.pid, "frontend": fleet.frontend.popen.pid}
+    before = {k: proc_stats(pid)[0] for k, pid in pids.items()}
+    try:
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = asyncio.run(r.refresh(ckpt, version, digest=f"mock:{seed}"))
+        wall, coordinator = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        r.journal.close()
+    n = max(1, len(res.workers))
+    cpu = {"coordinator": coordinator, **{k: proc_stats(pid)[0] - before[k]
+                                          for k, pid in pids.items()}}
+    print(f"refresh to {version} ({n} workers): {wall:.2f} s; CPU ms per worker: "
+          + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in cpu.items()), flush=True)
+    if not res.ok:
+        raise RuntimeError(f"refresh to {version} did not reopen the fleet: {res.reason}")
+    out = sum(w["status"] != "verified" for w in res.workers)
+    if out:  # reported, not hidden: the figure is for the workers that moved
+        print(f"refresh to {version}: {out} worker(s) kept out: {res.reason[:500]}", flush=True)
+    return wall, phases(res) | {"kept_out": out}
+
+
+def one_size(n: int, a: argparse.Namespace, work: Path) -> dict:
+    root = work / "weights"
+    ckpts = {v: write_mock_checkpoint(root / v, s) for v, s in (("A", 2), ("B", 3))}
+    with LocalFleet(work / f"n{n}", lease_ttl=a.lease_ttl) as fleet:
+        fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "60"})
+        t0 = time.monotonic()
+        mock = fleet.start_worker(*mock_argv(root, MODEL, n), kind="mocker", timeout=900)
+        started = time.monotonic() - t0
+        wait_usable(fleet.url, MODEL, n, 120)
+        _, rss = proc_stats(mock.popen.pid)
+        journal = work / f"journal-{n}.sqlite"
+        sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
+        roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency, mode="rolling",
+                                  wave_size=max(1, n // 4))
+        out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1),
+               "refresh_s": round(sync_s, 3), "phases": sync_ph,
+               "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
+        if n == max(a.sizes):
+            out.update(discovery_figures(fleet, root, a))
+        print(json.dumps(out), flush=True)
+        return out
+
+
+def join_once(fleet: LocalFleet, root: Path, model: str, ttl: float) -> tuple[float, object]:
+    """Start one worker of its own model; seconds from its discovery file being written
+    to the first request the frontend routes to it."""
+    p = fleet.start_worker(*mock_argv(root, model, 1), "--lease-ttl", str(ttl), kind="mocker",
+                           wait=False)
+    body = {"model": model, "prompt": [1101, 1102], "max_tokens": 1}
+    with httpx.Client(timeout=30) as c:
+        deadline = time.monotonic() + 120
+        while c.post(f"{fleet.url}/v1/completions", json=body).status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no request reached {model}")
+            time.sleep(0.01)
+        routed_at = time.time()
+    ready = p.wait_ready(60)
+    files = list((Path(fleet.discovery.removeprefix("file://"))).glob(
+        f"*{ready['instance_id']}.json"))
+    registered = min(f.stat().st_mtime for f in files)  # written once, touched ttl/3 later
+    return routed_at - registered, p
+
+
+def discovery_figures(fleet: LocalFleet, root: Path, a: argparse.Namespace) -> dict:
+    joins, procs = [], []
+    for i in range(3):
+        s, p = join_once(fleet, root, f"{MODEL}-join{i}", a.join_lease_ttl)
+        joins.append(round(s, 3))
+        procs.append(p)
+    time.sleep(3)  # nothing changes from here on
+    front = fleet.frontend.popen.pid
+    c0, _ = proc_stats(front)
+    t0 = time.monotonic()
+    time.sleep(a.idle_seconds)
+    c1, _ = proc_stats(front)
+    idle = (c1 - c0) / (time.monotonic() - t0)
+    victim = procs[0]
+    iid = int(victim.ready["instance_id"])
+    victim.signal(signal.SIGSTOP)
+    t_stop = time.monotonic()
+    while iid in {w["instance_id"] for w in
+                  httpx.get(f"{fleet.url}/health", timeout=30).json()["workers"]}:
+        time.sleep(0.05)
+    lapse = time.monotonic() - t_stop
+    victim.signal(signal.SIGCONT)
+    return {"join_to_route_s": joins, "idle_cpu_frac": round(idle, 4),
+            "lapse_noticed_s": round(lapse, 2), "lease_ttl_s": a.join_lease_ttl}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="8,64,256,1024")
+    p.add_argument("--admin-concurrency", type=int, default=64)
+    p.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="the simulated fleet's lease TTL (long: N workers on two busy cores "
+                        "must not lapse while they are refreshed)")
+    p.add_argument("--join-lease-ttl", type=float, default=5.0,
+                   help="the TTL of the workers that join (and the one stopped) at the end")
+    p.add_argument("--idle-seconds", type=float, default=15.0)
+    p.add_argument("--workdir", default=None,
+                   help="keep the fleets' logs and discovery here (default: a temporary "
+                        "directory, removed)")
+    a = p.parse_args()
+    a.sizes = sorted(int(x) for x in a.workers.split(","))
+    with (contextlib.nullcontext(a.workdir) if a.workdir else
+          tempfile.TemporaryDirectory(prefix="rlfleet-fleet-scale-")) as tmp:
+        rows = [one_size(n, a, Path(tmp)) for n in a.sizes]
+    base, top = rows[0], rows[-1]
+    print(f"\n{'N':>6} {'start s':>8} {'RSS MiB':>8} {'sync s':>8} {'x base':>7} "
+          f"{'rolling s':>9} {'x base':>7}")
+    for r in rows:
+        print(f"{r['n']:>6} {r['start_s']:>8} {r['rss_mib']:>8} {r['refresh_s']:>8} "
+              f"{r['refresh_s'] / base['refresh_s']:>7.2f} {r['rolling_s']:>9} "
+              f"{r['rolling_s'] / base['rolling_s']:>7.2f}")
+    print("sync phases (s):", {r["n"]: r["phases"] for r in rows})
+    mib = (top["rss_mib"] - base["rss_mib"]) / max(1, top["n"] - base["n"])
+    print(json.dumps({
+        "workers": a.sizes, "refresh_s": {r["n"]: r["refresh_s"] for r in rows},
+        "ratio_refresh": round(top["refresh_s"] / base["refresh_s"], 2),
+        "rolling_s": {r["n"]: r["rolling_s"] for r in rows},
+        "join_to_route_s": max(top["join_to_route_s"]),
+        "idle_cpu_frac": top["idle_cpu_frac"], "lapse_noticed_s": top["lapse_noticed_s"],
+        "lease_ttl_s": a.join_lease_ttl, "mib_per_worker": round(mib, 3)}))
+
+
+if __name__ == "__main__":
+    main()
