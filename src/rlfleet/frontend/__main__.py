@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_log_args(p)
     add_tracing_args(p)
     args = p.parse_args(argv)
+    _check(p, args)
+    return args
+
+
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every cross-check of the flags, each refused with what to give instead."""
     if not args.kv_overload_threshold > 1:
         p.error(f"--kv-overload-threshold must be greater than 1, got "
                 f"{args.kv_overload_threshold}")
@@ -125,7 +131,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         settle_admin_token(args)
     except ValueError as e:
         p.error(str(e))
-    return args
 
 
 async def serve(args: argparse.Namespace) -> None:

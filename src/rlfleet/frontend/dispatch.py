@@ -283,6 +283,25 @@ class Staleness:
         return out
 
 
+async def _within_bound(stale: Staleness, w: Worker, model: str, ev: Step,
+                        client: WorkerClient, req: GenerateRequest, head_step: int | None
+                        ) -> Step:
+    """A step of a request under nvext.policy: the request aborted once its worker leaves
+    the bound (on_stale "abort"), and its final deltas saying whether it stayed within."""
+    if not stale.aborted and stale.bound.on_stale == "abort" and stale.left(w):
+        stale.aborted = True  # ends with the partial output, then checked
+        log.info("request %s: worker %s moved to step %s, out of nvext.policy (%s) from step "
+                 "%s; aborting it", req.request_id, w.instance_id, w.step_of(model),
+                 stale.bound.describe(), stale.first)
+        if not await client.cancel(w.address, req.request_id):
+            log.warning("request %s: the abort did not reach worker %s", req.request_id,
+                        w.instance_id)
+    if any(d.finish_reason is not None for d in ev.choices):
+        ev = Step(choices=[stale.final(d, head_step) if d.finish_reason is not None else d
+                           for d in ev.choices])
+    return ev
+
+
 async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: GenerateRequest,
                    on_pick: Callable[[Worker], None] | None = None,
                    on_stream: Callable[[WorkerStream], None] | None = None,
@@ -338,19 +357,7 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
                 if booked is not None and type(ev) is Step:
                     booked.step(ev.choices)
                 if stale is not None and type(ev) is Step:
-                    if not stale.aborted and stale.bound.on_stale == "abort" and stale.left(w):
-                        stale.aborted = True  # ends with the partial output, then checked
-                        log.info("request %s: worker %s moved to step %s, out of nvext.policy "
-                                 "(%s) from step %s; aborting it", req.request_id,
-                                 w.instance_id, w.step_of(model), bound.describe(),
-                                 stale.first)
-                        if not await client.cancel(w.address, req.request_id):
-                            log.warning("request %s: the abort did not reach worker %s",
-                                        req.request_id, w.instance_id)
-                    if any(d.finish_reason is not None for d in ev.choices):
-                        ev = Step(choices=[stale.final(d, head_step)
-                                           if d.finish_reason is not None else d
-                                           for d in ev.choices])
+                    ev = await _within_bound(stale, w, model, ev, client, req, head_step)
                 yield ev
             return
         except WorkerError as e:
