@@ -384,7 +384,7 @@ def _coordinator_args(cp: argparse.ArgumentParser) -> None:
     cp.add_argument("--phase-timeout", type=float, default=None,
                     help="seconds one phase (gate, pause, apply, verify, ...) may take over "
                          "the whole fleet; a worker not done by then is left out as missing "
-                         "and the others go on (default: the call timeout, 120 s)")
+                         "and the others go on (default: 1.25 × the call timeout, 150 s)")
     cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
                     help="process-group backend of --path vllm-distributed (nccl needs "
                          "CUDA here)")

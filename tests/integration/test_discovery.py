@@ -631,7 +631,7 @@ WORKER_ENTRY_KEYS = [
     "model_path", "vocab_size", "max_model_len", "pid", "system_url", "admin_base_url",
     "world_size", "gated",
     "weight_version", "weight_digest", "weight_step", "fleet_epoch", "endpoint",
-    "request_plane_url"]
+    "request_plane_url", "kv_block_size"]
 
 
 async def test_a_worker_publishes_its_entries_and_their_changes(tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ class RefreshConfig:
     model and other adapters serving on (rlfleet.rl.adapter). `concurrency`: admin calls
     (and probes) in flight at once, however many workers (the HTTP client holds as many
     connections); `phase_timeout`: seconds one phase may take over the whole fleet (default:
-    `timeout`): a worker not done by then is left out as missing, named in the result, and
+    1.25 × `timeout`): a worker not done by then is left out as missing, named in the result, and
     the others go on."""
 
     rl_url: str | None = None

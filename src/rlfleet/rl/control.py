@@ -138,12 +138,17 @@ class FleetWorker:
 DEFAULT_CONCURRENCY = 64  # admin calls in flight at once: 1,024 workers take 16 rounds
 
 
+PHASE_OVER_CALL = 1.25  # the default phase deadline, in calls' deadlines
+
+
 @dataclass
 class Channel(AdminClient):
     """The coordinator's admin client (its token, deadline and the transaction's fleet
     epoch), calling one worker at a time and recording each call on it. At most `concurrency`
     calls (and probes: `slot`) are in flight at once, whatever the fleet's size; a phase
-    over many workers ends within `phase_timeout` seconds (default: `timeout`)."""
+    over many workers ends within `phase_timeout` seconds (default: a little over `timeout`,
+    so that one late worker is reported by its own call's failure, unreachable or timed out,
+    rather than by the phase's)."""
 
     concurrency: int = DEFAULT_CONCURRENCY
     phase_timeout: float | None = None
@@ -156,7 +161,7 @@ class Channel(AdminClient):
 
     @property
     def phase_deadline(self) -> float:
-        return self.phase_timeout or self.timeout
+        return self.phase_timeout or self.timeout * PHASE_OVER_CALL
 
     def slot(self) -> asyncio.Semaphore:
         """Held around one call to a worker (`async with ch.slot():`)."""
