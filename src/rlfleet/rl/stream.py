@@ -45,13 +45,14 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from rlfleet.protocol.identity import UNKNOWN
 from rlfleet.protocol.nvext import PolicyBound
+from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.config import RefreshMode
 from rlfleet.rl.ledger import AlreadyAdmitted
 from rlfleet.rl.probe import Probe
@@ -59,8 +60,25 @@ from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.sample import AdmittedSample, SampleFailed, SampleRequest
 from rlfleet.rl.transaction import RefreshResult
 
-if TYPE_CHECKING:  # the Fleet builds streams; this module needs only its methods
-    from rlfleet.rl.fleet import Fleet
+T = TypeVar("T")
+
+
+class StreamHost(Protocol):
+    """What a stream uses of the Fleet that builds it (rlfleet.rl.fleet.Fleet, which imports
+    this module): its client, its coordinator and its event loop."""
+
+    client: RolloutClient
+    coordinator: PolicyRefresh | None
+    _closed: bool
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+    async def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T: ...
+
+    async def arefresh(self, checkpoint: str | Path | None, version: str, *,
+                       digest: str | None = None, probe: Probe | None = None,
+                       tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None,
+                       step: int | None = None) -> RefreshResult: ...
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +213,7 @@ class RolloutStream:
     """See the module doc. Build it with `Fleet.stream_rollouts`; its blocking methods may be
     called from any thread but the Fleet's, the a-prefixed ones from any event loop."""
 
-    def __init__(self, fleet: Fleet, requests: Iterable[SampleRequest], config: StreamConfig,
+    def __init__(self, fleet: StreamHost, requests: Iterable[SampleRequest], config: StreamConfig,
                  start_step: int = 0) -> None:
         if fleet.coordinator is None:
             raise ValueError("the Fleet has no rl_url: a stream publishes every step")
