@@ -96,15 +96,7 @@ class Choice:
                 if self.logprobs is None:
                     self.logprobs = []
                 self.logprobs += d.logprobs
-        if d.finish_reason is not None:
-            self.finish_reason = d.finish_reason
-            self.stop_reason = d.stop_reason
-        if d.weight_versions is not None:
-            self.weight_versions = d.weight_versions
-        if d.stale_policy is True:
-            self.stale_policy = True
-        if d.routed_experts is not None:
-            self.routed_experts = d.routed_experts
+        carry_marks(self, d)
 
 
 class Result:
@@ -231,15 +223,21 @@ def merge_deltas(deltas: list[Delta]) -> list[Delta]:
             if m.logprobs is None:
                 m.logprobs = []
             m.logprobs += d.logprobs
-        if d.finish_reason is not None:
-            m.finish_reason, m.stop_reason = d.finish_reason, d.stop_reason
-        if d.weight_versions is not None:
-            m.weight_versions = d.weight_versions
-        if d.stale_policy is True:
-            m.stale_policy = True
-        if d.routed_experts is not None:
-            m.routed_experts = d.routed_experts
+        carry_marks(m, d)
     return list(by.values())
+
+
+def carry_marks(into: Delta | Choice, d: Delta) -> None:
+    """What a delta says once per choice (its finish, its spans so far, a staleness mark,
+    the routed experts), carried onto what collects the choice's deltas."""
+    if d.finish_reason is not None:
+        into.finish_reason, into.stop_reason = d.finish_reason, d.stop_reason
+    if d.weight_versions is not None:
+        into.weight_versions = d.weight_versions
+    if d.stale_policy is True:
+        into.stale_policy = True
+    if d.routed_experts is not None:
+        into.routed_experts = d.routed_experts
 
 
 class Staleness:

@@ -640,7 +640,8 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     h.fanout = FanoutProgress()
     h.board = ChunkBoard(order, staged.slots, {e.name: e.checksum for e in first.entries}
                          if mode == "full" else None, stats=h.fanout)
-    try:
+
+    def fill() -> None:
         if mode == "resident":
             _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h,
                          h.board)
@@ -648,8 +649,19 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
             _fill_plans(plans, staged, progress, h, base if mode == "path" else None,
                         h.board if live else None)
         h.tensors_done = len(specs)
+
+    return _staged_resident(h.version, staged, moved, fill, h.board.complete)
+
+
+def _staged_resident(version: str, staged: StagedFiles, moved: Progress,
+                     fill: Callable[[], None], landed: Callable[[], None] = lambda: None
+                     ) -> Resident:
+    """Fill `staged` and seal it as the Resident-to-be of `version`; on any failure its
+    files are removed and the progress line says why."""
+    try:
+        fill()
         staged.finish()
-        h.board.complete()
+        landed()
         digest = staged.digest()
     except BaseException as e:
         moved.fail(repr(e))
@@ -659,7 +671,7 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     moved.finish()
     checksums = dict(staged.checksums)
     staged.close()
-    return Resident(h.version, digest, staged.dir, staged.specs, checksums)
+    return Resident(version, digest, staged.dir, staged.specs, checksums)
 
 
 def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
@@ -905,19 +917,8 @@ def fanout_transfer(h: StagedVersion, src: Source, root: Path,
         h.board = ChunkBoard(specs, staged.slots, {t.name: t.checksum for t in manifest.tensors},
                              manifest.chunk_bytes, stats=h.fanout)
         moved = Progress(f"staging {h.version} by fan-out from {src.location}", h.bytes_total)
-        try:
-            _pull_chunks(h, h.board, staged, holders, origin, deadline, moved)
-            staged.finish()
-            digest = staged.digest()
-        except BaseException as e:
-            moved.fail(repr(e))
-            staged.close()
-            shutil.rmtree(staged.dir, ignore_errors=True)
-            raise
-        moved.finish()
-        checksums = dict(staged.checksums)
-        staged.close()
-        return Resident(h.version, digest, staged.dir, staged.specs, checksums)
+        return _staged_resident(h.version, staged, moved, lambda: _pull_chunks(
+            h, h.board, staged, holders, origin, deadline, moved))
     finally:
         holders.close()
         origin.close()

@@ -284,31 +284,33 @@ class NativeRL:
     def _add_lora_routes(self, r: APIRouter) -> None:
         """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter
         (the adapter's version label is its name there: vLLM's body has none)."""
-        @r.post(vllm_rl.LOAD_LORA_ADAPTER.path)
-        async def load_lora_adapter(raw_request: Request,
-                                    body: Annotated[dict[str, Any], Body()]) -> Response:
-            async def run() -> Response:
-                req = admin.read_request(admin.LOAD_LORA_ADAPTER, body)
-                said = await self.admin.lora.load_lora_adapter(req)
-                if said.status != "ok":
-                    return vllm_error(str(said.message), 400)
-                return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added "
-                                         "successfully.")
-            return await self.call(raw_request, vllm_rl.LOAD_LORA_ADAPTER, run)
+        lora = self.admin.lora
+        self._lora_route(r, vllm_rl.LOAD_LORA_ADAPTER, admin.LOAD_LORA_ADAPTER,
+                         lora.load_lora_adapter, 400, "added")
+        # vLLM's unload body carries lora_int_id, which names nothing here: ignored
+        self._lora_route(r, vllm_rl.UNLOAD_LORA_ADAPTER, admin.UNLOAD_LORA_ADAPTER,
+                         lora.unload_lora_adapter, 404, "removed", only_known=True)
 
-        @r.post(vllm_rl.UNLOAD_LORA_ADAPTER.path)
-        async def unload_lora_adapter(raw_request: Request,
-                                      body: Annotated[dict[str, Any], Body()]) -> Response:
+    def _lora_route(self, r: APIRouter, native: Any, route: Any,
+                    handler: Callable[[Any], Awaitable[Any]], refused: int, done: str,
+                    only_known: bool = False) -> None:
+        """One of vLLM's LoRA routes: the body read as the admin route's request (with
+        `only_known`, fields it has no place for are dropped first); a refusal is `refused`
+        in vLLM's error shape."""
+        fields = route.request.__struct_fields__
+
+        @r.post(native.path)
+        async def lora_adapter(raw_request: Request,
+                               body: Annotated[dict[str, Any], Body()]) -> Response:
             async def run() -> Response:
-                fields = admin.LoraRequest.__struct_fields__  # vLLM's lora_int_id is ignored
-                req = admin.read_request(admin.UNLOAD_LORA_ADAPTER,
-                                         {k: v for k, v in body.items() if k in fields})
-                said = await self.admin.lora.unload_lora_adapter(req)
+                req = admin.read_request(route, {k: v for k, v in body.items()
+                                                 if k in fields} if only_known else body)
+                said = await handler(req)
                 if said.status != "ok":
-                    return vllm_error(str(said.message), 404)
-                return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
+                    return vllm_error(str(said.message), refused)
+                return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' {done} "
                                          "successfully.")
-            return await self.call(raw_request, vllm_rl.UNLOAD_LORA_ADAPTER, run)
+            return await self.call(raw_request, native, run)
 
     async def collective_rpc(self, raw_request: Request) -> Response:
         """vLLM's collective_rpc for `reload_weights` (EngineAdmin.collective_rpc): fields
