@@ -202,6 +202,7 @@ class VllmEngine(Engine, EngineControl):
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from rlfleet.runtime.launch import children_die_with_this_process
@@ -213,7 +214,10 @@ class VllmEngine(Engine, EngineControl):
             if Path(self.args.model).is_dir() else None
         loading = Progress(f"loading {self.args.model} into vLLM", size, heartbeat=True)
         try:
-            self.llm = AsyncLLM.from_engine_args(self.engine_args())
+            # as `vllm serve` makes its engine: the batch defaults (max_num_seqs,
+            # max_num_batched_tokens) are chosen by this context, per device
+            self.llm = AsyncLLM.from_engine_args(self.engine_args(),
+                                                 usage_context=UsageContext.OPENAI_API_SERVER)
         except BaseException as e:
             loading.fail(repr(e))
             raise
