@@ -27,7 +27,7 @@ from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
 from rlfleet.runtime.request_plane import STALL_TIMEOUT, WorkerClient
-from rlfleet.runtime.server import AppServer, bind_socket
+from rlfleet.runtime.server import AppServer, bind_socket, freeze_heap
 from rlfleet.runtime.tracing import add_tracing_args
 
 log = logging.getLogger("rlfleet.frontend")
@@ -161,6 +161,7 @@ async def serve(args: argparse.Namespace) -> None:
         await s.start()
     host = advertised_host(args.http_host, args.advertise_host, discovery_peer(args.discovery))
     urls = [http_url(host, s.port) for s in servers]
+    freeze_heap()
     # the one line on stdout that launchers wait for
     announce_ready("frontend", {"url": urls[0], **({"rl_url": urls[1]} if len(urls) > 1 else {})},
                    args.log_format)

@@ -24,7 +24,7 @@ from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import Discovery, Registration, new_instance_id, open_discovery
 from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
 from rlfleet.runtime.progress import Progress
-from rlfleet.runtime.server import AppServer, bind_socket
+from rlfleet.runtime.server import AppServer, bind_socket, freeze_heap
 from rlfleet.runtime.tracing import add_tracing_args
 from rlfleet.weights.fanout import add_fanout_routes
 from rlfleet.weights.publish import add_weights_route
@@ -247,6 +247,7 @@ class WorkerProcess:
                                                name="engine-watch"))
         model = self.engine.info.served_model_name
         if announce:  # one line on stdout that launchers (tests, `rlfleet up`, the demo) wait for
+            freeze_heap()
             announce_ready("worker", self.ready_fields(), getattr(self.args, "log_format", None))
         log.info("worker %s serving %s at %s (system server: %s, discovery: %s)",
                  self.instance_id, model, self.request_url, self.system_url, self.discovery.url)
@@ -498,6 +499,7 @@ async def _replicas_live(workers: list[WorkerProcess], discovery: Discovery,
         if why and not w.admission.gated:
             w.admission.gate_reason = why
     await _bounded([w.go_live(announce=False, check_fleet=False) for w in workers])
+    freeze_heap()
     announce_ready("workers", {"replicas": len(workers), "model": model,
                                "first_url": workers[0].request_url,
                                "first_system_url": workers[0].system_url or ""},
