@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import uuid
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -150,6 +151,10 @@ class Accounting:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
         self._inflight = {r: metrics.FRONTEND_INFLIGHT.labels(r) for r in (*ROUTES, "other")}
+        # the series of each (model, route[, status]) seen: labels() takes a lock and
+        # builds a key on every call, per request
+        self._latency: dict[tuple[str, str], Any] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -184,8 +189,14 @@ class Accounting:
             gauge.dec()
             secs = time.monotonic() - t0
             model = state.get("model", "")
-            metrics.FRONTEND_LATENCY.labels(model, route).observe(secs)
-            metrics.FRONTEND_REQUESTS.labels(model, route, str(status)).inc()
+            key = (model, route)
+            if (latency := self._latency.get(key)) is None:
+                latency = self._latency[key] = metrics.FRONTEND_LATENCY.labels(model, route)
+            latency.observe(secs)
+            if (counted := self._requests.get((model, route, status))) is None:
+                counted = self._requests[(model, route, status)] = \
+                    metrics.FRONTEND_REQUESTS.labels(model, route, str(status))
+            counted.inc()
             if log.isEnabledFor(logging.DEBUG):
                 r = rid.decode(errors="replace") if rid is not None else None
                 tp = traceparent.decode(errors="replace") if traceparent is not None else None
