@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import default_discovery_url
@@ -40,9 +40,13 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class Proc:
+    """A started process: `ready` holds the fields of its ready line once it printed one
+    (rlfleet.runtime.logs.parse_ready); its output is in `log_path` (None: relayed, see
+    spawn_relayed)."""
+
     name: str
     popen: subprocess.Popen
-    log_path: Path
+    log_path: Path | None
     ready: dict[str, str] = field(default_factory=dict)
     _ready_event: threading.Event = field(default_factory=threading.Event)
 
@@ -50,18 +54,33 @@ class Proc:
     def pid(self) -> int:
         return self.popen.pid
 
+    def saw(self, line: str, marker: str = READY_PREFIX) -> bool:
+        """Whether `line` of its output is its ready line (its fields are then `ready`)."""
+        fields = parse_ready(line, marker)
+        if fields is None:
+            return False
+        self.ready = fields
+        self._ready_event.set()
+        return True
+
     def wait_ready(self, timeout: float) -> dict[str, str]:
+        """Its ready fields, once it is ready; RuntimeError if it exits first, TimeoutError
+        after `timeout` seconds (both name its log and end with its tail)."""
         deadline = time.monotonic() + timeout
         while not self._ready_event.wait(0.2):
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.popen.returncode} before it "
-                                   f"was ready; log: {self.log_path}\n{self.tail()}")
+                                   f"was ready{self._where()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log: {self.log_path}"
-                                   f"\n{self.tail()}")
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s{self._where()}")
         return self.ready
 
+    def _where(self) -> str:
+        return "" if self.log_path is None else f"; log: {self.log_path}\n{self.tail()}"
+
     def tail(self, n: int = 30) -> str:
+        if self.log_path is None:
+            return ""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -92,6 +111,15 @@ class Proc:
         except (ProcessLookupError, PermissionError):
             pass
         return code
+
+
+def stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
+    """SIGTERM every process's group at once, then `Proc.stop` each in turn (each given
+    `timeout` seconds before SIGKILL)."""
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        p.stop(timeout)
 
 
 def die_when_parent_dies() -> None:
@@ -163,13 +191,35 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
                 if not pending.endswith(b"\n"):
                     continue
                 line, pending = pending.decode(errors="replace"), b""
-                fields = parse_ready(line, ready_marker)
-                if fields is not None:
-                    proc.ready = fields
-                    proc._ready_event.set()
+                if proc.saw(line, ready_marker):
                     return
 
     threading.Thread(target=watch, name=f"ready-{name}", daemon=True).start()
+    return proc
+
+
+def spawn_relayed(name: str, argv: list[str], env: dict[str, str], out: IO[bytes] | None = None,
+                  ready_marker: str = READY_PREFIX) -> Proc:
+    """Start `argv` (with `env` as it is) in its own process group, to die with the thread
+    that starts it; its output is relayed line by line to `out` (default: this process's
+    stdout) except its first ready line, which marks it ready (`Proc.ready`), as `spawn`'s
+    log does. For a supervisor whose children's output is its own (the frontend's
+    `--processes`)."""
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
+                             env=env, start_new_session=True, preexec_fn=die_when_parent_dies)
+    proc = Proc(name, popen, None)
+
+    def relay() -> None:
+        sink = out if out is not None else sys.stdout.buffer
+        waiting = True
+        for line in popen.stdout:  # type: ignore[union-attr]
+            if waiting and proc.saw(line.decode(errors="replace"), ready_marker):
+                waiting = False
+                continue
+            sink.write(line)
+            sink.flush()
+
+    threading.Thread(target=relay, name=f"relay-{name}", daemon=True).start()
     return proc
 
 
@@ -230,10 +280,7 @@ class LocalFleet:
         return self.frontend.ready["rl_url"]
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all(list(reversed(self.procs)))
         self.procs.clear()
 
     def __enter__(self) -> LocalFleet:
