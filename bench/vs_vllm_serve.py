@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from rlfleet.runtime.launch import LocalFleet, engine_env
+from rlfleet.runtime.launch import LocalFleet, engine_env, vllm_serve
 
 SERVED = "tiny"
 # `vllm bench serve` (vllm.benchmarks.serve), run without the `vllm` command, whose start
@@ -38,17 +37,10 @@ main(parser.parse_args(sys.argv[1:]))
 ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_serving(url: str, proc: subprocess.Popen | None, log: Path, timeout: float = 600) -> None:
+def wait_serving(url: str, timeout: float = 600) -> None:
+    """Until `url` answers a completion (the first request also warms the engine up)."""
     deadline = time.monotonic() + timeout
     while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"exited ({proc.returncode}):\n{log.read_text(errors='replace')[-3000:]}")
         try:
             r = httpx.post(f"{url}/v1/completions", json={"model": SERVED, "prompt": [1, 2, 3],
                                                            "max_tokens": 2}, timeout=30)
@@ -83,25 +75,9 @@ def bench_client(args: argparse.Namespace, url: str, work: Path, tag: str) -> di
 
 
 def run_vllm_serve(args: argparse.Namespace, work: Path) -> dict:
-    port = free_port()
-    log = work / f"vllm-serve-{port}.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(args.model), "--served-model-name", SERVED, "--host", "127.0.0.1",
-            "--port", str(port), *ENGINE_FLAGS]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=engine_env())
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_serving(url, proc, log)
+    with vllm_serve(args.model, SERVED, work, *ENGINE_FLAGS) as url:
+        wait_serving(url)
         return bench_client(args, url, work, "vllm-serve")
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
 
 
 def run_rlfleet(args: argparse.Namespace, work: Path) -> dict:
@@ -109,7 +85,7 @@ def run_rlfleet(args: argparse.Namespace, work: Path) -> dict:
         fleet.start_frontend(*args.frontend_flag)
         fleet.start_worker("--model", str(args.model), "--served-model-name", SERVED,
                            *ENGINE_FLAGS, kind="vllm")
-        wait_serving(fleet.url, None, Path(os.devnull))
+        wait_serving(fleet.url)
         return bench_client(args, fleet.url, work, "rlfleet")
 
 

@@ -6,9 +6,6 @@ factories there instead of copying the start-up."""
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from rlfleet.runtime.launch import LocalFleet, Proc
-from tests.etcd_server import free_port
+from rlfleet.runtime.launch import vllm_serve as launch_vllm_serve
 
 # float32 so logprobs can be compared with transformers; eager for a quick start
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
@@ -132,39 +129,10 @@ def routed(fleet: LocalFleet, expected: int | None = None, timeout: float = 5.0)
 # ---------------------------------------------------------------- vLLM's own server
 
 
-@contextlib.contextmanager
 def vllm_serve(model_dir: Path, workdir: Path, *flags: str,
-               env: Mapping[str, str] | None = None) -> Iterator[str]:
-    """vLLM's own OpenAI server on `model_dir` with the fleet's engine flags (plus `flags`),
-    for differential tests; its URL once it answers. Stopped (its process group) on exit."""
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(model_dir), "--served-model-name", MODEL_NAME, "--host", "127.0.0.1",
-            "--port", str(port), *VLLM_FLAGS, *flags]
-    log = workdir / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("vllm serve not ready after 600 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(10)
+               env: Mapping[str, str] | None = None) -> contextlib.AbstractContextManager[str]:
+    """vLLM's own OpenAI server on `model_dir`, served as MODEL_NAME with the fleet's engine
+    flags (plus `flags`), for differential tests (rlfleet.runtime.launch.vllm_serve): its
+    URL once it answers; stopped on exit."""
+    return launch_vllm_serve(model_dir, MODEL_NAME, workdir, *VLLM_FLAGS, *flags,
+                             env=dict(env or {}))

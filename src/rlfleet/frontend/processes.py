@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,8 +32,8 @@ import time
 
 from prometheus_client import multiprocess
 
-from rlfleet.runtime.launch import die_when_parent_dies
-from rlfleet.runtime.logs import announce_ready, parse_ready
+from rlfleet.runtime.launch import Proc, spawn_relayed, stop_all
+from rlfleet.runtime.logs import announce_ready
 from rlfleet.runtime.metrics import MULTIPROC_ENV
 
 log = logging.getLogger("rlfleet.frontend")
@@ -53,54 +52,6 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-class Child:
-    """One frontend process of the group; its stdout is relayed (less its ready line)."""
-
-    def __init__(self, index: int, argv: list[str], env: dict[str, str]) -> None:
-        self.index = index
-        self.ready: dict[str, str] | None = None
-        self._ready = threading.Event()
-        self.popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                      env=env, preexec_fn=die_when_parent_dies)
-        threading.Thread(target=self._relay, daemon=True, name=f"frontend-{index}").start()
-
-    def _relay(self) -> None:
-        out = sys.stdout.buffer
-        for line in self.popen.stdout:  # type: ignore[union-attr]
-            if self.ready is None:
-                fields = parse_ready(line.decode(errors="replace"))
-                if fields is not None:
-                    self.ready = fields
-                    self._ready.set()
-                    continue
-            out.write(line)
-            out.flush()
-
-    def wait_ready(self, deadline: float) -> dict[str, str]:
-        while not self._ready.wait(0.1):
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"frontend process {self.index} exited with code "
-                                   f"{self.popen.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"frontend process {self.index} not ready after "
-                                   f"{READY_TIMEOUT:.0f}s")
-        assert self.ready is not None
-        return self.ready
-
-
-def _stop(children: list[Child], timeout: float = 15.0) -> None:
-    for c in children:
-        if c.popen.poll() is None:
-            c.popen.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for c in children:
-        try:
-            c.popen.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            c.popen.kill()
-            c.popen.wait(5)
-
-
 def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     """Serve `argv` (this command line) as `args.processes` processes on one port until
     SIGTERM or SIGINT; returns the exit code."""
@@ -116,14 +67,21 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    children: list[Child] = []
+    def child(i: int) -> Proc:  # its output is this process's (less its ready line)
+        return spawn_relayed(f"frontend process {i}", child_argv, env)
+
+    children: list[Proc] = []
     try:
-        children = [Child(i, child_argv, env) for i in range(args.processes)]
+        children = [child(i) for i in range(args.processes)]
         deadline = time.monotonic() + READY_TIMEOUT
         try:
-            fields = [c.wait_ready(deadline) for c in children][0]
-        except RuntimeError as e:
+            fields = [c.wait_ready(max(0.0, deadline - time.monotonic())) for c in children][0]
+        except RuntimeError as e:  # one exited
             log.error("%s; stopping the frontend", e)
+            return 1
+        except TimeoutError:
+            log.error("frontend processes not all ready after %.0fs; stopping the frontend",
+                      READY_TIMEOUT)
             return 1
         announce_ready("frontend", {**fields, "processes": args.processes}, args.log_format)
         log.info("frontend: %d processes at %s", args.processes, fields.get("url"))
@@ -133,12 +91,12 @@ def run_group(args: argparse.Namespace, argv: list[str]) -> int:
                 if code is None:
                     continue
                 log.warning("frontend process %d (pid %d) exited with code %s; restarting it",
-                            i, c.popen.pid, code)
-                multiprocess.mark_process_dead(c.popen.pid, mp_dir)
-                children[i] = Child(i, child_argv, env)
+                            i, c.pid, code)
+                multiprocess.mark_process_dead(c.pid, mp_dir)
+                children[i] = child(i)
         return 0
     finally:
-        _stop(children)
+        stop_all(children)
         for s in held:
             s.close()
         shutil.rmtree(mp_dir, ignore_errors=True)

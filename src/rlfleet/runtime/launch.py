@@ -1,7 +1,10 @@
 """Start and stop fleet processes (frontend, workers) for `rlfleet up`, the demo,
 benchmarks and tests: local processes here, Ray actors in rlfleet.runtime.placement. Every
 process gets the engine environment written by setup (`<venv>/rlfleet.env`), its own
-process group, and a log file."""
+process group, and a log file (`spawn`), or its output relayed through a supervisor
+(`spawn_relayed`: the frontend's `--processes`); one readiness wait (`Proc.wait_ready`) and
+one stop (`Proc.stop`, `stop_all`) for all of them. Also vLLM's own server (`vllm_serve`),
+the baseline of the differential tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -11,13 +14,17 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+import httpx
 
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import default_discovery_url
@@ -40,9 +47,13 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
 
 @dataclass
 class Proc:
+    """A started process: `ready` holds the fields of its ready line once it printed one
+    (rlfleet.runtime.logs.parse_ready); its output is in `log_path` (None: relayed, see
+    spawn_relayed)."""
+
     name: str
     popen: subprocess.Popen
-    log_path: Path
+    log_path: Path | None
     ready: dict[str, str] = field(default_factory=dict)
     _ready_event: threading.Event = field(default_factory=threading.Event)
 
@@ -50,18 +61,43 @@ class Proc:
     def pid(self) -> int:
         return self.popen.pid
 
-    def wait_ready(self, timeout: float) -> dict[str, str]:
+    def saw(self, line: str, marker: str = READY_PREFIX) -> bool:
+        """Whether `line` of its output is its ready line (its fields are then `ready`)."""
+        fields = parse_ready(line, marker)
+        if fields is None:
+            return False
+        self.ready = fields
+        self._ready_event.set()
+        return True
+
+    def wait_ready(self, timeout: float, probe: Callable[[], bool] | None = None
+                   ) -> dict[str, str]:
+        """Its ready fields, once it is ready (its ready line; or, with `probe`, for a
+        process that prints none, once `probe()` is true); RuntimeError if it exits first,
+        TimeoutError after `timeout` seconds (both name its log and end with its tail)."""
         deadline = time.monotonic() + timeout
-        while not self._ready_event.wait(0.2):
+        while not self._is_ready(probe):
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with code {self.popen.returncode} before it "
-                                   f"was ready; log: {self.log_path}\n{self.tail()}")
+                                   f"was ready{self._where()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log: {self.log_path}"
-                                   f"\n{self.tail()}")
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s{self._where()}")
         return self.ready
 
+    def _is_ready(self, probe: Callable[[], bool] | None) -> bool:
+        if probe is None:
+            return self._ready_event.wait(0.2)
+        if probe():
+            return True
+        time.sleep(0.5)
+        return False
+
+    def _where(self) -> str:
+        return "" if self.log_path is None else f"; log: {self.log_path}\n{self.tail()}"
+
     def tail(self, n: int = 30) -> str:
+        if self.log_path is None:
+            return ""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -92,6 +128,15 @@ class Proc:
         except (ProcessLookupError, PermissionError):
             pass
         return code
+
+
+def stop_all(procs: list[Proc], timeout: float = 15.0) -> None:
+    """SIGTERM every process's group at once, then `Proc.stop` each in turn (each given
+    `timeout` seconds before SIGKILL)."""
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    for p in procs:
+        p.stop(timeout)
 
 
 def die_when_parent_dies() -> None:
@@ -133,12 +178,13 @@ def children_die_with_this_process() -> bool:
 
 
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
-          ready_marker: str = READY_PREFIX, cwd: Path | None = None,
+          ready_marker: str | None = READY_PREFIX, cwd: Path | None = None,
           die_with_parent: bool = False) -> Proc:
     """Start `argv` in its own process group; its output goes straight to
     <log_dir>/<name>.log (no pipe: a busy parent never blocks the child's writes), and the
     first ready line (rlfleet.runtime.logs.parse_ready, text or json) whose marker starts
-    with `ready_marker` marks it ready; its fields are `Proc.ready`."""
+    with `ready_marker` marks it ready; its fields are `Proc.ready` (`ready_marker` None:
+    it prints none; wait for it with a probe, see Proc.wait_ready)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as out:
@@ -163,14 +209,74 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
                 if not pending.endswith(b"\n"):
                     continue
                 line, pending = pending.decode(errors="replace"), b""
-                fields = parse_ready(line, ready_marker)
-                if fields is not None:
-                    proc.ready = fields
-                    proc._ready_event.set()
+                if proc.saw(line, ready_marker):
                     return
 
-    threading.Thread(target=watch, name=f"ready-{name}", daemon=True).start()
+    if ready_marker is not None:
+        threading.Thread(target=watch, name=f"ready-{name}", daemon=True).start()
     return proc
+
+
+def spawn_relayed(name: str, argv: list[str], env: dict[str, str], out: IO[bytes] | None = None,
+                  ready_marker: str = READY_PREFIX) -> Proc:
+    """Start `argv` (with `env` as it is) in its own process group, to die with the thread
+    that starts it; its output is relayed line by line to `out` (default: this process's
+    stdout) except its first ready line, which marks it ready (`Proc.ready`), as `spawn`'s
+    log does. For a supervisor whose children's output is its own (the frontend's
+    `--processes`)."""
+    popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=None, stdin=subprocess.DEVNULL,
+                             env=env, start_new_session=True, preexec_fn=die_when_parent_dies)
+    proc = Proc(name, popen, None)
+
+    def relay() -> None:
+        sink = out if out is not None else sys.stdout.buffer
+        waiting = True
+        for line in popen.stdout:  # type: ignore[union-attr]
+            if waiting and proc.saw(line.decode(errors="replace"), ready_marker):
+                waiting = False
+                continue
+            sink.write(line)
+            sink.flush()
+
+    threading.Thread(target=relay, name=f"relay-{name}", daemon=True).start()
+    return proc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a process that takes its port on its command line)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+VLLM_SERVE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the `vllm` command
+
+
+@contextlib.contextmanager
+def vllm_serve(model: Path, served_name: str, log_dir: Path, *flags: str,
+               env: dict[str, str] | None = None, timeout: float = 600) -> Iterator[str]:
+    """vLLM's own OpenAI server (`vllm serve`, the baseline that differential tests and
+    benchmarks compare rlfleet with) on `model` as `served_name`, with `flags` (engine flags
+    and others), on 127.0.0.1 at a free port, with the engine environment plus `env`: its
+    URL once `/v1/models` answers. Its output is <log_dir>/vllm-serve-<port>.log; it is
+    stopped (its process group) on exit, also when it fails to start."""
+    port = free_port()
+    argv = [sys.executable, "-m", VLLM_SERVE, "--model", str(model), "--served-model-name",
+            served_name, "--host", "127.0.0.1", "--port", str(port), *flags]
+    proc = spawn(f"vllm-serve-{port}", argv, log_dir, env={**os.environ, **(env or {})},
+                 ready_marker=None)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        return False
+
+    try:
+        proc.wait_ready(timeout, answers)
+        yield url
+    finally:
+        proc.stop(30)
 
 
 class LocalFleet:
@@ -230,10 +336,7 @@ class LocalFleet:
         return self.frontend.ready["rl_url"]
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all(list(reversed(self.procs)))
         self.procs.clear()
 
     def __enter__(self) -> LocalFleet:

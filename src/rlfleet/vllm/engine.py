@@ -147,6 +147,38 @@ def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs) -> list[dict | None
     return out
 
 
+class _PromptLogprobs:
+    """One request's prompt logprobs, gathered from its RequestOutputs: with DELTA outputs
+    vLLM sends each part once (today all of them with the first token, at the end of the
+    prefill) and `[]` in every output after; FINAL_ONLY sends them in its one output.
+    `ready` once they cover the prompt (converted by `_prompt_logprobs`); `take()` hands
+    them out once: an event after that carries none, rather than an empty list."""
+
+    __slots__ = ("ids", "parts", "ready", "taken")
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.ids = prompt_ids
+        self.parts: list = []  # vLLM's per-position entries so far (position 0: None)
+        self.ready: list[dict | None] | None = None
+        self.taken = False
+
+    def add(self, part) -> None:
+        if not part or self.ready is not None:
+            return
+        self.parts.extend(part)
+        if len(self.parts) > len(self.ids):
+            raise RuntimeError(f"engine returned {len(self.parts)} prompt logprobs for a "
+                               f"prompt of {len(self.ids)} tokens")
+        if len(self.parts) == len(self.ids):
+            self.ready = _prompt_logprobs(self.ids, self.parts)
+
+    def take(self) -> list[dict | None] | None:
+        if self.taken or self.ready is None:
+            return None
+        self.taken = True
+        return self.ready
+
+
 def _span(w) -> dict:
     """vLLM's WeightVersionSpan (labelled with `PolicyIdentity.span_label` by set_version)
     → the response shape {"version", "digest", "step", "start", "end"}."""
@@ -357,7 +389,7 @@ class VllmEngine(Engine, EngineControl):
         except BaseException:
             self._unbind(req, served)
             raise
-        prompt_lps = None
+        prompt_lps = _PromptLogprobs(prompt_token_ids)
         early = req.echo and req.stream  # prompt logprobs go in the first event (see Head)
         started = False
         self._running += 1
@@ -367,8 +399,7 @@ class VllmEngine(Engine, EngineControl):
         try:
             async for out in results:
                 started = True
-                if prompt_lps is None and out.prompt_logprobs is not None:
-                    prompt_lps = _prompt_logprobs(prompt_token_ids, out.prompt_logprobs)
+                prompt_lps.add(out.prompt_logprobs)
                 choices = []
                 for c in out.outputs:
                     ids = list(c.token_ids)
@@ -391,11 +422,10 @@ class VllmEngine(Engine, EngineControl):
                     choices.append(choice)
                 if choices:
                     ev: dict[str, Any] = {"choices": choices}
-                    if early and prompt_lps is not None:
-                        ev["prompt_logprobs"], prompt_lps = prompt_lps, None
-                        early = False
+                    if early and prompt_lps.ready is not None:
+                        ev["prompt_logprobs"], early = prompt_lps.take(), False
                     yield ev
-            yield {"done": True, "prompt_logprobs": prompt_lps}
+            yield {"done": True, "prompt_logprobs": prompt_lps.take()}
         except _CLIENT_ERRORS as e:
             if not started:  # vLLM's input checks
                 raise BadRequest(str(e)) from e
