@@ -155,7 +155,8 @@ class Result:
             if h.prompt_logprobs:
                 self.prompt_logprobs = h.prompt_logprobs
         elif kind is Done:
-            if ev.prompt_logprobs is not None:  # type: ignore[union-attr]
+            # an engine that says [] has nothing to add to what the head brought
+            if ev.prompt_logprobs:  # type: ignore[union-attr]
                 self.prompt_logprobs = ev.prompt_logprobs  # type: ignore[union-attr]
             self.finished = time.time()
         return []
