@@ -34,7 +34,11 @@ parser = FlexibleArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"]
+# the same engine on both sides: an rlfleet worker samples with processed_logprobs by default
+# (the distribution a trainer needs; vLLM then computes a log-softmax on every sampling
+# step, asked or not), so `vllm serve` is given it too
+ENGINE_FLAGS = ["--dtype", "float32", "--max-model-len", "2048", "--enforce-eager",
+                "--logprobs-mode", "processed_logprobs"]
 
 
 def wait_serving(url: str, timeout: float = 600) -> None:
