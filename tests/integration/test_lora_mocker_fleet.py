@@ -28,7 +28,7 @@ from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import RL_PROBE_ENV, mock_args
 
-LORA_FLAGS = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
+LORA_FLAGS = ("--enable-lora", "--max-loras", "8", "--max-lora-rank", "16")
 HOOKED = Path(__file__).resolve().parents[1] / "refresh_hooked.py"
 PROMPT = "Once upon a time"
 
