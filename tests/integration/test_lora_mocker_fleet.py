@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
+from rlfleet.protocol.dynamo_lora import lora_name_to_id
 from rlfleet.rl.fleet import Fleet
 from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.journal import open_journal
@@ -345,3 +346,51 @@ def test_two_runs_refresh_two_adapters_without_gating_each_other(lf):
             assert answered in (None, (200, "run-b")), answered
     # run-b was loaded (and so checked) by the time run-a's later refreshes verified
     assert any(a == (200, "run-b") for *_, a, _ in hooks["run-a"].seen), hooks["run-a"].seen
+
+
+# ------------------------------------------------------------------ Dynamo's /v1/loras
+
+
+def test_dynamos_lora_routes_load_list_and_unload(lf):
+    """Dynamo's worker routes (POST/GET /v1/loras, DELETE /v1/loras/{name}) with its bodies
+    and replies, over the same handlers: a loaded adapter is routable by name; loading it
+    again leaves it as it is (no DYN_LORA_HOTSWAP_ENABLED); bad input is refused by name;
+    the RL route list still has no load_lora / unload_lora."""
+    f = lf
+    dyn_id = lora_name_to_id("dyn")
+    for p in f.workers:
+        r = httpx.post(f"{p.ready['system_url']}/v1/loras", timeout=30, json={
+            "lora_name": "dyn", "source": {"uri": f"file://{f.ads['v3']}"}})
+        assert r.status_code == 200 and r.json() == {
+            "status": "success", "message": "LoRA adapter 'dyn' loaded successfully",
+            "lora_name": "dyn", "lora_id": dyn_id}, r.text
+    r = complete(f, "dyn")
+    assert r.status_code == 200, r.text
+    assert r.json()["nvext"]["engine_data"]["weight_digest"] == f.digests["v3"]
+    sys_url = f.workers[0].ready["system_url"]
+    again = httpx.post(f"{sys_url}/v1/loras", timeout=30, json={
+        "lora_name": "dyn", "source": {"uri": f"file://{f.ads['v1']}"}}).json()
+    assert again["status"] == "success" and "already loaded" in again["message"]
+    assert {a["weight_digest"] for a in listed(f, "dyn")} == {f.digests["v3"]}
+    listing = httpx.get(f"{sys_url}/v1/loras", timeout=10).json()
+    assert listing["status"] == "success" and listing["loras"]["dyn"] == dyn_id
+    assert listing["loras"]["other"] == lora_name_to_id("other")
+    assert listing["count"] == len(listing["loras"])
+    s3 = httpx.post(f"{sys_url}/v1/loras", timeout=10, json={
+        "lora_name": "s3", "source": {"uri": "s3://bucket/x"}}).json()
+    assert s3["status"] == "error" and "file://" in s3["message"]
+    missing = httpx.post(f"{sys_url}/v1/loras", timeout=10, json={
+        "lora_name": "m", "source": {"uri": f"file://{f.ads['v1'].parent}/nowhere"}}).json()
+    assert missing["status"] == "error" and "does not exist" in missing["message"]
+    bad = httpx.post(f"{sys_url}/v1/loras", timeout=10, json={"lora_name": "x"})
+    assert bad.status_code == 422 and "source" in bad.text
+    assert httpx.post(f"{sys_url}/v1/loras", timeout=10, content=b"{nope").status_code == 400
+    for p in f.workers:
+        r = httpx.delete(f"{p.ready['system_url']}/v1/loras/dyn", timeout=30)
+        assert r.json() == {"status": "success", "lora_name": "dyn", "lora_id": dyn_id,
+                            "message": "LoRA adapter 'dyn' unloaded successfully"}, r.text
+    gone = httpx.delete(f"{sys_url}/v1/loras/dyn", timeout=10).json()
+    assert gone["status"] == "error" and "LoRA adapter 'dyn' not found" in gone["message"]
+    assert listed(f, "dyn") == [None] * 3
+    rl = httpx.get(f"{f.rl_url}/v1/rl/workers", timeout=10).json()["workers"][0]
+    assert "load_lora" not in rl["routes"] and "unload_lora" not in rl["routes"]
