@@ -8,6 +8,7 @@ two runs refreshing two adapters at once without gating each other. One fleet pe
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import subprocess
 import sys
@@ -187,6 +188,12 @@ def test_a_rolling_adapter_refresh_moves_it_worker_by_worker(lf):
     assert [(a["version"], a["weight_digest"]) for a in listed(f, "roll")] == [new] * 3
     calls = {c["route"] for w in result.workers for c in w["calls"]}
     assert calls.isdisjoint({"set_admission", "pause_generation", "flush_cache"}), calls
+    # one worker at a time: each closed the adapter only after the one before reopened it
+    windows = sorted((min(c["at"] for c in w["calls"] if c["route"] == "set_lora_admission"),
+                      max(c["at"] for c in w["calls"] if c["route"] == "set_lora_admission"))
+                     for w in result.workers)
+    assert len(windows) == 3
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(windows))
     for model in (MODEL, "other"):
         assert traffic.codes[model] and set(traffic.codes[model]) == {200}, traffic.codes
         assert len(traffic.seen[model]) == 1, traffic.seen[model]  # never moved
@@ -394,3 +401,25 @@ def test_dynamos_lora_routes_load_list_and_unload(lf):
     assert listed(f, "dyn") == [None] * 3
     rl = httpx.get(f"{f.rl_url}/v1/rl/workers", timeout=10).json()["workers"][0]
     assert "load_lora" not in rl["routes"] and "unload_lora" not in rl["routes"]
+
+
+def test_dynamos_hot_swap_replaces_a_loaded_adapter(lf):
+    """With DYN_LORA_HOTSWAP_ENABLED=true (a worker of its own, outside the fleet's pool),
+    loading a name already loaded replaces it with the new version, as Dynamo's does."""
+    f = lf
+    args = (*mock_args(f.ads["v1"].parent, *LORA_FLAGS), "--served-model-name", "mock-hot")
+    p = f.start_worker(*args, kind="mocker", env={"DYN_LORA_HOTSWAP_ENABLED": "true"},
+                       name="hot-swap-worker", timeout=120)
+    try:
+        url = p.ready["system_url"]
+        for name, how in (("v1", "loaded"), ("v2", "hot-swapped")):
+            r = httpx.post(f"{url}/v1/loras", timeout=30, json={
+                "lora_name": "h", "source": {"uri": f"file://{f.ads[name]}"}}).json()
+            assert r == {"status": "success", "message": f"LoRA adapter 'h' {how} successfully",
+                         "lora_name": "h", "lora_id": lora_name_to_id("h")}, r
+            got = httpx.post(f"{url}/engine/list_lora_adapters", json={}, timeout=10).json()
+            assert [a["weight_digest"] for a in got["adapters"]] == [f.digests[name]]
+    finally:
+        f.workers.remove(p)
+        f.procs.remove(p)
+        p.stop()
