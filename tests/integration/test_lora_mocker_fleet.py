@@ -26,6 +26,7 @@ from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.sample import SampleRequest, SamplingSpec
+from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import RL_PROBE_ENV, mock_args
@@ -67,6 +68,14 @@ def listed(f, name: str) -> list[dict | None]:
                        timeout=10).json()
         out.append(next((a for a in r["adapters"] if a["lora_name"] == name), None))
     return out
+
+
+async def discovery_entries(f) -> list[dict]:
+    d = open_discovery(f.discovery)
+    try:
+        return list(await d.list(f.namespace))
+    finally:
+        await d.close()
 
 
 def coordinator(f, adapter: str, journal: Path, **kw) -> PolicyRefresh:
@@ -143,6 +152,10 @@ def test_mocker_adapters_are_policies_as_on_vllm_workers(lf):
                        timeout=10).json()
         assert [(a["adapter"], a["digest"]) for a in v["adapters"]] == \
             [("other", f.digests["other"])]
+    entries = [e for e in asyncio.run(discovery_entries(f)) if e.get("model") == MODEL]
+    assert len(entries) >= 3 and all(
+        [(a["adapter"], a["digest"], a["rank"], a["open"]) for a in e["adapters"]] ==
+        [("other", f.digests["other"], 4, True)] for e in entries), entries
     r = complete(f, "no-such-adapter")
     assert r.status_code == 404 and "no-such-adapter" in r.text
     sys_url = f.workers[0].ready["system_url"]
