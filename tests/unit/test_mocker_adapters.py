@@ -99,6 +99,8 @@ def test_bad_adapters_and_flags_are_refused_by_name(ads, tmp_path):
     asyncio.run(main())
     with pytest.raises(ValueError, match="needs --enable-lora"):
         MockEngine(lora_modules=[f"x={ads['a1']}"])
+    with pytest.raises(ValueError, match=f"--lora-modules x={tmp_path}/no: lora_path"):
+        MockEngine(enable_lora=True, lora_modules=[f"x={tmp_path}/no"])
     assert parse_lora_modules(["a=/p", '{"name": "b", "path": "/q"}']) == [("a", "/p"),
                                                                             ("b", "/q")]
     for bad in ("a", "=p", '{"name": "b"}', "{nope"):

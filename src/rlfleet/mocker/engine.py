@@ -53,6 +53,7 @@ from rlfleet.mocker.adapters import (
     MAX_LORAS,
     MockAdapters,
     Version,
+    adapter_rank,
     add_lora_args,
     lora_salt,
     parse_lora_modules,
@@ -435,6 +436,11 @@ class MockEngine(Engine, EngineControl):
             if modules:
                 raise ValueError("--lora-modules: serving adapters needs --enable-lora")
             return None
+        for name, path in modules:  # refused before the worker starts, by name
+            try:
+                adapter_rank(Path(path), o["max_lora_rank"])
+            except BadRequest as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from None
         return MockAdapters(o["max_loras"], o["max_lora_rank"], modules)
 
     async def start(self) -> None:
