@@ -29,7 +29,7 @@ from rlfleet.rl.sample import SampleRequest, SamplingSpec
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL
-from tests.fleets import RL_PROBE_ENV, mock_args
+from tests.fleets import RL_PROBE_ENV, mock_args, routed
 
 LORA_FLAGS = ("--enable-lora", "--max-loras", "8", "--max-lora-rank", "16")
 HOOKED = Path(__file__).resolve().parents[1] / "refresh_hooked.py"
@@ -241,8 +241,9 @@ def test_a_coordinator_killed_mid_adapter_refresh_is_recovered(lf, point):
     """SIGKILL in the middle of an adapter refresh (half the workers loaded, or all verified
     and the adapter still gated): the adapter stays closed, the base model and `other` are
     served throughout; a new coordinator recovers from the adapter's journal to one version
-    fleet-wide (back to the old one from a mixed fleet, forward once all hold the new),
-    reopens it, and never gates the base model."""
+    fleet-wide (back to the old one from a mixed fleet, forward once all hold the new;
+    `rlfleet recover --path vllm-adapter --adapter` for the latter), reopens it, and never
+    gates the base model."""
     f = lf
     adapter, journal = f"rec-{point}", f.tmp / f"recovery-{point}.sqlite"
     sync_load(f, adapter, "v1", journal)
@@ -256,13 +257,8 @@ def test_a_coordinator_killed_mid_adapter_refresh_is_recovered(lf, point):
         if point == "apply_half":
             assert versions in ([f"{adapter}-v1"] * 2 + [f"{adapter}-v2"],
                                 [f"{adapter}-v1"] + [f"{adapter}-v2"] * 2), versions
-        r = coordinator(f, adapter, journal)
-        try:
-            res = asyncio.run(r.recover())
-            assert asyncio.run(r.recover()) is None  # nothing left to recover
-        finally:
-            r.close()
-    assert res is not None and res.ok and res.kind == "recovery", res and res.reason
+        assert len(routed(f, 3)) == 3  # the base model was never gated
+        rec_id = recover(f, adapter, journal, cli=point == "verified")
     name = "v2" if point == "verified" else "v1"
     want = (f"{adapter}-{name}", f.digests[name], True)
     assert [(a["version"], a["weight_digest"], a["open"]) for a in listed(f, adapter)] == \
@@ -270,15 +266,41 @@ def test_a_coordinator_killed_mid_adapter_refresh_is_recovered(lf, point):
     r = complete(f, adapter)
     assert r.status_code == 200 and r.json()["nvext"]["engine_data"]["weight_version"] == \
         want[0]
-    calls = {c["route"] for w in res.workers for c in w["calls"]}
-    assert calls.isdisjoint({"set_admission", "pause_generation", "flush_cache"}), calls
     for model in (MODEL, "other"):
         assert traffic.codes[model] and set(traffic.codes[model]) == {200}, traffic.codes
         assert len(traffic.seen[model]) == 1, traffic.seen[model]
     with open_journal(str(journal)) as j:
         old = [row for row in j.recent(10) if row["kind"] == "refresh"][0]
         assert old["decision"] == "recovered" and old["fleet"].endswith(f"#lora={adapter}")
-        assert j.get(res.refresh_id)["recovery_of"] == old["id"]
+        rec = j.get(rec_id)
+        assert rec["kind"] == "recovery" and rec["recovery_of"] == old["id"]
+        assert rec["decision"] == "reopened" and rec["served_version"] == want[0]
+        calls = {c["route"] for w in rec["workers"].values() for c in w["calls"]}
+    assert "set_lora_admission" in calls, calls
+    assert calls.isdisjoint({"set_admission", "pause_generation", "flush_cache"}), calls
+
+
+def recover(f, adapter: str, journal: Path, cli: bool) -> int:
+    """Recover the adapter's interrupted refresh (with `rlfleet recover --path vllm-adapter`,
+    or PolicyRefresh.recover in this process); the recovery's journal id."""
+    if not cli:
+        r = coordinator(f, adapter, journal)
+        try:
+            res = asyncio.run(r.recover())
+            assert asyncio.run(r.recover()) is None  # nothing left to recover
+        finally:
+            r.close()
+        assert res is not None and res.ok and res.kind == "recovery", res and res.reason
+        return res.refresh_id
+    argv = [sys.executable, "-m", "rlfleet.cli", "recover", "--rl-url", f.rl_url, "--model",
+            MODEL, "--journal", str(journal), "--path", "vllm-adapter", "--adapter", adapter]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0 and "decision: reopened" in first.stdout, \
+        first.stdout + first.stderr
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "nothing to recover" in again.stdout, again.stdout
+    with open_journal(str(journal)) as j:
+        return next(row["id"] for row in j.recent(10) if row["kind"] == "recovery")
 
 
 # ------------------------------------------------------------------ two runs
