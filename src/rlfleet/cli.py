@@ -363,7 +363,11 @@ def _coordinator_args(cp: argparse.ArgumentParser) -> None:
                     help="the frontend's RL listener")
     cp.add_argument("--model", default=None, help="only workers serving this model")
     cp.add_argument("--path", default="vllm-disk",
-                    choices=["vllm-disk", "vllm-distributed", "sglang-disk"])
+                    choices=["vllm-disk", "vllm-distributed", "sglang-disk", "vllm-adapter"])
+    cp.add_argument("--adapter", default=None, metavar="NAME",
+                    help="with --path vllm-adapter: the LoRA adapter to refresh (or "
+                         "recover) alone, the base model and other adapters serving on; "
+                         "--checkpoint is then the adapter's directory")
     cp.add_argument("--sglang-worker", action="append", default=[],
                     metavar="SYSTEM_URL,REQUEST_URL")
     cp.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])

@@ -1,9 +1,12 @@
 """python -m rlfleet.mocker [--model-name NAME] [--token-delay S] [--max-batch N]
-                           [--admin-schema vllm|sglang] [--replicas N] [worker flags]
+                           [--admin-schema vllm|sglang] [--replicas N]
+                           [--enable-lora --max-loras N --max-lora-rank R
+                            --lora-modules NAME=PATH ...] [worker flags]
 
 A simulated worker for load and fault tests: it registers and serves like a vLLM worker
 (or, with --admin-schema sglang, offers the SGLang-flavoured /engine routes) but generates
-pseudo-random tokens. Never use it as a stand-in for the real engine. `--replicas N`: N
+pseudo-random tokens (a request naming a LoRA adapter gets tokens seeded by the adapter's
+content digest, rlfleet.mocker.adapters). Never use it as a stand-in for the real engine. `--replicas N`: N
 independent simulated workers in this one process (a fleet for scale tests)."""
 
 from __future__ import annotations

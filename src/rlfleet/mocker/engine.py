@@ -48,12 +48,30 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlfleet.mocker.adapters import (
+    MAX_LORA_RANK,
+    MAX_LORAS,
+    MockAdapters,
+    Version,
+    adapter_rank,
+    add_lora_args,
+    lora_salt,
+    parse_lora_modules,
+)
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.worker import engine as contract
-from rlfleet.worker.engine import BadRequest, Engine, EngineControl, WeightLoadError
+from rlfleet.worker.engine import (
+    NO_ADAPTERS,
+    AdapterState,
+    BadRequest,
+    Engine,
+    EngineControl,
+    UnknownAdapter,
+    WeightLoadError,
+)
 
 QWEN_EOS = 151645
 ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
@@ -65,7 +83,9 @@ DEFAULTS: dict[str, Any] = {
     "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
     "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
     "block_size": 16, "kv_blocks": 8192, "prefill_delay": 0.0, "kv_events_config": None,
-    "routed_experts": None,
+    "routed_experts": None, "enable_lora": False, "max_loras": MAX_LORAS,
+    "max_lora_rank": MAX_LORA_RANK,
+    "lora_modules": None,
 }
 
 
@@ -104,6 +124,7 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
                    help="publish the simulated cache's KV events as vLLM does, e.g. "
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://*:5557"}\' (port 0: any free port)')
+    add_lora_args(p)
 
 
 CHECKPOINT_FILE = "mock_weights.json"
@@ -156,6 +177,7 @@ class _Run:
     admitted: bool = False  # past the pause gate (new requests wait there while paused)
     has_slot: bool = False  # counted against --max-batch
     waiter: asyncio.Future | None = None  # set while the request sleeps or waits
+    lora: Version | None = None  # the adapter version it runs on (None: the base model)
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -290,6 +312,8 @@ class MockEngine(Engine, EngineControl):
         self._idle.set()
         self._in_batch = 0
         self._queue: deque[_Run] = deque()  # admitted requests waiting for a batch slot
+        self.lora = self._lora_engine(o)  # with --enable-lora (rlfleet.mocker.adapters)
+        self._bound: dict[str, Version] = {}  # request id -> the adapter version it runs on
 
     # ------------------------------------------------------------ the distribution
 
@@ -351,9 +375,14 @@ class MockEngine(Engine, EngineControl):
         return {"token_id": token, "logprob": lp, "rank": rank, "decoded": self.decode(token),
                 "top": [[t, tlp, self.decode(t)] for t, tlp in self._top(base, k)]}
 
-    def _prompt_logprobs(self, ids: list[int], k: int) -> list[dict | None]:
+    def _weights_key(self, lora: Version | None) -> Any:
+        """What seeds the distribution: the base weights' seed, and an adapter's digest."""
+        return self.weights.seed if lora is None else (self.weights.seed, lora.key)
+
+    def _prompt_logprobs(self, ids: list[int], k: int, lora: Version | None = None
+                         ) -> list[dict | None]:
         out: list[dict | None] = [None]
-        seed = self.weights.seed
+        seed = self._weights_key(lora)
         for p in range(1, len(ids)):
             base = _hash((seed, "prompt", p, ids[p - 1]))[1] % self._m
             rank, lp = self._rank_of(base, ids[p])
@@ -392,6 +421,63 @@ class MockEngine(Engine, EngineControl):
     def serving_policy(self) -> PolicyIdentity:
         return self.weights.policy
 
+    def request_policy(self, req: GenerateRequest) -> PolicyIdentity:
+        if req.adapter is None:
+            return self.serving_policy()
+        bound = self._bound.get(req.request_id)
+        return bound.policy if bound is not None else self._lora().bind(req.adapter).policy
+
+    # ------------------------------------------------------------ LoRA adapters
+
+    @staticmethod
+    def _lora_engine(o: dict[str, Any]) -> MockAdapters | None:
+        modules = parse_lora_modules(o["lora_modules"])
+        if not o["enable_lora"]:
+            if modules:
+                raise ValueError("--lora-modules: serving adapters needs --enable-lora")
+            return None
+        for name, path in modules:  # refused before the worker starts, by name
+            try:
+                adapter_rank(Path(path), o["max_lora_rank"])
+            except BadRequest as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+        return MockAdapters(o["max_loras"], o["max_lora_rank"], modules)
+
+    async def start(self) -> None:
+        if self.lora is not None:
+            for name, path in self.lora.modules:  # --lora-modules
+                try:
+                    await self.load_adapter(name, Path(path).resolve(), None, None)
+                except BadRequest as e:
+                    raise ValueError(f"--lora-modules {name}={path}: {e}") from None
+
+    def _lora(self) -> MockAdapters:
+        if self.lora is None:
+            raise UnknownAdapter(NO_ADAPTERS)
+        return self.lora
+
+    def adapters(self) -> list[AdapterState]:
+        return self.lora.states() if self.lora else []
+
+    def adapter_limits(self) -> tuple[int, int] | None:
+        return (self.lora.max_loras, self.lora.max_rank) if self.lora else None
+
+    async def load_adapter(self, name: str, path: Path, version: str | None,
+                           step: int | None, digest: str | None = None
+                           ) -> tuple[PolicyIdentity, str | None]:
+        if self.lora is None:
+            raise BadRequest(NO_ADAPTERS)
+        if name == self.info.served_model_name:
+            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
+                             "a name of its own")
+        return await self.lora.load(name, path, version, step, digest)
+
+    async def unload_adapter(self, name: str) -> PolicyIdentity:
+        return await self._lora().unload(name)
+
+    def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
+        return self._lora().set_open(name, open_, reason)
+
     def num_running(self) -> int:
         return len(self._runs)
 
@@ -400,8 +486,10 @@ class MockEngine(Engine, EngineControl):
         rid = req.request_id
         if rid in self._runs:
             raise BadRequest(f"request_id {rid!r} is already running on this worker")
-        run = _Run()
+        run = _Run(lora=self._lora().bind(req.adapter) if req.adapter is not None else None)
         self._runs[rid] = run
+        if run.lora is not None:
+            self._bound[rid] = run.lora
         series = self.series
         series.running.inc()
         series.prompt.inc(len(prompt_token_ids))
@@ -424,6 +512,7 @@ class MockEngine(Engine, EngineControl):
                 if not self._active:
                     self._idle.set()
             del self._runs[rid]
+            self._bound.pop(rid, None)
             series.running.dec()
 
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
@@ -436,14 +525,15 @@ class MockEngine(Engine, EngineControl):
         seed = s.seed if s.seed is not None else _hash(tuple(ids))[1]
         hold = max(map(len, s.stop)) - 1 if s.stop and not s.include_stop_str_in_output else 0
         want_lp = s.logprobs is not None
-        prompt_lps = (self._prompt_logprobs(ids, s.prompt_logprobs)
+        prompt_lps = (self._prompt_logprobs(ids, s.prompt_logprobs, run.lora)
                       if s.prompt_logprobs is not None else None)
         if s.structured_outputs is not None or s.response_format is not None:
             raise BadRequest("structured outputs are not simulated by the mocker")
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
         first = True
-        prefill = self.prefill_delay * (len(ids) - self.cache.lookup(ids, req.cache_salt))
+        salt = lora_salt(req.cache_salt, run.lora)
+        prefill = self.prefill_delay * (len(ids) - self.cache.lookup(ids, salt))
         early = req.echo and req.stream  # prompt logprobs go in the first event
         generated = self.series.generated
         while live:
@@ -453,7 +543,7 @@ class MockEngine(Engine, EngineControl):
             if run.aborted:
                 break
             for ch in live:
-                self._advance(ch, s, seed, s.max_tokens or room)
+                self._advance(ch, s, seed, s.max_tokens or room, run.lora)
             generated.inc(len(live))
             if req.stream:
                 ev: dict[str, Any] = {"choices": [self._out(req, ids, ch, hold, want_lp)
@@ -465,21 +555,22 @@ class MockEngine(Engine, EngineControl):
         for ch in live:
             ch.finish_reason = "abort"
         for ch in choices:  # what a continuation of it finds cached
-            self.cache.store(ids + ch.token_ids, req.cache_salt)
+            self.cache.store(ids + ch.token_ids, salt)
         final = choices if not req.stream else live
         if final:
             yield {"choices": [self._out(req, ids, ch, hold, want_lp) for ch in final]}
         yield {"done": True, "prompt_logprobs": prompt_lps}
 
-    def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int) -> None:
+    def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int,
+                 lora: Version | None = None) -> None:
         """Generate one token of a choice and see whether it ends the choice."""
         i = len(ch.token_ids)
         can_stop = i >= s.min_tokens  # before min_tokens, EOS and stop tokens are masked
         banned = frozenset() if can_stop else frozenset(s.stop_token_ids)
-        base, t = self._sample((self.weights.seed, seed, ch.index, i, ch.prev),
+        base, t = self._sample((self._weights_key(lora), seed, ch.index, i, ch.prev),
                                eos_ok=can_stop and not s.ignore_eos, banned=banned)
         ch.token_ids.append(t)
-        ch.stamp(self.weights.policy)
+        ch.stamp(self.weights.policy if lora is None else lora.policy)
         ch.prev = t
         if s.logprobs is not None:
             ch.logprobs.append(self._logprob_entry(base, t, s.logprobs))

@@ -31,7 +31,7 @@ REFRESH_HOLDS = "Refresh in progress"
 @dataclasses.dataclass(frozen=True)
 class NativeRoute:
     path: str  # at the root of the worker's admin_base_url
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     mutating: bool = True  # needs the admin token; refused while a refresh holds the worker
 
 

@@ -152,6 +152,7 @@ class RefreshConfig:
             wave_size=getattr(args, "wave_size", None),
             stage_fanout=getattr(args, "stage_fanout", 0),
             discovery=getattr(args, "discovery", None),
+            adapter=getattr(args, "adapter", None),
             concurrency=getattr(args, "admin_concurrency", DEFAULT_CONCURRENCY),
             phase_timeout=getattr(args, "phase_timeout", None))
 

@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, vllm_rl
+from rlfleet.protocol import admin, dynamo_lora, vllm_rl
 from rlfleet.protocol.admin import (
     AdminRequestError,
     AdminRoute,
@@ -90,6 +92,11 @@ def vllm_error(message: str, status: int, param: str | None = None) -> JSONRespo
                                    "param": param, "code": status}}, status_code=status)
 
 
+def _dynamo(**fields: Any) -> JSONResponse:
+    """A reply in Dynamo's LoraResponse shape (HTTP 200, errors included, as Dynamo)."""
+    return JSONResponse(dynamo_lora.LoraResponse(**fields).body())
+
+
 def route_error(message: str, status: int) -> JSONResponse:
     """The error body vLLM's RL routes answer with themselves: `{"error": "..."}`."""
     return JSONResponse({"error": message}, status_code=status)
@@ -148,6 +155,7 @@ class NativeRL:
         r = APIRouter()
         if self.engine.adapter_limits() is not None:  # --enable-lora
             self._add_lora_routes(r)
+            self._add_dynamo_lora_routes(r)
         self._add_generation_routes(r)
         self._add_transfer_routes(r)
         self._add_weight_routes(r)
@@ -311,6 +319,71 @@ class NativeRL:
                 return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' {done} "
                                          "successfully.")
             return await self.call(raw_request, native, run)
+
+    def _add_dynamo_lora_routes(self, r: APIRouter) -> None:
+        """Dynamo's /v1/loras routes (rlfleet.protocol.dynamo_lora), through the same
+        handlers as /engine/load_lora_adapter and /engine/unload_lora_adapter."""
+        lora = self.admin.lora
+
+        @r.post(dynamo_lora.LORAS.path)
+        async def dynamo_load_lora(raw_request: Request) -> Response:
+            try:
+                req = msgspec.json.decode(await raw_request.body(),
+                                          type=dynamo_lora.LoadLoraRequest)
+            except msgspec.ValidationError as e:
+                return PlainTextResponse(f"the body must be {{\"lora_name\": str, \"source\": "
+                                         f"{{\"uri\": str}}}}: {e}", status_code=422)
+            except msgspec.DecodeError as e:
+                return PlainTextResponse(f"the body is not JSON: {e}", status_code=400)
+            return await self.call(raw_request, dynamo_lora.LORAS,
+                                   lambda: self._dynamo_load(req))
+
+        @r.get(dynamo_lora.LIST_LORAS.path)
+        async def dynamo_list_loras(raw_request: Request) -> Response:
+            async def run() -> Response:
+                names = [s.policy.adapter_name for s in self.engine.adapters()]
+                ids = {n: dynamo_lora.lora_name_to_id(n) for n in names if n}
+                return JSONResponse(dynamo_lora.LoraResponse(
+                    status="success", loras=ids, count=len(ids)).body())
+            return await self.call(raw_request, dynamo_lora.LIST_LORAS, run)
+
+        @r.delete(dynamo_lora.UNLOAD_LORA.path)
+        async def dynamo_unload_lora(raw_request: Request, lora_name: str) -> Response:
+            async def run() -> Response:
+                loaded = [s.policy.adapter_name for s in self.engine.adapters()]
+                if lora_name not in loaded:
+                    return _dynamo(status="error", message=f"LoRA adapter '{lora_name}' not "
+                                   f"found. Available LoRAs: {loaded}")
+                said = await lora.unload_lora_adapter(admin.LoraRequest(lora_name=lora_name))
+                if said.status != "ok":
+                    return _dynamo(status="error", message=str(said.message),
+                                   lora_name=lora_name)
+                return _dynamo(status="success", lora_name=lora_name,
+                               message=f"LoRA adapter '{lora_name}' unloaded successfully",
+                               lora_id=dynamo_lora.lora_name_to_id(lora_name))
+            return await self.call(raw_request, dynamo_lora.UNLOAD_LORA, run)
+
+    async def _dynamo_load(self, req: dynamo_lora.LoadLoraRequest) -> Response:
+        """Dynamo's load: an adapter already loaded stays as it is unless hot swaps are
+        enabled ($DYN_LORA_HOTSWAP_ENABLED), then its new version replaces it."""
+        name, lora_id = req.lora_name, dynamo_lora.lora_name_to_id(req.lora_name)
+        loaded = any(s.policy.adapter_name == name for s in self.engine.adapters())
+        swap = loaded and dynamo_lora.hotswap_enabled(dict(os.environ))
+        if loaded and not swap:
+            return _dynamo(status="success", message=f"LoRA adapter '{name}' already loaded",
+                           lora_name=name, lora_id=lora_id)
+        try:
+            path = dynamo_lora.local_path(req.source.uri)
+            said = await self.admin.lora.load_lora_adapter(
+                admin.LoraLoadRequest(lora_name=name, lora_path=path))
+        except (ValueError, AdminRequestError) as e:
+            return _dynamo(status="error", message=str(e), lora_name=name)
+        if said.status != "ok":
+            return _dynamo(status="error", message=f"Failed to add LoRA '{name}': "
+                                                   f"{said.message}", lora_name=name)
+        how = "hot-swapped" if swap else "loaded"
+        return _dynamo(status="success", message=f"LoRA adapter '{name}' {how} successfully",
+                       lora_name=name, lora_id=lora_id)
 
     async def collective_rpc(self, raw_request: Request) -> Response:
         """vLLM's collective_rpc for `reload_weights` (EngineAdmin.collective_rpc): fields
