@@ -196,14 +196,16 @@ class _Choice:
     sent_tokens: int = 0
     sent_text: int = 0
     spans: list[WeightSpan] = field(default_factory=list)  # the policy of each run of tokens
+    stamped: PolicyIdentity | None = None  # the policy of the last span
 
     def stamp(self, policy: PolicyIdentity) -> None:
         """Record that the token just appended came from `policy`."""
         end = len(self.token_ids)
-        if self.spans and self.spans[-1].policy == policy:
+        if self.spans and (policy is self.stamped or policy == self.stamped):
             self.spans[-1] = msgspec.structs.replace(self.spans[-1], end=end)
         else:
             self.spans.append(WeightSpan.of(policy, end - 1, end))
+            self.stamped = policy
 
 
 def _hash(key: tuple) -> tuple[float, int]:
