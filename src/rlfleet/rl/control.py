@@ -37,6 +37,7 @@ from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
+    from rlfleet.rl.probe import Answer
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -262,6 +263,11 @@ class WorkerControl(abc.ABC):
     async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:  # noqa: B027
         """Before the gate closes: move `target` onto the workers (but `skip`) while they
         serve (rlfleet.rl.staged); `transfer` then only installs it."""
+
+    def early_answer(self, w: FleetWorker, target: Policy) -> Answer | None:
+        """The probe answer `w` gave for `target` before the gate, when the transfer only
+        switched it to the version it probed then (rlfleet.rl.adapter); None: probe it."""
+        return None
 
     async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
         """Stop routing rollouts to the worker (its own admission flag in discovery)."""
