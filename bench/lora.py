@@ -1,8 +1,10 @@
 """LoRA adapters as policies on one vLLM worker, against the base model on the same worker,
 measured in one run:
 
-- the gated window of an adapter refresh (PolicyRefresh, path vllm-adapter: gate → apply →
-  verify → probe → reopen of that adapter) ÷ the gated window of a full-model refresh
+- the gated window of an adapter refresh (PolicyRefresh, path vllm-adapter: the version is
+  loaded beside the serving one and probed through it before the gate, `stage` and
+  `probe_beside`; the window is gate → apply (the switch) → verify → probe (the answer from
+  before the gate) → reopen of that adapter) ÷ the gated window of a full-model refresh
   (path vllm-disk: gate → pause → reload → cache reset → verify → resume → probe → reopen);
   bytes an adapter version moves ÷ bytes a model version moves;
 - the base model's tok/s (and another adapter's) while an adapter is refreshed over and
@@ -128,7 +130,8 @@ def report(m: dict, args: argparse.Namespace) -> dict:
     for kind in ("full", "lora"):
         steps = m[f"{kind}_steps"]
         print(f"  {kind} refresh steps (median s): " + ", ".join(
-            f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}" for k in WINDOW))
+            f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}"
+            for k in ("stage", "probe_beside", *WINDOW)))
     print(f"bytes per version: model {m['full_bytes']:,}, adapter {m['lora_bytes']:,}")
     q, b = m["quiet"], m["busy"]
     print(f"tok/s without refreshes: base {q[MODEL]:.0f}, other adapter {q['o0']:.0f}; "

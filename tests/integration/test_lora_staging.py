@@ -44,12 +44,15 @@ def published(adapters, s3_server) -> dict[str, str]:
     if s3_server.proc is None:
         s3_server.start()
     ep = s3_server.endpoint_url
-    publish_adapter(adapters["a1"], PREFIX, "s-v1", endpoint_url=ep)
-    publish_adapter(adapters["a2"], PREFIX, "s-v2", base=("s-v1", adapters["a1"]),
-                    endpoint_url=ep)
-    publish_adapter(adapters["a3"], PREFIX, "s-v3", endpoint_url=ep)
-    publish_adapter(adapters["a3"], PREFIX, "s-v4", base=("s-v1", adapters["a1"]),
-                    endpoint_url=ep)
+    with pytest.MonkeyPatch.context() as mp:  # the S3 server's credentials
+        for k, v in s3_server.env.items():
+            mp.setenv(k, v)
+        publish_adapter(adapters["a1"], PREFIX, "s-v1", endpoint_url=ep)
+        publish_adapter(adapters["a2"], PREFIX, "s-v2", base=("s-v1", adapters["a1"]),
+                        endpoint_url=ep)
+        publish_adapter(adapters["a3"], PREFIX, "s-v3", endpoint_url=ep)
+        publish_adapter(adapters["a3"], PREFIX, "s-v4", base=("s-v1", adapters["a1"]),
+                        endpoint_url=ep)
     return {v: f"{PREFIX}/{v}" for v in ("s-v1", "s-v2", "s-v3", "s-v4")}
 
 
