@@ -231,10 +231,11 @@ class VllmAdapterControl(VllmStagedControl):
                     self.switched.add(w.instance_id)
             else:
                 r = await self._load(ch, w, target, "apply", True)
-            if r.ok and target.source is not None:
-                urls = self.holders.setdefault(target.version, [])
-                if w.system_url not in urls:  # a peer for workers that join later
-                    urls.append(w.system_url)
+            if r.ok:
+                if target.source is not None:  # a peer for workers that join later
+                    urls = self.holders.setdefault(target.version, [])
+                    if w.system_url not in urls:
+                        urls.append(w.system_url)
             elif r.unreachable:
                 w.exclude(f"unreachable at transfer: {r.why}", "missing")
             else:
