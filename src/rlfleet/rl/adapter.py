@@ -41,6 +41,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl.control import (
+    Beside,
     Channel,
     FleetWorker,
     RefreshHeld,
@@ -55,16 +56,6 @@ if TYPE_CHECKING:
 
 ADAPTER_ROUTES = admin.route_names(admin.LORA) | {admin.LIVENESS_PROBE.name}
 BESIDE_ROUTE = admin.ACTIVATE_LORA_ADAPTER.name  # a worker that loads versions beside
-
-
-@dataclass
-class Beside:
-    """The target version loaded beside the serving one on a worker, before the gate."""
-
-    worker: FleetWorker
-    version: str
-    served_name: str  # the engine's name of that version (its probe names it)
-    answer: Answer | None = None  # its probe answer, once probed
 
 
 @dataclass
@@ -173,6 +164,9 @@ class VllmAdapterControl(VllmStagedControl):
                               "beside the serving version on " + "; ".join(
                                   f"{w.instance_id}: {r.why}" for w, r in failed)
                               + "; nothing was gated, the serving version serves on")
+
+    def loaded_beside(self) -> dict[int, Beside]:
+        return self.beside
 
     async def discard_beside(self, ch: Channel) -> None:
         """Drop every version loaded beside by `prepare` (a failure before the gate)."""

@@ -218,7 +218,7 @@ class Waves:
         (rlfleet.rl.adapter), each through its own engine name, judged as `probe_all`
         judges; any failure discards them all and holds the refresh (nothing was gated).
         The answers stand for the probe of the gated window (`early_answer`)."""
-        beside = getattr(self.control, "beside", None)
+        beside = self.control.loaded_beside()
         if not beside:
             return
         ws = [b.worker for b in beside.values()]

@@ -8,6 +8,11 @@ running on the old version finish on it, and the old one is removed once none ru
 Nothing is paused: the base model and every other adapter serve throughout, and a load
 that fails leaves the old version serving.
 
+A version may also be loaded beside the serving one without serving the adapter's name
+(`load_beside`): only requests that name its own vLLM name (`name@id`) run on it, so a
+refresh probes it while the old version serves, and `activate` then switches the name to it
+(or `discard` drops it).
+
 Each adapter has its own admission flag (`set_open`), published in the worker's discovery
 entry: while it is closed, frontends hold requests that name the adapter (as they hold a
 gated worker's), and route the base model's and the other adapters' as before; the
