@@ -3,7 +3,8 @@ refresh stages the version from S3 (full, then an XOR delta on the version serve
 the base model and the adapter keep answering, loads it beside the serving version and
 probes it there before its gate, and switches the adapter's name in the gated window; a
 worker stages a version from a peer that serves it; a wrong digest or a wrong base is
-refused by name before anything is gated, the old version serving on both workers.
+refused by name before anything is gated, and so is a version whose probe fails, the old
+version serving on both workers.
 Two workers for the module (vLLM starts are slow)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
+from rlfleet.rl.probe import Probe
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.digest import checkpoint_digest
@@ -230,7 +232,7 @@ def wait_staged(system: str, name: str, handle: str, timeout: float = 120) -> di
     raise AssertionError(f"{handle} still STAGING after {timeout} s")
 
 
-def test_a_wrong_digest_or_a_wrong_base_is_refused_before_the_gate_the_old_version_serving(
+def test_a_wrong_digest_base_or_probe_is_refused_before_the_gate_the_old_version_serving(
         fleet, adapters, published, coordinator, s3_server):
     assert served(fleet, "s")[1] == "s-v2"
     before = served(fleet, "s")
@@ -250,6 +252,18 @@ def test_a_wrong_digest_or_a_wrong_base_is_refused_before_the_gate_the_old_versi
                                            digest=checkpoint_digest(adapters["a3"])))
     assert held.decision == "held", held.reason
     assert "needs base s-v1" in held.reason and "nothing was gated" in held.reason, held.reason
+    assert served(fleet, "s") == before
+
+    # staged and loaded beside, but its probe fails: discarded, never gated
+    wrong_probe = Probe(prompt=[1, 2, 3], token_ids=[5, 5, 5, 5], logprobs=[-0.1] * 4)
+    held = asyncio.run(coordinator.refresh(None, "s-v3", source=s3(published["s-v3"],
+                                                                    s3_server),
+                                           digest=checkpoint_digest(adapters["a3"]),
+                                           probe=wrong_probe))
+    assert held.decision == "held", held.reason
+    assert "probe through s-v3 loaded beside the serving version failed" in held.reason
+    assert "nothing was gated" in held.reason
+    assert "gate" not in [s["name"] for s in held.steps]
     assert served(fleet, "s") == before
     for w in fleet.workers:  # nothing was left loaded beside
         listed = engine(w.ready["system_url"], "list_lora_adapters")
