@@ -5,6 +5,7 @@ own engine name) runs on, and an adapter version's source checks."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.vllm.adapters import LoraAdapters
 from rlfleet.weights.adapters import publish_adapter
+from rlfleet.weights.artifacts import ArtifactError
 from rlfleet.weights.digest import checkpoint_signature
 from rlfleet.weights.staging import StageRequestError
 from rlfleet.worker.engine import BadRequest, UnknownAdapter
@@ -132,4 +134,13 @@ def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and
     for says, source in cases.items():
         with pytest.raises(StageRequestError, match=says):
             lora._config(source, "p-v1")
+    with pytest.raises(ArtifactError, match="reading adapter_config.json failed"):
+        lora._config({"kind": "trainer", "url": f"http://127.0.0.1:{free_port()}"}, "p-v1")
     assert isinstance(LoraStageRequest(lora_name="p", version="p-v1", source={}), LoraStageRequest)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -149,16 +149,21 @@ class LoraAdmin:
         if src.kind == "peer" and not src.location:
             raise StageRequestError("source.url is required for a peer source of an adapter "
                                     "version (adapter versions are not in the catalog)")
-        storage = open_source_storage(src, min(10.0, src.timeout), self._token())
+        where = f"{src.kind} source {src.describe()}"
         try:
-            data = storage.read(f"{src.key}/{ADAPTER_CONFIG}")
+            storage = open_source_storage(src, min(10.0, src.timeout), self._token())
+        except Exception as e:  # noqa: BLE001 - a bad endpoint, said by name
+            raise ArtifactError(f"{where}: {e}") from e
+        try:
+            return storage.read(f"{src.key}/{ADAPTER_CONFIG}")
         except FileNotFoundError:
-            raise StageRequestError(f"{src.kind} source {storage.uri}/{src.key} has no "
-                                    f"{ADAPTER_CONFIG}: not an adapter version (publish it "
-                                    "with rlfleet.weights.adapters.publish_adapter)") from None
+            raise StageRequestError(f"{where} has no {ADAPTER_CONFIG}: not an adapter "
+                                    "version (publish it with "
+                                    "rlfleet.weights.adapters.publish_adapter)") from None
+        except Exception as e:  # noqa: BLE001 - any transport's error, said by name
+            raise ArtifactError(f"{where}: reading {ADAPTER_CONFIG} failed: {e!r}") from e
         finally:
             storage.close()
-        return data
 
     async def stage_lora_adapter(self, req: LoraStageRequest) -> StageReply:
         """Start pulling an adapter version while the engine serves; returns at once with
