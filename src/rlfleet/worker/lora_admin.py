@@ -87,6 +87,7 @@ class LoraAdmin:
         self.areas: dict[str, StagingArea] = {}  # adapter name -> its staged versions
         self.configs: dict[str, bytes] = {}  # handle -> the version's adapter_config.json
         self.beside: dict[str, str | None] = {}  # adapter -> the handle loaded beside
+        self.made: dict[str, list[Path]] = {}  # adapter -> directories made for its versions
         if staging is not None:
             staging.also_serves.append(self.resident_dir)
 
@@ -204,18 +205,24 @@ class LoraAdmin:
 
     # ------------------------------------------------------------ loading
 
+    async def _source_dir(self, req: LoraLoadRequest) -> tuple[Path, str | None, bool]:
+        """(the plain adapter directory to load, the digest it must have, whether it was
+        made here from a staged handle or an artifact)."""
+        if req.handle is not None:
+            path, staged_digest = await asyncio.to_thread(self._staged_dir, req.lora_name,
+                                                          req.handle)
+            return path, req.digest or staged_digest, True
+        path = self.lora_path(req.lora_path)
+        if is_artifact(path):  # a weight-plane version: full, or a delta on the served one
+            return await asyncio.to_thread(self._materialize, req.lora_name, path), \
+                req.digest, True
+        return path, req.digest, False
+
     async def load_lora_adapter(self, req: LoraLoadRequest) -> LoraAdapterReply:
         fence = self._fence(req)
-        name, digest = req.lora_name, req.digest
+        name, path, made = req.lora_name, None, False
         try:
-            if req.handle is not None:
-                path, staged_digest = await asyncio.to_thread(self._staged_dir, name,
-                                                              req.handle)
-                digest = digest or staged_digest
-            else:
-                path = self.lora_path(req.lora_path)
-                if is_artifact(path):  # a weight-plane version: full, or a delta on the served
-                    path = await asyncio.to_thread(self._materialize, name, path)
+            path, digest, made = await self._source_dir(req)
             if req.activate:
                 policy, replaced = await self.engine.load_adapter(
                     name, path, req.weight_version, req.step, digest)
@@ -226,8 +233,12 @@ class LoraAdmin:
                     name, path, req.weight_version, req.step, digest)
                 replaced, self.beside[name] = None, req.handle
         except (BadRequest, AdminRequestError, ArtifactError) as e:
+            if made and path is not None:
+                shutil.rmtree(path, ignore_errors=True)
             return LoraAdapterReply.failed(str(e) + ("; nothing was changed" if isinstance(
                 e, ArtifactError) else ""), lora_name=name)
+        if made:
+            self._keep(name, path)
         state = next((s for s in self.engine.adapters() if s.policy == policy),
                      AdapterState(policy, 0, str(path)))  # (replaced again, or beside)
         where = (f"beside the serving version, as {served_name}" if served_name
@@ -235,6 +246,16 @@ class LoraAdmin:
         return adapter_reply(state, fence, replaced=replaced, served_name=served_name or UNSET,
                              message=f"adapter {name} version {policy.version} (step "
                                      f"{policy.step}) loaded {where}")
+
+    def _keep(self, name: str, path: Path, keep: int = 3) -> None:
+        """Keep the directory made for a version `name` loaded; remove those made for
+        older ones beyond the newest `keep` (the serving version, one loaded beside, and
+        the one just replaced, whose running requests finish on it)."""
+        made = self.made.setdefault(name, [])
+        made.append(path)
+        for old in made[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        del made[:-keep]
 
     async def _now_serves(self, name: str, handle: str | None, policy: PolicyIdentity) -> None:
         """The adapter serves the version of `handle` (its staged copy becomes the resident
@@ -294,6 +315,8 @@ class LoraAdmin:
             policy = await self.engine.unload_adapter(req.lora_name)
         except BadRequest as e:
             return LoraAdapterReply.failed(str(e), lora_name=req.lora_name)
+        for d in self.made.pop(req.lora_name, []):  # vLLM holds what still runs in memory
+            shutil.rmtree(d, ignore_errors=True)
         return LoraAdapterReply(lora_name=req.lora_name, **policy.reply_fields(),
                                 fleet_epoch=fence.newest,
                                 message=f"adapter {req.lora_name} unloaded")
