@@ -1,8 +1,10 @@
 """LoRA adapters as policies on one vLLM worker, against the base model on the same worker,
 measured in one run:
 
-- the gated window of an adapter refresh (PolicyRefresh, path vllm-adapter: gate → apply →
-  verify → probe → reopen of that adapter) ÷ the gated window of a full-model refresh
+- the gated window of an adapter refresh (PolicyRefresh, path vllm-adapter: the version is
+  loaded beside the serving one and probed through it before the gate, `stage` and
+  `probe_beside`; the window is gate → apply (the switch) → verify → probe (the answer from
+  before the gate) → reopen of that adapter) ÷ the gated window of a full-model refresh
   (path vllm-disk: gate → pause → reload → cache reset → verify → resume → probe → reopen);
   bytes an adapter version moves ÷ bytes a model version moves;
 - the base model's tok/s (and another adapter's) while an adapter is refreshed over and
@@ -11,6 +13,11 @@ measured in one run:
   base model alone.
 
     python bench/lora.py [--size tiny|small] [--rounds 3] [--seconds 6] [--concurrency 8]
+                         [--source dir|trainer]
+
+`--source trainer`: every adapter version is published to a trainer's publisher
+(rlfleet.weights.publish.TrainerServer) and each worker stages it from there while it serves
+(stage_lora_adapter) before the refresh's gate; `dir` (default): loaded from its directory.
 
 The last line is one JSON object: {"gated_window_ratio", "bytes_ratio",
 "base_tps_during_refresh_ratio", "tps_4_adapters_ratio"}."""
@@ -30,7 +37,9 @@ import httpx
 from rlfleet.models import make_adapter, make_model
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.launch import LocalFleet
-from rlfleet.weights.digest import checkpoint_files
+from rlfleet.weights.adapters import publish_adapter
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_files
+from rlfleet.weights.publish import TrainerServer
 
 MODEL = "bench"
 #: the lifecycle steps inside the gated window (the rest: resolving the workers, staging)
@@ -69,18 +78,35 @@ async def load(url: str, models: list[str], seconds: float, concurrency: int,
     return {m: n / secs for m, n in done.items()}
 
 
-async def refresh_loop(coordinator: PolicyRefresh, paths: list[Path], stop: asyncio.Event,
-                       results: list) -> None:
+class Versions:
+    """How an adapter version reaches the workers: from its directory, or published to a
+    trainer's publisher and staged from there."""
+
+    def __init__(self, trainer: TrainerServer | None) -> None:
+        self.trainer = trainer
+
+    async def refresh(self, coordinator: PolicyRefresh, path: Path, version: str):
+        if self.trainer is None:
+            return await coordinator.refresh(path, version)
+        await asyncio.to_thread(publish_adapter, path, self.trainer.dir, version)
+        digest = await asyncio.to_thread(checkpoint_digest, path)
+        return await coordinator.refresh(None, version, digest=digest, source={
+            "kind": "trainer", "url": self.trainer.url})
+
+
+async def refresh_loop(coordinator: PolicyRefresh, versions: Versions, paths: list[Path],
+                       stop: asyncio.Event, results: list) -> None:
     i = 0
     while not stop.is_set():
-        res = await coordinator.refresh(paths[i % len(paths)], f"loop-{i}")
+        res = await versions.refresh(coordinator, paths[i % len(paths)], f"loop-{i}")
         assert res.ok, res.reason
         results.append(res)
         i += 1
 
 
 async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
-                  adapters: dict[str, Path], args: argparse.Namespace) -> dict:
+                  adapters: dict[str, Path], args: argparse.Namespace,
+                  versions: Versions) -> dict:
     full = PolicyRefresh(fleet.rl_url, model=MODEL, timeout=600)
     lora = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-adapter", adapter="r",
                          timeout=600)
@@ -94,7 +120,7 @@ async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
         assert res.ok, res.reason
         full_w.append(window(res))
         full_s.append(res.step_seconds())
-        res = await lora.refresh(adapters["r1" if i % 2 == 0 else "r2"], f"r-{i}")
+        res = await versions.refresh(lora, adapters["r1" if i % 2 == 0 else "r2"], f"r-{i}")
         assert res.ok, res.reason
         lora_w.append(window(res))
         lora_s.append(res.step_seconds())
@@ -103,8 +129,8 @@ async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
     url, c, n = fleet.url, args.concurrency, args.tokens
     quiet = await load(url, [MODEL, "o0"], args.seconds, c, n)
     stop, during = asyncio.Event(), []
-    loop = asyncio.create_task(refresh_loop(lora, [adapters["r1"], adapters["r2"]], stop,
-                                            during))
+    loop = asyncio.create_task(refresh_loop(lora, versions, [adapters["r1"], adapters["r2"]],
+                                            stop, during))
     busy = await load(url, [MODEL, "o0"], args.seconds, c, n)
     stop.set()
     await loop
@@ -120,7 +146,8 @@ async def measure(fleet: LocalFleet, work: Path, ckpt: dict[str, Path],
 
 def report(m: dict, args: argparse.Namespace) -> dict:
     fw, lw = statistics.median(m["full_windows"]), statistics.median(m["lora_windows"])
-    print(f"model={args.size} float32, 1 vLLM worker (CPU), rounds={args.rounds}, "
+    print(f"model={args.size} float32, 1 vLLM worker (CPU), adapters from {args.source}, "
+          f"rounds={args.rounds}, "
           f"load {args.concurrency} x {args.tokens} tokens for {args.seconds} s")
     print(f"gated window: full-model refresh median {fw:.3f} s "
           f"{[round(x, 3) for x in m['full_windows']]}; adapter refresh median {lw:.3f} s "
@@ -128,7 +155,8 @@ def report(m: dict, args: argparse.Namespace) -> dict:
     for kind in ("full", "lora"):
         steps = m[f"{kind}_steps"]
         print(f"  {kind} refresh steps (median s): " + ", ".join(
-            f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}" for k in WINDOW))
+            f"{k} {statistics.median(s.get(k, 0.0) for s in steps):.3f}"
+            for k in ("stage", "probe_beside", *WINDOW)))
     print(f"bytes per version: model {m['full_bytes']:,}, adapter {m['lora_bytes']:,}")
     q, b = m["quiet"], m["busy"]
     print(f"tok/s without refreshes: base {q[MODEL]:.0f}, other adapter {q['o0']:.0f}; "
@@ -150,6 +178,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=6.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--source", default="dir", choices=["dir", "trainer"],
+                   help="adapter versions loaded from their directories, or staged from a "
+                        "trainer's publisher")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-lora-") as tmp:
         work = Path(tmp)
@@ -162,10 +193,17 @@ def main() -> None:
                  "--enable-rl", "--system-port", "0", "--served-model-name", MODEL,
                  "--allowed-weights-root", str(work / "w"), "--enable-lora",
                  "--max-loras", "5", "--max-lora-rank", str(max(16, args.rank))]
-        with LocalFleet(work / "fleet") as fleet:
-            fleet.start_frontend(enable_rl=True)
-            fleet.start_worker("--model", str(ckpt["A"]), *flags, wait=False).wait_ready(900)
-            measured = asyncio.run(measure(fleet, work, ckpt, adapters, args))
+        trainer = TrainerServer(work / "published") if args.source == "trainer" else None
+        try:
+            with LocalFleet(work / "fleet") as fleet:
+                fleet.start_frontend(enable_rl=True)
+                fleet.start_worker("--model", str(ckpt["A"]), *flags,
+                                   wait=False).wait_ready(900)
+                measured = asyncio.run(measure(fleet, work, ckpt, adapters, args,
+                                               Versions(trainer)))
+        finally:
+            if trainer is not None:
+                trainer.close()
     print(json.dumps(report(measured, args)), flush=True)
 
 

@@ -170,7 +170,7 @@ def test_an_adapter_refresh_moves_one_adapter_while_the_base_streams(fleet, adap
                                                                     tmp_path):
     """PolicyRefresh on path vllm-adapter: the gate, the load, the verify and the probe touch
     the adapter only; base requests are never refused or paused; a wrong-base version is
-    refused and rolled back, the old version serving again."""
+    refused before the gate (loaded beside the serving version), the old version serving."""
     refresh = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, path="vllm-adapter",
                             adapter="r1", journal=tmp_path / "journal.sqlite",
                             on_failure="rollback")
@@ -195,9 +195,11 @@ def test_an_adapter_refresh_moves_one_adapter_while_the_base_streams(fleet, adap
         assert "pause_generation" not in calls and "flush_cache" not in calls
         assert tokens(complete(fleet, MODEL_NAME)) == base
 
+        # refused while loading it beside the serving version: held before any gate
         wrong = asyncio.run(refresh.refresh(adapters["other_base"], "r1-wrong"))
-        assert wrong.decision == "rolled_back", wrong.reason
-        assert "another base model" in wrong.reason
+        assert wrong.decision == "held", wrong.reason
+        assert "another base model" in wrong.reason and "nothing was gated" in wrong.reason
+        assert "gate" not in {s["name"] for s in wrong.steps}
         r = complete(fleet, "r1")
         assert r.json()["nvext"]["engine_data"]["weight_version"] == "r1-v2"
         record = refresh.journal.get(second.refresh_id)

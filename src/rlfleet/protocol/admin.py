@@ -422,21 +422,68 @@ class LoraRequest(Request, kw_only=True, frozen=True):
 class LoraLoadRequest(LoraRequest, kw_only=True, frozen=True):
     """Load an adapter, or a new version of a loaded one (vLLM's `/v1/load_lora_adapter`
     body, with rlfleet's identity fields): the new version serves requests that arrive from
-    then on; requests running on the old one finish on it."""
+    then on; requests running on the old one finish on it.
 
-    lora_path: str
+    rlfleet's additions: `handle` (instead of `lora_path`): a READY handle of
+    `stage_lora_adapter`; `activate: false`: load the version beside the one that serves
+    the adapter's name (requests reach it by its own `served_name` only) until
+    `activate_lora_adapter` switches the name to it."""
+
+    lora_path: str = ""
     weight_version: str | None = None  # the adapter version's label
     step: int | None = None  # the adapter's fleet step
     digest: str | None = None  # the content digest the caller expects (refused otherwise)
     load_inplace: bool = False  # vLLM's flag: accepted (a new version always replaces)
+    handle: str | None = None  # a READY staging handle (stage_lora_adapter), not a path
+    activate: bool = True  # false: loaded beside the serving version, not yet serving
     MESSAGES: ClassVar[dict[str, str]] = {
         **LoraRequest.MESSAGES, "lora_path": _LORA_PATH, "weight_version": _VERSION,
-        "step": _STEP, "digest": "digest must be a string (blake3:<hex>)"}
-    NON_EMPTY: ClassVar[tuple[str, ...]] = ("lora_name", "lora_path")
+        "step": _STEP, "digest": "digest must be a string (blake3:<hex>)",
+        "handle": _HANDLE, "activate": "activate must be a boolean"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_step(self.step)
+        _check_handle(self.handle)
+        if not self.lora_path and self.handle is None:
+            raise AdminRequestError(_LORA_PATH + "; or, instead, the handle of a version "
+                                    "staged with stage_lora_adapter")
+        if self.lora_path and self.handle is not None:
+            raise AdminRequestError("give lora_path or handle, not both")
+
+
+class LoraStageRequest(LoraRequest, kw_only=True, frozen=True):
+    """Pull an adapter version from a weight-plane source while the worker serves (S3, a
+    directory, the trainer's publisher, a peer that holds it), checked by its content
+    digest; `load_lora_adapter` with the handle then loads it."""
+
+    version: str
+    source: dict[str, Any]  # a stage_weights source (rlfleet.weights.staging), no fanout
+    digest: str | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {
+        **LoraRequest.MESSAGES, "version": _STAGE_VERSION, "source": _SOURCE,
+        "digest": "digest must be a string (blake3:<hex>)"}
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("lora_name", "version")
+
+
+class LoraStagedQuery(LoraRequest, kw_only=True, frozen=True):
+    handle: str | None = None  # one handle of the adapter's; None: all of them
+    MESSAGES: ClassVar[dict[str, str]] = {**LoraRequest.MESSAGES, "handle": _HANDLE}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_handle(self.handle)
+
+
+class LoraVersionRequest(LoraRequest, kw_only=True, frozen=True):
+    """One version of an adapter loaded beside the serving one (`activate: false`):
+    activate it (the adapter's name serves it from then on) or discard it."""
+
+    weight_version: str
+    MESSAGES: ClassVar[dict[str, str]] = {
+        **LoraRequest.MESSAGES, "weight_version": "weight_version is required: the label of "
+        "the version loaded with activate: false"}
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("lora_name", "weight_version")
 
 
 class LoraAdmissionRequest(LoraRequest, kw_only=True, frozen=True):
@@ -672,6 +719,8 @@ class LoraAdapterReply(_Identified, Reply, kw_only=True):
     reason: str | None | UnsetType = UNSET
     fleet_epoch: int | UnsetType = UNSET  # the newest epoch of the adapter's coordinator
     replaced: str | None | UnsetType = UNSET  # the version a load replaced
+    served_name: str | UnsetType = UNSET  # the engine's name of this version (a request
+    # naming it runs on exactly this version: a probe of a version loaded beside)
 
     def policy(self) -> PolicyIdentity:
         return super().policy().of_adapter(self.lora_name or None)
@@ -777,6 +826,16 @@ SET_LORA_ADMISSION = AdminRoute("set_lora_admission", LoraAdmissionRequest, Lora
                                 serialized=False, fenced=False)
 LIST_LORA_ADAPTERS = _read("list_lora_adapters", NoFields, LoraListReply)
 LORA = (LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, SET_LORA_ADMISSION, LIST_LORA_ADAPTERS)
+# adapter versions staged while serving and loaded beside the serving one (engines that can)
+STAGE_LORA_ADAPTER = AdminRoute("stage_lora_adapter", LoraStageRequest, StageReply,
+                                serialized=False, fenced=False)
+GET_STAGED_LORA_ADAPTER = _read("get_staged_lora_adapter", LoraStagedQuery, StagedListReply)
+ACTIVATE_LORA_ADAPTER = AdminRoute("activate_lora_adapter", LoraVersionRequest,
+                                   LoraAdapterReply, serialized=False, fenced=False)
+DISCARD_LORA_ADAPTER = AdminRoute("discard_lora_adapter", LoraVersionRequest,
+                                  LoraAdapterReply, serialized=False, fenced=False)
+LORA_STAGED = (STAGE_LORA_ADAPTER, GET_STAGED_LORA_ADAPTER, ACTIVATE_LORA_ADAPTER,
+               DISCARD_LORA_ADAPTER)
 
 SGLANG_UPDATE_WEIGHTS_FROM_DISK = AdminRoute("control/update_weights_from_disk",
                                              SglangDiskRequest, SglangDiskReply)
@@ -831,7 +890,7 @@ NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
 ROUTES = {r.name: r for r in (
     LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
     UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
-    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17, *LORA)}
+    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17, *LORA, *LORA_STAGED)}
 
 
 def route_names(routes: tuple[AdminRoute, ...] | list[AdminRoute]) -> frozenset[str]:

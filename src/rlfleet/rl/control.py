@@ -37,6 +37,7 @@ from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 if TYPE_CHECKING:
     from rlfleet.rl.policy import Policy
+    from rlfleet.rl.probe import Answer
 
 log = logging.getLogger("rlfleet.refresh")
 
@@ -221,6 +222,17 @@ def _tensors_of(policy: Policy) -> list[tuple[str, Any]]:
     return list(iter_checkpoint_tensors(Path(policy.path)))
 
 
+@dataclass
+class Beside:
+    """A target version loaded beside the serving one on a worker, before the gate (an
+    adapter's: rlfleet.rl.adapter)."""
+
+    worker: FleetWorker
+    version: str
+    served_name: str  # the engine's name of that version (its probe names it)
+    answer: Answer | None = None  # its probe answer, once probed
+
+
 class WorkerControl(abc.ABC):
     """The lifecycle steps for one flavour of worker. Per-worker steps exclude the worker
     (with the reason) when they fail; `transfer` returns the workers whose transfer failed,
@@ -262,6 +274,20 @@ class WorkerControl(abc.ABC):
     async def prepare(self, ch: Channel, target: Policy, skip: set[int]) -> None:  # noqa: B027
         """Before the gate closes: move `target` onto the workers (but `skip`) while they
         serve (rlfleet.rl.staged); `transfer` then only installs it."""
+
+    def loaded_beside(self) -> dict[int, Beside]:
+        """What `prepare` loaded beside the serving policy, by worker: the probe reaches it
+        before the gate (rlfleet.rl.waves.Waves.probe_beside); none by default."""
+        return {}
+
+    async def discard_beside(self, ch: Channel) -> None:  # noqa: B027
+        """Drop what `prepare` loaded beside the serving policy (a failure before the
+        gate)."""
+
+    def early_answer(self, w: FleetWorker, target: Policy) -> Answer | None:
+        """The probe answer `w` gave for `target` before the gate, when the transfer only
+        switched it to the version it probed then (rlfleet.rl.adapter); None: probe it."""
+        return None
 
     async def close(self, ch: Channel, w: FleetWorker, reason: str) -> None:
         """Stop routing rollouts to the worker (its own admission flag in discovery)."""

@@ -348,6 +348,12 @@ class PolicyRefresh:
             committed=committed, admitting=admitting, seen_epoch=control.seen_epoch,
             on_event=self.on_event)
 
+    async def _prepare(self, tx: Transaction, target: Policy, skip: set[int]) -> None:
+        """Before the gate, while the fleet serves: the target staged on the workers (but
+        `skip`), and an adapter's version loaded beside the serving one probed."""
+        await tx.timed("stage", self.control.prepare(tx.ch, target, skip))
+        await tx.timed("probe_beside", self.waves.probe_beside(tx, target))
+
     # ------------------------------------------------------------------ synchronous
 
     async def _sync(self, tx: Transaction, target: Policy, *, fleet_wide: bool,
@@ -360,8 +366,7 @@ class PolicyRefresh:
         close_reason = (f"recovering an interrupted refresh to {target.version}" if interrupted
                         else f"policy refresh to {target.version}")
         if control.stages and not interrupted:  # pulled while the fleet serves
-            await tx.timed("stage", control.prepare(
-                ch, target, set() if fleet_wide else set(self.verified)))
+            await self._prepare(tx, target, set() if fleet_wide else set(self.verified))
         if fleet_wide:
             self.rollout_gate.close(close_reason)
         await tx.move(RefreshState.GATED)
@@ -424,7 +429,7 @@ class PolicyRefresh:
         min_serving workers serving."""
         control, ch, cfg = self.control, tx.ch, self.config
         if control.stages:
-            await tx.timed("stage", control.prepare(ch, target, set()))
+            await self._prepare(tx, target, set())
         found = await tx.timed("resolve", control.discover(ch))
         tx.workers.update(found)
         await tx.record(intended_workers=sorted(tx.workers))

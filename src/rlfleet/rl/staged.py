@@ -118,8 +118,7 @@ class VllmStagedControl(VllmControl):
         """Stage `target` on `w` (each source in turn until one is READY); the summary."""
         summary = StagedSummary(state="FAILED", error="no source for this version")
         for source in self._sources(target, w):
-            res = await ch.on(w, "stage", admin.STAGE_WEIGHTS, StageRequest(
-                version=target.version, source=source, digest=target.digest))
+            res = await ch.on(w, "stage", *self._stage_call(ch, target, source))
             if not res.ok:
                 summary = StagedSummary(state="FAILED", source=source, error=str(res.message),
                                         unreachable=res.unreachable)
@@ -132,10 +131,23 @@ class VllmStagedControl(VllmControl):
         self.staged[w.instance_id] = summary
         return summary
 
+    #: what a handle that is never READY is released with (None: its own deadline ends it)
+    release_route: admin.AdminRoute | None = admin.RELEASE_STAGED_WEIGHTS
+
+    def _stage_call(self, ch: Channel, target: Policy, source: dict[str, Any]
+                    ) -> tuple[admin.AdminRoute, Any]:
+        """The call that starts staging `target` from `source` on a worker."""
+        return admin.STAGE_WEIGHTS, StageRequest(version=target.version, source=source,
+                                                 digest=target.digest)
+
+    def _query_call(self, ch: Channel, handle: str) -> tuple[admin.AdminRoute, Any]:
+        """The call that reads a staging handle's summary."""
+        return admin.GET_STAGED_WEIGHTS, StagedQuery(handle=handle)
+
     async def _wait(self, ch: Channel, w: FleetWorker, handle: str) -> StagedSummary:
         deadline = time.monotonic() + self.stage_timeout + 30
         while True:
-            res = await ch.on(w, "stage", admin.GET_STAGED_WEIGHTS, StagedQuery(handle=handle))
+            res = await ch.on(w, "stage", *self._query_call(ch, handle))
             w.calls.pop()  # polls are not journaled; the final summary is
             listed: StagedListReply | None = res.reply
             if res.ok and listed.staged:
@@ -146,7 +158,8 @@ class VllmStagedControl(VllmControl):
                 return StagedSummary(handle=handle, state="FAILED", unreachable=True,
                                      error=f"worker unreachable while staging: {res.message}")
             if time.monotonic() > deadline:
-                await ch.on(w, "stage", admin.RELEASE_STAGED_WEIGHTS, HandleRequest(handle=handle))
+                if self.release_route is not None:
+                    await ch.on(w, "stage", self.release_route, HandleRequest(handle=handle))
                 return StagedSummary(handle=handle, state="FAILED",
                                      error=f"not READY within {self.stage_timeout:.0f}s")
             await asyncio.sleep(self.poll)

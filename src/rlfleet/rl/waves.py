@@ -213,9 +213,43 @@ class Waves:
             raise RefreshHeld(why)
         return answers
 
-    async def probe_one(self, tx: Transaction, w: FleetWorker, target: Policy
-                        ) -> Answer | None:
-        """One worker's probe answer, straight from its request plane (None: excluded)."""
+    async def probe_beside(self, tx: Transaction, target: Policy) -> None:
+        """Before the gate: probe the versions the control loaded beside the serving ones
+        (rlfleet.rl.adapter), each through its own engine name, judged as `probe_all`
+        judges; any failure discards them all and holds the refresh (nothing was gated).
+        The answers stand for the probe of the gated window (`early_answer`)."""
+        beside = self.control.loaded_beside()
+        if not beside:
+            return
+        ws = [b.worker for b in beside.values()]
+        answers = [a for a in await for_each(ws, lambda w: self.probe_one(
+            tx, w, target, adapter=beside[w.instance_id].served_name), tx.ch.phase_deadline)
+            if a is not None]
+        why = [f"{w.instance_id}: {w.reason}" for w in ws if not w.active]
+        for a in answers:
+            bad = check_expected(a, target.probe) if target.probe is not None else None
+            if bad:
+                why.append(f"{a.worker}: {bad}")
+        if not why and target.probe is None:
+            why = [d] if (d := disagreement(answers + tx.reference)) else []
+        if why:
+            await self.control.discard_beside(tx.ch)
+            raise RefreshHeld(f"the probe through {target.version} loaded beside the serving "
+                              f"version failed: {'; '.join(why)}; nothing was gated, the "
+                              "serving version serves on")
+        for a in answers:
+            beside[a.worker].answer = a
+
+    async def probe_one(self, tx: Transaction, w: FleetWorker, target: Policy,
+                        adapter: str | None = None) -> Answer | None:
+        """One worker's probe answer, straight from its request plane (None: excluded);
+        `adapter`: the adapter (or adapter version's engine name) it names, if not the
+        control's. A worker whose transfer switched it to the version it probed before
+        the gate answers with that probe (`early_answer`)."""
+        early = self.control.early_answer(w, target) if adapter is None else None
+        if early is not None:
+            w.record("probe", "probed before the gate", 200, None)
+            return early
         if not w.request_url:
             w.exclude("no request-plane URL for the post-update generation")
             return None
@@ -223,7 +257,7 @@ class Waves:
         req = probe_request(f"refresh-probe-{uuid.uuid4().hex[:12]}", target.probe,
                             cfg.probe_text)
         req.traceparent = tracing.outgoing()  # the worker's span joins the probe phase's
-        req.adapter = self.control.probe_adapter
+        req.adapter = adapter or self.control.probe_adapter
         try:
             async with tx.ch.slot():
                 events = await generate_over_http(tx.requests.get(w.request_url),

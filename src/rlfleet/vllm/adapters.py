@@ -8,6 +8,11 @@ running on the old version finish on it, and the old one is removed once none ru
 Nothing is paused: the base model and every other adapter serve throughout, and a load
 that fails leaves the old version serving.
 
+A version may also be loaded beside the serving one without serving the adapter's name
+(`load_beside`): only requests that name its own vLLM name (`name@id`) run on it, so a
+refresh probes it while the old version serves, and `activate` then switches the name to it
+(or `discard` drops it).
+
 Each adapter has its own admission flag (`set_open`), published in the worker's discovery
 entry: while it is closed, frontends hold requests that name the adapter (as they hold a
 gated worker's), and route the base model's and the other adapters' as before; the
@@ -120,6 +125,8 @@ class LoraAdapters:
         self.by_name: dict[str, Adapter] = {}
         self._next_id = 1
         self._removing: set[asyncio.Future] = set()  # retired versions being removed
+        self.beside: dict[str, Served] = {}  # name -> a version loaded beside the serving one
+        self._locks: dict[str, asyncio.Lock] = {}  # one load, switch or unload at a time
 
     def states(self) -> list[AdapterState]:
         return [AdapterState(a.current.policy, a.current.rank, a.current.path,
@@ -143,6 +150,53 @@ class LoraAdapters:
     async def load(self, name: str, path: Path, version: str | None, step: int | None,
                    digest: str | None = None) -> tuple[PolicyIdentity, str | None]:
         """Load `path` as `name`'s new version; (its policy, the version it replaced)."""
+        async with self._lock(name):
+            served = await self._add(name, path, version, step, digest)
+            return served.policy, self._switch(name, served)
+
+    async def load_beside(self, name: str, path: Path, version: str | None,
+                          step: int | None, digest: str | None = None
+                          ) -> tuple[PolicyIdentity, str]:
+        """Load `path` as a version of `name` beside the serving one (requests naming `name`
+        stay on that); (its policy, its vLLM name: a request naming that runs on it)."""
+        async with self._lock(name):
+            served = await self._add(name, path, version, step, digest)
+            older, self.beside[name] = self.beside.get(name), served
+            if older is not None:
+                self._retire(older)
+            return served.policy, served.lora.lora_name
+
+    async def activate(self, name: str, version: str) -> tuple[PolicyIdentity, str | None]:
+        """`name` serves its version loaded beside from now on; (its policy, the version
+        it replaced: retired, removed once the requests running on it finish)."""
+        async with self._lock(name):
+            served = self._beside(name, version)
+            del self.beside[name]
+            return served.policy, self._switch(name, served)
+
+    async def discard(self, name: str, version: str) -> PolicyIdentity:
+        async with self._lock(name):
+            served = self._beside(name, version)
+            del self.beside[name]
+            self._retire(served)
+            return served.policy
+
+    def _beside(self, name: str, version: str) -> Served:
+        served = self.beside.get(name)
+        if served is None or served.policy.version != version:
+            held = served.policy.version if served else None
+            raise UnknownAdapter(f"adapter {name!r} has no version {version!r} loaded beside "
+                                 f"the serving one (beside: {held or 'none'}): load it with "
+                                 "activate: false first")
+        return served
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def _add(self, name: str, path: Path, version: str | None, step: int | None,
+                   digest: str | None) -> Served:
+        """Check `path` and add it to vLLM as a version of `name` of its own (not yet
+        serving `name`); BadRequest, nothing changed, when it does not fit."""
         from vllm.lora.request import LoRARequest
 
         rank, why = await asyncio.to_thread(adapter_problem, path, self.base, self.max_rank)
@@ -152,44 +206,47 @@ class LoraAdapters:
         if digest is not None and found != digest:
             raise BadRequest(f"the adapter at {path} has digest {found}, not {digest} as "
                              "expected: nothing was changed")
+        names = set(self.by_name) | set(self.beside)
+        if name not in names and len(names) >= self.max_loras:
+            raise BadRequest(f"this worker serves {self.max_loras} adapters already "
+                             f"(--max-loras): unload one first ({', '.join(sorted(names))})")
+        # a name of its own per version: vLLM's prefix cache keys KV by the adapter's
+        # name and path, and a new version may come from the same path
+        lora = LoRARequest(f"{name}@{self._next_id}", self._next_id, str(path))
+        self._next_id += 1
+        t0 = time.monotonic()
+        try:
+            ok = await self.llm.add_lora(lora)
+        except Exception as e:  # vLLM's own checks of the adapter
+            raise BadRequest(f"vLLM refused the adapter at {path}: {e}; nothing was "
+                             "changed") from e
+        if not ok:
+            raise BadRequest(f"vLLM did not load the adapter at {path}; nothing changed")
+        log.info("adapter %s: loaded %s (rank %d) as %s in %.3f s", name, version, rank,
+                 lora.lora_name, time.monotonic() - t0)
+        return Served(PolicyIdentity(version=version, digest=found, step=step, adapter=name),
+                      lora, str(path), rank)
+
+    def _switch(self, name: str, served: Served) -> str | None:
+        """Requests naming `name` run on `served` from now on; the version it replaced."""
         old = self.by_name.get(name)
-        lock = old.lock if old else asyncio.Lock()
-        async with lock:
-            old = self.by_name.get(name)
-            if old is None and len(self.by_name) >= self.max_loras:
-                raise BadRequest(f"this worker serves {self.max_loras} adapters already "
-                                 f"(--max-loras): unload one first "
-                                 f"({', '.join(sorted(self.by_name))})")
-            # a name of its own per version: vLLM's prefix cache keys KV by the adapter's
-            # name and path, and a new version may come from the same path
-            lora = LoRARequest(f"{name}@{self._next_id}", self._next_id, str(path))
-            self._next_id += 1
-            t0 = time.monotonic()
-            try:
-                ok = await self.llm.add_lora(lora)
-            except Exception as e:  # vLLM's own checks of the adapter
-                raise BadRequest(f"vLLM refused the adapter at {path}: {e}; nothing was "
-                                 "changed") from e
-            if not ok:
-                raise BadRequest(f"vLLM did not load the adapter at {path}; nothing changed")
-            policy = PolicyIdentity(version=version, digest=found, step=step, adapter=name)
-            served = Served(policy, lora, str(path), rank)
-            if old is None:
-                self.by_name[name] = Adapter(served, lock=lock)
-                replaced = None
-            else:
-                old.current, previous = served, old.current
-                replaced = previous.policy.version
-                self._retire(previous)
-            log.info("adapter %s: loaded %s (rank %d) in %.3f s%s", name, version, rank,
-                     time.monotonic() - t0, f", replacing {replaced}" if old else "")
-            return policy, replaced
+        if old is None:
+            self.by_name[name] = Adapter(served, lock=self._lock(name))
+            return None
+        old.current, previous = served, old.current
+        self._retire(previous)
+        log.info("adapter %s serves %s, replacing %s", name, served.policy.version,
+                 previous.policy.version)
+        return previous.policy.version
 
     async def unload(self, name: str) -> PolicyIdentity:
         a = self._get(name)
         async with a.lock:
             del self.by_name[name]
             self._retire(a.current)
+            beside = self.beside.pop(name, None)
+            if beside is not None:
+                self._retire(beside)
         return a.current.policy
 
     def _retire(self, served: Served) -> None:
@@ -216,11 +273,22 @@ class LoraAdapters:
         a.reason = None if open_ else (reason or "closed by a refresh coordinator")
         return self.state(name)
 
+    def _named(self, name: str) -> Served:
+        """The version a request naming `name` runs on: the adapter's serving version, or
+        a version loaded beside it named by its own vLLM name (`name@id`)."""
+        for served in self.beside.values():
+            if served.lora.lora_name == name:
+                return served
+        return self._get(name).current
+
+    def policy_of(self, name: str) -> PolicyIdentity:
+        return self._named(name).policy
+
     def bind(self, name: str) -> Served:
         """The version a new request naming `name` runs on (to `release` when it ends)."""
-        a = self._get(name)
-        a.current.running += 1
-        return a.current
+        served = self._named(name)
+        served.running += 1
+        return served
 
     def release(self, served: Served) -> None:
         served.running -= 1

@@ -283,7 +283,7 @@ class VllmEngine(Engine, EngineControl):
     def request_policy(self, req: GenerateRequest) -> PolicyIdentity:
         if req.adapter is None:
             return self.serving_policy()
-        return self._bound.get(req.request_id) or self._lora().state(req.adapter).policy
+        return self._bound.get(req.request_id) or self._lora().policy_of(req.adapter)
 
     # ------------------------------------------------------------ LoRA adapters
 
@@ -318,6 +318,25 @@ class VllmEngine(Engine, EngineControl):
 
     async def unload_adapter(self, name: str) -> PolicyIdentity:
         return await self._lora().unload(name)
+
+    loads_adapters_beside = True  # a new vLLM adapter id per version (rlfleet.vllm.adapters)
+
+    async def load_adapter_beside(self, name: str, path: Path, version: str | None,
+                                  step: int | None, digest: str | None = None
+                                  ) -> tuple[PolicyIdentity, str]:
+        if self.lora is None:
+            raise BadRequest(NO_ADAPTERS)
+        if name == self.info.served_model_name:
+            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
+                             "a name of its own")
+        return await self.lora.load_beside(name, path, version, step, digest)
+
+    async def activate_adapter(self, name: str, version: str
+                               ) -> tuple[PolicyIdentity, str | None]:
+        return await self._lora().activate(name, version)
+
+    async def discard_adapter(self, name: str, version: str) -> PolicyIdentity:
+        return await self._lora().discard(name, version)
 
     def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
         return self._lora().set_open(name, open_, reason)

@@ -27,6 +27,7 @@ from rlfleet.weights.artifacts import (
     decode_deltas,
     encode_delta,
     encode_full,
+    open_storage,
     plan_version,
     spec_of,
     tensor_bytes,
@@ -43,10 +44,13 @@ def is_artifact(path: Path) -> bool:
     return (Path(path) / INDEX).is_file()
 
 
-def publish_adapter(adapter: Path, root: Path, version: str,
-                    base: tuple[str, Path] | None = None) -> Artifact:
+def publish_adapter(adapter: Path, root: Path | str, version: str,
+                    base: tuple[str, Path] | None = None,
+                    endpoint_url: str | None = None) -> Artifact:
     """Write the peft adapter directory `adapter` under `root/version`: full, or with `base`
-    (its version label and adapter directory) as an XOR delta against it."""
+    (its version label and adapter directory) as an XOR delta against it. `root`: a
+    directory, or a weights location (``s3://bucket/prefix`` at `endpoint_url`, as the
+    model's versions are published): a worker stages it from there (stage_lora_adapter)."""
     adapter = Path(adapter)
     tensors = load_file(str(adapter / ADAPTER_WEIGHTS))
     digest = checkpoint_digest(adapter)
@@ -56,9 +60,12 @@ def publish_adapter(adapter: Path, root: Path, version: str,
         base_tensors = load_file(str(Path(base[1]) / ADAPTER_WEIGHTS))
         art = encode_delta(version, base[0], tensors,
                            {n: tensor_bytes(t) for n, t in base_tensors.items()}, digest)
-    storage = FileStorage(root)
-    storage.write(f"{version}/{ADAPTER_CONFIG}", (adapter / ADAPTER_CONFIG).read_bytes())
-    write_artifact(storage, art)
+    storage = open_storage(root, endpoint_url)
+    try:
+        storage.write(f"{version}/{ADAPTER_CONFIG}", (adapter / ADAPTER_CONFIG).read_bytes())
+        write_artifact(storage, art)  # the index last: a reader sees it whole or not at all
+    finally:
+        storage.close()
     return art
 
 

@@ -1057,6 +1057,9 @@ class StagingArea:
         self._staged: dict[str, Resident] = {}  # handle -> READY buffers
         self._resident_board: ChunkBoard | None = None  # the resident copy, for downstreams
         self._tasks: set[asyncio.Task] = set()
+        #: other copies this worker serves to peers on its /weights route (its adapters'
+        #: resident versions: rlfleet.worker.lora_admin), looked up after its own
+        self.also_serves: list[Callable[[str], Path | None]] = []
 
     def attach(self, worker_id: str, system_url: str | None) -> None:
         """Who this worker is, once its system server listens (peers find it there)."""
@@ -1283,7 +1286,9 @@ class StagingArea:
 
     def resident_dir(self, version: str) -> Path | None:
         r = self.resident
-        return r.dir if r is not None and r.version == version else None
+        if r is not None and r.version == version:
+            return r.dir
+        return next((d for find in self.also_serves if (d := find(version)) is not None), None)
 
     def held(self, version: str) -> Held | None:
         """What this worker can serve of `version` to fan-out downstreams: the newest handle

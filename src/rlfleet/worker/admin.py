@@ -85,7 +85,8 @@ class EngineAdmin:
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
         self.admission = Admission(identity=self._policy)
         self.check_pending = False  # weights installed since the last self-check
-        self.lora = LoraAdmin(engine, self.roots, lambda: engine.info.served_model_name)
+        self.lora = LoraAdmin(engine, self.roots, lambda: engine.info.served_model_name,
+                              staging=staging)
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [

@@ -264,6 +264,30 @@ class EngineControl(abc.ABC):
         """Stop serving `name` (requests running on it finish); UnknownAdapter if absent."""
         raise UnknownAdapter(NO_ADAPTERS)
 
+    #: whether the engine loads a new adapter version beside the serving one
+    #: (`load_adapter_beside`, then `activate_adapter`): a refresh probes it before its gate
+    loads_adapters_beside: bool = False
+
+    async def load_adapter_beside(self, name: str, path: Path, version: str | None,
+                                  step: int | None, digest: str | None = None
+                                  ) -> tuple[PolicyIdentity, str]:
+        """Load `path` as a version of `name` beside the one serving it: requests naming
+        `name` stay on the serving version; (its policy, the engine name a request gives to
+        run on exactly this version). One such version per adapter (a newer one replaces
+        it). BadRequest as load_adapter's."""
+        raise BadRequest(NO_ADAPTERS)
+
+    async def activate_adapter(self, name: str, version: str
+                               ) -> tuple[PolicyIdentity, str | None]:
+        """Switch `name` to its version loaded beside (labelled `version`): requests naming
+        it from now on run on it; (its policy, the version it replaced)."""
+        raise UnknownAdapter(NO_ADAPTERS)
+
+    async def discard_adapter(self, name: str, version: str) -> PolicyIdentity:
+        """Drop `name`'s version loaded beside (labelled `version`); the serving one serves
+        on."""
+        raise UnknownAdapter(NO_ADAPTERS)
+
     def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
         """Admit requests naming `name`, or hold them on the worker until it opens."""
         raise UnknownAdapter(NO_ADAPTERS)

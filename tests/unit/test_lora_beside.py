@@ -1,0 +1,146 @@
+"""An adapter version loaded beside the serving one, without an engine process: the admin
+bodies of staging and switching, the versions a request naming an adapter (or a version's
+own engine name) runs on, and an adapter version's source checks."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from rlfleet.models import make_adapter, make_model
+from rlfleet.protocol import admin
+from rlfleet.protocol.admin import (
+    AdminRequestError,
+    LoraLoadRequest,
+    LoraStageRequest,
+    LoraVersionRequest,
+    read_request,
+)
+from rlfleet.vllm.adapters import LoraAdapters
+from rlfleet.weights.adapters import publish_adapter
+from rlfleet.weights.artifacts import ArtifactError
+from rlfleet.weights.digest import checkpoint_signature
+from rlfleet.weights.staging import StageRequestError
+from rlfleet.worker.engine import BadRequest, UnknownAdapter
+from rlfleet.worker.lora_admin import LoraAdmin
+
+
+def test_the_staging_and_switching_bodies_say_what_is_missing():
+    assert LoraLoadRequest(lora_name="a", handle="h1").handle == "h1"
+    with pytest.raises(AdminRequestError, match="lora_path is required.*stage_lora_adapter"):
+        LoraLoadRequest(lora_name="a")
+    with pytest.raises(AdminRequestError, match="not both"):
+        LoraLoadRequest(lora_name="a", lora_path="/x", handle="h1")
+    with pytest.raises(AdminRequestError, match="version is required"):
+        read_request(admin.STAGE_LORA_ADAPTER, {"lora_name": "a", "source": {"kind": "s3"}})
+    with pytest.raises(AdminRequestError, match="weight_version is required"):
+        read_request(admin.ACTIVATE_LORA_ADAPTER, {"lora_name": "a"})
+    got = read_request(admin.DISCARD_LORA_ADAPTER, {"lora_name": "a", "weight_version": "v"})
+    assert got == LoraVersionRequest(lora_name="a", weight_version="v")
+    names = admin.route_names(admin.LORA_STAGED)
+    assert names <= set(admin.ROUTES)
+    assert not any(n in ("load_lora", "unload_lora") for n in names)  # Dynamo's RL route list
+
+
+class FakeLlm:
+    """What LoraAdapters calls on vLLM's AsyncLLM: add_lora / remove_lora, recorded."""
+
+    def __init__(self) -> None:
+        self.loaded: dict[int, str] = {}
+
+    async def add_lora(self, lora) -> bool:
+        self.loaded[lora.lora_int_id] = lora.lora_name
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.loaded.pop(lora_id, None) is not None
+
+
+@pytest.fixture(scope="module")
+def base_and_adapters(tmp_path_factory):
+    root = tmp_path_factory.mktemp("beside")
+    model = make_model(root / "model", size="tiny", seed=1)
+    return (checkpoint_signature(model),
+            {k: make_adapter(root / k, rank=4, seed=i) for i, k in enumerate(("v1", "v2", "v3"))})
+
+
+def test_a_version_loaded_beside_serves_only_its_own_name_until_activated(base_and_adapters):
+    sig, ads = base_and_adapters
+
+    async def run() -> None:
+        llm = FakeLlm()
+        loras = LoraAdapters(llm, sig, max_loras=4, max_rank=8)
+        await loras.load("a", ads["v1"], "v1", 1)
+        running = loras.bind("a")  # a request running on v1 through the switch
+        policy, name = await loras.load_beside("a", ads["v2"], "v2", 2)
+        assert policy.version == "v2" and name.startswith("a@")
+        assert loras.policy_of("a").version == "v1"  # the adapter's name: still v1
+        assert loras.policy_of(name).version == "v2"  # its own name: v2
+        assert [s.policy.version for s in loras.states()] == ["v1"]
+        with pytest.raises(UnknownAdapter, match="no version 'v9' loaded beside"):
+            await loras.activate("a", "v9")
+        _, replaced = await loras.activate("a", "v2")
+        assert replaced == "v1" and loras.policy_of("a").version == "v2"
+        assert len(llm.loaded) == 2  # v1 stays until its request ends
+        loras.release(running)
+        await asyncio.sleep(0)
+        assert list(llm.loaded.values()) == [name]
+
+        _, third = await loras.load_beside("a", ads["v3"], "v3", 3)
+        await loras.discard("a", "v3")
+        await asyncio.sleep(0)
+        assert loras.policy_of("a").version == "v2" and third not in llm.loaded.values()
+        with pytest.raises(BadRequest, match="digest"):  # refused by name, nothing loaded
+            await loras.load_beside("a", ads["v3"], "v3", 3, digest="blake3:00")
+        assert loras.beside == {}
+
+    asyncio.run(run())
+
+
+def test_a_first_version_loaded_beside_is_an_adapter_once_activated(base_and_adapters):
+    sig, ads = base_and_adapters
+
+    async def run() -> None:
+        loras = LoraAdapters(FakeLlm(), sig, max_loras=1, max_rank=8)
+        _, name = await loras.load_beside("b", ads["v1"], "v1", 0)
+        with pytest.raises(UnknownAdapter):
+            loras.policy_of("b")  # not served under its name yet
+        assert loras.bind(name).policy.version == "v1"
+        with pytest.raises(BadRequest, match="--max-loras"):  # the one beside counts
+            await loras.load("c", ads["v2"], "v2", 0)
+        await loras.activate("b", "v1")
+        assert loras.policy_of("b").version == "v1"
+
+    asyncio.run(run())
+
+
+def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and_adapters):
+    _, ads = base_and_adapters
+    publish_adapter(ads["v1"], tmp_path / "out", "p-v1")
+    (tmp_path / "plain").mkdir()
+    lora = LoraAdmin(SimpleNamespace(adapter_limits=lambda: (2, 8)), [tmp_path],
+                     lambda: "base")
+    cfg = lora._config({"kind": "disk", "path": str(tmp_path / "out" / "p-v1")}, "p-v1")
+    assert cfg == (ads["v1"] / "adapter_config.json").read_bytes()
+    cases = {
+        "has no adapter_config.json": {"kind": "disk", "path": str(tmp_path / "plain")},
+        "pulled whole": {"kind": "peer", "url": "http://127.0.0.1:9", "fanout": {}},
+        "source.url is required": {"kind": "peer"},
+        "outside": {"kind": "disk", "path": "/etc"},
+    }
+    for says, source in cases.items():
+        with pytest.raises(StageRequestError, match=says):
+            lora._config(source, "p-v1")
+    with pytest.raises(ArtifactError, match="reading adapter_config.json failed"):
+        lora._config({"kind": "trainer", "url": f"http://127.0.0.1:{free_port()}"}, "p-v1")
+    assert isinstance(LoraStageRequest(lora_name="p", version="p-v1", source={}), LoraStageRequest)
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
