@@ -118,6 +118,14 @@ class LoraAdmin:
         except AdminRequestError as e:
             raise AdminRequestError(str(e).replace("model_path", "lora_path")) from None
 
+    def _close_first(self, name: str, first: bool, req: LoraRequest) -> None:
+        """An adapter's first version, put in place by a refresh (a fleet epoch given), is
+        closed to requests until that refresh reopens it: there was nothing to gate before
+        it, and it must not be routed before the refresh has verified it."""
+        if first and req.fleet_epoch is not None:
+            self.engine.set_adapter_open(name, False, f"adapter {name}: its first version "
+                                         "opens when the refresh that loaded it reopens")
+
     def _served(self, name: str) -> AdapterState | None:
         return next((s for s in self.engine.adapters() if s.policy.adapter_name == name), None)
 
@@ -224,8 +232,10 @@ class LoraAdmin:
         try:
             path, digest, made = await self._source_dir(req)
             if req.activate:
+                first = self._served(name) is None
                 policy, replaced = await self.engine.load_adapter(
                     name, path, req.weight_version, req.step, digest)
+                self._close_first(name, first, req)
                 await self._now_serves(name, req.handle, policy)
                 served_name = None
             else:
@@ -272,11 +282,13 @@ class LoraAdmin:
     async def activate_lora_adapter(self, req: LoraVersionRequest) -> LoraAdapterReply:
         """Requests naming the adapter run on its version loaded beside from now on."""
         fence = self._fence(req)
+        first = self._served(req.lora_name) is None
         try:
             policy, replaced = await self.engine.activate_adapter(req.lora_name,
                                                                   req.weight_version)
         except BadRequest as e:
             return LoraAdapterReply.failed(str(e), lora_name=req.lora_name)
+        self._close_first(req.lora_name, first, req)
         await self._now_serves(req.lora_name, self.beside.pop(req.lora_name, None), policy)
         return adapter_reply(self._served(req.lora_name) or AdapterState(policy, 0, ""), fence,
                              replaced=replaced, message=f"adapter {req.lora_name} serves "
