@@ -420,7 +420,7 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
     rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
                                                             "(default: boto3's own)")
     rf.add_argument("--stage-fanout", type=int, default=0, metavar="K",
-                    help="with --staged and an S3 or directory --source: 0 (default), every "
+                    help="with --staged and an S3, directory or trainer --source: 0 (default), every "
                          "worker pulls from the source; 1, a pipelined chain over the workers "
                          "in discovery (only the first pulls from the source, each one serves "
                          "the next while it still receives); K, a K-ary tree")
