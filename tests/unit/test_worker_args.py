@@ -155,7 +155,7 @@ def test_rlfleet_up_processes_reach_the_frontend_only(tmp_path):
                                  frontend_processes=2)
     assert spec.frontend.args[-4:] == ["--processes", "4", "--processes", "2"]  # last wins
     assert all("--processes" not in w.args for w in spec.workers)
-    assert launch.FleetSpec.load(cfg, state_dir=tmp_path).frontend.args[-2:] == [
+    assert launch.FleetSpec.load(cfg, state_dir=tmp_path, kind="mocker").frontend.args[-2:] == [
         "--processes", "4"]
     with pytest.raises(ValueError, match="--processes must be at least 1"):
         launch.FleetSpec.load(None, state_dir=tmp_path, frontend_processes=0)
