@@ -119,6 +119,7 @@ class EtcdJoinClock:
 
     def __init__(self, url: str) -> None:
         self.first_put: dict[str, float] = {}
+        self.events = 0  # every event the watch saw
         self._url, self._ready = url, threading.Event()
         threading.Thread(target=lambda: asyncio.run(self._follow()), daemon=True).start()
         if not self._ready.wait(30):
@@ -132,6 +133,7 @@ class EtcdJoinClock:
         self._ready.set()
         with contextlib.suppress(Exception):  # etcd stops at the end of the bench
             async for event in watch:
+                self.events += 1
                 if event.kind == "PUT" and event.kv.version == 1:
                     self.first_put.setdefault(event.kv.key.decode(), time.time())
 
@@ -150,13 +152,14 @@ def one_size(n: int, a: argparse.Namespace, work: Path) -> dict:
         started = time.monotonic() - t0
         wait_usable(fleet.url, MODEL, n, 120)
         _, rss = proc_stats(mock.popen.pid)
-        journal = work / f"journal-{n}.sqlite"
-        sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
-        roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency, mode="rolling",
-                                  wave_size=max(1, n // 4))
-        out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1),
-               "refresh_s": round(sync_s, 3), "phases": sync_ph,
-               "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
+        out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1)}
+        if not a.skip_refresh:
+            journal = work / f"journal-{n}.sqlite"
+            sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
+            roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency,
+                                      mode="rolling", wave_size=max(1, n // 4))
+            out |= {"refresh_s": round(sync_s, 3), "phases": sync_ph,
+                    "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
         if n == max(a.sizes):
             out.update(discovery_figures(fleet, root, a))
         print(json.dumps(out), flush=True)
@@ -195,11 +198,14 @@ def discovery_figures(fleet: LocalFleet, root: Path, a: argparse.Namespace) -> d
         procs.append(p)
     time.sleep(3)  # nothing changes from here on
     front = fleet.frontend.popen.pid
+    events = clock.events if clock else 0
     c0, _ = proc_stats(front)
     t0 = time.monotonic()
     time.sleep(a.idle_seconds)
     c1, _ = proc_stats(front)
     idle = (c1 - c0) / (time.monotonic() - t0)
+    if clock is not None:
+        print(f"etcd events while idle: {clock.events - events}", flush=True)
     victim = procs[0]
     iid = int(victim.ready["instance_id"])
     victim.signal(signal.SIGSTOP)
@@ -229,6 +235,8 @@ def main() -> None:
                         "directory, removed)")
     p.add_argument("--discovery", choices=("file", "etcd"), default="file",
                    help="the store the fleets register in: a directory, or a throw-away etcd")
+    p.add_argument("--skip-refresh", action="store_true",
+                   help="the discovery figures alone (no refresh at any N)")
     a = p.parse_args()
     a.sizes = sorted(int(x) for x in a.workers.split(","))
     with (contextlib.nullcontext(a.workdir) if a.workdir else
@@ -237,6 +245,11 @@ def main() -> None:
         a.discovery_url = url
         rows = [one_size(n, a, Path(tmp)) for n in a.sizes]
     base, top = rows[0], rows[-1]
+    if a.skip_refresh:
+        print(json.dumps({"workers": a.sizes, **{k: top[k] for k in (
+            "join_to_route_s", "idle_cpu_frac", "lapse_noticed_s", "lease_ttl_s")},
+            "discovery": a.discovery}))
+        return
     print(f"\n{'N':>6} {'start s':>8} {'RSS MiB':>8} {'sync s':>8} {'x base':>7} "
           f"{'rolling s':>9} {'x base':>7}")
     for r in rows:
