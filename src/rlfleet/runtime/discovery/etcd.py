@@ -1,7 +1,9 @@
 """The etcd store (etcd v3 through ``aetcd``): multi-host. ``etcd://host:port[,host:port...]``,
 keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``, one lease per
 registration; records (`Discovery.put_record`) under ``/rlfleet/discovery-records/<name>``,
-with no lease. Every call has a deadline; with several endpoints a failed one hands over to
+with no lease. A watch lists the prefix once and then applies etcd's watch events to that
+view in revision order (`_EtcdView`), listing again only when the watch is lost or
+compacted. Every call has a deadline; with several endpoints a failed one hands over to
 the next. A value that is not a valid entry is skipped and reported, never fatal.
 """
 
