@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from rlfleet.runtime.discovery import EtcdDiscovery, new_instance_id, open_discovery
+from tests.etcd_server import free_port, run_etcd
 
 Entries = list[dict[str, Any]]
 
@@ -168,3 +169,31 @@ async def test_a_thousand_entries_put_make_the_view_equal_etcds(pair, ns: str) -
             await asyncio.gather(*(reg.close() for reg in regs[start:start + 128]))
         assert await until(watch, lambda es: es == [], 30) == []
         assert reader.lists == 1
+
+
+async def test_a_lost_watch_costs_one_listing_then_events_again(tmp_path, ns: str) -> None:
+    """etcd restarts (same data): the watch breaks, the view is listed once when etcd is
+    back, and the changes after that come by event."""
+    port = free_port()
+    with run_etcd(client_port=port, data_dir=tmp_path / "etcd") as url:
+        reader, writer = open_discovery(url), open_discovery(url)
+        first = entry(ns, n=1)
+        reg = await writer.register(first, ttl=30)
+        watch = reader.watch(ns, interval=0.05)
+        assert await until(watch, lambda es: len(es) == 1, 10) == [first]
+        assert reader.lists == 1
+    try:
+        with run_etcd(client_port=port, data_dir=tmp_path / "etcd"):
+            second = await writer.register(entry(ns, n=2), ttl=30)
+            got = await until(watch, lambda es: len(es) == 2, 20)
+            assert sorted(e["n"] for e in got) == [1, 2]
+            lists = reader.lists
+            assert lists == 2, lists  # one listing after the watch was lost
+            await second.close()
+            assert await until(watch, lambda es: len(es) == 1, 10) == [first]
+            assert reader.lists == lists
+            await reg.close()
+    finally:
+        await watch.aclose()
+        await writer.close()
+        await reader.close()
