@@ -13,6 +13,11 @@ frontend's CPU while nothing changes, and how long after a worker is stopped (SI
 the frontend drops it, against its lease TTL.
 
     python bench/fleet_scale.py [--workers 8,64,256,1024] [--admin-concurrency 64] [--lease-ttl 10]
+                                [--discovery file|etcd]
+
+With --discovery etcd the fleets run over a throw-away etcd (the test suite's launcher, the
+`etcd` next to the interpreter): the frontend follows etcd's watch events; a joining
+worker's registration time is when a watch of the bench's own saw its first entry.
 
 Baseline: the smallest N, side by side (ratio = time at N ÷ time at the smallest N). The
 last line is one JSON object: {"workers", "refresh_s", "ratio_refresh", "join_to_route_s",
@@ -26,7 +31,9 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +41,11 @@ import httpx
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.runtime.discovery import EtcdDiscovery, open_discovery
 from rlfleet.runtime.launch import LocalFleet
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ helpers
+from tests.etcd_server import run_etcd  # noqa: E402
 
 MODEL = "bench-scale"
 
@@ -102,31 +113,62 @@ def refresh(fleet: LocalFleet, journal: Path, ckpt: Path, version: str, seed: in
     return wall, phases(res) | {"kept_out": out}
 
 
+class EtcdJoinClock:
+    """When each etcd discovery key was first put, as a watch in a thread of its own sees
+    it (a few milliseconds after the put)."""
+
+    def __init__(self, url: str) -> None:
+        self.first_put: dict[str, float] = {}
+        self.events = 0  # every event the watch saw
+        self._url, self._ready = url, threading.Event()
+        threading.Thread(target=lambda: asyncio.run(self._follow()), daemon=True).start()
+        if not self._ready.wait(30):
+            raise TimeoutError("the bench's etcd watch did not start")
+
+    async def _follow(self) -> None:
+        d = open_discovery(self._url)
+        assert isinstance(d, EtcdDiscovery)
+        prefix = d.prefix.encode()
+        watch = await d._call("watch", lambda c: c.watch_prefix(prefix))
+        self._ready.set()
+        with contextlib.suppress(Exception):  # etcd stops at the end of the bench
+            async for event in watch:
+                self.events += 1
+                if event.kind == "PUT" and event.kv.version == 1:
+                    self.first_put.setdefault(event.kv.key.decode(), time.time())
+
+    def registered(self, instance_id: int) -> float:
+        return min(t for k, t in self.first_put.items() if k.endswith(f"/{instance_id}"))
+
+
 def one_size(n: int, a: argparse.Namespace, work: Path) -> dict:
     root = work / "weights"
     ckpts = {v: write_mock_checkpoint(root / v, s) for v, s in (("A", 2), ("B", 3))}
-    with LocalFleet(work / f"n{n}", lease_ttl=a.lease_ttl) as fleet:
+    with LocalFleet(work / f"n{n}", discovery=a.discovery_url, namespace=f"scale{n}",
+                    lease_ttl=a.lease_ttl) as fleet:
         fleet.start_frontend(enable_rl=True, env={"DYN_RL_REQUEST_TIMEOUT_SECS": "60"})
         t0 = time.monotonic()
         mock = fleet.start_worker(*mock_argv(root, MODEL, n), kind="mocker", timeout=900)
         started = time.monotonic() - t0
         wait_usable(fleet.url, MODEL, n, 120)
         _, rss = proc_stats(mock.popen.pid)
-        journal = work / f"journal-{n}.sqlite"
-        sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
-        roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency, mode="rolling",
-                                  wave_size=max(1, n // 4))
-        out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1),
-               "refresh_s": round(sync_s, 3), "phases": sync_ph,
-               "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
+        out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1)}
+        if not a.skip_refresh:
+            journal = work / f"journal-{n}.sqlite"
+            sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
+            roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency,
+                                      mode="rolling", wave_size=max(1, n // 4))
+            out |= {"refresh_s": round(sync_s, 3), "phases": sync_ph,
+                    "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
         if n == max(a.sizes):
             out.update(discovery_figures(fleet, root, a))
         print(json.dumps(out), flush=True)
         return out
 
 
-def join_once(fleet: LocalFleet, root: Path, model: str, ttl: float) -> tuple[float, object]:
-    """Start one worker of its own model; seconds from its discovery file being written
+def join_once(fleet: LocalFleet, root: Path, model: str, ttl: float,
+              clock: EtcdJoinClock | None) -> tuple[float, object]:
+    """Start one worker of its own model; seconds from its discovery entry being written
     to the first request the frontend routes to it."""
     p = fleet.start_worker(*mock_argv(root, model, 1), "--lease-ttl", str(ttl), kind="mocker",
                            wait=False)
@@ -139,6 +181,8 @@ def join_once(fleet: LocalFleet, root: Path, model: str, ttl: float) -> tuple[fl
             time.sleep(0.01)
         routed_at = time.time()
     ready = p.wait_ready(60)
+    if clock is not None:
+        return routed_at - clock.registered(int(ready["instance_id"])), p
     files = list((Path(fleet.discovery.removeprefix("file://"))).glob(
         f"*{ready['instance_id']}.json"))
     registered = min(f.stat().st_mtime for f in files)  # written once, touched ttl/3 later
@@ -147,17 +191,21 @@ def join_once(fleet: LocalFleet, root: Path, model: str, ttl: float) -> tuple[fl
 
 def discovery_figures(fleet: LocalFleet, root: Path, a: argparse.Namespace) -> dict:
     joins, procs = [], []
+    clock = EtcdJoinClock(fleet.discovery) if fleet.discovery.startswith("etcd://") else None
     for i in range(3):
-        s, p = join_once(fleet, root, f"{MODEL}-join{i}", a.join_lease_ttl)
+        s, p = join_once(fleet, root, f"{MODEL}-join{i}", a.join_lease_ttl, clock)
         joins.append(round(s, 3))
         procs.append(p)
     time.sleep(3)  # nothing changes from here on
     front = fleet.frontend.popen.pid
+    events = clock.events if clock else 0
     c0, _ = proc_stats(front)
     t0 = time.monotonic()
     time.sleep(a.idle_seconds)
     c1, _ = proc_stats(front)
     idle = (c1 - c0) / (time.monotonic() - t0)
+    if clock is not None:
+        print(f"etcd events while idle: {clock.events - events}", flush=True)
     victim = procs[0]
     iid = int(victim.ready["instance_id"])
     victim.signal(signal.SIGSTOP)
@@ -168,6 +216,7 @@ def discovery_figures(fleet: LocalFleet, root: Path, a: argparse.Namespace) -> d
     lapse = time.monotonic() - t_stop
     victim.signal(signal.SIGCONT)
     return {"join_to_route_s": joins, "idle_cpu_frac": round(idle, 4),
+            "discovery": fleet.discovery.partition(":")[0],
             "lapse_noticed_s": round(lapse, 2), "lease_ttl_s": a.join_lease_ttl}
 
 
@@ -184,12 +233,23 @@ def main() -> None:
     p.add_argument("--workdir", default=None,
                    help="keep the fleets' logs and discovery here (default: a temporary "
                         "directory, removed)")
+    p.add_argument("--discovery", choices=("file", "etcd"), default="file",
+                   help="the store the fleets register in: a directory, or a throw-away etcd")
+    p.add_argument("--skip-refresh", action="store_true",
+                   help="the discovery figures alone (no refresh at any N)")
     a = p.parse_args()
     a.sizes = sorted(int(x) for x in a.workers.split(","))
     with (contextlib.nullcontext(a.workdir) if a.workdir else
-          tempfile.TemporaryDirectory(prefix="rlfleet-fleet-scale-")) as tmp:
+          tempfile.TemporaryDirectory(prefix="rlfleet-fleet-scale-")) as tmp, \
+            (run_etcd() if a.discovery == "etcd" else contextlib.nullcontext(None)) as url:
+        a.discovery_url = url
         rows = [one_size(n, a, Path(tmp)) for n in a.sizes]
     base, top = rows[0], rows[-1]
+    if a.skip_refresh:
+        print(json.dumps({"workers": a.sizes, **{k: top[k] for k in (
+            "join_to_route_s", "idle_cpu_frac", "lapse_noticed_s", "lease_ttl_s")},
+            "discovery": a.discovery}))
+        return
     print(f"\n{'N':>6} {'start s':>8} {'RSS MiB':>8} {'sync s':>8} {'x base':>7} "
           f"{'rolling s':>9} {'x base':>7}")
     for r in rows:
@@ -204,7 +264,8 @@ def main() -> None:
         "rolling_s": {r["n"]: r["rolling_s"] for r in rows},
         "join_to_route_s": max(top["join_to_route_s"]),
         "idle_cpu_frac": top["idle_cpu_frac"], "lapse_noticed_s": top["lapse_noticed_s"],
-        "lease_ttl_s": a.join_lease_ttl, "mib_per_worker": round(mib, 3)}))
+        "lease_ttl_s": a.join_lease_ttl, "mib_per_worker": round(mib, 3),
+        "discovery": a.discovery}))
 
 
 if __name__ == "__main__":

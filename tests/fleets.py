@@ -136,3 +136,21 @@ def vllm_serve(model_dir: Path, workdir: Path, *flags: str,
     URL once it answers; stopped on exit."""
     return launch_vllm_serve(model_dir, MODEL_NAME, workdir, *VLLM_FLAGS, *flags,
                              env=dict(env or {}))
+
+
+def pinned_clients(url: str, k: int, tries: int = 64) -> list[httpx.Client]:
+    """One keep-alive client per frontend process (the kernel picks the process per
+    connection; /health names the one that answered)."""
+    by_pid: dict[int, httpx.Client] = {}
+    for _ in range(tries):
+        c = httpx.Client(base_url=url, timeout=30)
+        pid = c.get("/health").json()["process"]
+        if pid in by_pid:
+            c.close()
+        else:
+            by_pid[pid] = c
+        if len(by_pid) == k:
+            return list(by_pid.values())
+    for c in by_pid.values():
+        c.close()
+    raise AssertionError(f"{tries} connections reached {len(by_pid)} of {k} processes")

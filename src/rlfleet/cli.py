@@ -200,7 +200,8 @@ def _up(args: argparse.Namespace) -> int:
     state_dir = Path(args.state)
     spec = FleetSpec.load(config, state_dir=state_dir, discovery=args.discovery,
                           kind=args.kind, count=args.workers, worker_args=worker_args,
-                          admin_token_file=args.admin_token_file)
+                          admin_token_file=args.admin_token_file,
+                          frontend_processes=args.processes)
     if args.ray:
         from rlfleet.runtime.launch import read_state
         from rlfleet.runtime.placement import up_ray
@@ -423,7 +424,7 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
     rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
                                                             "(default: boto3's own)")
     rf.add_argument("--stage-fanout", type=int, default=0, metavar="K",
-                    help="with --staged and an S3 or directory --source: 0 (default), every "
+                    help="with --staged and an S3, directory or trainer --source: 0 (default), every "
                          "worker pulls from the source; 1, a pipelined chain over the workers "
                          "in discovery (only the first pulls from the source, each one serves "
                          "the next while it still receives); K, a K-ary tree")
@@ -488,6 +489,10 @@ def _add_fleet(sub: argparse._SubParsersAction) -> None:
                     help="the fleet's admin token, read from this file by the frontend and "
                          "every worker (with Ray: a path every node can read; default "
                          "$RLFLEET_ADMIN_TOKEN_FILE)")
+    up.add_argument("--processes", type=int, default=None, metavar="K",
+                    help="the frontend serves its port from K processes (its --processes: "
+                         "SO_REUSEPORT, /metrics summed over them; default: the config's, "
+                         "else 1)")
     up.add_argument("--state", default=str(default_state_dir()), help=state_help)
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for readiness")
     up.add_argument("worker_args", nargs=argparse.REMAINDER,

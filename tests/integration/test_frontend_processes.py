@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rlfleet.runtime.launch import spawn
-from tests.fleets import wait_for_workers
+from tests.fleets import pinned_clients, wait_for_workers
 
 MODEL = "mock-procs"
 PROCESSES = 2
@@ -41,24 +41,6 @@ def fleet(start_module_fleet):
     yield f
     for c in f.pinned:
         c.close()
-
-
-def pinned_clients(url: str, k: int, tries: int = 64) -> list[httpx.Client]:
-    """One keep-alive client per frontend process (the kernel picks the process per
-    connection; /health names the one that answered)."""
-    by_pid: dict[int, httpx.Client] = {}
-    for _ in range(tries):
-        c = httpx.Client(base_url=url, timeout=30)
-        pid = c.get("/health").json()["process"]
-        if pid in by_pid:
-            c.close()
-        else:
-            by_pid[pid] = c
-        if len(by_pid) == k:
-            return list(by_pid.values())
-    for c in by_pid.values():
-        c.close()
-    raise AssertionError(f"{tries} connections reached {len(by_pid)} of {k} processes")
 
 
 def wait_until_routed(c: httpx.Client, count: int, timeout: float = 30.0) -> None:

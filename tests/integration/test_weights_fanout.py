@@ -4,15 +4,19 @@ chunk plane of the system server; no engine behaviour is claimed). A chain serve
 before it holds the whole version; a worker killed while its downstreams pull from it leaves
 every other one READY with the version's digest; a downstream left without holders resumes
 from the origin at the chunk it lacks; a chunk corrupted on the wire is refused by its
-Adler-32 and fetched again."""
+Adler-32 and fetched again; a binary tree of seven stages a version from S3, or from the
+trainer's publisher, each worker pulling from its parent while the parent still receives,
+and the origin sends the version about once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
 import threading
 import time
+import urllib.parse
 
 import httpx
 import pytest
@@ -24,7 +28,8 @@ from rlfleet.protocol import fanout as wire
 from rlfleet.protocol.admin import FanoutOrigin
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights.fanout import CHUNK_BYTES, fanout_sources
-from rlfleet.weights.publish import Publisher
+from rlfleet.weights.publish import Publisher, TrainerServer
+from tests.s3_server import BUCKET
 
 TOKEN = "fanout-s3cret"
 RATE = 8e6  # bytes/s the first worker reads the 32 MB version at: ~4 s of staging
@@ -36,14 +41,26 @@ def store(tmp_path_factory):
     g = torch.Generator().manual_seed(7)
     tensors = {f"layer.{i}.weight": torch.randn(1 << 20, generator=g) for i in range(8)}
     pub = Publisher(f"file://{root / 'versions'}")
-    return {"root": root / "versions", "v1": pub.publish(tensors, "v1")}
+    return {"root": root / "versions", "v1": pub.publish(tensors, "v1"), "tensors": tensors}
 
 
 @pytest.fixture(scope="module")
-def fleet(start_module_fleet, store):
+def s3_v1(s3_server, store) -> str:
+    """The same version in S3: its URI."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in s3_server.env.items():
+            mp.setenv(k, v)
+        pub = Publisher(f"s3://{BUCKET}/fanout-tree", endpoint_url=s3_server.endpoint_url)
+        assert pub.publish(store["tensors"], "v1")["digest"] == store["v1"]["digest"]
+        pub.close()
+    return f"s3://{BUCKET}/fanout-tree/v1"
+
+
+@pytest.fixture(scope="module")
+def fleet(start_module_fleet, store, s3_server):
     args = ("--served-model-name", "mock", "--system-port", "0", "--admin-token", TOKEN,
             "--allowed-weights-root", str(store["root"]))
-    return start_module_fleet([args] * 4, frontend=None)
+    return start_module_fleet([args] * 7, frontend=None, worker_env=s3_server.env)
 
 
 def _post(url: str, route: str, body: dict) -> dict:
@@ -221,6 +238,97 @@ def test_a_downstream_resumes_from_the_origin_when_no_holder_is_left(fleet, stor
         assert f["chunks_from_staging"] + f["origin_chunks"] == f["chunks_total"]
     finally:
         _post(b, "release_staged_weights", {"handle": handles[1]})
+
+
+class _CountingRelay:
+    """A TCP relay in front of a server (S3, a trainer's publisher), from a thread of the
+    test process: `sent` counts the bytes the server sent through it (HTTP headers too)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.target, self.sent = (parts.hostname, parts.port), 0
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._relay, "127.0.0.1", 0), self.loop).result(10)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, count: bool):
+            with contextlib.suppress(OSError):
+                while data := await src.read(1 << 16):
+                    if count:
+                        self.sent += len(data)
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _stage_tree(fleet, store, origin: FanoutOrigin) -> list[dict]:
+    """Seven workers stage v1 over a binary tree from `origin` (the root reads it slowly, so
+    that every level still receives while it serves the next); their final summaries,
+    checked: READY with the digest, each one from its parent and never from the origin."""
+    urls = [w.ready["system_url"] for w in fleet.workers[:7]]
+    sources = fanout_sources(urls, "v1", origin, degree=2, stall=5.0)
+    sources[0]["max_bytes_per_s"] = RATE
+    handles = _stage_all(urls, sources, store)
+    try:
+        done = [_final(u, h) for u, h in zip(urls, handles, strict=True)]
+        done = [_summary(u, h) for u, h in zip(urls, handles, strict=True)]
+    finally:
+        _release(urls, handles)
+    total = done[0]["fanout"]["chunks_total"]
+    for i, h in enumerate(done):
+        assert h["state"] == "READY" and h["digest"] == store["v1"]["digest"], (i, h)
+        assert h["fanout"]["chunks_ready"] == total, (i, h["fanout"])
+    for i in range(1, 7):
+        f = done[i]["fanout"]
+        assert done[i]["source"]["url"] == urls[(i - 1) // 2]  # its parent
+        # pulled while its parent was still receiving, never from the origin, no failover
+        assert f["chunks_from_staging"] > 0 and f["origin_chunks"] == 0, (i, f)
+        assert f["failovers"] == 0, (i, f)
+    for i in range(3):  # every inner node fed both its children
+        assert done[i]["fanout"]["chunks_served"] >= 2 * total, (i, done[i]["fanout"])
+    return done
+
+
+def test_a_binary_tree_stages_a_version_from_s3_once(fleet, store, s3_v1, s3_server):
+    relay = _CountingRelay(s3_server.endpoint_url)
+    try:
+        done = _stage_tree(fleet, store, FanoutOrigin(uri=s3_v1, endpoint_url=relay.url))
+        assert done[0]["source"]["kind"] == "s3"
+        ratio = relay.sent / store["v1"]["bytes_full"]
+        print(f"S3 sent {relay.sent} bytes for 7 workers: {ratio:.3f} x the version")
+        assert 1.0 <= ratio <= 1.2, ratio
+    finally:
+        relay.close()
+
+
+def test_a_binary_tree_stages_a_trainer_version_from_the_trainer_once(fleet, store, tmp_path):
+    """A version the trainer publishes (its TrainerServer): the root stages it from the
+    trainer, the six others from their peers; the trainer sends it about once."""
+    with TrainerServer(tmp_path / "trainer") as trainer:
+        pub = Publisher(trainer.uri)
+        assert pub.publish(store["tensors"], "v1")["digest"] == store["v1"]["digest"]
+        relay = _CountingRelay(trainer.url)
+        try:
+            done = _stage_tree(fleet, store, FanoutOrigin(uri=f"{relay.url}/v1"))
+            assert done[0]["source"]["kind"] == "trainer"
+            ratio = relay.sent / store["v1"]["bytes_full"]
+            print(f"the trainer sent {relay.sent} bytes for 7 workers: {ratio:.3f} x the "
+                  "version")
+            assert 1.0 <= ratio <= 1.2, ratio
+        finally:
+            relay.close()
 
 
 def test_a_worker_killed_mid_fanout_leaves_the_others_ready(fleet, store):

@@ -19,7 +19,7 @@ from rlfleet.rl.refresh import PolicyRefresh, reference_probe
 from rlfleet.runtime.launch import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
-from rlfleet.weights.publish import Publisher
+from rlfleet.weights.publish import Publisher, TrainerServer
 from tests.fleets import VLLM_FLAGS, wait_for_workers, weight_versions
 from tests.s3_server import BUCKET
 
@@ -189,3 +189,31 @@ def test_a_new_worker_takes_the_version_from_a_peer(setup, policies, s3_server):
         assert _greedy_each(fleet) == [expected] * 3 and _greedy(fleet) == [expected] * 6
     finally:
         s3_server.start()
+
+
+def test_a_trainer_version_fans_out_over_a_chain(setup, policies, tmp_path):
+    """`stage_fanout=1` with a trainer source (its TrainerServer): the first worker in
+    discovery stages the version from the trainer, each other one from the worker before it
+    (never from the trainer), and the fleet serves it verified. (Last: the fleet moves on.)"""
+    fleet, journal = setup["fleet"], setup["coordinator"].journal
+    with TrainerServer(tmp_path / "trainer") as trainer:
+        published = Publisher(trainer.uri, model=MODEL).publish(policies["tensors"]["v1"], "t1")
+        assert published["digest"] == checkpoint_digest(policies["ckpt"]["v1"])
+        chain = PolicyRefresh(fleet.rl_url, model=MODEL, path="vllm-staged", journal=journal,
+                              probe_tokens=N, probe_tolerance=1e-4, timeout=300,
+                              stage_fanout=1)
+        result = asyncio.run(chain.refresh(None, "t1", digest=published["digest"],
+                                           probe=policies["probes"]["v1"], step=10,
+                                           source={"kind": "trainer", "url": trainer.url}))
+    assert result.ok and result.fleet_moved, result.reason
+    staged = sorted(([c["body"] for c in w["calls"] if c["route"] == "staged"][0]
+                     for w in result.workers), key=lambda s: s["source"]["kind"] != "trainer")
+    assert [s["source"]["kind"] for s in staged] == ["trainer"] + ["peer"] * (len(staged) - 1)
+    for s in staged[1:]:  # from a peer, chunk by chunk, with the trainer only as the origin
+        assert s["state"] == "READY" and s["digest"] == published["digest"], s
+        assert s["source"]["fanout"]["origin"]["uri"] == f"{trainer.url}/t1"
+        assert s["fanout"]["origin_chunks"] == 0, s["fanout"]
+    n = len(fleet.workers)
+    assert weight_versions(fleet) == [("t1", published["digest"])] * n
+    expected = policies["probes"]["v1"].token_ids
+    assert _greedy_each(fleet) == [expected] * n and _greedy(fleet) == [expected] * 6

@@ -98,3 +98,33 @@ def test_the_staged_coordinator_lays_a_chain_over_discovery_order():
     off = VllmStagedControl("http://frontend:8001")
     off._plan_fanout(ws, target)
     assert all(off._sources(target, w)[0]["kind"] == "s3" for w in ws)
+
+
+def test_a_trainer_source_fans_out_like_s3():
+    """The first worker stages from the trainer's publisher, the others from their peers,
+    with the publisher's copy of the version as the origin they fall back to."""
+    from rlfleet.protocol.identity import PolicyIdentity
+    from rlfleet.rl.control import FleetWorker
+    from rlfleet.rl.policy import Policy
+    from rlfleet.rl.staged import VllmStagedControl
+
+    trainer = FanoutOrigin(uri="http://trainer:9100/v1")
+    sources = fanout_sources(URLS, "v1", trainer, degree=2)
+    assert sources[0] == {"kind": "trainer", "url": "http://trainer:9100"}
+    assert parse_source(sources[0], "v1").location == "http://trainer:9100"
+    assert [s["url"] for s in sources[1:]] == [URLS[i] for i in (0, 0, 1, 1, 2, 2)]
+    assert all(s["fanout"]["origin"] == {"uri": trainer.uri, "endpoint_url": None}
+               for s in sources[1:])
+    with pytest.raises(ValueError, match="names version v1, not v2"):
+        fanout_sources(URLS, "v2", trainer)
+
+    ws = [FleetWorker(i, URLS[i], None) for i in (2, 0, 1)]
+    target = Policy(PolicyIdentity(version="v1"),
+                    source={"kind": "trainer", "url": "http://trainer:9100/"})
+    control = VllmStagedControl("http://frontend:8001", fanout=2, stage_timeout=30)
+    control._plan_fanout(ws, target)
+    first = {w.instance_id: control._sources(target, w)[0] for w in ws}
+    assert first[0] == {"kind": "trainer", "url": "http://trainer:9100", "timeout": 30}
+    assert first[1]["url"] == first[2]["url"] == URLS[0]
+    assert first[2]["fanout"]["origin"]["uri"] == "http://trainer:9100/v1"
+    assert control._sources(target, ws[0])[-1]["kind"] == "trainer"  # the fallback

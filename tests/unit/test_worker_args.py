@@ -146,6 +146,21 @@ def test_fleet_spec_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         launch.FleetSpec.load({"worker": []}, state_dir=tmp_path)
 
 
+def test_rlfleet_up_processes_reach_the_frontend_only(tmp_path):
+    """`rlfleet up --processes K`: the frontend's --processes, over the config's."""
+    from rlfleet.runtime import launch
+
+    cfg = {"frontend": {"http-port": 0, "processes": 4}}
+    spec = launch.FleetSpec.load(cfg, state_dir=tmp_path, kind="mocker", count=2,
+                                 frontend_processes=2)
+    assert spec.frontend.args[-4:] == ["--processes", "4", "--processes", "2"]  # last wins
+    assert all("--processes" not in w.args for w in spec.workers)
+    assert launch.FleetSpec.load(cfg, state_dir=tmp_path, kind="mocker").frontend.args[-2:] == [
+        "--processes", "4"]
+    with pytest.raises(ValueError, match="--processes must be at least 1"):
+        launch.FleetSpec.load(None, state_dir=tmp_path, frontend_processes=0)
+
+
 def test_rlfleet_up_hands_every_member_the_admin_token_file(tmp_path):
     """`rlfleet up --admin-token-file F`: the frontend and every worker read the token from
     F (it never appears on a command line); a missing or empty file is refused up front."""

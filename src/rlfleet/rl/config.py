@@ -58,8 +58,8 @@ class RefreshConfig:
     host's address toward the workers), `master_port`: the distributed path's process group.
     `mode` "rolling": update `wave_size` workers at a time (default: as many as keeps
     `min_serving` serving) while the rest serve, refusing a target more than `max_lag` steps
-    ahead of a serving worker. `stage_fanout` (the staged path, from an S3 or directory
-    source): 0, every worker pulls the version from the source; k >= 1, a pipelined fan-out
+    ahead of a serving worker. `stage_fanout` (the staged path, from an S3, directory or
+    trainer source): 0, every worker pulls the version from the source; k >= 1, a pipelined fan-out
     (rlfleet.weights.fanout): only the first worker in discovery pulls from the source and
     each other one from a worker before it, a chain (1) or a k-ary tree, each serving what
     it has while it still receives. `discovery`: the store where the committed policy is

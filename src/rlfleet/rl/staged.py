@@ -105,9 +105,10 @@ class VllmStagedControl(VllmControl):
         the first from the version's source, the others from those before them."""
         self.planned = {}
         src = target.source or {}
-        if not self.fanout or len(ws) < 2 or src.get("kind") not in ("s3", "disk"):
+        if not self.fanout or len(ws) < 2 or src.get("kind") not in ("s3", "disk", "trainer"):
             return
-        uri = src["uri"] if src["kind"] == "s3" else f"file://{src['path']}"
+        uri = {"s3": lambda: src["uri"], "disk": lambda: f"file://{src['path']}",
+               "trainer": lambda: f"{src['url'].rstrip('/')}/{target.version}"}[src["kind"]]()
         origin = FanoutOrigin(uri=uri, endpoint_url=src.get("endpoint_url"))
         ordered = sorted(ws, key=lambda w: w.instance_id)
         sources = fanout_sources([w.system_url for w in ordered], target.version, origin,

@@ -419,10 +419,12 @@ class FleetSpec:
     def load(cls, config: dict[str, Any] | None = None, *, state_dir: Path,
              discovery: str | None = None, kind: str | None = None, count: int | None = None,
              worker_args: list[str] | None = None,
-             admin_token_file: str | None = None) -> FleetSpec:
+             admin_token_file: str | None = None,
+             frontend_processes: int | None = None) -> FleetSpec:
         """From a fleet.yaml mapping (see the README), with the command line's overrides.
         `admin_token_file`: every member reads the fleet's admin token from it (checked
-        here: readable and not empty; never on a command line)."""
+        here: readable and not empty; never on a command line). `frontend_processes`: the
+        frontend serves its port from this many processes (its `--processes`)."""
         cfg = dict(config or {})
         unknown = set(cfg) - {"discovery", "namespace", "frontend", "workers"}
         if unknown:
@@ -437,6 +439,10 @@ class FleetSpec:
             settle_admin_token(argparse.Namespace(admin_token=None, admin_token_file=path))
             common += ["--admin-token-file", path]
         fe = to_flags(cfg.get("frontend"))
+        if frontend_processes is not None:
+            if frontend_processes < 1:
+                raise ValueError(f"--processes must be at least 1, got {frontend_processes}")
+            fe += ["--processes", str(frontend_processes)]  # the last one wins
         frontend = Member("frontend", "rlfleet.frontend", [*common, *fe], cpus=0.5)
         groups = cfg.get("workers") or [{}]
         if not isinstance(groups, list):

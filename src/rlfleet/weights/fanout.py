@@ -185,14 +185,16 @@ def fanout_sources(system_urls: Sequence[str], version: str, origin: FanoutOrigi
     """The stage request `source` for each worker (in the order given, e.g. as discovery
     lists them) of a fan-out from `origin`: the first stages from the origin itself, worker i
     > 0 from worker (i - 1) // degree (degree 1: a chain; 2: a binary tree ...), failing over
-    to that worker's own upstreams in turn, then to the origin."""
+    to that worker's own upstreams in turn, then to the origin.
+
+    `origin.uri`: ``s3://bucket/prefix/VERSION``, ``file:///dir/VERSION``, or a trainer
+    publisher's ``http(s)://host:port/VERSION`` (rlfleet.weights.publish.TrainerServer: the
+    first worker stages from the trainer, the others from their peers, and the trainer
+    sends the version about once)."""
     if degree < 1:
         raise ValueError("degree must be at least 1")
     common: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    head: dict[str, Any] = {"kind": "s3", "uri": origin.uri} if origin.uri.startswith("s3://") \
-        else {"kind": "disk", "path": origin.uri.removeprefix("file://")}
-    if origin.endpoint_url and head["kind"] == "s3":
-        head["endpoint_url"] = origin.endpoint_url
+    head = _origin_source(origin, version)
     out = [{**head, **common}]
     for i in range(1, len(system_urls)):
         up, above = (i - 1) // degree, []
@@ -204,6 +206,20 @@ def fanout_sources(system_urls: Sequence[str], version: str, origin: FanoutOrigi
         out.append({"kind": "peer", "url": system_urls[up], **common,
                     "fanout": msgspec.to_builtins(spec)})
     return out
+
+
+def _origin_source(origin: FanoutOrigin, version: str) -> dict[str, Any]:
+    """The stage source that reads the origin artifact whole (the fan-out's first worker)."""
+    uri = origin.uri
+    if uri.startswith("s3://"):
+        return {"kind": "s3", "uri": uri,
+                **({"endpoint_url": origin.endpoint_url} if origin.endpoint_url else {})}
+    if uri.startswith(("http://", "https://")):
+        publisher, named = art.split_version_uri(uri)
+        if named != version:
+            raise ValueError(f"the fan-out origin {uri} names version {named}, not {version}")
+        return {"kind": "trainer", "url": publisher}
+    return {"kind": "disk", "path": uri.removeprefix("file://")}
 
 
 __all__ = ["CHUNK_BYTES", "Chunk", "ChunkBoard", "Held", "add_fanout_routes", "chunk_table",

@@ -290,6 +290,7 @@ class Discovery(abc.ABC):
         self._registrations: set[Registration] = set()
         self._closed = False
         self._reported: set[tuple[str, str]] = set()  # skipped entries already logged
+        self.lists = 0  # whole listings read from the store (a directory scan, a prefix range)
 
     def _report(self, listing: Listing) -> Listing:
         """Log each skipped entry once (a watch lists every quarter second)."""
@@ -311,7 +312,8 @@ class Discovery(abc.ABC):
         (DiscoveryError when the store itself cannot be read)."""
 
     @abc.abstractmethod
-    def _changes(self, namespace: str | None) -> ChangeSource: ...
+    def _changes(self, namespace: str | None, component: str | None,
+                 endpoint: str | None) -> ChangeSource: ...
 
     async def _put_record(self, name: str, value: dict[str, Any]) -> None:
         raise DiscoveryError(f"discovery {self.url} keeps no records")
@@ -347,6 +349,7 @@ class Discovery(abc.ABC):
                       endpoint: str | None = None) -> Listing:
         """Like :meth:`list`, with the entries the store had to skip and why."""
         self._check_open()
+        self.lists += 1
         return self._report(await self._list(namespace, component, endpoint))
 
     async def watch(self, namespace: str | None = None, interval: float = 0.25, *,
@@ -363,12 +366,16 @@ class Discovery(abc.ABC):
         self._check_open()
         last: Entries | None = None
         failing = False
-        changes = self._changes(namespace)
+        changes = self._changes(namespace, component, endpoint)
         try:
             await changes.start()
             while not self._closed:
                 try:
-                    listing = await self.listing(namespace, component, endpoint)
+                    listing = await changes.view()
+                    if listing is None:
+                        listing = await self.listing(namespace, component, endpoint)
+                    else:
+                        listing = self._report(listing)
                     changes.listed(listing)
                     entries = listing.entries
                 except Exception as exc:  # noqa: BLE001 - a watch never dies; it reports and retries
@@ -384,7 +391,7 @@ class Discovery(abc.ABC):
                     if failing:
                         log.info("discovery: watch on %s recovered", self.url)
                         failing = False
-                    if entries != last:
+                    if entries is not last and entries != last:
                         last = entries
                         yield entries
                 if self._closed:
@@ -432,9 +439,14 @@ class Discovery(abc.ABC):
 
 
 class ChangeSource:
-    """Tells a watch loop when to re-list; the default just polls."""
+    """Tells a watch loop when to look again, and may keep the view itself (etcd applies
+    its watch's events); the default just polls and lists."""
 
     async def start(self) -> None:
+        return None
+
+    async def view(self) -> Listing | None:
+        """The current listing where this source keeps one; None: list the store."""
         return None
 
     def listed(self, listing: Listing) -> None:

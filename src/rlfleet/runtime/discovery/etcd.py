@@ -1,7 +1,9 @@
 """The etcd store (etcd v3 through ``aetcd``): multi-host. ``etcd://host:port[,host:port...]``,
 keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``, one lease per
 registration; records (`Discovery.put_record`) under ``/rlfleet/discovery-records/<name>``,
-with no lease. Every call has a deadline; with several endpoints a failed one hands over to
+with no lease. A watch lists the prefix once and then applies etcd's watch events to that
+view in revision order (`_EtcdView`), listing again only when the watch is lost or
+compacted. Every call has a deadline; with several endpoints a failed one hands over to
 the next. A value that is not a valid entry is skipped and reported, never fatal.
 """
 
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rtypes
 
 from rlfleet.runtime.discovery.base import (
     ChangeSource,
@@ -33,8 +36,7 @@ from rlfleet.runtime.discovery.base import (
 ETCD_PREFIX = "/rlfleet/discovery/"
 ETCD_DEFAULT_PORT = 2379
 DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
-WATCH_RESYNC = 30.0  # seconds, re-list even when the etcd watch is quiet (a listing of a
-# thousand workers is ~1 MB: the watch, not the resync, is what keeps a frontend current)
+WATCH_IDLE = 30.0  # seconds a watch loop sleeps when etcd sends nothing (it lists nothing)
 
 T = TypeVar("T")
 
@@ -93,63 +95,103 @@ class _EtcdRegistration(Registration):
                 log.debug("discovery: %s", exc)
 
 
-class _EtcdChanges(ChangeSource):
-    """Wakes the watch loop on etcd watch events; polls while no watch can be held."""
+class _EtcdView(ChangeSource):
+    """The entries under one prefix, kept by applying the etcd watch's events in revision
+    order to one listing: a put adds or replaces its entry, a delete (or a lease expiring)
+    removes it. The watch starts at the revision after the listing's, so nothing falls in
+    between; the store is listed again only when the watch is lost (a broken stream, an
+    endpoint change) or etcd compacted the revisions it still had to send, and the new
+    watch then starts after the new listing's revision. A frontend's cost follows the
+    changes, not the fleet: an idle fleet costs nothing but the open stream."""
 
-    def __init__(self, owner: EtcdDiscovery, prefix: bytes) -> None:
+    def __init__(self, owner: EtcdDiscovery, prefix: bytes,
+                 where: tuple[str | None, str | None, str | None]) -> None:
         self._owner = owner
         self._prefix = prefix
-        self._event = asyncio.Event()
+        self._where = where  # the watch's (namespace, component, endpoint) filter
+        self._items: dict[str, tuple[str, Entry] | Skipped] = {}  # etcd key -> its entry
+        self.revision = 0  # etcd's revision the view is current to
+        self._listed = 0  # the revision of the listing it started from
+        self._listing: Listing | None = None  # built from _items; None after a change
+        self._stale = True  # list (again) before the next view
+        self._event = asyncio.Event()  # an event was applied, or the watch ended
         self._watch: Any = None
         self._pump: asyncio.Task[None] | None = None
         self._warned = False
 
-    def _alive(self) -> bool:
-        return self._pump is not None and not self._pump.done()
+    async def view(self) -> Listing:
+        if self._stale:
+            await self._resync()
+        if self._listing is None:
+            entries = [v for v in self._items.values() if not isinstance(v, Skipped)]
+            skipped = [v for v in self._items.values() if isinstance(v, Skipped)]
+            self._listing = Listing.of(entries, skipped, *self._where)
+        return self._listing
 
-    async def start(self) -> None:
-        """(Re)create the etcd watch; on failure stay in polling mode."""
+    async def _resync(self) -> None:
+        """List the prefix, then watch it from the next revision on."""
         await self._drop()
         self._event.clear()
+        result = await self._owner._range(self._prefix)
+        self._owner.lists += 1
+        self._items = {kv.key.decode("utf-8", errors="replace"): self._owner._parse(kv)
+                       for kv in result.kvs}
+        self.revision = self._listed = result.header.revision
+        self._listing = None
+        start = self.revision + 1
         try:
-            watch = await self._owner._call(f"watch {self._prefix.decode()}",
-                                            lambda c: c.watch_prefix(self._prefix))
-        except DiscoveryError as exc:
+            watch = await self._owner._call(
+                f"watch {self._prefix.decode()}",
+                lambda c: c.watch_prefix(self._prefix, start_revision=start))
+        except DiscoveryError as exc:  # listed: the next wait lists again after its interval
             if not self._warned:
-                log.warning("discovery: cannot watch etcd, polling instead: %s", exc)
+                log.warning("discovery: cannot watch etcd, listing every tick instead: %s", exc)
                 self._warned = True
             return
         if self._warned:
             log.info("discovery: etcd watch on %s re-established", self._owner.url)
             self._warned = False
+        self._stale = False
         self._watch = watch
         self._pump = asyncio.get_running_loop().create_task(self._run(watch))
 
+    def _apply(self, event: Any) -> None:
+        kv = event.kv
+        if kv.mod_revision <= self._listed:
+            return  # in the listing already (a watch that starts after it never sends one)
+        name = kv.key.decode("utf-8", errors="replace")
+        if event.kind == aetcd.rtypes.EventKind.PUT:
+            self._items[name] = self._owner._parse(kv)
+        else:
+            self._items.pop(name, None)
+        self.revision = kv.mod_revision
+        self._listing = None
+
     async def _run(self, watch: Any) -> None:
         try:
-            async for _ in watch:
+            async for event in watch:
+                self._apply(event)
                 self._event.set()
-        except Exception as exc:  # noqa: BLE001 - any stream failure means: re-watch
+        except aetcd.exceptions.RevisionCompactedError as exc:
+            log.info("discovery: etcd compacted the revisions the watch on %s still had to "
+                     "read (%s); listing again", self._owner.url, exc)
+        except Exception as exc:  # noqa: BLE001 - any stream failure means: list and re-watch
             if not self._owner._closed:
-                log.warning("discovery: etcd watch broke, falling back to polling: %s",
-                            _grpc_detail(exc))
-                self._warned = True
+                log.warning("discovery: etcd watch broke, listing again: %s", _grpc_detail(exc))
         finally:
+            self._stale = True
             self._event.set()
 
     async def wait(self, interval: float, failing: bool) -> None:
-        if self._alive() and not failing:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._event.wait(), max(interval, WATCH_RESYNC))
-                # one listing for the burst an event starts (a fleet changing: N events)
-                await asyncio.sleep(interval)
-            self._event.clear()
-            if self._alive():
-                return
-        else:
+        if self._stale or failing:
             await asyncio.sleep(interval)
-        if not self._owner._closed:
-            await self.start()  # the next list() then covers anything the watch missed
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), WATCH_IDLE)
+        if self._event.is_set():
+            # the rest of a burst (a fleet changing: N events) lands in the same view
+            await asyncio.sleep(interval)
+            self._event.clear()
 
     async def _drop(self) -> None:
         pump, watch = self._pump, self._watch
@@ -161,6 +203,7 @@ class _EtcdChanges(ChangeSource):
         if watch is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watch.cancel(), 1.0)
+        self._stale = True
 
     async def aclose(self) -> None:
         await self._drop()
@@ -196,7 +239,13 @@ class EtcdDiscovery(Discovery):
                 host=host, port=port, timeout=self.deadline,
                 # reconnect quickly after an etcd restart (gRPC backs off up to 120 s)
                 options={"grpc.initial_reconnect_backoff_ms": 200,
-                         "grpc.max_reconnect_backoff_ms": 1000},
+                         "grpc.max_reconnect_backoff_ms": 1000,
+                         # a watch lists nothing while etcd is quiet: pings tell a dead
+                         # connection (etcd accepts one every 5 s or slower while a
+                         # stream is open)
+                         "grpc.keepalive_time_ms": 10_000,
+                         "grpc.keepalive_timeout_ms": 5_000,
+                         "grpc.http2.max_pings_without_data": 0},
             )
         return self._client
 
@@ -245,28 +294,34 @@ class EtcdDiscovery(Discovery):
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
         return _EtcdRegistration(self, key, entry, ttl)
 
-    def _changes(self, namespace: str | None) -> ChangeSource:
-        return _EtcdChanges(self, self._etcd_key(_filter_prefix(namespace, None, None)))
+    def _changes(self, namespace: str | None, component: str | None,
+                 endpoint: str | None) -> ChangeSource:
+        prefix = self._etcd_key(_filter_prefix(namespace, component, endpoint))
+        return _EtcdView(self, prefix, (namespace, component, endpoint))
+
+    async def _range(self, prefix: bytes) -> Any:
+        """Every key under `prefix` and the revision they are current to (one listing)."""
+        return await self._call(f"list {prefix.decode()}", lambda c: c.get_prefix(prefix))
+
+    def _parse(self, kv: Any) -> tuple[str, Entry] | Skipped:
+        """An etcd key-value as (entry key, entry), or what is wrong with it."""
+        name = kv.key.decode("utf-8", errors="replace")
+        try:
+            entry = json.loads(kv.value.decode("utf-8"))
+            return entry_key(entry), entry
+        except UnicodeDecodeError as exc:
+            return Skipped(name, f"not UTF-8 text: {exc}", self._key_of(name))
+        except (ValueError, TypeError) as exc:
+            return Skipped(name, str(exc), self._key_of(name))
 
     async def _list(self, namespace: str | None, component: str | None,
                     endpoint: str | None) -> Listing:
-        prefix = self._etcd_key(_filter_prefix(namespace, component, endpoint))
-        result = await self._call(f"list {prefix.decode()}", lambda c: c.get_prefix(prefix))
-        items: list[tuple[str, Entry]] = []
-        skipped: list[Skipped] = []
-        for kv in result.kvs:
-            name = kv.key.decode("utf-8", errors="replace")
-            try:
-                entry = json.loads(kv.value.decode("utf-8"))
-                key = entry_key(entry)
-            except UnicodeDecodeError as exc:
-                skipped.append(Skipped(name, f"not UTF-8 text: {exc}", self._key_of(name)))
-                continue
-            except (ValueError, TypeError) as exc:
-                skipped.append(Skipped(name, str(exc), self._key_of(name)))
-                continue
-            items.append((key, entry))
-        return Listing.of(items, skipped, namespace, component, endpoint)
+        result = await self._range(self._etcd_key(_filter_prefix(namespace, component,
+                                                                 endpoint)))
+        parsed = [self._parse(kv) for kv in result.kvs]
+        return Listing.of([p for p in parsed if not isinstance(p, Skipped)],
+                          [p for p in parsed if isinstance(p, Skipped)],
+                          namespace, component, endpoint)
 
     def _record_key(self, name: str) -> bytes:
         """Beside the entries' prefix, never under it: `<prefix>-records/<name>`."""

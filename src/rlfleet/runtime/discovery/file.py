@@ -86,7 +86,8 @@ class FileDiscovery(base.Discovery):
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> base.Registration:
         return _FileRegistration(self, key, entry, ttl)
 
-    def _changes(self, namespace: str | None) -> base.ChangeSource:
+    def _changes(self, namespace: str | None, component: str | None,
+                 endpoint: str | None) -> base.ChangeSource:
         return _FileChanges(self)
 
     async def _batched(self, fn, *args):
