@@ -64,12 +64,9 @@ from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOpti
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import (
-    NO_ADAPTERS,
-    AdapterState,
     BadRequest,
     Engine,
     EngineControl,
-    UnknownAdapter,
     WeightLoadError,
 )
 
@@ -452,33 +449,6 @@ class MockEngine(Engine, EngineControl):
                     await self.load_adapter(name, Path(path).resolve(), None, None)
                 except BadRequest as e:
                     raise ValueError(f"--lora-modules {name}={path}: {e}") from None
-
-    def _lora(self) -> MockAdapters:
-        if self.lora is None:
-            raise UnknownAdapter(NO_ADAPTERS)
-        return self.lora
-
-    def adapters(self) -> list[AdapterState]:
-        return self.lora.states() if self.lora else []
-
-    def adapter_limits(self) -> tuple[int, int] | None:
-        return (self.lora.max_loras, self.lora.max_rank) if self.lora else None
-
-    async def load_adapter(self, name: str, path: Path, version: str | None,
-                           step: int | None, digest: str | None = None
-                           ) -> tuple[PolicyIdentity, str | None]:
-        if self.lora is None:
-            raise BadRequest(NO_ADAPTERS)
-        if name == self.info.served_model_name:
-            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
-                             "a name of its own")
-        return await self.lora.load(name, path, version, step, digest)
-
-    async def unload_adapter(self, name: str) -> PolicyIdentity:
-        return await self._lora().unload(name)
-
-    def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
-        return self._lora().set_open(name, open_, reason)
 
     def num_running(self) -> int:
         return len(self._runs)

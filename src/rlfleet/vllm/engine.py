@@ -23,14 +23,11 @@ from rlfleet.runtime.progress import Progress
 from rlfleet.vllm.adapters import LoraAdapters, Served
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 from rlfleet.worker.engine import (
-    NO_ADAPTERS,
-    AdapterState,
     AppliedWeights,
     BadRequest,
     Engine,
     EngineControl,
     EngineInfo,
-    UnknownAdapter,
     WeightLoadError,
 )
 
@@ -295,51 +292,7 @@ class VllmEngine(Engine, EngineControl):
         for m in self.args.lora_modules or []:
             await self.lora.load(m.name, Path(m.path).resolve(), None, None)
 
-    def _lora(self) -> LoraAdapters:
-        if self.lora is None:
-            raise UnknownAdapter(NO_ADAPTERS)
-        return self.lora
-
-    def adapters(self) -> list[AdapterState]:
-        return self.lora.states() if self.lora else []
-
-    def adapter_limits(self) -> tuple[int, int] | None:
-        return (self.lora.max_loras, self.lora.max_rank) if self.lora else None
-
-    async def load_adapter(self, name: str, path: Path, version: str | None,
-                           step: int | None, digest: str | None = None
-                           ) -> tuple[PolicyIdentity, str | None]:
-        if self.lora is None:
-            raise BadRequest(NO_ADAPTERS)
-        if name == self.info.served_model_name:
-            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
-                             "a name of its own")
-        return await self.lora.load(name, path, version, step, digest)
-
-    async def unload_adapter(self, name: str) -> PolicyIdentity:
-        return await self._lora().unload(name)
-
     loads_adapters_beside = True  # a new vLLM adapter id per version (rlfleet.vllm.adapters)
-
-    async def load_adapter_beside(self, name: str, path: Path, version: str | None,
-                                  step: int | None, digest: str | None = None
-                                  ) -> tuple[PolicyIdentity, str]:
-        if self.lora is None:
-            raise BadRequest(NO_ADAPTERS)
-        if name == self.info.served_model_name:
-            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
-                             "a name of its own")
-        return await self.lora.load_beside(name, path, version, step, digest)
-
-    async def activate_adapter(self, name: str, version: str
-                               ) -> tuple[PolicyIdentity, str | None]:
-        return await self._lora().activate(name, version)
-
-    async def discard_adapter(self, name: str, version: str) -> PolicyIdentity:
-        return await self._lora().discard(name, version)
-
-    def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
-        return self._lora().set_open(name, open_, reason)
 
     async def _warmup(self) -> None:
         """The first request that asks for logprobs compiles a kernel: pay for it now."""

@@ -10,7 +10,7 @@ import functools
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest
@@ -40,6 +40,23 @@ class AdapterState:
     path: str
     open: bool = True
     reason: str | None = None
+
+
+class AdapterTable(Protocol):
+    """An engine's LoRA adapters (rlfleet.vllm.adapters, rlfleet.mocker.adapters): the
+    engine-control adapter methods are written once over it (EngineControl)."""
+
+    max_loras: int
+    max_rank: int
+
+    def states(self) -> list[AdapterState]: ...
+
+    async def load(self, name: str, path: Path, version: str | None, step: int | None,
+                   digest: str | None = None) -> tuple[PolicyIdentity, str | None]: ...
+
+    async def unload(self, name: str) -> PolicyIdentity: ...
+
+    def set_open(self, name: str, open_: bool, reason: str | None) -> AdapterState: ...
 
 
 @dataclass
@@ -107,9 +124,12 @@ class Engine(abc.ABC):
         for a request naming an adapter, the adapter version it was admitted to."""
         return self.serving_policy()
 
+    #: its LoRA adapters, when started with --enable-lora (None: it serves none)
+    lora: AdapterTable | None = None
+
     def adapters(self) -> list[AdapterState]:
-        """The LoRA adapters served beside the base model (none by default)."""
-        return []
+        """The LoRA adapters served beside the base model."""
+        return self.lora.states() if self.lora is not None else []
 
     async def start(self) -> None:  # noqa: B027 - optional hook
         """Warm up; called once before the worker registers in discovery."""
@@ -247,9 +267,25 @@ class EngineControl(abc.ABC):
 
     # ---- LoRA adapters (each a policy of its own, served beside the base model)
 
+    lora: AdapterTable | None = None  # (Engine's)
+
+    def _lora(self) -> Any:
+        if self.lora is None:
+            raise UnknownAdapter(NO_ADAPTERS)
+        return self.lora
+
+    def _loadable(self, name: str) -> Any:
+        """The adapter table, when `name` may be loaded as an adapter (BadRequest if not)."""
+        if self.lora is None:
+            raise BadRequest(NO_ADAPTERS)
+        if name == self.info.served_model_name:  # type: ignore[attr-defined]
+            raise BadRequest(f"lora_name {name!r} is the base model's name: give the adapter "
+                             "a name of its own")
+        return self.lora
+
     def adapter_limits(self) -> tuple[int, int] | None:
         """(max adapters, max rank) when the engine serves adapters, else None."""
-        return None
+        return (self.lora.max_loras, self.lora.max_rank) if self.lora is not None else None
 
     async def load_adapter(self, name: str, path: Path, version: str | None,
                            step: int | None, digest: str | None = None
@@ -258,14 +294,14 @@ class EngineControl(abc.ABC):
         that name it from now on run on it, the base model and other adapters serve on
         undisturbed. Returns (its policy, the version it replaced). BadRequest (nothing
         changed, the old version serving) when it does not fit."""
-        raise BadRequest(NO_ADAPTERS)
+        return await self._loadable(name).load(name, path, version, step, digest)
 
     async def unload_adapter(self, name: str) -> PolicyIdentity:
         """Stop serving `name` (requests running on it finish); UnknownAdapter if absent."""
-        raise UnknownAdapter(NO_ADAPTERS)
+        return await self._lora().unload(name)
 
-    #: whether the engine loads a new adapter version beside the serving one
-    #: (`load_adapter_beside`, then `activate_adapter`): a refresh probes it before its gate
+    #: whether the engine's adapter table loads a new adapter version beside the serving one
+    #: (`load_beside`, `activate`, `discard`): a refresh probes it before its gate
     loads_adapters_beside: bool = False
 
     async def load_adapter_beside(self, name: str, path: Path, version: str | None,
@@ -275,22 +311,25 @@ class EngineControl(abc.ABC):
         `name` stay on the serving version; (its policy, the engine name a request gives to
         run on exactly this version). One such version per adapter (a newer one replaces
         it). BadRequest as load_adapter's."""
-        raise BadRequest(NO_ADAPTERS)
+        table = self._loadable(name)
+        if not self.loads_adapters_beside:
+            raise BadRequest("this engine loads no adapter version beside the serving one")
+        return await table.load_beside(name, path, version, step, digest)
 
     async def activate_adapter(self, name: str, version: str
                                ) -> tuple[PolicyIdentity, str | None]:
         """Switch `name` to its version loaded beside (labelled `version`): requests naming
         it from now on run on it; (its policy, the version it replaced)."""
-        raise UnknownAdapter(NO_ADAPTERS)
+        return await self._lora().activate(name, version)
 
     async def discard_adapter(self, name: str, version: str) -> PolicyIdentity:
         """Drop `name`'s version loaded beside (labelled `version`); the serving one serves
         on."""
-        raise UnknownAdapter(NO_ADAPTERS)
+        return await self._lora().discard(name, version)
 
     def set_adapter_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
         """Admit requests naming `name`, or hold them on the worker until it opens."""
-        raise UnknownAdapter(NO_ADAPTERS)
+        return self._lora().set_open(name, open_, reason)
 
     # ---- a trainer's weight-update group (update_weights_from_distributed)
 
