@@ -240,20 +240,9 @@ class FileDiscovery(base.Discovery):
             return None, "not a regular file"
         if st.st_size > self.MAX_RECORD_BYTES:
             return None, f"{st.st_size} bytes: too large to be a discovery record"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None, None
-        except OSError as exc:
-            return None, f"cannot open: {exc}"
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None, "not a regular file"
-            data = os.read(fd, self.MAX_RECORD_BYTES + 1)
-        except OSError as exc:
-            return None, f"cannot read: {exc}"
-        finally:
-            os.close(fd)
+        data, error = _read_file(path, self.MAX_RECORD_BYTES + 1)
+        if data is None:
+            return None, error
         try:
             record = json.loads(data.decode("utf-8"))
             if not (isinstance(record, dict) and isinstance(record.get("entry"), dict)
@@ -368,18 +357,9 @@ class FileDiscovery(base.Discovery):
     def _parse_record(path: Path, st: os.stat_result) -> tuple[dict[str, Any] | None, str | None]:
         if not stat.S_ISREG(st.st_mode) or st.st_size > base.RECORD_MAX_BYTES + 4096:
             return None, "not a regular file of a record's size"
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except FileNotFoundError:
-            return None, None
-        except OSError as exc:
-            return None, f"cannot open: {exc}"
-        try:
-            data = os.read(fd, base.RECORD_MAX_BYTES + 4097)
-        except OSError as exc:
-            return None, f"cannot read: {exc}"
-        finally:
-            os.close(fd)
+        data, error = _read_file(path, base.RECORD_MAX_BYTES + 4097)
+        if data is None:
+            return None, error
         try:
             outer = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
@@ -460,3 +440,23 @@ class _FileChanges(base.ChangeSource):
             if changed:
                 self._sig = sig  # stat before the listing: a later change differs from it
                 return
+
+
+def _read_file(path: Path, limit: int) -> tuple[bytes | None, str | None]:
+    """Up to `limit` bytes of the regular file at `path`, opened without blocking (a FIFO
+    put there must not hang the reader); (None, why) when it cannot be read, (None, None)
+    when it is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"cannot open: {exc}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "not a regular file"
+        return os.read(fd, limit), None
+    except OSError as exc:
+        return None, f"cannot read: {exc}"
+    finally:
+        os.close(fd)
