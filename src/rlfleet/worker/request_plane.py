@@ -364,11 +364,11 @@ class WorkerPlane:
             return e.response()
         kept.attach(run)
         try:
-            await run.wait_past(-1)
+            await run.wait_past(0)  # its Head, or the error that refused it
         except BaseException:
             kept.detach(run)
             raise
-        if run.head is None:
+        if not run.events:
             kept.detach(run)
             return (run.error or HttpError(500, "the request ended before its first event")
                     ).response()
