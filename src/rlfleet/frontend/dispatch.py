@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from rlfleet.frontend.kv import Attempt, Prefix
-from rlfleet.frontend.router import Worker, WorkerPool, newest_step
+from rlfleet.frontend.router import Worker, WorkerPool, ask_owners, newest_step
 from rlfleet.protocol.engine import (
     Delta,
     Done,
@@ -323,10 +323,18 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     for attempt in range(MAX_ATTEMPTS):
         # a request its worker keeps (retain) goes where every frontend sends its ID, unless
         # the KV router places it by its prefix (WorkerPool.pick)
-        w = await pool.acquire(model, tried, bound, prefix,
-                               req.request_id if req.retain is not None else None)
+        key = req.request_id if req.retain is not None else None
+        w = await pool.acquire(model, tried, bound, prefix, key)
         if model != w.model:  # it names a LoRA adapter the worker serves beside its model
             req = msgspec.structs.replace(req, adapter=model)
+        stream = None
+        # placed elsewhere than on its ID's first worker: follow the run if one ranked
+        # above (or, in mode kv, holding its prefix) owns it already (WorkerPool.owners)
+        asked = pool.owners(model, key, w, prefix, tried) if key is not None else None
+        if asked:
+            owner = await ask_owners(client, asked, req, paced)
+            if owner is not None:
+                w, stream = owner
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -338,9 +346,9 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         w.inflight += 1
         booked = Attempt(kv, w.instance_id, prefix) if kv is not None else None
         started = False
-        stream = None
         try:
-            stream = await client.generate(w.address, req, paced)
+            if stream is None:
+                stream = await client.generate(w.address, req, paced)
             if on_stream is not None:
                 on_stream(stream)
             head_step = None

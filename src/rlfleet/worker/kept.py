@@ -24,7 +24,7 @@ import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from rlfleet.protocol.engine import Frame, GenerateRequest
+from rlfleet.protocol.engine import ATTACH_NOT_FOUND, Frame, GenerateRequest
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.runs import Run, RunRegistry
 
@@ -99,10 +99,14 @@ class KeptRuns(RunRegistry[KeptRun]):
 
     def start(self, req: GenerateRequest) -> KeptRun:  # type: ignore[override]
         """The run kept for `req.request_id`: the one running or ended (same `retain`), or a
-        new one. HttpError 409 (the ID names another request) or 429 (no room)."""
+        new one (none for an attach-only request: HttpError ATTACH_NOT_FOUND). HttpError 409
+        (the ID names another request) or 429 (no room)."""
         run = self.find(req)
         if run is not None:
             return run
+        if req.attach_only:
+            raise HttpError(ATTACH_NOT_FOUND, f"this worker keeps no run under X-Request-Id "
+                                              f"{req.request_id!r} (attach_only)")
         run = super().start(KeptRun(req), lambda run: self._events(run, req))
         self.started += 1
         return run
