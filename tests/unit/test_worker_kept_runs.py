@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
-from rlfleet.protocol.engine import Frame, GenerateRequest
+from rlfleet.protocol.engine import ATTACH_NOT_FOUND, Frame, GenerateRequest
 from rlfleet.runtime.http import HttpError
 from rlfleet.worker.kept import KeptRuns
 
@@ -134,3 +135,22 @@ async def test_memory_bound_forgets_finished_runs_then_refuses():
         kept.start(req("c"))
     assert e.value.status == 429
     await kept.close()
+
+
+async def test_an_attach_only_request_follows_a_kept_run_and_never_starts_one():
+    s = Script()
+    kept = KeptRuns(s.open, s.rest)
+    probe = msgspec.structs.replace(req(), attach_only=True)
+    with pytest.raises(HttpError) as e:
+        kept.start(probe)
+    assert e.value.status == ATTACH_NOT_FOUND and "r" not in kept.runs
+    assert kept.started == 0 and not s.opened  # nothing generated
+    first = kept.start(req())
+    assert kept.start(probe) is first  # the run kept under the ID
+    with pytest.raises(HttpError) as e:  # kept for another request: the 409, as for any
+        kept.start(msgspec.structs.replace(probe, retain="other"))
+    assert e.value.status == 409
+    await drive(s, asyncio.ensure_future(collect(kept, first)))
+    assert kept.start(probe) is first and kept.started == 1  # ended whole: still followed
+    with pytest.raises(ValueError, match="retain"):
+        GenerateRequest(request_id="x", prompt_token_ids=[1], attach_only=True)

@@ -431,24 +431,26 @@ class WorkerPool:
     def owners(self, model: str, key: str, chosen: Worker, prefix: Prefix | None = None,
                exclude: set[int] = frozenset()) -> list[Worker]:
         """The workers to ask whether they own the run of request ID `key` before it is
-        placed on `chosen`: none (at no cost beyond one score per worker) when `chosen` is
-        the ID's top-ranked worker; else those ranked above it (where an earlier attempt
-        went while `chosen` was not first usable: gated, outside a staleness bound or
-        overloaded now), at most ASK_RANKS, and in mode kv those holding at least as much
-        of its prefix as `chosen` (where the KV router placed an earlier attempt); never
-        one marked down or in `exclude` (tried by this request already)."""
+        placed on `chosen`: those ranked above it (where an earlier attempt went while
+        `chosen` was not the first usable: it was gated, outside a staleness bound), at
+        most ASK_RANKS, so none (at no cost beyond one score per worker) when `chosen` is
+        the ID's top-ranked worker; and in mode kv, for a request placed by its prefix,
+        at most ASK_RANKS of those holding at least as much of it as `chosen` (where the
+        KV router placed an earlier attempt before that worker was gated or overloaded);
+        never one marked down or in `exclude` (tried by this request already)."""
         all_ = self.for_model(model)
-        score = _scorer(key)
-        if max(all_, key=score) is chosen:
+        by_prefix = self.kv is not None and prefix is not None
+        top = max(all_, key=_scorer(key)) is chosen
+        if top and not by_prefix:
             return []
         now = time.monotonic()
         out: list[Worker] = []
-        for w in rank(key, all_):
+        for w in () if top else rank(key, all_):
             if w is chosen or len(out) == ASK_RANKS:
                 break
             if w.instance_id not in exclude and w.down_until <= now:
                 out.append(w)
-        if self.kv is not None and prefix is not None:
+        if by_prefix:
             live = [w for w in all_ if w.instance_id not in exclude and w.down_until <= now]
             for w in self.kv.holders(live, prefix, chosen, ASK_RANKS):
                 if w not in out:
