@@ -38,7 +38,7 @@ RELIST_DEADLINE = 2.0  # seconds for the listing a request for an unknown model 
 # asks at most this many of the workers ranked above (and, in mode kv, of those holding its
 # prefix) whether they own its run, each within ASK_DEADLINE seconds (WorkerPool.owner)
 ASK_RANKS = 4
-ASK_DEADLINE = 0.5
+ASK_DEADLINE = 1.5
 
 
 @dataclass

@@ -444,7 +444,8 @@ class WorkerClient:
             if e.status == 409:
                 raise
         except TimeoutError:
-            pass
+            log.warning("worker at %s did not say within %g s whether it keeps request %s; "
+                        "taken as not", address, deadline, req.request_id)
         except BaseException:
             if stream is not None:
                 await stream.aclose()
