@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 
 from rlfleet.frontend.kv import Attempt, Prefix
-from rlfleet.frontend.router import Worker, WorkerPool, ask_owners, newest_step
+from rlfleet.frontend.router import Worker, WorkerPool, newest_step
 from rlfleet.protocol.engine import (
     Delta,
     Done,
@@ -327,14 +327,9 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         w = await pool.acquire(model, tried, bound, prefix, key)
         if model != w.model:  # it names a LoRA adapter the worker serves beside its model
             req = msgspec.structs.replace(req, adapter=model)
-        stream = None
-        # placed elsewhere than on its ID's first worker: follow the run if one ranked
-        # above (or, in mode kv, holding its prefix) owns it already (WorkerPool.owners)
-        asked = pool.owners(model, key, w, prefix, tried) if key is not None else None
-        if asked:
-            owner = await ask_owners(client, asked, req, paced)
-            if owner is not None:
-                w, stream = owner
+        # placed elsewhere than on its ID's first worker: the run there if one owns it
+        w, stream = (w, None) if key is None else \
+            await pool.owner(client, model, key, w, req, prefix, tried, paced)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)

@@ -36,7 +36,7 @@ COMMITTED_POLL = 1.0  # seconds between reads of the models' committed policies
 RELIST_DEADLINE = 2.0  # seconds for the listing a request for an unknown model makes
 # a request with an X-Request-Id placed elsewhere than on the ID's top-ranked worker first
 # asks at most this many of the workers ranked above (and, in mode kv, of those holding its
-# prefix) whether they own its run, each within ASK_DEADLINE seconds (WorkerPool.owner)
+# prefix) whether they own its run, each within ASK_DEADLINE seconds (WorkerPool.owners)
 ASK_RANKS = 4
 ASK_DEADLINE = 1.5
 
@@ -456,6 +456,17 @@ class WorkerPool:
                 if w not in out:
                     out.append(w)  # type: ignore[arg-type]
         return out
+
+    async def owner(self, client: WorkerClient, model: str, key: str, chosen: Worker,
+                    req: GenerateRequest, prefix: Prefix | None = None,
+                    exclude: set[int] = frozenset(), paced: bool = False
+                    ) -> tuple[Worker, WorkerStream | None]:
+        """Where request ID `key` goes, placed on `chosen`: (chosen, None), or the worker
+        that `owners` names and that keeps its run, with its stream of the run (see
+        ask_owners; WorkerError 409 when the ID names another request there)."""
+        asked = self.owners(model, key, chosen, prefix, exclude)
+        found = await ask_owners(client, asked, req, paced) if asked else None
+        return found if found is not None else (chosen, None)
 
     def mark_down(self, w: Worker, why: str) -> None:
         log.warning("worker %s marked down for %.0fs: %s", w.instance_id, self.down_seconds, why)

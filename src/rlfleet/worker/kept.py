@@ -12,10 +12,15 @@ with 409. A kept run outlives the connections that follow it by `orphan_grace` s
 `max_runs` runs and about `max_bytes` of events; beyond that the oldest finished runs are
 forgotten, and while runs in flight hold it all, new kept requests are refused with 429).
 
-The registry itself (attach, orphan grace, bounds) is rlfleet.runtime.runs, shared with
-the frontend's. A run the engine refused (the request as given) is not kept: a retry is checked again. A
+A request marked `attach_only` only follows a kept run (running, or ended whole); where
+there is none it is refused with ATTACH_NOT_FOUND and nothing is generated: a frontend
+asks this of the workers an ID ranks above the one it places the request on.
+
+A run the engine refused (the request as given) is not kept: a retry is checked again. A
 run the engine failed, or that was abandoned, starts anew on a retry (nothing of it was
-admitted: it never ended). A run ended by a cancel is kept with its partial output."""
+admitted: it never ended). A run ended by a cancel is kept with its partial output. The
+registry itself (followers, orphan grace, bounds) is rlfleet.runtime.runs, shared with
+the frontend's."""
 
 from __future__ import annotations
 
