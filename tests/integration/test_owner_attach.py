@@ -200,3 +200,20 @@ def test_in_kv_mode_a_retry_placed_away_from_the_prompt_attaches_where_it_runs(f
     first = served(out["r"])
     assert first[0] == x and served(retry) == first
     assert counts(f) == (gens + 1, attached + 1)
+
+
+def test_a_retry_sent_to_the_top_worker_once_it_reopens_follows_the_run_placed_below(fleet):
+    f = fleet
+    rid = "owner-3"
+    o = ranked(f, rid)
+    gens, attached = counts(f)
+    with gated(f, o[0]):
+        # placed on the second worker; the top one, asked first, is told where it went
+        t, out = in_background(lambda: post(f.urls["a"], rid, PROMPT))
+        time.sleep(0.3)
+    retry = post(f.urls["b"], rid, PROMPT)  # the top one is open again: b sends it there
+    t.join()
+    first = served(out["r"])
+    assert first[0] == o[1]
+    assert served(retry)[1] == first[1]  # the top worker followed the run where it runs
+    assert counts(f) == (gens + 1, attached + 1)

@@ -154,3 +154,38 @@ async def test_an_attach_only_request_follows_a_kept_run_and_never_starts_one():
     assert kept.start(probe) is first and kept.started == 1  # ended whole: still followed
     with pytest.raises(ValueError, match="retain"):
         GenerateRequest(request_id="x", prompt_token_ids=[1], attach_only=True)
+
+
+async def test_an_id_placed_elsewhere_after_asking_here_is_followed_there_not_generated():
+    s = Script(steps=2)
+    asked: list[tuple[str, GenerateRequest]] = []
+    elsewhere = [(Frame.HEAD, {"head": "there"}), (Frame.DONE, {"done": True})]
+
+    async def peer(address: str, r: GenerateRequest):
+        asked.append((address, r))
+        if address == "gone:1":
+            return None
+
+        async def relayed():
+            for item in elsewhere:
+                yield item
+        return relayed()
+    kept = KeptRuns(s.open, s.rest, peer=peer)
+    probe = msgspec.structs.replace(req(), attach_only=True, placed_at="peer:1")
+    with pytest.raises(HttpError):
+        kept.start(probe)  # not here; placed at peer:1
+    run = kept.start(req())  # a retry sent here: the run at peer:1, relayed
+    assert await collect(kept, run) == [Frame.HEAD, Frame.DONE]
+    assert run.relayed_from == "peer:1" and kept.relayed == 1
+    assert asked == [("peer:1", req())] and not s.opened and kept.started == 0
+    # a pointer for another body, or one used up, or a peer that keeps nothing: generated
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="q", placed_at="gone:1"))
+    run = kept.start(req("q"))
+    await drive(s, asyncio.ensure_future(collect(kept, run)))
+    assert run.relayed_from is None and kept.started == 1 and len(s.opened) == 1
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="z"))
+    run = kept.start(req("z", retain="another body"))
+    await drive(s, asyncio.ensure_future(collect(kept, run)))
+    assert kept.started == 2 and len(asked) == 2  # "z": no peer asked

@@ -24,7 +24,7 @@ from rlfleet.protocol.rl import CommittedPolicy
 from rlfleet.runtime import metrics
 from rlfleet.runtime.discovery import Discovery, DiscoveryError
 from rlfleet.runtime.http import HttpError
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError, WorkerStream
+from rlfleet.runtime.request_plane import ATTACH_DEADLINE, WorkerClient, WorkerError, WorkerStream
 
 log = logging.getLogger("rlfleet.router")
 
@@ -38,7 +38,7 @@ RELIST_DEADLINE = 2.0  # seconds for the listing a request for an unknown model 
 # asks at most this many of the workers ranked above (and, in mode kv, of those holding its
 # prefix) whether they own its run, each within ASK_DEADLINE seconds (WorkerPool.owners)
 ASK_RANKS = 4
-ASK_DEADLINE = 1.5
+ASK_DEADLINE = ATTACH_DEADLINE
 
 
 @dataclass
@@ -148,12 +148,14 @@ def rank(key: str, workers: list[Worker]) -> list[Worker]:
 
 
 async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateRequest,
-                     paced: bool = False) -> tuple[Worker, WorkerStream] | None:
+                     placed_at: str, paced: bool = False) -> tuple[Worker, WorkerStream] | None:
     """Ask `asked` at once whether one keeps the run of `req`'s ID (an attach-only
     request, ASK_DEADLINE seconds each: an unreachable or silent worker keeps none): the
-    one that does and its stream of the run, or None. Raises WorkerError 409 when one
-    keeps the ID for another request (and none for this one)."""
-    probe = msgspec.structs.replace(req, attach_only=True)
+    one that does and its stream of the run, or None. Those that do not remember that it
+    goes to `placed_at` (a stream-plane address), so that a later attempt sent to one of
+    them follows it there. Raises WorkerError 409 when one keeps the ID for another
+    request (and none for this one)."""
+    probe = msgspec.structs.replace(req, attach_only=True, placed_at=placed_at)
     tasks = {asyncio.ensure_future(client.attach(w.address, probe, ASK_DEADLINE, paced)): w
              for w in asked}
     found: tuple[Worker, WorkerStream] | None = None
@@ -465,7 +467,7 @@ class WorkerPool:
         that `owners` names and that keeps its run, with its stream of the run (see
         ask_owners; WorkerError 409 when the ID names another request there)."""
         asked = self.owners(model, key, chosen, prefix, exclude)
-        found = await ask_owners(client, asked, req, paced) if asked else None
+        found = await ask_owners(client, asked, req, chosen.address, paced) if asked else None
         return found if found is not None else (chosen, None)
 
     def mark_down(self, w: Worker, why: str) -> None:

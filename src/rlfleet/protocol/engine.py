@@ -260,6 +260,11 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     # generated. A frontend asks this of the workers an ID ranks first before it places the
     # request elsewhere (rlfleet.frontend.router.WorkerPool.owners).
     attach_only: bool = False
+    # with attach_only: the stream-plane address of the worker the request goes to where
+    # this one keeps no run; this one remembers it for the ID, and a later request for the
+    # ID (same `retain`) that comes here follows the run there (relayed) before this worker
+    # would generate it again (rlfleet.worker.kept)
+    placed_at: Annotated[str, Meta(max_length=256)] | None = None
     # the LoRA adapter to run on (its name, as the request's `model` gave it); None: the
     # base model
     adapter: Annotated[str, Meta(min_length=1, max_length=256)] | None = None

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -50,12 +52,14 @@ class KeptRun(Run):
     """One run kept by its request ID (rlfleet.runtime.runs.Run): its events are (kind,
     event) pairs, the Head first; what its ID stands for and its owner."""
 
-    __slots__ = ("retain", "cancel_hash", "failed")
+    __slots__ = ("retain", "cancel_hash", "failed", "relayed_from")
 
     def __init__(self, req: GenerateRequest) -> None:
         super().__init__(req.request_id)
         self.retain, self.cancel_hash = req.retain, req.cancel_hash
         self.failed = False  # the engine failed it or it was abandoned: a retry starts anew
+        # the worker whose run of the ID this one follows (a pointer said it was there)
+        self.relayed_from: str | None = None
 
     @property
     def head(self) -> Any:
@@ -67,6 +71,8 @@ class KeptRun(Run):
 
 Opener = Callable[[GenerateRequest], Awaitable[Any]]  # WorkerPlane.open
 Rest = Callable[[Any], AsyncIterator[tuple[Frame, Any]]]  # WorkerPlane.rest
+# the (kind, event) pairs of the run another worker keeps for the request, or None
+Peer = Callable[[str, GenerateRequest], Awaitable[AsyncIterator[tuple[Frame, Any]] | None]]
 
 
 class KeptRuns(RunRegistry[KeptRun]):
@@ -75,14 +81,19 @@ class KeptRuns(RunRegistry[KeptRun]):
 
     def __init__(self, open_: Opener, rest: Rest, orphan_grace: float = 30.0,
                  window: float = 600.0, max_runs: int = 10_000, max_bytes: int = 1 << 30,
-                 attached: Callable[[], None] | None = None) -> None:
+                 attached: Callable[[], None] | None = None, peer: Peer | None = None) -> None:
         super().__init__(orphan_grace, window, max_runs, max_bytes,
                          size=lambda item: event_bytes(item[1]),
                          full="this worker holds as much of requests with an X-Request-Id as it "
                          "may (runs in flight); retry shortly")
         self._open, self._rest = open_, rest
         self._attached = attached  # told of each request that joins a kept run
+        self._peer = peer  # follows a run another worker keeps (WorkerPlane.from_peer)
+        # request ID -> (retain, the address it was placed at, when): told by attach-only
+        # requests that found no run here (GenerateRequest.placed_at)
+        self.pointers: OrderedDict[str, tuple[str | None, str, float]] = OrderedDict()
         self.started = 0  # runs started (each one generation); attaches are not counted
+        self.relayed = 0  # runs followed where a pointer said they were placed
 
     def find(self, req: GenerateRequest) -> KeptRun | None:
         """The run to follow for `req`: the one kept under its ID (running, or ended
@@ -110,15 +121,50 @@ class KeptRuns(RunRegistry[KeptRun]):
         if run is not None:
             return run
         if req.attach_only:
+            if req.placed_at is not None:
+                self._point(req)
             raise HttpError(ATTACH_NOT_FOUND, f"this worker keeps no run under X-Request-Id "
                                               f"{req.request_id!r} (attach_only)")
-        run = super().start(KeptRun(req), lambda run: self._events(run, req))
-        self.started += 1
+        elsewhere = self._pointed(req)
+        run = super().start(KeptRun(req), lambda run: self._events(run, req, elsewhere))
+        if elsewhere is None:
+            self.started += 1
         return run
 
-    async def _events(self, run: KeptRun, req: GenerateRequest
+    def _point(self, req: GenerateRequest) -> None:
+        """Remember where a request ID that found no run here was placed (at most
+        `max_runs` IDs, for `window` seconds)."""
+        now = time.monotonic()
+        pointers = self.pointers
+        pointers[req.request_id] = (req.retain, req.placed_at, now)  # type: ignore[assignment]
+        pointers.move_to_end(req.request_id)
+        while pointers and (len(pointers) > self.max_runs
+                            or now - next(iter(pointers.values()))[2] > self.window):
+            pointers.popitem(last=False)
+
+    def _pointed(self, req: GenerateRequest) -> str | None:
+        """Where an attempt of `req` (same ID and retain) was placed, if one was placed
+        elsewhere after asking here (the pointer is used up)."""
+        p = self.pointers.pop(req.request_id, None)
+        if p is None or p[0] != req.retain or time.monotonic() - p[2] > self.window:
+            return None
+        return p[1]
+
+    async def _events(self, run: KeptRun, req: GenerateRequest, elsewhere: str | None
                       ) -> AsyncIterator[tuple[Frame, Any]]:
-        """The run's Head and events from the engine; refused: the HttpError."""
+        """The run's Head and events: those of the run the worker at `elsewhere` keeps
+        under the ID, if it does; else from the engine (refused: the HttpError)."""
+        if elsewhere is not None:
+            relayed = None if self._peer is None else await self._peer(elsewhere, req)
+            if relayed is not None:
+                self.relayed += 1
+                run.relayed_from = elsewhere
+                async for kind, ev in relayed:
+                    if kind is Frame.ERROR:
+                        run.failed = True
+                    yield kind, ev
+                return
+            self.started += 1  # nothing kept there: generated here
         try:
             opened = await self._open(req)
         except HttpError:

@@ -141,6 +141,10 @@ _done = msgspec.msgpack.Decoder(Done)
 _error = msgspec.msgpack.Decoder(EngineError)
 
 
+#: seconds a worker has to say whether it keeps a run under a request ID (an attach-only
+#: request, WorkerClient.attach) before it counts as keeping none
+ATTACH_DEADLINE = 1.5
+
 #: seconds a worker with requests in flight may answer nothing at all, not even a PING,
 #: before it counts as stalled (python -m rlfleet.frontend --stall-timeout)
 STALL_TIMEOUT = 3.0
