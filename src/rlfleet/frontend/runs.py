@@ -14,11 +14,13 @@ worker died or stalled before it finished starts anew on a retry (nothing of it 
 admitted: it never ended). Only its owner can cancel a run: whoever presents the
 `X-Cancel-Token` the request was started with, or the frontend's admin token.
 
-The registry itself (attach, orphan grace, bounds) is rlfleet.runtime.runs, shared with
-the worker's. This one answers retries that come back to the same process. Across processes and
-frontends, the worker keeps the run too (GenerateRequest.retain, rlfleet.worker.kept) and
-every frontend routes the ID to the same worker (rlfleet.frontend.router.rank), so a
-retry through any of them attaches to the first attempt there."""
+The registry itself (followers, orphan grace, bounds) is rlfleet.runtime.runs, shared with
+the worker's. This one answers retries that come back to the same process. Across
+processes and frontends, the worker keeps the run too (GenerateRequest.retain,
+rlfleet.worker.kept) and every frontend routes the ID to the same worker
+(rlfleet.frontend.router.rank), so a retry through any of them attaches to the first
+attempt there; one placed elsewhere first asks the workers ranked above
+(rlfleet.frontend.router.WorkerPool.owners)."""
 
 from __future__ import annotations
 
