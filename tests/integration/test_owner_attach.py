@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from rlfleet.frontend.router import Worker, rank
+from rlfleet.frontend.runs import fingerprint
 from rlfleet.runtime.launch import spawn
 from tests.fleets import wait_for_workers
 
@@ -72,10 +73,13 @@ def asks(url: str, outcome: str) -> int:
         text, re.M)))
 
 
-def post(url: str, rid: str | None, prompt: list[int], max_tokens: int = 60) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+def body(prompt: list[int], max_tokens: int = 60) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 1.0, "nvext": {"extra_fields": ["completion_token_ids", "worker_id"]}}
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=60,
+
+
+def post(url: str, rid: str | None, prompt: list[int], max_tokens: int = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body(prompt, max_tokens), timeout=60,
                       headers={"X-Request-Id": rid} if rid else {})
 
 
@@ -171,6 +175,17 @@ def test_a_first_attempt_placed_below_the_top_is_found_by_a_retry_placed_lower_s
     # (b's own registry answers; a's has it too)
     assert served(post(f.urls["b"], rid, PROMPT)) == first
     assert counts(f)[0] == gens + 1
+    # the top worker was told where the run is (not where b would have put the retry): a
+    # request for the ID sent straight to it follows the run there
+    retain = fingerprint("/v1/completions", json.dumps(body(PROMPT)).encode())
+    r = httpx.post(f"{f.by_id[o[0]].ready['url']}/generate", timeout=30, json={
+        "request_id": rid, "prompt_token_ids": PROMPT, "retain": retain,
+        "sampling": {"max_tokens": 60, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    events = [json.loads(line) for line in r.text.splitlines()]
+    assert [t for ev in events for c in ev.get("choices", ()) for t in c["token_ids"]] == \
+        first[1]
+    assert counts(f) == (gens + 1, attached + 2)
 
 
 def test_requests_without_an_id_or_on_their_top_worker_ask_nobody(fleet):

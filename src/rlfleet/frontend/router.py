@@ -152,9 +152,9 @@ async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateReq
     """Ask `asked` at once whether one keeps the run of `req`'s ID (an attach-only
     request, ASK_DEADLINE seconds each: an unreachable or silent worker keeps none): the
     one that does and its stream of the run, or None. Those that do not remember that it
-    goes to `placed_at` (a stream-plane address), so that a later attempt sent to one of
-    them follows it there. Raises WorkerError 409 when one keeps the ID for another
-    request (and none for this one)."""
+    goes to `placed_at` (a stream-plane address), or, when one does, are told it is there,
+    so that a later attempt sent to one of them follows it. Raises WorkerError 409 when one
+    keeps the ID for another request (and none for this one)."""
     probe = msgspec.structs.replace(req, attach_only=True, placed_at=placed_at)
     tasks = {asyncio.ensure_future(client.attach(w.address, probe, ASK_DEADLINE, paced)): w
              for w in asked}
@@ -180,7 +180,27 @@ async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateReq
     metrics.FRONTEND_OWNER_ASKS.labels("found" if found else "not_found").inc()
     if found is None and conflict is not None:
         raise conflict
+    others = [] if found is None else [w for w in asked if w is not found[0]]
+    if others:  # they were told it goes to `placed_at`: tell them where it is instead
+        _tell(client, others, msgspec.structs.replace(probe, placed_at=found[0].address))
     return found
+
+
+_telling: set[asyncio.Task] = set()  # the tasks of `_tell` (kept until they end)
+
+
+def _tell(client: WorkerClient, workers: list[Worker], probe: GenerateRequest) -> None:
+    """Send `probe` (attach-only) to `workers` in the background: each remembers that the
+    ID's run is at `probe.placed_at`."""
+    async def tell() -> None:
+        got = await asyncio.gather(*(client.attach(w.address, probe, ASK_DEADLINE)
+                                     for w in workers), return_exceptions=True)
+        for stream in got:
+            if isinstance(stream, WorkerStream):
+                await stream.aclose()
+    task = asyncio.ensure_future(tell())
+    _telling.add(task)
+    task.add_done_callback(_telling.discard)
 
 
 @dataclass
