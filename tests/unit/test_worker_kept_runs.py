@@ -189,3 +189,32 @@ async def test_an_id_placed_elsewhere_after_asking_here_is_followed_there_not_ge
     run = kept.start(req("z", retain="another body"))
     await drive(s, asyncio.ensure_future(collect(kept, run)))
     assert kept.started == 2 and len(asked) == 2  # "z": no peer asked
+
+
+async def test_an_attach_only_request_follows_a_pointer_too_and_finds_none_where_it_ends():
+    s = Script()
+    kept_there: set[str] = {"peer:1"}
+
+    async def peer(address: str, r: GenerateRequest):
+        if address not in kept_there:
+            return None
+
+        async def relayed():
+            yield Frame.HEAD, {"head": "there"}
+            yield Frame.DONE, {"done": True}
+        return relayed()
+    kept = KeptRuns(s.open, s.rest, peer=peer)
+    probe = msgspec.structs.replace(req(), attach_only=True, placed_at="peer:1")
+    with pytest.raises(HttpError):
+        kept.start(probe)  # the first attempt's ask: none here, it goes to peer:1
+    # a later ask (from a retry placed lower still) follows the run to peer:1
+    run = kept.start(msgspec.structs.replace(probe, placed_at="peer:2"))
+    assert await collect(kept, run) == [Frame.HEAD, Frame.DONE] and kept.started == 0
+    # where the pointer leads to no run: "none", nothing generated, nothing kept
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="q", placed_at="peer:3"))
+    run = kept.start(msgspec.structs.replace(probe, request_id="q", placed_at=None))
+    with pytest.raises(HttpError) as e:
+        await collect(kept, run)
+    assert e.value.status == ATTACH_NOT_FOUND and "q" not in kept.runs
+    assert kept.started == 0 and not s.opened

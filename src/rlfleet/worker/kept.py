@@ -14,7 +14,11 @@ forgotten, and while runs in flight hold it all, new kept requests are refused w
 
 A request marked `attach_only` only follows a kept run (running, or ended whole); where
 there is none it is refused with ATTACH_NOT_FOUND and nothing is generated: a frontend
-asks this of the workers an ID ranks above the one it places the request on.
+asks this of the workers an ID ranks above the one it places the request on, and tells
+them where it places it (`placed_at`). A worker remembers that (a pointer per ID, for
+`window` seconds, at most `max_runs`), and a later request for the ID (same `retain`),
+attach-only or not, follows the run there (relayed: the peer's events become this run's)
+before it would say "none" or generate it again.
 
 A run the engine refused (the request as given) is not kept: a retry is checked again. A
 run the engine failed, or that was abandoned, starts anew on a retry (nothing of it was
@@ -75,6 +79,11 @@ Rest = Callable[[Any], AsyncIterator[tuple[Frame, Any]]]  # WorkerPlane.rest
 Peer = Callable[[str, GenerateRequest], Awaitable[AsyncIterator[tuple[Frame, Any]] | None]]
 
 
+def _not_found(req: GenerateRequest) -> HttpError:
+    return HttpError(ATTACH_NOT_FOUND, f"this worker keeps no run under X-Request-Id "
+                                       f"{req.request_id!r} (attach_only)")
+
+
 class KeptRuns(RunRegistry[KeptRun]):
     """The runs one worker keeps (see the module docstring): the shared registry, with
     the request's `retain` checked (409) and a failed run started anew."""
@@ -120,12 +129,12 @@ class KeptRuns(RunRegistry[KeptRun]):
         run = self.find(req)
         if run is not None:
             return run
+        elsewhere = self._pointed(req)
         if req.attach_only:
             if req.placed_at is not None:
                 self._point(req)
-            raise HttpError(ATTACH_NOT_FOUND, f"this worker keeps no run under X-Request-Id "
-                                              f"{req.request_id!r} (attach_only)")
-        elsewhere = self._pointed(req)
+            if elsewhere is None or self._peer is None:
+                raise _not_found(req)
         run = super().start(KeptRun(req), lambda run: self._events(run, req, elsewhere))
         if elsewhere is None:
             self.started += 1
@@ -164,6 +173,8 @@ class KeptRuns(RunRegistry[KeptRun]):
                         run.failed = True
                     yield kind, ev
                 return
+            if req.attach_only:
+                raise _not_found(req)
             self.started += 1  # nothing kept there: generated here
         try:
             opened = await self._open(req)
