@@ -66,6 +66,14 @@ def counts(f) -> tuple[int, int]:
             worker_count(f, "rlfleet_worker_request_id_attaches_total"))
 
 
+def generated_once(f, gens: int, attached: int) -> bool:
+    """Since (gens, attached) were counted: one generation, and at least one attach (a
+    retry may have reached the run at its worker directly and through another worker that
+    relays it)."""
+    now = counts(f)
+    return now[0] == gens + 1 and now[1] > attached
+
+
 def asks(url: str, outcome: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return int(sum(float(v) for v in re.findall(
@@ -169,11 +177,13 @@ def test_a_first_attempt_placed_below_the_top_is_found_by_a_retry_placed_lower_s
         t.join()
     first = served(out["r"])
     assert first[0] == o[1] and asks(f.urls["a"], "not_found") == missed + 1
-    assert served(retry) == first
-    assert counts(f) == (gens + 1, attached + 1)
+    # followed there: straight from the second, or relayed by the top one (it was told
+    # where the first attempt went), whichever answered first
+    assert served(retry)[1] == first[1] and served(retry)[0] in o[:2]
+    assert generated_once(f, gens, attached)
     # after the end, through the other frontend, the top one open again: the kept result
     # (b's own registry answers; a's has it too)
-    assert served(post(f.urls["b"], rid, PROMPT)) == first
+    assert served(post(f.urls["b"], rid, PROMPT))[1] == first[1]
     assert counts(f)[0] == gens + 1
     # the top worker was told where the run is (not where b would have put the retry): a
     # request for the ID sent straight to it follows the run there
@@ -185,7 +195,7 @@ def test_a_first_attempt_placed_below_the_top_is_found_by_a_retry_placed_lower_s
     events = [json.loads(line) for line in r.text.splitlines()]
     assert [t for ev in events for c in ev.get("choices", ()) for t in c["token_ids"]] == \
         first[1]
-    assert counts(f) == (gens + 1, attached + 2)
+    assert generated_once(f, gens, attached)
 
 
 def test_requests_without_an_id_or_on_their_top_worker_ask_nobody(fleet):
@@ -213,8 +223,8 @@ def test_in_kv_mode_a_retry_placed_away_from_the_prompt_attaches_where_it_runs(f
         retry = post(f.urls["kv-b"], rid, prompt)  # kv-b places it elsewhere: asks x
     t.join()
     first = served(out["r"])
-    assert first[0] == x and served(retry) == first
-    assert counts(f) == (gens + 1, attached + 1)
+    assert first[0] == x and served(retry)[1] == first[1]
+    assert generated_once(f, gens, attached)
 
 
 def test_a_retry_sent_to_the_top_worker_once_it_reopens_follows_the_run_placed_below(fleet):
