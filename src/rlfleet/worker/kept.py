@@ -124,8 +124,9 @@ class KeptRuns(RunRegistry[KeptRun]):
 
     def start(self, req: GenerateRequest) -> KeptRun:  # type: ignore[override]
         """The run kept for `req.request_id`: the one running or ended (same `retain`), or a
-        new one (none for an attach-only request: HttpError ATTACH_NOT_FOUND). HttpError 409
-        (the ID names another request) or 429 (no room)."""
+        new one: relayed from where a pointer says the ID went, else generated (an
+        attach-only request never generates: HttpError ATTACH_NOT_FOUND, at once or as the
+        run's error). HttpError 409 (the ID names another request) or 429 (no room)."""
         run = self.find(req)
         if run is not None:
             return run
