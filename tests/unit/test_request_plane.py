@@ -506,3 +506,39 @@ async def test_a_silent_worker_fails_every_request_on_it_at_once_as_stalled() ->
         assert all(e.stalled and e.broken and e.status == 504 for e in errors)
         assert "stalled" in errors[0].message and pings >= 1  # it was asked before
         await client.close()
+
+
+# ---------------------------------------------------------------- attach-only requests
+
+
+async def test_an_attach_only_request_follows_a_kept_run_or_finds_none_within_its_deadline(
+        ) -> None:
+    async with worker(token_delay=0.005) as (engine, addr, client):
+        kept = msgspec.structs.replace(request(max_tokens=20), retain="body-1")
+        probe = msgspec.structs.replace(kept, attach_only=True)
+        ran = metric("rlfleet_worker_requests_total")
+        assert await client.attach(addr, probe, 5.0) is None  # nothing kept: nothing run
+        assert metric("rlfleet_worker_requests_total") == ran
+        first = [ev async for ev in await client.generate(addr, kept)]
+        stream = await client.attach(addr, probe, 5.0)
+        assert stream is not None
+        assert [ev async for ev in stream] == first and type(first[-1]) is Done
+        with pytest.raises(WorkerError) as e:  # the ID kept for another request
+            await client.attach(addr, msgspec.structs.replace(probe, retain="body-2"), 5.0)
+        assert e.value.status == 409
+    # unreachable, or silent past the deadline: none there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    client = WorkerClient()
+    assert await client.attach(closed, probe, 5.0) is None
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                await read_frame(reader)
+    async with scripted_worker(silent) as addr:
+        started = time.monotonic()
+        assert await client.attach(addr, probe, 0.3) is None
+        assert time.monotonic() - started < 5
+    await client.close()

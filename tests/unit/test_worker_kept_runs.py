@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 
-from rlfleet.protocol.engine import Frame, GenerateRequest
+from rlfleet.protocol.engine import ATTACH_NOT_FOUND, Frame, GenerateRequest
 from rlfleet.runtime.http import HttpError
 from rlfleet.worker.kept import KeptRuns
 
@@ -134,3 +135,86 @@ async def test_memory_bound_forgets_finished_runs_then_refuses():
         kept.start(req("c"))
     assert e.value.status == 429
     await kept.close()
+
+
+async def test_an_attach_only_request_follows_a_kept_run_and_never_starts_one():
+    s = Script()
+    kept = KeptRuns(s.open, s.rest)
+    probe = msgspec.structs.replace(req(), attach_only=True)
+    with pytest.raises(HttpError) as e:
+        kept.start(probe)
+    assert e.value.status == ATTACH_NOT_FOUND and "r" not in kept.runs
+    assert kept.started == 0 and not s.opened  # nothing generated
+    first = kept.start(req())
+    assert kept.start(probe) is first  # the run kept under the ID
+    with pytest.raises(HttpError) as e:  # kept for another request: the 409, as for any
+        kept.start(msgspec.structs.replace(probe, retain="other"))
+    assert e.value.status == 409
+    await drive(s, asyncio.ensure_future(collect(kept, first)))
+    assert kept.start(probe) is first and kept.started == 1  # ended whole: still followed
+    with pytest.raises(ValueError, match="retain"):
+        GenerateRequest(request_id="x", prompt_token_ids=[1], attach_only=True)
+
+
+async def test_an_id_placed_elsewhere_after_asking_here_is_followed_there_not_generated():
+    s = Script(steps=2)
+    asked: list[tuple[str, GenerateRequest]] = []
+    elsewhere = [(Frame.HEAD, {"head": "there"}), (Frame.DONE, {"done": True})]
+
+    async def peer(address: str, r: GenerateRequest):
+        asked.append((address, r))
+        if address == "gone:1":
+            return None
+
+        async def relayed():
+            for item in elsewhere:
+                yield item
+        return relayed()
+    kept = KeptRuns(s.open, s.rest, peer=peer)
+    probe = msgspec.structs.replace(req(), attach_only=True, placed_at="peer:1")
+    with pytest.raises(HttpError):
+        kept.start(probe)  # not here; placed at peer:1
+    run = kept.start(req())  # a retry sent here: the run at peer:1, relayed
+    assert await collect(kept, run) == [Frame.HEAD, Frame.DONE]
+    assert run.relayed_from == "peer:1" and kept.relayed == 1
+    assert asked == [("peer:1", req())] and not s.opened and kept.started == 0
+    # a pointer for another body, or one used up, or a peer that keeps nothing: generated
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="q", placed_at="gone:1"))
+    run = kept.start(req("q"))
+    await drive(s, asyncio.ensure_future(collect(kept, run)))
+    assert run.relayed_from is None and kept.started == 1 and len(s.opened) == 1
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="z"))
+    run = kept.start(req("z", retain="another body"))
+    await drive(s, asyncio.ensure_future(collect(kept, run)))
+    assert kept.started == 2 and len(asked) == 2  # "z": no peer asked
+
+
+async def test_an_attach_only_request_follows_a_pointer_too_and_finds_none_where_it_ends():
+    s = Script()
+    kept_there: set[str] = {"peer:1"}
+
+    async def peer(address: str, r: GenerateRequest):
+        if address not in kept_there:
+            return None
+
+        async def relayed():
+            yield Frame.HEAD, {"head": "there"}
+            yield Frame.DONE, {"done": True}
+        return relayed()
+    kept = KeptRuns(s.open, s.rest, peer=peer)
+    probe = msgspec.structs.replace(req(), attach_only=True, placed_at="peer:1")
+    with pytest.raises(HttpError):
+        kept.start(probe)  # the first attempt's ask: none here, it goes to peer:1
+    # a later ask (from a retry placed lower still) follows the run to peer:1
+    run = kept.start(msgspec.structs.replace(probe, placed_at="peer:2"))
+    assert await collect(kept, run) == [Frame.HEAD, Frame.DONE] and kept.started == 0
+    # where the pointer leads to no run: "none", nothing generated, nothing kept
+    with pytest.raises(HttpError):
+        kept.start(msgspec.structs.replace(probe, request_id="q", placed_at="peer:3"))
+    run = kept.start(msgspec.structs.replace(probe, request_id="q", placed_at=None))
+    with pytest.raises(HttpError) as e:
+        await collect(kept, run)
+    assert e.value.status == ATTACH_NOT_FOUND and "q" not in kept.runs
+    assert kept.started == 0 and not s.opened

@@ -322,10 +322,13 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
     for attempt in range(MAX_ATTEMPTS):
         # a request its worker keeps (retain) goes where every frontend sends its ID, unless
         # the KV router places it by its prefix (WorkerPool.pick)
-        w = await pool.acquire(model, tried, bound, prefix,
-                               req.request_id if req.retain is not None else None)
+        key = req.request_id if req.retain is not None else None
+        w = await pool.acquire(model, tried, bound, prefix, key)
         if model != w.model:  # it names a LoRA adapter the worker serves beside its model
             req = msgspec.structs.replace(req, adapter=model)
+        # placed elsewhere than on its ID's first worker: the run there if one owns it
+        w, stream = (w, None) if key is None else \
+            await pool.owner(client, model, key, w, req, prefix, tried, paced)
         if attempt == 0:
             check_response_size(req, w.entry.get("max_model_len"))
         tried.add(w.instance_id)
@@ -337,9 +340,9 @@ async def dispatch(pool: WorkerPool, client: WorkerClient, model: str, req: Gene
         w.inflight += 1
         booked = Attempt(kv, w.instance_id, prefix) if kv is not None else None
         started = False
-        stream = None
         try:
-            stream = await client.generate(w.address, req, paced)
+            if stream is None:
+                stream = await client.generate(w.address, req, paced)
             if on_stream is not None:
                 on_stream(stream)
             head_step = None

@@ -250,6 +250,24 @@ class KvRouter:
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
 
+    def holders(self, candidates: Sequence[Candidate], prefix: Prefix, than: Candidate,
+                n: int) -> list[Candidate]:
+        """At most `n` of `candidates` other than `than` that hold at least as many blocks
+        of `prefix` as it does (and some), the most first: where a request with this
+        prefix was likely placed before, when `than` is where it goes now."""
+        keys: dict[int, list[int]] = {}
+
+        def held(w: Candidate) -> int:
+            v = self.view(w.instance_id)
+            ks = keys.get(v.block_size)
+            if ks is None:
+                ks = keys[v.block_size] = prefix.keys(v.block_size)
+            return v.overlap(ks)
+        floor = max(held(than), 1)
+        scored = [(h, w) for w in candidates if w is not than and (h := held(w)) >= floor]
+        scored.sort(key=lambda hw: -hw[0])
+        return [w for _, w in scored[:n]]
+
     def describe(self, iid: int) -> dict[str, Any]:
         """What the frontend knows of a worker's cache (its /health): where from, and how
         many blocks (from events; and recorded)."""

@@ -11,16 +11,20 @@ import itertools
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
 from rlfleet.frontend.kv import KvRouter, Prefix
+from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.rl import CommittedPolicy
+from rlfleet.runtime import metrics
 from rlfleet.runtime.discovery import Discovery, DiscoveryError
 from rlfleet.runtime.http import HttpError
+from rlfleet.runtime.request_plane import ATTACH_DEADLINE, WorkerClient, WorkerError, WorkerStream
 
 log = logging.getLogger("rlfleet.router")
 
@@ -30,6 +34,11 @@ ROUTER_MODES = ("round-robin", "least-loaded", "random", "kv")
 DOWN_SECONDS = 30.0
 COMMITTED_POLL = 1.0  # seconds between reads of the models' committed policies
 RELIST_DEADLINE = 2.0  # seconds for the listing a request for an unknown model makes
+# a request with an X-Request-Id placed elsewhere than on the ID's top-ranked worker first
+# asks at most this many of the workers ranked above (and, in mode kv, of those holding its
+# prefix) whether they own its run, each within ASK_DEADLINE seconds (WorkerPool.owners)
+ASK_RANKS = 4
+ASK_DEADLINE = ATTACH_DEADLINE
 
 
 @dataclass
@@ -122,16 +131,76 @@ def within(bound: PolicyBound, workers: list[Worker], model: str) -> list[Worker
     return ok
 
 
+def _scorer(key: str) -> Callable[[Worker], bytes]:
+    k = key.encode("utf-8", "surrogatepass") + b"\0"
+
+    def score(w: Worker) -> bytes:
+        return hashlib.blake2b(k + str(w.instance_id).encode(), digest_size=8).digest()
+    return score
+
+
 def rank(key: str, workers: list[Worker]) -> list[Worker]:
     """`workers` in the order every frontend gives them for `key` (rendezvous hashing: the
     highest digest of key and instance ID first), whatever order it learnt them in: a
     request ID's retries go to the same worker through any frontend, and when a worker
     leaves, only the IDs it ranked first move."""
-    k = key.encode("utf-8", "surrogatepass") + b"\0"
+    return sorted(workers, key=_scorer(key), reverse=True)
 
-    def score(w: Worker) -> bytes:
-        return hashlib.blake2b(k + str(w.instance_id).encode(), digest_size=8).digest()
-    return sorted(workers, key=score, reverse=True)
+
+async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateRequest,
+                     placed_at: str, paced: bool = False) -> tuple[Worker, WorkerStream] | None:
+    """Ask `asked` at once whether one keeps the run of `req`'s ID (an attach-only
+    request, ASK_DEADLINE seconds each: an unreachable or silent worker keeps none): the
+    one that does and its stream of the run, or None. Those that do not remember that it
+    goes to `placed_at` (a stream-plane address), or, when one does, are told it is there,
+    so that a later attempt sent to one of them follows it. Raises WorkerError 409 when one
+    keeps the ID for another request (and none for this one)."""
+    probe = msgspec.structs.replace(req, attach_only=True, placed_at=placed_at)
+    tasks = {asyncio.ensure_future(client.attach(w.address, probe, ASK_DEADLINE, paced)): w
+             for w in asked}
+    found: tuple[Worker, WorkerStream] | None = None
+    conflict: WorkerError | None = None
+    pending = set(tasks)
+    try:
+        while pending and found is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                try:
+                    stream = t.result()
+                except WorkerError as e:
+                    conflict = e
+                    continue
+                if stream is not None and found is None:
+                    found = tasks[t], stream
+                elif stream is not None:  # two owners of one ID cannot be; follow one
+                    await stream.aclose()
+    finally:
+        for t in pending:
+            t.cancel()
+    metrics.FRONTEND_OWNER_ASKS.labels("found" if found else "not_found").inc()
+    if found is None and conflict is not None:
+        raise conflict
+    others = [] if found is None else [w for w in asked if w is not found[0]]
+    if others:  # they were told it goes to `placed_at`: tell them where it is instead
+        _tell(client, others, msgspec.structs.replace(probe, placed_at=found[0].address))
+    return found
+
+
+_telling: set[asyncio.Task] = set()  # the tasks of `_tell` (kept until they end)
+
+
+def _tell(client: WorkerClient, workers: list[Worker], probe: GenerateRequest) -> None:
+    """Send `probe` (attach-only) to `workers` in the background: each remembers that the
+    ID's run is at `probe.placed_at`."""
+    async def tell() -> None:
+        got = await asyncio.gather(*(client.attach(w.address, probe, ASK_DEADLINE)
+                                     for w in workers), return_exceptions=True)
+        for stream in got:
+            if isinstance(stream, WorkerStream):
+                await stream.aclose()
+    task = asyncio.ensure_future(tell())
+    _telling.add(task)
+    task.add_done_callback(_telling.discard)
 
 
 @dataclass
@@ -380,6 +449,46 @@ class WorkerPool:
                     raise
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+
+    def owners(self, model: str, key: str, chosen: Worker, prefix: Prefix | None = None,
+               exclude: set[int] = frozenset()) -> list[Worker]:
+        """The workers to ask whether they own the run of request ID `key` before it is
+        placed on `chosen`: those ranked above it (where an earlier attempt went while
+        `chosen` was not the first usable: it was gated, outside a staleness bound), at
+        most ASK_RANKS, so none (at no cost beyond one score per worker) when `chosen` is
+        the ID's top-ranked worker; and in mode kv, for a request placed by its prefix,
+        at most ASK_RANKS of those holding at least as much of it as `chosen` (where the
+        KV router placed an earlier attempt before that worker was gated or overloaded);
+        never one marked down or in `exclude` (tried by this request already)."""
+        all_ = self.for_model(model)
+        by_prefix = self.kv is not None and prefix is not None
+        top = max(all_, key=_scorer(key)) is chosen
+        if top and not by_prefix:
+            return []
+        now = time.monotonic()
+        out: list[Worker] = []
+        for w in () if top else rank(key, all_):
+            if w is chosen or len(out) == ASK_RANKS:
+                break
+            if w.instance_id not in exclude and w.down_until <= now:
+                out.append(w)
+        if by_prefix:
+            live = [w for w in all_ if w.instance_id not in exclude and w.down_until <= now]
+            for w in self.kv.holders(live, prefix, chosen, ASK_RANKS):
+                if w not in out:
+                    out.append(w)  # type: ignore[arg-type]
+        return out
+
+    async def owner(self, client: WorkerClient, model: str, key: str, chosen: Worker,
+                    req: GenerateRequest, prefix: Prefix | None = None,
+                    exclude: set[int] = frozenset(), paced: bool = False
+                    ) -> tuple[Worker, WorkerStream | None]:
+        """Where request ID `key` goes, placed on `chosen`: (chosen, None), or the worker
+        that `owners` names and that keeps its run, with its stream of the run (see
+        ask_owners; WorkerError 409 when the ID names another request there)."""
+        asked = self.owners(model, key, chosen, prefix, exclude)
+        found = await ask_owners(client, asked, req, chosen.address, paced) if asked else None
+        return found if found is not None else (chosen, None)
 
     def mark_down(self, w: Worker, why: str) -> None:
         log.warning("worker %s marked down for %.0fs: %s", w.instance_id, self.down_seconds, why)

@@ -14,21 +14,19 @@ worker died or stalled before it finished starts anew on a retry (nothing of it 
 admitted: it never ended). Only its owner can cancel a run: whoever presents the
 `X-Cancel-Token` the request was started with, or the frontend's admin token.
 
-This registry answers retries that come back to the same process. Across processes and
-frontends, the worker keeps the run too (GenerateRequest.retain, rlfleet.worker.kept) and
-every frontend routes the ID to the same worker (rlfleet.frontend.router.rank), so a
-retry through any of them attaches to the first attempt there."""
+The registry itself (followers, orphan grace, bounds) is rlfleet.runtime.runs, shared with
+the worker's. This one answers retries that come back to the same process. Across
+processes and frontends, the worker keeps the run too (GenerateRequest.retain,
+rlfleet.worker.kept) and every frontend routes the ID to the same worker
+(rlfleet.frontend.router.rank), so a retry through any of them attaches to the first
+attempt there; one placed elsewhere first asks the workers ranked above
+(rlfleet.frontend.router.WorkerPool.owners)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import hmac
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -37,6 +35,8 @@ from rlfleet.protocol.engine import Head, Step
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerError
+from rlfleet.runtime.runs import Run
+from rlfleet.runtime.runs import RunRegistry as Runs
 
 REPLAYS = metrics.FRONTEND_REPLAYS  # on the frontend's /metrics
 RESTARTS = metrics.FRONTEND_RESTARTS
@@ -89,47 +89,19 @@ class RequestIdConflict(Exception):
     """The request ID is already used by a different request body."""
 
 
-@dataclass
-class GenerationRun:
-    """One generation the frontend owns: its events so far, who follows it, how it ended."""
+class GenerationRun(Run):
+    """One generation the frontend owns (rlfleet.runtime.runs.Run): what its request ID
+    stands for, its owner's cancel token, the worker that took it."""
 
-    request_id: str
-    fingerprint: str
-    keep: bool  # outlives its callers (it has a caller-chosen request ID)
-    # events from number `base` on: a run that nobody else can join drops what its one
-    # caller has read (`release`); a kept run keeps them all for retries
-    events: list[dict] = field(default_factory=list)
-    base: int = 0
-    error: BaseException | None = None
-    done: bool = False
-    ended_at: float | None = None
-    followers: int = 0
-    cancel_token: bytes | None = None  # sha256 of the X-Cancel-Token it was started with
-    bytes: int = 0  # about how much its kept events hold
-    worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
-    stream: Any = None  # its paced stream, for a run that nobody else can join
-    task: asyncio.Task | None = None
-    _waiters: list[asyncio.Future] = field(default_factory=list)
-    _orphan_timer: asyncio.TimerHandle | None = None
+    __slots__ = ("fingerprint", "cancel_token", "worker", "stream")
 
-    def _publish(self) -> None:
-        """Wake every follower waiting for news (each waits on its own future, so that a
-        follower that leaves cancels nobody else's wait)."""
-        waiters = self._waiters
-        if waiters:
-            self._waiters = []
-            for w in waiters:
-                if not w.done():
-                    w.set_result(None)
-
-    @property
-    def produced(self) -> int:
-        """How many events the run has produced so far."""
-        return self.base + len(self.events)
-
-    def since(self, i: int) -> list:
-        """The events from number `i` on."""
-        return self.events[i - self.base:]
+    def __init__(self, request_id: str, fingerprint: str, keep: bool,
+                 cancel_token: bytes | None = None) -> None:
+        super().__init__(request_id, keep)
+        self.fingerprint = fingerprint
+        self.cancel_token = cancel_token  # sha256 of the X-Cancel-Token it was started with
+        self.worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
+        self.stream: Any = None  # its paced stream, for a run that nobody else can join
 
     def release(self, upto: int) -> None:
         """Its caller has read the events before number `upto`: a run that nobody else can
@@ -141,67 +113,30 @@ class GenerationRun:
             if self.stream is not None:  # the worker may send as many more
                 self.stream.taken(n)
 
-    async def wait_past(self, i: int) -> None:
-        """Until the run has more than `i` events or has ended."""
-        while self.base + len(self.events) <= i and not self.done:
-            w = asyncio.get_running_loop().create_future()
-            self._waiters.append(w)
-            await w
 
-    async def follow(self) -> AsyncIterator[dict]:
-        """Every event of the run from the start, then new ones as they come."""
-        i = self.base
-        while True:
-            while i < self.produced:
-                yield self.events[i - self.base]
-                i += 1
-            if self.done:
-                if self.error is not None:
-                    raise self.error
-                return
-            await self.wait_past(i)
+def _cancelled() -> BaseException:
+    return WorkerError("the request was cancelled before it finished", 499)
 
 
-@dataclass
-class RunRegistry:
-    orphan_grace: float = 30.0
-    window: float = 600.0
-    max_runs: int = 10_000
-    max_kept_bytes: int = 2 << 30  # about this much of kept runs' events, at most
-    admin_token: str | None = None  # may cancel any run
-    runs: OrderedDict[str, GenerationRun] = field(default_factory=OrderedDict)
-    kept_bytes: int = 0
+class RunRegistry(Runs[GenerationRun]):
+    """The runs this frontend drives (see the module docstring)."""
 
-    def _forget(self, request_id: str) -> None:
-        run = self.runs.pop(request_id)
-        self.kept_bytes -= run.bytes
+    def __init__(self, orphan_grace: float = 30.0, window: float = 600.0,
+                 max_runs: int = 10_000, max_kept_bytes: int = 2 << 30,
+                 admin_token: str | None = None) -> None:
+        super().__init__(orphan_grace, window, max_runs, max_kept_bytes, event_bytes,
+                         _cancelled, "this frontend holds as much of requests with an "
+                         "X-Request-Id as it may (runs in flight); retry shortly")
+        self.admin_token = admin_token  # may cancel any run
 
-    def _expire(self) -> None:
-        """Forget runs that ended more than `window` ago, the oldest beyond `max_runs`, and
-        the oldest finished ones while all hold more than `max_kept_bytes` (a forgotten run
-        still in flight finishes for the callers attached to it)."""
-        now = time.monotonic()
-        while self.runs:
-            rid, run = next(iter(self.runs.items()))
-            old = run.done and run.ended_at is not None and now - run.ended_at > self.window
-            if not old and len(self.runs) <= self.max_runs:
-                break
-            self._forget(rid)
-        if self.kept_bytes > self.max_kept_bytes:
-            for rid in [rid for rid, run in self.runs.items() if run.done]:
-                self._forget(rid)
-                if self.kept_bytes <= self.max_kept_bytes:
-                    break
-
-    def start(self, request_id: str, body: bytes, keep: bool,
-              source: Callable[[GenerationRun], AsyncIterator[dict]], route: str = "",
+    def start(self, request_id: str, body: bytes, keep: bool,  # type: ignore[override]
+              source: Callable[[GenerationRun], AsyncIterator[Any]], route: str = "",
               cancel_token: str | None = None) -> tuple[GenerationRun, bool]:
         """The run for `request_id`: an existing one (replayed) or a new one fed by `source`.
         Returns (run, replayed). Raises RequestIdConflict (the ID names another request) or
         HttpError 429 (kept runs in flight hold all the memory allowed)."""
         fp = fingerprint(route, body) if keep else ""
-        self._expire()
-        run = self.runs.get(request_id)
+        run = self.get(request_id)
         if run is not None:
             if run.fingerprint != fp:
                 raise RequestIdConflict(
@@ -211,15 +146,9 @@ class RunRegistry:
                 REPLAYS.inc()
                 return run, True
             RESTARTS.inc()  # its worker failed it: this attempt starts anew (elsewhere)
-            self._forget(request_id)
-        if keep and self.kept_bytes > self.max_kept_bytes:
-            raise HttpError(429, "this frontend holds as much of requests with an X-Request-Id "
-                                 "as it may (runs in flight); retry shortly")
-        run = GenerationRun(request_id, fp, keep, cancel_token=token_hash(cancel_token))
-        run.task = asyncio.create_task(self._pump(run, source(run)))
-        if keep:
-            self.runs[request_id] = run
-        return run, False
+            self.forget(request_id)
+        run = GenerationRun(request_id, fp, keep, token_hash(cancel_token))
+        return super().start(run, source), False
 
     def is_admin(self, admin_token: str | None) -> bool:
         """Whether `admin_token` is this frontend's admin token."""
@@ -235,48 +164,3 @@ class RunRegistry:
         given = token_hash(cancel_token)
         return run.cancel_token is not None and given is not None \
             and hmac.compare_digest(given, run.cancel_token)
-
-    async def _pump(self, run: GenerationRun, events: AsyncIterator[dict]) -> None:
-        append = run.events.append
-        keep = run.keep
-        try:
-            async for ev in events:
-                append(ev)
-                if keep:
-                    size = event_bytes(ev)
-                    run.bytes += size
-                    if self.runs.get(run.request_id) is run:
-                        self.kept_bytes += size
-                if run._waiters:
-                    run._publish()
-        except asyncio.CancelledError:
-            run.error = WorkerError("the request was cancelled before it finished", 499)
-        except BaseException as e:  # noqa: BLE001 - handed to every follower
-            run.error = e
-        finally:
-            with contextlib.suppress(Exception):
-                await events.aclose()  # type: ignore[attr-defined]
-            run.done = True
-            run.ended_at = time.monotonic()
-            run._publish()
-
-    def attach(self, run: GenerationRun) -> None:
-        run.followers += 1
-        if run._orphan_timer is not None:
-            run._orphan_timer.cancel()
-            run._orphan_timer = None
-
-    def detach(self, run: GenerationRun) -> None:
-        """A caller stopped listening: abort the run if nobody can come back for it."""
-        run.followers -= 1
-        if run.followers > 0 or run.done or run.task is None:
-            return
-        if not run.keep:
-            run.task.cancel()
-            return
-        run._orphan_timer = asyncio.get_running_loop().call_later(
-            self.orphan_grace, lambda: run.followers == 0 and run.task.cancel())
-
-    def running(self, request_id: str) -> GenerationRun | None:
-        run = self.runs.get(request_id)
-        return None if run is None or run.done else run

@@ -255,6 +255,16 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     # with `retain`: the SHA-256 (hex) of the X-Cancel-Token the request was started with;
     # a cancel relayed by a frontend that does not hold the run must present the same
     cancel_hash: Annotated[str, Meta(max_length=64)] | None = None
+    # with `retain`: only follow the run the worker keeps under this ID (running, or ended
+    # whole); where it keeps none, the answer is an error ATTACH_NOT_FOUND and nothing is
+    # generated. A frontend asks this of the workers an ID ranks first before it places the
+    # request elsewhere (rlfleet.frontend.router.WorkerPool.owners).
+    attach_only: bool = False
+    # with attach_only: the stream-plane address of the worker the request goes to where
+    # this one keeps no run; this one remembers it for the ID, and a later request for the
+    # ID (same `retain`) that comes here follows the run there (relayed) before this worker
+    # would generate it again (rlfleet.worker.kept)
+    placed_at: Annotated[str, Meta(max_length=256)] | None = None
     # the LoRA adapter to run on (its name, as the request's `model` gave it); None: the
     # base model
     adapter: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
@@ -269,6 +279,8 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
             + (self.messages is not None)
         if given != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+        if self.attach_only and self.retain is None:
+            raise ValueError("attach_only follows a kept run: give its retain too")
         if self.prompt is not None and not self.prompt:
             raise InvalidParam("prompt is empty: send at least one character or token ID",
                                "prompt")
@@ -331,6 +343,9 @@ class CancelRequest(Struct, kw_only=True, forbid_unknown_fields=True):
 # Cancelled.status: ended (or ending) / a relayed cancel whose token is not the run's /
 # a relayed cancel for a run this worker does not keep
 CANCEL_OK, CANCEL_FORBIDDEN, CANCEL_UNKNOWN = "ok", "forbidden", "unknown"
+#: the error status of an attach-only request (GenerateRequest.attach_only) for an ID the
+#: worker keeps no run under
+ATTACH_NOT_FOUND = 404
 
 
 class Cancelled(Struct, kw_only=True):

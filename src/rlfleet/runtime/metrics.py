@@ -79,6 +79,11 @@ FRONTEND_REPLAYS = Counter("rlfleet_frontend_request_id_replays_total",
 FRONTEND_RESTARTS = Counter("rlfleet_frontend_request_id_restarts_total",
                             "Requests whose earlier attempt (same X-Request-Id) failed with its "
                             "worker and that started anew", registry=FRONTEND)
+FRONTEND_OWNER_ASKS = Counter("rlfleet_frontend_request_id_owner_asks_total",
+                              "Requests with an X-Request-Id placed elsewhere than on the ID's "
+                              "top-ranked worker, after asking the workers ranked above whether "
+                              "they own its run (found: attached there)", ["outcome"],
+                              registry=FRONTEND)
 
 
 class FleetCollector:

@@ -27,6 +27,7 @@ from rlfleet.protocol.engine import (
     WINDOW,
     Cancelled,
     CancelRequest,
+    Done,
     EngineError,
     ErrorEvent,
     Frame,
@@ -46,6 +47,12 @@ from rlfleet.runtime.http import (
     error_body,
     error_response,
     json_response,
+)
+from rlfleet.runtime.request_plane import (
+    ATTACH_DEADLINE,
+    WorkerClient,
+    WorkerError,
+    WorkerStream,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
 from rlfleet.worker.engine import BadRequest, Engine, UnknownAdapter
@@ -211,7 +218,22 @@ class WorkerPlane:
         # not safe to share between threads)
         self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         # runs kept by request ID for retries through any frontend (GenerateRequest.retain)
-        self.kept = KeptRuns(self.open, self.rest, attached=engine.series.attaches.inc)
+        self.kept = KeptRuns(self.open, self.rest, attached=engine.series.attaches.inc,
+                             peer=self.from_peer)
+        # other workers' stream planes, to follow a run a pointer says is kept there
+        self.peers = WorkerClient(admin_token=admin_token)
+
+    async def from_peer(self, address: str, req: GenerateRequest
+                        ) -> AsyncIterator[tuple[Frame, Any]] | None:
+        """The run the worker at `address` keeps under `req`'s ID (an attach-only
+        request), as (kind, event) pairs; None where it keeps none (or keeps the ID for
+        another request, is unreachable or says nothing within ATTACH_DEADLINE s)."""
+        probe = msgspec.structs.replace(req, attach_only=True, placed_at=None)
+        try:
+            stream = await self.peers.attach(address, probe, ATTACH_DEADLINE)
+        except WorkerError:
+            return None
+        return None if stream is None else _relayed(stream)
 
     async def open(self, req: GenerateRequest) -> Opened:
         """Check the request, start it and pull its first event, so that a request the
@@ -364,11 +386,11 @@ class WorkerPlane:
             return e.response()
         kept.attach(run)
         try:
-            await run.wait_past(-1)
+            await run.wait_past(0)  # its Head, or the error that refused it
         except BaseException:
             kept.detach(run)
             raise
-        if run.head is None:
+        if not run.events:
             kept.detach(run)
             return (run.error or HttpError(500, "the request ended before its first event")
                     ).response()
@@ -423,6 +445,19 @@ def request_plane_app(engine: Engine, faults: FaultInjector | None = None) -> St
     return WorkerPlane(engine, faults).http_app()
 
 
+async def _relayed(stream: WorkerStream) -> AsyncIterator[tuple[Frame, Any]]:
+    """A peer's stream of a run as (kind, event) pairs; its failure an ERROR event."""
+    try:
+        async for ev in stream:
+            kind = type(ev)
+            yield (Frame.HEAD if kind is Head else Frame.DONE if kind is Done else Frame.STEP), ev
+    except WorkerError as e:
+        yield Frame.ERROR, EngineError(message=f"the worker that ran it failed: {e.message}",
+                                       code=e.status)
+    finally:
+        await stream.aclose()
+
+
 class StreamServer:
     """The worker's listener for frontends' stream-plane connections."""
 
@@ -451,6 +486,7 @@ class StreamServer:
             for task in list(link.tasks.values()):
                 task.cancel()
         await self.plane.kept.close()
+        await self.plane.peers.close()
 
 
 class _Window:
@@ -638,13 +674,18 @@ class _FrontendLink(asyncio.Protocol):
 
     async def _cancel(self, sid: int, req: CancelRequest) -> None:
         rid = req.request_id
+        run = self.plane.kept.runs.get(rid)
         if req.owner is not None:  # relayed for a caller: only the owner of a kept run
-            run = self.plane.kept.runs.get(rid)
             status = CANCEL_UNKNOWN if run is None or run.done else \
                 CANCEL_OK if run.may_cancel(req.owner) else CANCEL_FORBIDDEN
             if status != CANCEL_OK:
                 self.writer.put(Frame.REPLY, sid, Cancelled(status=status, request_id=rid))
                 return
+        if run is not None and run.relayed_from is not None and not run.done:
+            # the run is another worker's: so is the abort (it checks the owner again)
+            status = await self.plane.peers.cancel_as(run.relayed_from, rid, req.owner)
+            self.writer.put(Frame.REPLY, sid, Cancelled(status=status, request_id=rid))
+            return
         try:
             await self.plane.engine.abort(rid)
         except Exception as e:  # noqa: BLE001 - the caller hears of it

@@ -26,6 +26,7 @@ Guarantees on the stream plane:
 """
 
 from rlfleet.runtime.request_plane.client import (
+    ATTACH_DEADLINE,
     STALL_TIMEOUT,
     Heartbeat,
     WorkerClient,
@@ -36,5 +37,5 @@ from rlfleet.runtime.request_plane.client import (
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
 
-__all__ = ["STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient",
+__all__ = ["ATTACH_DEADLINE", "STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient",
            "WorkerError", "WorkerLink", "WorkerStream", "generate_over_http", "split_address"]

@@ -93,6 +93,16 @@ class WorkerStream:
         self._error = error
         self._push(_END)
 
+    async def first(self) -> None:
+        """Until the stream's first event is there (not taken); raises the WorkerError
+        that ended it before any."""
+        q = self._queue
+        while not q:
+            self._waiter = self.link.loop.create_future()
+            await self._waiter
+        if q[0] is _END and self._error is not None:
+            raise self._error
+
     def __aiter__(self) -> WorkerStream:
         return self
 
@@ -130,6 +140,10 @@ _step = msgspec.msgpack.Decoder(Step)
 _done = msgspec.msgpack.Decoder(Done)
 _error = msgspec.msgpack.Decoder(EngineError)
 
+
+#: seconds a worker has to say whether it keeps a run under a request ID (an attach-only
+#: request, WorkerClient.attach) before it counts as keeping none
+ATTACH_DEADLINE = 1.5
 
 #: seconds a worker with requests in flight may answer nothing at all, not even a PING,
 #: before it counts as stalled (python -m rlfleet.frontend --stall-timeout)
@@ -414,6 +428,35 @@ class WorkerClient:
         """Start `req` on the worker; iterate the returned stream for its events. With
         `paced`, the caller moves the worker's window itself (`WorkerStream.taken`)."""
         return (await self.link(address)).generate(req, paced)
+
+    async def attach(self, address: str, req: GenerateRequest, deadline: float,
+                     paced: bool = False) -> WorkerStream | None:
+        """An attach-only request (`req.attach_only`): the stream of the run the worker
+        keeps under the request's ID, its Head there to read; None when the worker keeps
+        none, is unreachable, or answers nothing within `deadline` seconds. Raises
+        WorkerError 409 when the worker keeps that ID for another request."""
+        connecting = asyncio.ensure_future(self.link(address))
+        connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
+        stream = None
+        try:
+            async with asyncio.timeout(deadline):
+                # a connect outlives the deadline: it is the link every request shares
+                stream = (await asyncio.shield(connecting)).generate(req, paced)
+                await stream.first()
+            return stream
+        except WorkerError as e:
+            if e.status == 409:
+                raise
+        except TimeoutError:
+            log.warning("worker at %s did not say within %g s whether it keeps request %s; "
+                        "taken as not", address, deadline, req.request_id)
+        except BaseException:
+            if stream is not None:
+                await stream.aclose()
+            raise
+        if stream is not None:
+            await stream.aclose()
+        return None
 
     async def cancel(self, address: str, request_id: str) -> bool:
         """The engine's abort: the request ends now with its partial output."""
