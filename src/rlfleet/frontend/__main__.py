@@ -59,11 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-overload-threshold", type=float, default=DEFAULT_OVERLOAD,
                    help="router mode kv: a worker is overloaded, and a request whose prefix "
                         "it holds goes elsewhere, when (its requests in flight + 1) > this x "
-                        f"(the mean over the candidates + 1) (default {DEFAULT_OVERLOAD})")
+                        "(the mean over the candidates + 1) (default %(default)s)")
     p.add_argument("--kv-overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
                    help="router mode kv: a worker's cost is this x the prompt tokens it "
                         "does not hold + the uncached prompt tokens of its requests in flight "
-                        f"(default {DEFAULT_OVERLAP_WEIGHT}; higher: stickier to the prefix)")
+                        "(default %(default)s; higher: stickier to the prefix)")
     p.add_argument("--gated-hold", type=float, default=60.0,
                    help="seconds a request waits while every worker of its model is gated "
                         "(a policy refresh), or while none serves a policy within its "
@@ -77,11 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the stream-plane heartbeat: seconds a worker with requests in flight "
                         "may answer nothing at all (not even a ping, sent after a third of "
                         "it) before it is marked down and its requests fail over (not yet "
-                        f"started) or fail (default {STALL_TIMEOUT:g}; 0: never)")
+                        "started) or fail (default %(default)g; 0: never)")
     p.add_argument("--down-seconds", type=float, default=DOWN_SECONDS,
                    help="seconds a worker that stalled, broke a request or could not be "
                         "reached stays out of routing before it is tried again (default "
-                        f"{DOWN_SECONDS:g})")
+                        "%(default)g)")
     p.add_argument("--admin-token", default=None,
                    help="the fleet's admin token: sent to workers (their request plane "
                         "requires it when they have one) and accepted to cancel any run "
@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "$RLFLEET_ADMIN_TOKEN_FILE, else $RLFLEET_ADMIN_TOKEN)")
     p.add_argument("--max-response-entries", type=int, default=MAX_RESPONSE_ENTRIES,
                    help="refuse (400) a request whose n x max_tokens x (1 + logprobs) could "
-                        f"exceed this (default {MAX_RESPONSE_ENTRIES}; 0: no limit)")
+                        "exceed this (default %(default)s; 0: no limit)")
     p.add_argument("--max-kept-bytes", type=int, default=2 << 30,
                    help="about how much memory the events of runs kept for X-Request-Id "
                         "retries may hold (default 2 GiB); beyond it the oldest finished runs "

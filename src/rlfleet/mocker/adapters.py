@@ -26,7 +26,12 @@ from typing import Any
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.weights.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlfleet.weights.digest import checkpoint_digest
-from rlfleet.worker.engine import AdapterState, BadRequest, UnknownAdapter
+from rlfleet.worker.engine import (
+    AdapterState,
+    BadRequest,
+    adapter_named,
+    set_admission,
+)
 
 # vLLM's defaults for its LoRA engine arguments
 MAX_LORAS, MAX_LORA_RANK = 1, 16
@@ -131,12 +136,7 @@ class MockAdapters:
         return AdapterState(v.policy, v.rank, v.path, a.open, a.reason)
 
     def get(self, name: str) -> _Adapter:
-        a = self.by_name.get(name)
-        if a is None:
-            known = ", ".join(sorted(self.by_name)) or "none"
-            raise UnknownAdapter(f"no LoRA adapter {name!r} is loaded on this worker "
-                                 f"(loaded: {known})")
-        return a
+        return adapter_named(self.by_name, name)
 
     async def load(self, name: str, path: Path, version: str | None, step: int | None,
                    digest: str | None = None) -> tuple[PolicyIdentity, str | None]:
@@ -169,8 +169,7 @@ class MockAdapters:
 
     def set_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
         a = self.get(name)
-        a.open = open_
-        a.reason = None if open_ else (reason or "closed by a refresh coordinator")
+        set_admission(a, open_, reason)
         return self._state(a)
 
     def bind(self, name: str) -> Version:

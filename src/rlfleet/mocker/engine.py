@@ -75,52 +75,46 @@ ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
 PAUSE_MODES = ("keep", "wait", "abort")
 EOS_TEXT = "<|im_end|>"
 
+#: the simulated engine's knobs, each a flag --NAME (dashes for underscores):
+#: (name, default, type, help)
+KNOBS: tuple[tuple[str, Any, Callable[[str], Any], str | None], ...] = (
+    ("model_name", "mock-model", str, "served model name (--served-model-name wins when given)"),
+    ("vocab_size", 151936, int, None),
+    ("max_model_len", 4096, int, None),
+    ("seed", 0, int, "the simulated weights: another seed, other tokens"),
+    ("token_delay", 0.0, float, "seconds per generated token (per step, all n choices together)"),
+    ("token_delay_jitter", 0.0, float,
+     "up to this many extra seconds per token, uniformly at random"),
+    ("ttft", 0.0, float, "seconds before the first token"),
+    ("max_batch", None, int,
+     "requests generating at once; more wait in a FIFO queue (default: no limit)"),
+    ("eos_token_id", None, int,
+     f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller"),
+    ("eos_prob", 0.01, float, "chance per token that a choice ends with EOS (mean length ~ 1/p)"),
+    ("block_size", 16, int, "tokens per block of the simulated prefix cache (mocker/cache.py)"),
+    ("kv_blocks", 8192, int, "blocks the simulated prefix cache holds (least recently used go)"),
+    ("prefill_delay", 0.0, float,
+     "seconds per prompt token not in the simulated prefix cache, before the first token"),
+    ("routed_experts", None, str,
+     "LxExK: simulate a MoE engine started with --enable-return-routed-experts: L layers of "
+     "E experts, top-K per token (e.g. 2x8x2); the experts it reports are a hash of the "
+     "token, its position and the layer"),
+    ("kv_events_config", None, str,
+     "publish the simulated cache's KV events as vLLM does, e.g. "
+     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+     "(port 0: any free port)"),
+)
+
 DEFAULTS: dict[str, Any] = {
-    "model_name": "mock-model", "served_model_name": None, "vocab_size": 151936,
-    "max_model_len": 4096, "seed": 0, "token_delay": 0.0, "token_delay_jitter": 0.0,
-    "ttft": 0.0, "max_batch": None, "eos_token_id": None, "eos_prob": 0.01,
-    "block_size": 16, "kv_blocks": 8192, "prefill_delay": 0.0, "kv_events_config": None,
-    "routed_experts": None, "enable_lora": False, "max_loras": MAX_LORAS,
-    "max_lora_rank": MAX_LORA_RANK,
-    "lora_modules": None,
+    **{name: default for name, default, _, _ in KNOBS},
+    "served_model_name": None, "enable_lora": False, "max_loras": MAX_LORAS,
+    "max_lora_rank": MAX_LORA_RANK, "lora_modules": None,
 }
 
 
 def add_mock_args(p: argparse.ArgumentParser) -> None:
-    d = DEFAULTS
-    p.add_argument("--model-name", default=d["model_name"],
-                   help="served model name (--served-model-name wins when given)")
-    p.add_argument("--vocab-size", type=int, default=d["vocab_size"])
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
-    p.add_argument("--seed", type=int, default=d["seed"],
-                   help="the simulated weights: another seed, other tokens")
-    p.add_argument("--token-delay", type=float, default=d["token_delay"],
-                   help="seconds per generated token (per step, all n choices together)")
-    p.add_argument("--token-delay-jitter", type=float, default=d["token_delay_jitter"],
-                   help="up to this many extra seconds per token, uniformly at random")
-    p.add_argument("--ttft", type=float, default=d["ttft"],
-                   help="seconds before the first token")
-    p.add_argument("--max-batch", type=int, default=d["max_batch"],
-                   help="requests generating at once; more wait in a FIFO queue (default: no limit)")
-    p.add_argument("--eos-token-id", type=int, default=d["eos_token_id"],
-                   help=f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller")
-    p.add_argument("--eos-prob", type=float, default=d["eos_prob"],
-                   help="chance per token that a choice ends with EOS (mean length ~ 1/p)")
-    p.add_argument("--block-size", type=int, default=d["block_size"],
-                   help="tokens per block of the simulated prefix cache (mocker/cache.py)")
-    p.add_argument("--kv-blocks", type=int, default=d["kv_blocks"],
-                   help="blocks the simulated prefix cache holds (least recently used go)")
-    p.add_argument("--prefill-delay", type=float, default=d["prefill_delay"],
-                   help="seconds per prompt token not in the simulated prefix cache, before "
-                        "the first token")
-    p.add_argument("--routed-experts", default=d["routed_experts"], metavar="LxExK",
-                   help="simulate a MoE engine started with --enable-return-routed-experts: "
-                        "L layers of E experts, top-K per token (e.g. 2x8x2); the experts it "
-                        "reports are a hash of the token, its position and the layer")
-    p.add_argument("--kv-events-config", default=d["kv_events_config"],
-                   help="publish the simulated cache's KV events as vLLM does, e.g. "
-                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
-                        '"endpoint": "tcp://*:5557"}\' (port 0: any free port)')
+    for name, default, type_, help_ in KNOBS:
+        p.add_argument("--" + name.replace("_", "-"), type=type_, default=default, help=help_)
     add_lora_args(p)
 
 

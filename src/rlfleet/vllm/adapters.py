@@ -30,7 +30,13 @@ from typing import Any
 
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
-from rlfleet.worker.engine import AdapterState, BadRequest, UnknownAdapter
+from rlfleet.worker.engine import (
+    AdapterState,
+    BadRequest,
+    UnknownAdapter,
+    adapter_named,
+    set_admission,
+)
 
 log = logging.getLogger("rlfleet.vllm.adapters")
 
@@ -138,12 +144,7 @@ class LoraAdapters:
                             a.open, a.reason)
 
     def _get(self, name: str) -> Adapter:
-        a = self.by_name.get(name)
-        if a is None:
-            known = ", ".join(sorted(self.by_name)) or "none"
-            raise UnknownAdapter(f"no LoRA adapter {name!r} is loaded on this worker "
-                                 f"(loaded: {known})")
-        return a
+        return adapter_named(self.by_name, name)
 
     # ------------------------------------------------------------ loading
 
@@ -268,9 +269,7 @@ class LoraAdapters:
     # ------------------------------------------------------------ serving
 
     def set_open(self, name: str, open_: bool, reason: str | None) -> AdapterState:
-        a = self._get(name)
-        a.open = open_
-        a.reason = None if open_ else (reason or "closed by a refresh coordinator")
+        set_admission(self._get(name), open_, reason)
         return self.state(name)
 
     def _named(self, name: str) -> Served:

@@ -452,14 +452,8 @@ class _Fetcher:
                                     f"{self.what}: transfer deadline passed")
             try:
                 data = self.storage.read(key, start, end)
-            except FileNotFoundError as e:
-                raise art.ArtifactMissing(f"{self.what}: {key} not found ({e})") from None
-            except ArtifactError as e:
-                if "HTTP 5" not in str(e):
-                    raise
-                last = str(e)
             except Exception as e:  # noqa: BLE001 - any transport failure: retry the range
-                last = f"{type(e).__name__}: {e}"
+                last = self._worth_retrying(key, e)
             else:
                 if start is not None and end is not None and len(data) != end - start:
                     last = f"short read of {key} ({len(data)} of {end - start} bytes)"
@@ -469,6 +463,17 @@ class _Fetcher:
             log.warning("%s: %s; retrying", self.what, last)
             time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
+
+    def _worth_retrying(self, key: str, e: Exception) -> str:
+        """What a failed transfer of `key` says when trying again may help (a transport
+        failure, a 5xx); raises when it cannot (the object is missing, any other refusal)."""
+        if isinstance(e, FileNotFoundError):
+            raise art.ArtifactMissing(f"{self.what}: {key} not found ({e})") from None
+        if isinstance(e, ArtifactError):
+            if "HTTP 5" not in str(e):
+                raise e
+            return str(e)
+        return f"{type(e).__name__}: {e}"
 
     def _throttle(self, n: int) -> None:
         self.moved += n
@@ -503,14 +508,8 @@ class _Fetcher:
                         raise ArtifactError("released while staging")
                 if got < end - start:
                     last = f"short read of {key} ({got} of {end - start} bytes)"
-            except FileNotFoundError as e:
-                raise art.ArtifactMissing(f"{self.what}: {key} not found ({e})") from None
-            except ArtifactError as e:
-                if "HTTP 5" not in str(e):
-                    raise
-                last = str(e)
             except Exception as e:  # noqa: BLE001 - any transport failure: resume the range
-                last = f"{type(e).__name__}: {e}"
+                last = self._worth_retrying(key, e)
             if got < end - start:
                 log.warning("%s: %s; resuming at byte %d", self.what, last, start + got)
                 time.sleep(min(delay, max(0.0, self.deadline - time.monotonic())))

@@ -26,6 +26,22 @@ class UnknownAdapter(BadRequest):
     """The request names a LoRA adapter this worker does not serve (HTTP 404)."""
 
 
+def adapter_named(by_name: Mapping[str, Any], name: str) -> Any:
+    """`by_name[name]`, or UnknownAdapter naming the adapters this worker has loaded."""
+    a = by_name.get(name)
+    if a is None:
+        known = ", ".join(sorted(by_name)) or "none"
+        raise UnknownAdapter(f"no LoRA adapter {name!r} is loaded on this worker "
+                             f"(loaded: {known})")
+    return a
+
+
+def set_admission(adapter: Any, open_: bool, reason: str | None) -> None:
+    """Open or close an adapter's requests (`adapter.open`, `adapter.reason`)."""
+    adapter.open = open_
+    adapter.reason = None if open_ else (reason or "closed by a refresh coordinator")
+
+
 NO_ADAPTERS = ("this worker serves no LoRA adapters: start it with vLLM's --enable-lora "
                "(and --max-loras, --max-lora-rank)")
 

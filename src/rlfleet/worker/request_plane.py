@@ -516,6 +516,8 @@ _credit = msgspec.msgpack.Decoder(int)
 _tokenize = msgspec.msgpack.Decoder(TokenizeRequest)
 _cancel = msgspec.msgpack.Decoder(CancelRequest)
 _auth = msgspec.msgpack.Decoder(str)
+#: frames answered by one call each: (the body's decoder, the connection's method)
+_CALLS = {Frame.TOKENIZE: (_tokenize, "_tokenize"), Frame.CANCEL: (_cancel, "_cancel")}
 
 
 def _same(given: str | None, token: str) -> bool:
@@ -647,20 +649,14 @@ class _FrontendLink(asyncio.Protocol):
             task = self.tasks.get(sid)
             if task is not None:
                 task.cancel()
-        elif kind == Frame.TOKENIZE:
+        elif kind in _CALLS:
+            decoder, method = _CALLS[kind]
             try:
-                req = _tokenize.decode(body)
+                call = decoder.decode(body)
             except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self._error(sid, 400, _decode_error(e))
                 return
-            asyncio.ensure_future(self._tokenize(sid, req))
-        elif kind == Frame.CANCEL:
-            try:
-                creq = _cancel.decode(body)
-            except (msgspec.DecodeError, ValueError, RecursionError) as e:
-                self._error(sid, 400, _decode_error(e))
-                return
-            asyncio.ensure_future(self._cancel(sid, creq))
+            asyncio.ensure_future(getattr(self, method)(sid, call))
         else:
             self._error(sid, 400, f"unknown frame kind {kind}")
 
@@ -706,13 +702,7 @@ class _FrontendLink(asyncio.Protocol):
                 put(Frame.HEAD, sid, opened.head)
                 window.credit -= 1
                 async for kind, ev in self.plane.rest(opened):
-                    if kind is Frame.STEP:
-                        if window.credit <= 0:
-                            await window.opened()
-                        window.credit -= 1
-                    if self._paused:
-                        await self._writable()
-                    put(kind, sid, ev)
+                    await self._send(sid, window, kind, ev, counted=kind is Frame.STEP)
             except asyncio.CancelledError:
                 opened.left()
                 raise
@@ -729,11 +719,22 @@ class _FrontendLink(asyncio.Protocol):
             del self.tasks[sid]
             del self.windows[sid]
 
+    async def _send(self, sid: int, window: _Window, kind: Frame, ev: Any,
+                    counted: bool) -> None:
+        """One event of stream `sid`: a counted one waits for the stream's window, and
+        every one waits while the frontend does not read this connection."""
+        if counted:
+            if window.credit <= 0:
+                await window.opened()
+            window.credit -= 1
+        if self._paused:
+            await self._writable()
+        self.writer.put(kind, sid, ev)
+
     async def _follow_kept(self, sid: int, req: GenerateRequest) -> None:
         """A request the worker keeps by its ID (rlfleet.worker.kept): start its run, or
         follow the one already kept, from its Head. Leaving (CLOSE, a lost connection)
         detaches from the run; it is not aborted while a retry may still come for it."""
-        put = self.writer.put
         window = self.windows[sid]
         kept = self.plane.kept
         try:
@@ -745,12 +746,7 @@ class _FrontendLink(asyncio.Protocol):
             kept.attach(run)
             try:
                 async for kind, ev in kept.follow(run):
-                    if window.credit <= 0:
-                        await window.opened()
-                    window.credit -= 1
-                    if self._paused:
-                        await self._writable()
-                    put(kind, sid, ev)
+                    await self._send(sid, window, kind, ev, counted=True)
             except HttpError as e:
                 self._error(sid, e.status, e.message)
             finally:

@@ -149,18 +149,21 @@ class FileDiscovery(base.Discovery):
     # ------------------------------------------------------------ in a thread
 
     def _write(self, key: str, entry: Entry, ttl: float) -> None:
-        path = self._path(key)
         record = {"entry": entry, "expires_at": time.time() + ttl, "ttl": ttl}
+        self._write_json(self._path(key), record, key)
+
+    def _write_json(self, path: Path, value: dict[str, Any], what: str) -> None:
+        """`value` as `path`, whole or not at all (a temporary file, then a rename)."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(record, fh)
+                json.dump(value, fh)
             os.replace(tmp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-            raise DiscoveryError(f"file discovery {self.directory}: cannot write {key}: "
+            raise DiscoveryError(f"file discovery {self.directory}: cannot write {what}: "
                                  f"{exc}") from exc
 
     def _touch(self, key: str) -> bool:
@@ -325,18 +328,8 @@ class FileDiscovery(base.Discovery):
         return self.directory / "records" / f"{urllib.parse.quote(name, safe='')}.json"
 
     def _write_record(self, name: str, value: dict[str, Any]) -> None:
-        path = self._record_path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump({"record": value, "written_at": time.time()}, fh)
-            os.replace(tmp, path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise DiscoveryError(f"file discovery {self.directory}: cannot write record "
-                                 f"{name}: {exc}") from exc
+        self._write_json(self._record_path(name), {"record": value, "written_at": time.time()},
+                         f"record {name}")
 
     def _read_record(self, name: str) -> dict[str, Any] | None:
         path = self._record_path(name)

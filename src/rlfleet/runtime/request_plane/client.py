@@ -13,11 +13,8 @@ from typing import Any
 
 import msgspec
 
+from rlfleet.protocol import engine as wire
 from rlfleet.protocol.engine import (
-    CANCEL_OK,
-    CANCEL_UNKNOWN,
-    MAGIC,
-    WINDOW,
     Cancelled,
     CancelRequest,
     Done,
@@ -77,7 +74,7 @@ class WorkerStream:
     def taken(self, n: int) -> None:
         """The caller has passed on `n` more events: let the worker send as many more."""
         self._taken += n
-        if self._taken >= WINDOW // 2 and not self.ended and self.link.open:
+        if self._taken >= wire.WINDOW // 2 and not self.ended and self.link.open:
             self.link.writer.put(Frame.CREDIT, self.sid, self._taken)
             self._taken = 0
 
@@ -201,7 +198,7 @@ class WorkerLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self.transport = transport
         self.writer = FrameWriter(transport)
-        transport.write(MAGIC)
+        transport.write(wire.MAGIC)
         if self.admin_token:
             self.writer.put(Frame.AUTH, 0, self.admin_token)
         keep_alive(transport)
@@ -460,7 +457,7 @@ class WorkerClient:
 
     async def cancel(self, address: str, request_id: str) -> bool:
         """The engine's abort: the request ends now with its partial output."""
-        return await self.cancel_as(address, request_id) == CANCEL_OK
+        return await self.cancel_as(address, request_id) == wire.CANCEL_OK
 
     async def cancel_as(self, address: str, request_id: str, owner: str | None = None) -> str:
         """The engine's abort, relayed for a caller who presented the cancel token whose
@@ -471,7 +468,7 @@ class WorkerClient:
             out = await link.call(Frame.CANCEL, CancelRequest(request_id=request_id, owner=owner),
                                   _cancelled, 10.0)
         except WorkerError:
-            return CANCEL_UNKNOWN
+            return wire.CANCEL_UNKNOWN
         return out.status
 
     async def tokenize(self, address: str, req: TokenizeRequest) -> Tokens:
