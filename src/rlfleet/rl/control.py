@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import logging
 import socket
 import time
@@ -19,6 +20,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+import pydantic
 
 from rlfleet.protocol import admin
 from rlfleet.protocol.admin import (
@@ -32,7 +35,7 @@ from rlfleet.protocol.admin import (
     SglangDiskRequest,
 )
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.rl import PROTOCOL_VERSION
+from rlfleet.protocol.rl import PROTOCOL_VERSION, RlWorkers
 from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 if TYPE_CHECKING:
@@ -347,6 +350,31 @@ def applied(w: FleetWorker, res: CallResult[Any], failed: list[FleetWorker]) -> 
 LIFECYCLE_ROUTES = admin.route_names(admin.VLLM_LIFECYCLE)
 
 
+def _listing(body: bytes) -> RlWorkers:
+    """The RL listener's reply, checked against its schema (rlfleet.protocol.rl)."""
+    try:
+        listing = RlWorkers.model_validate_json(body)
+    except pydantic.ValidationError as e:
+        version = _protocol_version(body)
+        if version is not None and version != PROTOCOL_VERSION:
+            raise RefreshHeld(f"unsupported discovery protocol_version {version!r} (this "
+                              f"coordinator speaks {PROTOCOL_VERSION})") from None
+        raise RefreshHeld(f"discovery listing does not follow the RL listener's schema: "
+                          f"{e}") from None
+    if listing.protocol_version != PROTOCOL_VERSION:
+        raise RefreshHeld(f"unsupported discovery protocol_version "
+                          f"{listing.protocol_version!r} (this coordinator speaks "
+                          f"{PROTOCOL_VERSION})")
+    return listing
+
+
+def _protocol_version(body: bytes) -> Any:
+    try:
+        return json.loads(body)["protocol_version"]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 class VllmControl(WorkerControl):
     """vLLM-flavoured workers listed by the frontend's RL listener (`GET /v1/rl/workers`);
     weights from a directory they can read (`update_weights_from_disk`) or broadcast by the
@@ -380,26 +408,20 @@ class VllmControl(WorkerControl):
         r = await ch.http.get(f"{self.rl_url}/v1/rl/workers", timeout=ch.timeout)
         if r.status_code != 200:
             raise RefreshHeld(f"discovery failed: HTTP {r.status_code} {r.text[:300]}")
-        body = r.json()
-        if body.get("protocol_version") != PROTOCOL_VERSION:
-            raise RefreshHeld(f"unsupported discovery protocol_version "
-                              f"{body.get('protocol_version')!r} (this coordinator speaks 1)")
+        listing = _listing(r.content)
         out = {}
-        self.listed = body.get("workers", [])
-        self.namespace, self.discovery_url = body.get("namespace"), body.get("discovery")
-        self.models = frozenset(e["model"] for e in self.listed
-                                if isinstance(e.get("model"), str)
-                                and self.model in (None, e["model"]))
-        self.seen_epoch = max((e.get("fleet_epoch") or 0 for e in self.listed), default=0)
-        for e in self.listed:
-            if self.model is not None and e.get("model") != self.model:
+        self.namespace, self.discovery_url = listing.namespace, listing.discovery
+        self.models = frozenset(e.model for e in listing.workers
+                                if e.model is not None and self.model in (None, e.model))
+        self.seen_epoch = max((e.fleet_epoch or 0 for e in listing.workers), default=0)
+        for e in listing.workers:
+            if self.model is not None and e.model != self.model:
                 continue
-            w = FleetWorker(int(e["instance_id"]), e.get("system_url", ""),
-                            (e.get("transport") or {}).get("http"), e.get("model"),
-                            frozenset(e.get("routes", [])))
+            w = FleetWorker(e.instance_id, e.system_url or "", e.transport.get("http"), e.model,
+                            frozenset(e.routes))
             need = self.required_routes - w.routes
-            if e.get("error"):
-                w.exclude(f"discovery probe failed: {e['error']}")
+            if e.error:
+                w.exclude(f"discovery probe failed: {e.error}")
             elif not w.system_url:
                 w.exclude("no system_url")
             elif need:
