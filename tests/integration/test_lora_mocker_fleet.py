@@ -21,11 +21,13 @@ import pytest
 
 from rlfleet.models import make_adapter
 from rlfleet.protocol.dynamo_lora import lora_name_to_id
+from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.fleet import Fleet
 from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.sample import SampleRequest, SamplingSpec
+from rlfleet.rl.retry import RetryPolicy
+from rlfleet.rl.sample import SampleFailed, SampleRequest, SamplingSpec
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL
@@ -163,6 +165,33 @@ def test_mocker_adapters_are_policies_as_on_vllm_workers(lf):
         "lora_name": "big", "lora_path": str(f.ads["rank32"])}).json()
     assert said["status"] == "error" and "--max-lora-rank 16" in said["message"]
     assert listed(f, "big") == [None] * 3
+
+
+def test_the_rollout_client_admits_a_sample_only_from_the_adapter_it_named(lf):
+    """Through the workers' own stamps (engine data and spans): a client of adapter `other`
+    admits its samples, every span naming it; a client of the base model admits the
+    base's; a client told that the base model's name is an adapter refuses the base's
+    samples by name, though the frontend echoes the `model` it was sent."""
+    f = lf
+    once = RetryPolicy(max_attempts=1)
+    spec = SamplingSpec(max_tokens=6, ignore_eos=True)
+
+    async def run() -> None:
+        async with RolloutClient(f.url, "other", adapter=True, retry=once) as c:
+            s = await c.generate("o-1", PROMPT, spec)
+        assert (s.policy.adapter, s.policy.digest) == ("other", f.digests["other"])
+        assert {sp.adapter for sp in s.completion.weight_spans} == {"other"}
+        async with RolloutClient(f.url, MODEL, adapter=False, retry=once) as c:
+            base = await c.generate("b-1", PROMPT, spec)
+        assert base.policy.adapter_name is None and base.model == MODEL
+        async with RolloutClient(f.url, MODEL, adapter=True, retry=once) as c:
+            with pytest.raises(SampleFailed) as info:
+                await c.generate("b-2", PROMPT, spec)
+            assert c.ledger.admitted() == {}
+        assert info.value.reason == (f"adapter: the worker's engine data names no adapter (the "
+                                     f"base model); the request named adapter {MODEL!r}")
+
+    asyncio.run(run())
 
 
 # ------------------------------------------------------------------ rolling
