@@ -20,12 +20,15 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
+from rlfleet.protocol.admin import STALE_EPOCH
 from rlfleet.protocol.dynamo_lora import lora_name_to_id
+from rlfleet.rl.client import RolloutClient
 from rlfleet.rl.fleet import Fleet
 from rlfleet.rl.hooks import RefreshHooks
 from rlfleet.rl.journal import open_journal
 from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.sample import SampleRequest, SamplingSpec
+from rlfleet.rl.retry import RetryPolicy
+from rlfleet.rl.sample import SampleFailed, SampleRequest, SamplingSpec
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL
@@ -163,6 +166,75 @@ def test_mocker_adapters_are_policies_as_on_vllm_workers(lf):
         "lora_name": "big", "lora_path": str(f.ads["rank32"])}).json()
     assert said["status"] == "error" and "--max-lora-rank 16" in said["message"]
     assert listed(f, "big") == [None] * 3
+
+
+def test_the_rollout_client_admits_a_sample_only_from_the_adapter_it_named(lf):
+    """Through the workers' own stamps (engine data and spans): a client of adapter `other`
+    admits its samples, every span naming it; a client of the base model admits the
+    base's; a client told that the base model's name is an adapter refuses the base's
+    samples by name, though the frontend echoes the `model` it was sent."""
+    f = lf
+    once = RetryPolicy(max_attempts=1)
+    spec = SamplingSpec(max_tokens=6, ignore_eos=True)
+
+    async def run() -> None:
+        async with RolloutClient(f.url, "other", adapter=True, retry=once) as c:
+            s = await c.generate("o-1", PROMPT, spec)
+        assert (s.policy.adapter, s.policy.digest) == ("other", f.digests["other"])
+        assert {sp.adapter for sp in s.completion.weight_spans} == {"other"}
+        async with RolloutClient(f.url, MODEL, adapter=False, retry=once) as c:
+            base = await c.generate("b-1", PROMPT, spec)
+        assert base.policy.adapter_name is None and base.model == MODEL
+        async with RolloutClient(f.url, MODEL, adapter=True, retry=once) as c:
+            with pytest.raises(SampleFailed) as info:
+                await c.generate("b-2", PROMPT, spec)
+            assert c.ledger.admitted() == {}
+        assert info.value.reason == (f"adapter: the worker's engine data names no adapter (the "
+                                     f"base model); the request named adapter {MODEL!r}")
+
+    asyncio.run(run())
+
+
+def test_a_stale_epoch_on_an_adapter_route_is_refused_and_each_adapter_fences_alone(lf):
+    """An adapter route called with an older epoch than its adapter's newest is refused as
+    the base routes refuse one (409, the contract's stale-epoch body naming both epochs)
+    and changes nothing: the adapter stays loaded, open and answered. Each adapter fences
+    alone: adapter A at epoch 5 does not fence B at epoch 1, nor the base model's fence."""
+    f = lf
+    sys_url = f.workers[0].ready["system_url"]
+
+    def call(route: str, **body) -> httpx.Response:
+        return httpx.post(f"{sys_url}/engine/{route}", json=body, timeout=30)
+
+    base_epoch = call("get_weight_version").json()["fleet_epoch"]
+    for name, ad in (("fence-a", "v1"), ("fence-b", "v2")):
+        assert call("load_lora_adapter", lora_name=name, lora_path=str(f.ads[ad]),
+                    weight_version=f"{name}-{ad}").json()["status"] == "ok"
+    try:
+        got = call("set_lora_admission", lora_name="fence-a", open=True, fleet_epoch=5).json()
+        assert got["status"] == "ok" and got["fleet_epoch"] == 5, got
+        stale = [call("set_lora_admission", lora_name="fence-a", open=False, fleet_epoch=4),
+                 call("load_lora_adapter", lora_name="fence-a", lora_path=str(f.ads["v3"]),
+                      weight_version="fence-a-v3", fleet_epoch=4),
+                 call("unload_lora_adapter", lora_name="fence-a", fleet_epoch=4)]
+        for r in stale:
+            assert r.status_code == 409, r.text
+            assert (r.json()["error"], r.json()["fleet_epoch"],
+                    r.json()["newest_fleet_epoch"]) == (STALE_EPOCH, 4, 5)
+        a = next(x for x in listed(f, "fence-a") if x is not None)
+        assert (a["version"], a["open"], a["fleet_epoch"]) == ("fence-a-v1", True, 5)
+        deadline = time.monotonic() + 15
+        while (r := complete(f, "fence-a")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until discovery brings the adapter to the frontend
+        assert r.status_code == 200, r.text
+        data = r.json()["nvext"]["engine_data"]
+        assert (data["weight_adapter"], data["weight_digest"]) == ("fence-a", f.digests["v1"])
+        got = call("set_lora_admission", lora_name="fence-b", open=True, fleet_epoch=1).json()
+        assert got["status"] == "ok" and got["fleet_epoch"] == 1, got  # A's 5 fences not B
+        assert call("get_weight_version").json()["fleet_epoch"] == base_epoch
+    finally:
+        for name in ("fence-a", "fence-b"):
+            call("unload_lora_adapter", lora_name=name)
 
 
 # ------------------------------------------------------------------ rolling

@@ -4,7 +4,9 @@ the base model and the adapter keep answering, loads it beside the serving versi
 probes it there before its gate, and switches the adapter's name in the gated window; a
 worker stages a version from a peer that serves it; a wrong digest or a wrong base is
 refused by name before anything is gated, and so is a version whose probe fails, the old
-version serving on both workers.
+version serving on both workers; a version published to a trainer's publisher and the
+workers' catalog is staged from the trainer by a refresh, and from a holder the catalog
+lists by a worker that names no peer.
 Two workers for the module (vLLM starts are slow)."""
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from rlfleet.models import make_adapter
 from rlfleet.rl.probe import Probe
 from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.weights.adapters import publish_adapter
+from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import checkpoint_digest
+from rlfleet.weights.publish import TrainerServer
 from tests.fleets import MODEL_NAME, vllm_worker_args
 from tests.s3_server import BUCKET
 
@@ -59,11 +63,14 @@ def published(adapters, s3_server) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(start_module_fleet, tiny_model, adapters, s3_server):
+def fleet(start_module_fleet, tiny_model, adapters, s3_server, tmp_path_factory):
+    catalog = f"sqlite://{tmp_path_factory.mktemp('lora-catalog') / 'catalog.sqlite'}"
     args = vllm_worker_args(tiny_model, MODEL_NAME, *LORA_FLAGS, "--allowed-weights-root",
-                            str(adapters["a1"].parent))
-    return start_module_fleet([args] * 2, name="lora-staging", kind="vllm", model=MODEL_NAME,
-                              lease_ttl=3.0, enable_rl=True, worker_env=s3_server.env)
+                            str(adapters["a1"].parent), "--weights-catalog", catalog)
+    f = start_module_fleet([args] * 2, name="lora-staging", kind="vllm", model=MODEL_NAME,
+                           lease_ttl=3.0, enable_rl=True, worker_env=s3_server.env)
+    f.catalog = catalog
+    return f
 
 
 @pytest.fixture(autouse=True)
@@ -272,3 +279,52 @@ def test_a_wrong_digest_base_or_probe_is_refused_before_the_gate_the_old_version
                    json={"lora_name": "s", "weight_version": "s-v4"}, timeout=30)
     assert r.json()["status"] == "error" and "no version 's-v4' loaded beside" in \
         r.json()["message"]
+
+
+async def holders(catalog: str, version: str) -> set[str]:
+    async with Catalog(catalog) as c:
+        return {d["system_url"] for d in (await c.get(version)).holders.values()}
+
+
+def test_an_adapter_version_from_the_trainers_publisher_then_from_a_holder_in_the_catalog(
+        fleet, adapters, tmp_path):
+    """bench/lora.py's --source trainer as a test: a version published to the trainer's
+    publisher (TrainerServer) and registered in the workers' catalog is staged from the
+    trainer on both workers by a refresh of adapter `t`, the base model answering, and
+    serves; both workers are then its holders in the catalog. With the trainer gone, a
+    worker that stages it naming no peer gets it from the other; unloaded, a worker is no
+    longer a holder."""
+    want = reference(fleet, adapters, "a3")
+    systems = [w.ready["system_url"] for w in fleet.workers]
+    refresh = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, path="vllm-adapter", adapter="t",
+                            journal=tmp_path / "journal.sqlite", timeout=120)
+    try:
+        with TrainerServer(tmp_path / "published") as trainer:
+            publish_adapter(adapters["a3"], trainer.dir, "t-v1", catalog=fleet.catalog,
+                            model="t")
+            with Traffic(fleet, [MODEL_NAME]) as traffic:
+                res = asyncio.run(refresh.refresh(
+                    None, "t-v1", digest=checkpoint_digest(adapters["a3"]),
+                    source={"kind": "trainer", "url": trainer.url}))
+    finally:
+        refresh.close()
+    assert res.decision == "reopened" and res.fleet_moved, res.reason
+    traffic.all_answered()
+    assert served(fleet, "t") == (want, "t-v1")
+    assert routes_called(res).count("stage_lora_adapter") == 2
+    for s in systems:
+        staged = engine(s, "get_staged_lora_adapter", lora_name="t")
+        assert staged["resident"]["version"] == "t-v1", staged
+        assert [h["source"]["kind"] for h in staged["staged"]] == ["trainer"], staged
+    assert asyncio.run(holders(fleet.catalog, "t-v1")) == set(systems)
+
+    started = engine(systems[1], "stage_lora_adapter", lora_name="q", version="t-v1",
+                     source={"kind": "peer"})
+    assert started["status"] == "ok", started
+    summary = wait_staged(systems[1], "q", started["handle"])
+    assert summary["state"] == "READY", summary
+    assert summary["source"] == {**summary["source"], "kind": "peer", "url": systems[0]}
+    assert summary["digest"] == checkpoint_digest(adapters["a3"])
+    for s in systems:
+        assert engine(s, "unload_lora_adapter", lora_name="t")["status"] == "ok"
+    assert asyncio.run(holders(fleet.catalog, "t-v1")) == set()

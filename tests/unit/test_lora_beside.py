@@ -22,8 +22,10 @@ from rlfleet.protocol.admin import (
 from rlfleet.vllm.adapters import LoraAdapters
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.artifacts import ArtifactError
-from rlfleet.weights.digest import checkpoint_signature
-from rlfleet.weights.staging import StageRequestError
+from rlfleet.weights.catalog import Catalog, VersionState
+from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
+from rlfleet.weights.publish import TrainerServer
+from rlfleet.weights.staging import StageRequestError, StagingArea
 from rlfleet.worker.engine import BadRequest, UnknownAdapter
 from rlfleet.worker.lora_admin import LoraAdmin
 
@@ -137,6 +139,45 @@ def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and
     with pytest.raises(ArtifactError, match="reading adapter_config.json failed"):
         lora._config({"kind": "trainer", "url": f"http://127.0.0.1:{free_port()}"}, "p-v1")
     assert isinstance(LoraStageRequest(lora_name="p", version="p-v1", source={}), LoraStageRequest)
+
+
+def test_an_adapter_version_in_the_catalog_is_staged_from_the_holders_it_lists(
+        tmp_path, base_and_adapters):
+    """publish_adapter with a catalog registers the version READY (a delta with its base),
+    as a model version; a worker with that catalog finds the other workers that hold it
+    (not itself) and reads the version from the first holder that answers."""
+    _, ads = base_and_adapters
+    cat = tmp_path / "catalog.sqlite"
+    with TrainerServer(tmp_path / "out") as holder:  # serves /weights as a worker does
+        publish_adapter(ads["v1"], holder.dir, "c-v1", catalog=cat, model="c")
+        publish_adapter(ads["v2"], holder.dir, "c-v2", base=("c-v1", ads["v1"]), catalog=cat,
+                        model="c")
+        staging = StagingArea(tmp_path / "staging", catalog=str(cat), worker_id="w1")
+        lora = LoraAdmin(SimpleNamespace(adapter_limits=lambda: (2, 8)), [tmp_path],
+                         lambda: "base", staging=staging)
+
+        async def run() -> None:
+            async with Catalog(cat) as c:
+                v1, v2 = await c.get("c-v1"), await c.get("c-v2")
+                assert (v1.model, v1.state, v1.format.value, v1.digest) == (
+                    "c", VersionState.READY, "full", checkpoint_digest(ads["v1"]))
+                assert (v2.state, v2.format.value, v2.base_version) == (
+                    VersionState.READY, "xor-delta", "c-v1")
+                with pytest.raises(StageRequestError, match="no other worker holds c-v1"):
+                    await lora._config_of("c", {"kind": "peer"}, "c-v1")
+                dead = f"http://127.0.0.1:{free_port()}"
+                for worker, url in (("w0", dead), ("w1", "http://self"), ("w2", holder.url)):
+                    await c.add_holder("c-v1", worker, system_url=url)
+            assert await lora._area("c").holder_urls("c-v1") == [dead, holder.url]
+            got = await lora._config_of("c", {"kind": "peer"}, "c-v1")
+            assert got == (ads["v1"] / "adapter_config.json").read_bytes()
+            bare = LoraAdmin(SimpleNamespace(adapter_limits=lambda: (2, 8)), [tmp_path],
+                             lambda: "base")
+            with pytest.raises(StageRequestError, match=r"in this worker's catalog \(it has "
+                                                        r"none\)"):
+                await bare._config_of("c", {"kind": "peer"}, "c-v1")
+
+        asyncio.run(run())
 
 
 def free_port() -> int:

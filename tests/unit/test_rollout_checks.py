@@ -26,6 +26,7 @@ from rlfleet.rl import (
     SampleRules,
     TokenIdsMissing,
     WeightSpan,
+    WrongAdapter,
 )
 from rlfleet.rl.checks import (
     CHECKS,
@@ -34,6 +35,7 @@ from rlfleet.rl.checks import (
     logprobs_aligned,
     prompt_logprobs_unshifted,
     single_policy,
+    span_adapters,
     terminal_state,
     token_ids_present,
     verify,
@@ -298,6 +300,65 @@ def test_identity_on_sglang(tamper):
     body = sglang_body()
     tamper(body["meta_info"])
     rejects(identity, parse_sglang(body, RID), expectation(), IdentityMismatch)
+
+
+def from_adapter(adapter: str | None, model: str = "a") -> dict:
+    """A good response to a request naming `model`, from the LoRA adapter `adapter` (None:
+    the base model), as the worker stamps it in engine_data (the frontend echoes `model`)."""
+    body = openai_body()
+    body["model"] = model
+    if adapter is not None:
+        body["nvext"]["engine_data"]["weight_adapter"] = adapter
+    return body
+
+
+def adapter_rules(model: str = "a", adapter: bool | None = True, **kw) -> Expectation:
+    return Expectation(RID, PROMPT, 1, SampleRules(model, adapter=adapter, **kw))
+
+
+@pytest.mark.parametrize("served, asked, says", [
+    ("b", adapter_rules(), "names adapter 'b'; the request named adapter 'a'"),
+    (None, adapter_rules(), "names no adapter (the base model); the request named adapter 'a'"),
+    ("a", adapter_rules(MODEL, adapter=False),
+     "names adapter 'a'; the request named the base model 'tiny'"),
+    ("b", adapter_rules(adapter=None), "names adapter 'b'; the request named 'a'"),
+    ("a", adapter_rules(MODEL, adapter=None), "names adapter 'a'; the request named 'tiny'"),
+])
+def test_a_sample_from_another_adapter_or_the_base_is_refused(served, asked, says):
+    """The response's `model` is the request's (the frontend echoes it): the adapter the
+    worker reports is what says where the tokens came from."""
+    body = from_adapter(served, asked.rules.model)
+    with pytest.raises(WrongAdapter) as info:
+        identity(parse_openai(body, RID), asked)
+    assert says in info.value.reason and info.value.reason.startswith("adapter: ")
+    assert isinstance(info.value, IdentityMismatch)
+
+
+def test_a_sample_from_the_adapter_asked_for_is_admitted_at_the_version_expected():
+    identity(parse_openai(from_adapter("a"), RID), adapter_rules())
+    identity(parse_openai(from_adapter("a"), RID), adapter_rules(adapter=None))
+    identity(parse_openai(from_adapter(None, MODEL), RID), adapter_rules(MODEL, adapter=False))
+    identity(parse_openai(from_adapter(None, MODEL), RID), adapter_rules(MODEL, adapter=None))
+    expected = adapter_rules(expected=PolicyIdentity(version="a-v2"))
+    with pytest.raises(IdentityMismatch, match="policy version 'v1', expected 'a-v2'"):
+        identity(parse_openai(from_adapter("a"), RID), expected)
+    body = from_adapter(None)
+    body["nvext"].pop("engine_data")
+    with pytest.raises(WrongAdapter, match="names no policy at all"):
+        identity(parse_openai(body, RID), adapter_rules())
+
+
+def test_every_span_must_come_from_the_adapter_asked_for():
+    rules = SampleRules("a", adapter=True)
+    mine = WeightSpan(version="a-v1", start=0, end=2, adapter="a")
+    span_adapters([mine, WeightSpan(version="a-v2", start=2, end=4, adapter="a")], rules)
+    with pytest.raises(WrongAdapter, match=r"span \[2, 4\) names adapter 'b'; the request "
+                                           "named adapter 'a'"):
+        span_adapters([mine, WeightSpan(version="b-v1", start=2, end=4, adapter="b")], rules)
+    with pytest.raises(WrongAdapter, match="no adapter"):
+        span_adapters([mine, wspan("v1", "d1", 2, 4)], rules)
+    raw = [WeightSpan.of(mine.policy, 0, 4).to_dict()]
+    assert weight_spans(raw, 4)[0].adapter == "a"  # the wire carries the span's adapter
 
 
 # ---------------------------------------------------------------- single_policy (spans)

@@ -53,8 +53,9 @@ def tokens_for(prompt: list[int], choice: int, count: int) -> list[int]:
 
 class Action(dict):
     """What the fake frontend does with one request: keys `status`, `hang` (seconds before
-    answering), `abort` / `break_` (after k tokens), `version`, `spans`, `tamper`, `delay`
-    (seconds between stream chunks)."""
+    answering), `abort` / `break_` (after k tokens), `version`, `adapter` (the LoRA adapter
+    the worker says served it), `spans`, `tamper`, `delay` (seconds between stream
+    chunks)."""
 
 
 class FakeFrontend:
@@ -100,7 +101,8 @@ class FakeFrontend:
             prompt, n, max_tokens = req.input_ids, 1, req.sampling_params.max_new_tokens
         res = Result(rid, n)
         res.apply({"prompt_token_ids": prompt, "_worker": 7,
-                   "weight_version": act.get("version", "v1"), "weight_digest": "d1"})
+                   "weight_version": act.get("version", "v1"), "weight_digest": "d1",
+                   **({"weight_adapter": act["adapter"]} if "adapter" in act else {})})
         stop_at = act.get("abort", act.get("break_"))
         deltas = []
         for c in range(n):
@@ -116,11 +118,12 @@ class FakeFrontend:
                                   "decoded": f"<{t}>", "top": []}]}]})
         res.apply({"done": True, "prompt_logprobs": [None] + [
             {str(t): {"logprob": -2.0, "rank": 1, "decoded_token": "x"}} for t in prompt[1:]]})
+        model = body["model"]  # echoed, as the frontend does
         if openai and not req.stream:
-            events = [render.completion_response(req, res, MODEL)]
+            events = [render.completion_response(req, res, model)]
         elif openai:
-            events = [render.completion_chunk(req, res, MODEL, d, 0) for d in deltas]
-            events.append(render.final_chunk(req, res, MODEL, "text_completion"))
+            events = [render.completion_chunk(req, res, model, d, 0) for d in deltas]
+            events.append(render.final_chunk(req, res, model, "text_completion"))
         else:
             full = generate_body(req, res)
             events = [full] if not req.stream else [
@@ -259,6 +262,36 @@ async def test_a_sample_that_never_passes_fails_with_its_reasons():
         assert [r.reason for r in c.ledger.attempts("s")] == ["identity"] * 3
         assert c.ledger.admitted() == {}
     assert info.value.reasons == ["identity"] * 3 and info.value.reason == "identity"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_sample_from_another_adapter_or_the_base_is_not_admitted(stream):
+    """A client of adapter `a` refuses what the worker says came from adapter `b` or from
+    the base model (the frontend echoes `model` either way), naming both; a client of the
+    base model refuses an adapter's sample; the adapter's own sample is admitted."""
+    served = iter(["b", None, "a"])
+    fe = FakeFrontend(lambda i, b: Action(**({"adapter": a} if (a := next(served)) else {})))
+    async with RolloutClient("http://frontend", "a", adapter=True, transport=fe.transport(),
+                             retry=FAST, stream=stream) as c:
+        s = await c.generate("s", PROMPT)
+        assert s.attempt == 3 and s.policy.adapter == "a"
+        assert [r.reason for r in c.ledger.attempts("s")][:2] == [
+            "adapter: the worker's engine data names adapter 'b'; the request named "
+            "adapter 'a'", "adapter: the worker's engine data names no adapter (the base "
+            "model); the request named adapter 'a'"]
+    fe = FakeFrontend(lambda i, b: Action(adapter="a"))
+    async with client(fe) as c:
+        with pytest.raises(SampleFailed) as info:
+            await c.generate("s", PROMPT)
+    assert "names adapter 'a'; the request named 'tiny'" in info.value.reason
+    spans = [{**wspan("a-v1", "d1", 0, 2).to_dict(), "adapter": "a"},
+             {**wspan("b-v1", "d2", 2, 4).to_dict(), "adapter": "b"}]
+    fe = FakeFrontend(lambda i, b: Action(adapter="a", spans=spans))
+    async with RolloutClient("http://frontend", "a", adapter=True, transport=fe.transport(),
+                             retry=FAST, allow_mixed_versions=True) as c:
+        with pytest.raises(SampleFailed) as info:
+            await c.generate("s", PROMPT, SamplingSpec(max_tokens=4))
+    assert "span [2, 4) names adapter 'b'; the request named adapter 'a'" in info.value.reason
 
 
 async def test_expect_switches_the_admitted_policy():
@@ -453,8 +486,8 @@ def test_metric_labels_are_bounded_sets():
     assert labels.get("state", set()) <= {"succeeded", "canceled", "failed"}
     assert labels.get("outcome", set()) <= {"admitted", "failed", "cancelled", "already_admitted"}
     assert labels.get("kind", set()) <= KINDS | {"other"}
-    assert labels.get("check", set()) <= {c.__name__ for c in CHECKS} | {"single_policy",
-                                                                     "policy_bound"}
+    assert labels.get("check", set()) <= {c.__name__ for c in CHECKS} | {
+        "single_policy", "policy_bound", "adapter"}
 
 
 def test_retry_backoff_is_bounded():

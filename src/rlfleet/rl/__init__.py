@@ -18,6 +18,7 @@ from rlfleet.rl.checks import (
     SampleRules,
     StalePolicy,
     TokenIdsMissing,
+    WrongAdapter,
 )
 from rlfleet.rl.client import RolloutClient, TokenizeFailed
 from rlfleet.rl.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath

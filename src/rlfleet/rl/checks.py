@@ -4,8 +4,9 @@ is admitted in the ledger).
 Each check is a function of the parsed response (`Generation`) and what was asked
 (`Expectation`); it returns None or raises its own `CheckFailed` subclass, which
 carries the check's name. `verify` runs the five checks of the integration reference in
-order; `single_policy` judges the weight-version spans of the (possibly resumed) sample.
-Only a sample that passes all of them is admitted.
+order (`identity` also asks that the policy the worker reports be the LoRA adapter, or the
+base model, the request named); `span_adapters` and `single_policy` judge the weight-version
+spans of the (possibly resumed) sample. Only a sample that passes all of them is admitted.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ class SampleRules:
     left to the partial-rollout policy); `allow_mixed_versions`: admit samples whose
     tokens come from more than one policy version (their spans come with the sample);
     `policy`: the staleness bound requests carry (nvext.policy) and admitted samples' spans
-    must satisfy."""
+    must satisfy; `adapter`: whether `model` names a LoRA adapter (a request's `model`
+    names the adapter it runs on): True, only samples from that adapter are admitted;
+    False, only the base model's (no adapter); None (not said), either, but never another
+    adapter's (its engine data and every span say which)."""
 
     model: str
     expected: PolicyIdentity = UNKNOWN
     finish_reasons: frozenset[str] = frozenset({"length", "stop"})
     allow_mixed_versions: bool = False
     policy: PolicyBound | None = None
+    adapter: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -177,11 +182,48 @@ class IdentityMismatch(CheckFailed):
     check = "identity"
 
 
+class WrongAdapter(IdentityMismatch):
+    """The sample came from another LoRA adapter than the one its request named, from the
+    base model when it named an adapter, or from an adapter when it named the base model.
+    Its reason names both."""
+
+    check = "adapter"
+
+    @property
+    def reason(self) -> str:
+        return str(self)
+
+
+def from_named_adapter(policy: PolicyIdentity | None, rules: SampleRules, where: str) -> None:
+    """The policy `where` reports is the one the request named: the adapter `rules.model`
+    (unless `rules.adapter` is False), or the base model, which names no adapter (unless
+    `rules.adapter` is True). The response's `model` proves nothing: the frontend echoes it."""
+    got = policy.adapter_name if policy is not None else None
+    if got is None and not rules.adapter:
+        return
+    if got == rules.model and rules.adapter is not False:
+        return
+    asked = {True: f"adapter {rules.model!r}", False: f"the base model {rules.model!r}",
+             None: f"{rules.model!r}"}[rules.adapter]
+    served = (f"adapter {got!r}" if got is not None else
+              "no adapter (the base model)" if policy is not None else "no policy at all")
+    raise WrongAdapter(f"{where} names {served}; the request named {asked}")
+
+
+def span_adapters(spans: list[WeightSpan] | None, rules: SampleRules) -> None:
+    """Every weight span of a choice comes from the adapter (or base model) the request
+    named."""
+    for s in spans or ():
+        from_named_adapter(s, rules, f"the weight span [{s.start}, {s.end})")
+
+
 def identity(gen: Generation, exp: Expectation) -> None:
     """The response answers this attempt (X-Request-Id echoed; SGLang's meta_info.id), comes
-    from the expected served model (OpenAI `model`; a native /generate response names none)
-    and, when the trainer set an expectation, from the expected policy: the weight version
-    and digest the worker reports (nvext.engine_data / SGLang meta_info)."""
+    from the expected served model (OpenAI `model`; a native /generate response names none),
+    from the adapter (or base model) it named as the worker reports its policy
+    (nvext.engine_data / SGLang meta_info: `weight_adapter`) and, when the trainer set an
+    expectation, from the expected policy: the weight version and digest the worker
+    reports."""
     if gen.echoed_request_id != exp.request_id:
         raise IdentityMismatch(f"X-Request-Id {exp.request_id!r} came back as "
                                f"{gen.echoed_request_id!r}")
@@ -192,6 +234,7 @@ def identity(gen: Generation, exp: Expectation) -> None:
     if gen.route == "openai" or gen.model is not None:
         if gen.model != rules.model:
             raise IdentityMismatch(f"served by model {gen.model!r}, expected {rules.model!r}")
+    from_named_adapter(gen.policy, rules, "the worker's engine data")
     reported = gen.policy.to_dict() if gen.policy is not None else {}
     for name, want in rules.expected.to_dict().items():
         if want is None:

@@ -62,6 +62,7 @@ from rlfleet.rl.checks import (
     policy_bound,
     routed_experts,
     single_policy,
+    span_adapters,
     token_ids_present,
     verify,
     weight_spans,
@@ -190,8 +191,10 @@ def _engine_prompt_ids(gen: Generation) -> list[int] | None:
 class RolloutClient:
     """One pooled HTTP client to the frontend at `base_url`, verifying responses against
     `model` (and `expected_version` / `expected_digest` when set) and recording attempts
-    in `ledger` (default: in memory). `route` ("openai" or "sglang") and `stream` are
-    defaults that each `generate` call may override. With a `gate` (the policy refresh's
+    in `ledger` (default: in memory). `adapter`: whether `model` names a LoRA adapter
+    (True: only that adapter's samples are admitted; False: only the base model's; None:
+    either, never another adapter's; SampleRules). `route` ("openai" or "sglang") and
+    `stream` are defaults that each `generate` call may override. With a `gate` (the policy refresh's
     RolloutGate), no attempt starts while the gate is closed, and a reopen on a policy makes
     it the expected one before any attempt starts. `transport` is for tests."""
 
@@ -200,6 +203,7 @@ class RolloutClient:
                  expected_version: Any = None, expected_digest: Any = None,
                  allow_mixed_versions: bool = False,
                  finish_reasons: Iterable[str] = ("length", "stop"),
+                 adapter: bool | None = None,
                  route: str = "openai", stream: bool = False, gate: RolloutGate | None = None,
                  policy: PolicyBound | None = None,
                  max_connections: int = 1024, connect_timeout: float = 10.0,
@@ -209,7 +213,8 @@ class RolloutClient:
         self.base_url = base_url.rstrip("/")
         self.rules = SampleRules(model, PolicyIdentity(version=expected_version,
                                                        digest=expected_digest),
-                                 frozenset(finish_reasons), allow_mixed_versions, policy)
+                                 frozenset(finish_reasons), allow_mixed_versions, policy,
+                                 adapter)
         self._own_ledger = ledger is None  # the caller closes a ledger it passed in
         self.ledger = ledger if ledger is not None else SampleLedger()
         self.retry = retry or RetryPolicy()
@@ -476,6 +481,7 @@ class RolloutClient:
             spans = [self._spans(c.weight_spans, len(c.token_ids), gen, prefix)
                      for c in gen.choices]
             for s in spans:
+                span_adapters(s, rules)
                 single_policy(s, rules)
             policy_bound(gen, spans, rules)
             experts = [routed_experts(c, len(sent_ids) - 1) if sampling.routed_experts else None
@@ -492,7 +498,7 @@ class RolloutClient:
             telemetry.REJECTIONS.labels(e.check).inc()
             log.info("response rejected: %s", e, extra=telemetry.fields(a, trace))
             prefix.clear()  # a resumed sample that fails starts over
-            return self._close(a, trace, AttemptState.FAILED, _End(e.check))
+            return self._close(a, trace, AttemptState.FAILED, _End(e.reason))
         try:
             self.ledger.admit(a.sample_id, a.number)
         except AlreadyAdmitted:

@@ -87,7 +87,9 @@ class Fleet:
     the fleet serves at start, if known (a refresh sets them). How it refreshes: `refresh`
     (a `RefreshConfig`), with the other keyword arguments (RefreshConfig's fields:
     on_failure, pause_mode, min_workers, probe_tolerance, timeout, admin_token, path, mode,
-    max_lag, ...; or PolicyRefresh's on_event, hooks) set in it."""
+    max_lag, ...; or PolicyRefresh's on_event, hooks) set in it. A fleet that refreshes a
+    LoRA adapter (`path="vllm-adapter", adapter=NAME`) whose model is NAME admits only that
+    adapter's samples (a model that is not NAME: only the base model's)."""
 
     def __init__(self, url: str, model: str, *, rl_url: str | None = None,
                  ledger: SampleLedger | str | Path | None = None,
@@ -107,10 +109,12 @@ class Fleet:
         self._own_ledger = not isinstance(ledger, SampleLedger)
         self.ledger = ledger if isinstance(ledger, SampleLedger) else SampleLedger(ledger or ":memory:")
         self.rollout_gate = RolloutGate()
+        adapter = refresh_options.get("adapter", refresh.adapter if refresh else None)
         self.client = RolloutClient(url, model, ledger=self.ledger, retry=retry, partial=partial,
                                     expected_version=expected_version,
                                     expected_digest=expected_digest,
-                                    allow_mixed_versions=allow_mixed_versions, route=route,
+                                    allow_mixed_versions=allow_mixed_versions,
+                                    adapter=adapter == model if adapter else None, route=route,
                                     stream=stream, gate=self.rollout_gate, transport=transport)
         self.coordinator = PolicyRefresh(
             rl_url, config=refresh, model=model, journal=journal,

@@ -33,7 +33,9 @@ from rlfleet.weights.artifacts import (
     tensor_bytes,
     write_artifact,
 )
+from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import checkpoint_digest
+from rlfleet.weights.publish import register_written
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,11 +48,16 @@ def is_artifact(path: Path) -> bool:
 
 def publish_adapter(adapter: Path, root: Path | str, version: str,
                     base: tuple[str, Path] | None = None,
-                    endpoint_url: str | None = None) -> Artifact:
+                    endpoint_url: str | None = None, catalog: Catalog | str | Path | None = None,
+                    model: str | None = None) -> Artifact:
     """Write the peft adapter directory `adapter` under `root/version`: full, or with `base`
     (its version label and adapter directory) as an XOR delta against it. `root`: a
     directory, or a weights location (``s3://bucket/prefix`` at `endpoint_url`, as the
-    model's versions are published): a worker stages it from there (stage_lora_adapter)."""
+    model's versions are published): a worker stages it from there (stage_lora_adapter).
+    With `catalog`, the version is registered there READY once written, filed under `model`
+    (default: the adapter directory's name), as a model's versions are: the workers that
+    serve it staged are listed as its holders, where a peer source without a url finds
+    them."""
     adapter = Path(adapter)
     tensors = load_file(str(adapter / ADAPTER_WEIGHTS))
     digest = checkpoint_digest(adapter)
@@ -64,8 +71,11 @@ def publish_adapter(adapter: Path, root: Path | str, version: str,
     try:
         storage.write(f"{version}/{ADAPTER_CONFIG}", (adapter / ADAPTER_CONFIG).read_bytes())
         write_artifact(storage, art)  # the index last: a reader sees it whole or not at all
+        location = f"{storage.uri}/{version}"
     finally:
         storage.close()
+    if catalog is not None:
+        register_written(catalog, model or adapter.name, art, location)
     return art
 
 

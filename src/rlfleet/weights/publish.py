@@ -71,6 +71,29 @@ def prepare_tensors(tensors: Mapping[str, torch.Tensor] | Any,
     return art.drop_tied_output(out)
 
 
+def catalog_entry(model: str, artifact: art.Artifact, location: str) -> dict[str, Any]:
+    """What the catalog records of an artifact published at `location` (Catalog.create's
+    arguments but the idempotency key)."""
+    return {"model": model, "version": artifact.version, "format": artifact.format,
+            "digest": artifact.digest, "base_version": artifact.base_version,
+            "locations": [location], "size": artifact.bytes_full, "parts": artifact.parts}
+
+
+def register_written(catalog: Catalog | str | Path, model: str, artifact: art.Artifact,
+                     location: str) -> None:
+    """Register an artifact whose files are all written at `location`: created in the
+    catalog with every part published (READY)."""
+    async def run() -> None:
+        cat = Catalog(catalog.url if isinstance(catalog, Catalog) else catalog)
+        try:
+            await cat.create(**catalog_entry(model, artifact, location))
+            for part in artifact.parts:
+                await cat.publish_part(artifact.version, part)
+        finally:
+            await cat.close()
+    _run(run())
+
+
 class Publisher:
     """Publishes successive versions to one destination. It keeps the bytes of the last
     version it published, so a delta against it needs no read-back; any other base is read
@@ -118,10 +141,7 @@ class Publisher:
             catalog = Catalog(self.catalog_url) if self.catalog_url is not None else None
             try:
                 if catalog is not None:
-                    await catalog.create(model=self.model, version=version,
-                                         format=artifact.format, digest=digest,
-                                         base_version=base, locations=[location],
-                                         size=artifact.bytes_full, parts=artifact.parts,
+                    await catalog.create(**catalog_entry(self.model, artifact, location),
                                          idempotency_key=idempotency_key)
                 files = [*artifact.files, (art.INDEX, artifact.index_bytes)]
                 with Progress(f"publishing {version} to {location}",

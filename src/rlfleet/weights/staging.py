@@ -1154,11 +1154,29 @@ class StagingArea:
         for k in done[:max(0, len(done) - keep)]:
             del self.handles[k]
 
+    def _holder_urls(self, entry) -> list[str]:
+        """The system URLs of the other workers the catalog entry lists holding it."""
+        return [d.get("system_url") for w, d in sorted((entry.holders if entry else {}).items())
+                if w != self.worker_id and d.get("system_url")]
+
+    async def holder_urls(self, version: str) -> list[str]:
+        """The other workers the catalog lists holding `version` applied, by system URL
+        (none without a catalog, or while it cannot be read)."""
+        self._open_catalog()
+        if self.catalog is None:
+            return []
+        from rlfleet.weights.catalog import CatalogError
+
+        try:
+            return self._holder_urls(await self.catalog.find(version))
+        except CatalogError as e:
+            log.warning("catalog unavailable for the holders of %s: %s", version, e)
+            return []
+
     def _peers(self, h: StagedVersion, entry) -> list[str]:
         if h.source.location:
             return [h.source.location]
-        urls = [d.get("system_url") for w, d in sorted((entry.holders if entry else {}).items())
-                if w != self.worker_id and d.get("system_url")]
+        urls = self._holder_urls(entry)
         if not urls:
             raise ArtifactError(f"no peer holds {h.version} applied (catalog {self.catalog.url})")
         return urls

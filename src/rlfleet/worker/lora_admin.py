@@ -16,7 +16,10 @@ trainer's publisher, a peer's `/weights` route: rlfleet.weights.staging, one Sta
 adapter), checked tensor by tensor and by its content digest; a delta is applied on the
 adapter's resident staged copy (the version it serves, when that came staged). Loading the
 READY handle makes it the adapter's resident copy once it serves the adapter's name, which
-the worker's `/weights` route then serves to peers (with its adapter_config.json).
+the worker's `/weights` route then serves to peers (with its adapter_config.json). With the
+worker's catalog (--weights-catalog), a version published there (publish_adapter's
+`catalog`) lists the workers that serve it staged as its holders, as a model version does,
+and a peer source without a url stages from one of them.
 
 Beside (`load_lora_adapter` with `activate: false`, then `activate_lora_adapter` or
 `discard_lora_adapter`), on engines that load a version beside the serving one (vLLM): a
@@ -32,6 +35,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from msgspec import UNSET
 
@@ -134,10 +138,14 @@ class LoraAdmin:
     def _area(self, name: str) -> StagingArea:
         if name not in self.areas:
             tag = hashlib.sha256(name.encode()).hexdigest()[:16]  # any name, one directory
-            base = self.staging.root if self.staging is not None else default_staging_root()
-            self.areas[name] = StagingArea(base / "lora" / tag,
-                                           allowed_roots=[str(r) for r in self.roots],
-                                           admin_token=self._token())
+            s = self.staging
+            self.areas[name] = StagingArea(
+                (s.root if s is not None else default_staging_root()) / "lora" / tag,
+                allowed_roots=[str(r) for r in self.roots], admin_token=self._token(),
+                # the worker's catalog and identity: its holders of adapter versions
+                catalog=s.catalog if s is not None else None,
+                worker_id=s.worker_id if s is not None else "",
+                system_url=s.system_url if s is not None else None)
         return self.areas[name]
 
     def _token(self) -> str | None:
@@ -157,7 +165,7 @@ class LoraAdmin:
         src = parse_source(raw, version, [Path(r) for r in self.roots])
         if src.kind == "peer" and not src.location:
             raise StageRequestError("source.url is required for a peer source of an adapter "
-                                    "version (adapter versions are not in the catalog)")
+                                    "version, unless the worker's catalog lists a holder")
         where = f"{src.kind} source {src.describe()}"
         try:
             storage = open_source_storage(src, min(10.0, src.timeout), self._token())
@@ -174,12 +182,30 @@ class LoraAdmin:
         finally:
             storage.close()
 
+    async def _config_of(self, name: str, raw: Any, version: str) -> bytes:
+        """`_config`; for a peer source without a url, from the first holder of the version
+        the catalog lists that answers (the tensors then come from those holders too)."""
+        if not (isinstance(raw, dict) and raw.get("kind") == "peer" and not raw.get("url")):
+            return await asyncio.to_thread(self._config, raw, version)
+        urls = await self._area(name).holder_urls(version)
+        if not urls:
+            raise StageRequestError(f"no peer url given, and no other worker holds {version} "
+                                    "in this worker's catalog" + ("" if self.staging and
+                                    self.staging.catalog else " (it has none)"))
+        errors = []
+        for url in urls:
+            try:
+                return await asyncio.to_thread(self._config, {**raw, "url": url}, version)
+            except ArtifactError as e:
+                errors.append(f"{url}: {e}")
+        raise ArtifactError(f"no holder of {version} could serve it: " + "; ".join(errors))
+
     async def stage_lora_adapter(self, req: LoraStageRequest) -> StageReply:
         """Start pulling an adapter version while the engine serves; returns at once with
         the handle (STAGING), which ends READY (checked) or FAILED with the reason."""
         self._fence(req)
         try:
-            config = await asyncio.to_thread(self._config, req.source, req.version)
+            config = await self._config_of(req.lora_name, req.source, req.version)
             served = self._served(req.lora_name)
             h = await self._area(req.lora_name).stage(
                 req.version, req.source, digest=req.digest,
@@ -329,6 +355,8 @@ class LoraAdmin:
             return LoraAdapterReply.failed(str(e), lora_name=req.lora_name)
         for d in self.made.pop(req.lora_name, []):  # vLLM holds what still runs in memory
             shutil.rmtree(d, ignore_errors=True)
+        if req.lora_name in self.areas:  # nor does it hold any version for peers now
+            await self.areas[req.lora_name].weights_replaced()
         return LoraAdapterReply(lora_name=req.lora_name, **policy.reply_fields(),
                                 fleet_epoch=fence.newest,
                                 message=f"adapter {req.lora_name} unloaded")
