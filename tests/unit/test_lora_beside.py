@@ -15,6 +15,7 @@ from rlfleet.protocol import admin
 from rlfleet.protocol.admin import (
     AdminRequestError,
     LoraLoadRequest,
+    LoraStagedQuery,
     LoraStageRequest,
     LoraVersionRequest,
     read_request,
@@ -28,6 +29,7 @@ from rlfleet.weights.publish import TrainerServer
 from rlfleet.weights.staging import StageRequestError, StagingArea
 from rlfleet.worker.engine import BadRequest, UnknownAdapter
 from rlfleet.worker.lora_admin import LoraAdmin
+from rlfleet.worker.system_server import FleetFence, StaleEpoch
 
 
 def test_the_staging_and_switching_bodies_say_what_is_missing():
@@ -185,3 +187,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_reading_an_adapters_staged_versions_with_a_stale_epoch_is_refused(tmp_path):
+    """As the base model's staged-weights read: an epoch older than the adapter's newest is
+    refused (StaleEpoch, 409) and does not move the fence; another adapter's is its own."""
+    lora = LoraAdmin(SimpleNamespace(adapter_limits=lambda: (2, 8)), [tmp_path],
+                     lambda: "base")
+    lora.fences["a"] = FleetFence()
+    lora.fences["a"].check(5, advance=True)
+
+    async def run() -> None:
+        with pytest.raises(StaleEpoch):
+            await lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="a", fleet_epoch=4))
+        got = await lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="a", fleet_epoch=6))
+        assert "nothing was staged" in got.message and lora.fences["a"].newest == 5
+        got = await lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="b", fleet_epoch=1))
+        assert "nothing was staged" in got.message
+
+    asyncio.run(run())

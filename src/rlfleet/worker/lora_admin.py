@@ -109,10 +109,11 @@ class LoraAdmin:
                 Route(admin.SET_LORA_ADMISSION, self.set_lora_admission),
                 Route(admin.LIST_LORA_ADAPTERS, self.list_lora_adapters), *staged]
 
-    def _fence(self, req: LoraRequest) -> FleetFence:
-        """The adapter's fence, checked and advanced by the call's epoch (StaleEpoch: 409)."""
+    def _fence(self, req: LoraRequest, advance: bool = True) -> FleetFence:
+        """The adapter's fence, checked by the call's epoch (StaleEpoch: 409) and, for a
+        call that changes something, advanced by it."""
         fence = self.fences.setdefault(req.lora_name, FleetFence())
-        fence.check(req.fleet_epoch, advance=True)
+        fence.check(req.fleet_epoch, advance=advance)
         return fence
 
     def lora_path(self, raw: str) -> Path:
@@ -217,6 +218,7 @@ class LoraAdmin:
         return StageReply(handle=h.handle, state=h.state.value, version=h.version)
 
     async def get_staged_lora_adapter(self, req: LoraStagedQuery) -> StagedListReply:
+        self._fence(req, advance=False)
         area = self.areas.get(req.lora_name)
         if area is None:
             return StagedListReply.failed(f"nothing was staged for adapter {req.lora_name!r}")
