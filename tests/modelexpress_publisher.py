@@ -70,6 +70,15 @@ def _rank_main(rank: int, ranks: int, root: str, seed_file: str, plan: list[tupl
     dist.destroy_process_group()
 
 
+def perturbed(tensors: Mapping[str, torch.Tensor], seed: int, only: str,
+              scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """`tensors` with Gaussian noise (`scale`, from `seed`) on those whose name holds `only`:
+    a next policy a trainer could publish."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + torch.randn(t.shape, generator=g) * scale if only in n else t
+            for n, t in tensors.items()}
+
+
 def publish_with_modelexpress(root: Path, seed_file: Path,
                               versions: Mapping[str, Mapping[str, torch.Tensor]],
                               plan: Sequence[tuple[str, str | None]], *, prefix: str, model: str,

@@ -3,12 +3,16 @@
 shape, effect), and vLLM's own HTTPVLLMWeightSyncClient driving an rlfleet worker.
 
 Intended differences (rlfleet's safety rules), not compared as equal:
-- the weight-transfer steps on the CPU build: vLLM fails them because no weight-transfer
-  engine is configured (its backends need a GPU); rlfleet refuses them with HTTP 400 saying so;
+- the weight-transfer steps with a backend that needs a GPU, on the CPU build (the worker
+  here is started with `--weight-transfer-config '{"backend": "nccl"}'`): vLLM's server (no
+  backend configured) fails them; rlfleet refuses them with HTTP 400 saying they need a GPU.
+  The backend the CPU build runs, modelexpress, is test_modelexpress_transfer_vllm.py's: the
+  client's public methods move a worker through pause -> update -> resume there, and vLLM's
+  server with that backend is compared step by step;
 - `collective_rpc` runs `reload_weights` only, and only while paused (HTTP 409 otherwise).
-The CPU build has no weight-transfer backend, so the client drives pause -> reload_weights
-(collective_rpc) -> update_weight_version -> resume through its own transport, and its
-init_weight_transfer_engine is shown refused."""
+Here the client drives pause -> reload_weights (collective_rpc) -> update_weight_version ->
+resume through its transport (it has no method for those routes), and its
+init_weight_transfer_engine for nccl is shown refused."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import httpx
 import pytest
 
 from rlfleet.weights.digest import checkpoint_digest
-from tests.fleets import vllm_serve, vllm_worker_args
+from tests.fleets import MODEL_NAME, vllm_serve, vllm_worker_args
 
 pytestmark = pytest.mark.engine
 
@@ -35,8 +39,9 @@ def vllm_dev_url(tiny_model: Path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def worker_url(start_module_fleet, tiny_model: Path) -> str:
     """One rlfleet vLLM worker (no frontend): its admin_base_url (the system server)."""
-    fleet = start_module_fleet([vllm_worker_args(tiny_model)], kind="vllm", frontend=None,
-                               name="native-rl")
+    nccl = ("--weight-transfer-config", '{"backend": "nccl"}')  # a backend needing a GPU
+    fleet = start_module_fleet([vllm_worker_args(tiny_model, MODEL_NAME, *nccl)], kind="vllm",
+                               frontend=None, name="native-rl")
     return fleet.workers[0].ready["system_url"]
 
 
@@ -90,14 +95,18 @@ def test_native_routes_answer_as_vllm_does(vllm_dev_url: str, worker_url: str) -
 
 
 def test_weight_transfer_is_refused_on_the_cpu_build(vllm_dev_url: str, worker_url: str) -> None:
-    """vLLM fails (no weight-transfer engine configured: its backends need a GPU); rlfleet
-    refuses with a 4xx that says so, and nothing changes."""
+    """A backend other than modelexpress on the CPU build: vLLM fails (no weight-transfer
+    engine configured: its backends need a GPU); rlfleet refuses with a 4xx that says so and
+    names the backend the CPU build runs, and nothing changes."""
     for path, body in [("/init_weight_transfer_engine", {"init_info": {}}),
-                       ("/start_weight_update", None), ("/finish_weight_update", None)]:
+                       ("/start_weight_update", None),
+                       ("/update_weights", {"update_info": {"names": []}}),
+                       ("/finish_weight_update", None)]:
         ref, got = call(vllm_dev_url, "POST", path, json=body), \
             call(worker_url, "POST", path, json=body)
         assert ref.status_code >= 400, (path, ref.text)
         assert got.status_code == 400 and "need a GPU" in got.json()["error"], (path, got.text)
+        assert "modelexpress" in got.json()["error"], got.text
     assert call(worker_url, "GET", "/is_paused").json() == {"is_paused": False}
 
 

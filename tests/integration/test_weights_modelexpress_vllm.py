@@ -13,7 +13,6 @@ import shutil
 
 import httpx
 import pytest
-import torch
 
 from rlfleet.rl.journal import SqliteJournal
 from rlfleet.rl.refresh import PolicyRefresh
@@ -21,7 +20,7 @@ from rlfleet.runtime.launch import LocalFleet
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
 from tests.fleets import vllm_worker_args, weight_versions
-from tests.modelexpress_publisher import SEED, publish_with_modelexpress
+from tests.modelexpress_publisher import SEED, perturbed, publish_with_modelexpress
 from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
@@ -31,12 +30,6 @@ PREFIX = f"s3://{BUCKET}/mx-vllm"
 PROMPT = [151644, 8948, 198, 1, 2, 3]
 N = 8
 PLAN = (("mx-1", SEED), ("mx-2", "mx-1"))  # mx-1 on the seed, mx-2 on mx-1
-
-
-def _step(tensors: dict[str, torch.Tensor], seed: int, only: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {n: t + torch.randn(t.shape, generator=g) * 0.05 if only in n else t
-            for n, t in tensors.items()}
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +42,8 @@ def published(tiny_model, tmp_path_factory, s3_server):
     seed_dir = shutil.copytree(tiny_model, root / "seed")
     seed = dict(iter_checkpoint_tensors(seed_dir))
     assert art.TIED_OUTPUT not in seed  # the tied lm_head is stored once, as the embedding
-    steps = {"mx-1": _step(seed, 21, "layers.0.")}
-    steps["mx-2"] = _step(steps["mx-1"], 22, "layers.1.")
+    steps = {"mx-1": perturbed(seed, 21, "layers.0.")}
+    steps["mx-2"] = perturbed(steps["mx-1"], 22, "layers.1.")
     publish_with_modelexpress(root / "ranks", seed_dir / "model.safetensors", steps, PLAN,
                               prefix=PREFIX, model=MODEL, s3_server=s3_server)
     return {"seed_dir": seed_dir, "seed_digest": checkpoint_digest(seed_dir),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from rlfleet.runtime import address
-from rlfleet.vllm.args import EXTENSION, engine_args, parse_args
+from rlfleet.vllm.args import EXTENSION, engine_args, own_transfer_backend, parse_args
 
 
 def test_config_yaml_is_read_and_the_command_line_wins(tmp_path: Path) -> None:
@@ -39,6 +39,27 @@ def test_rlfleet_defaults_and_the_served_name() -> None:
                                  "--logprobs-mode", "raw_logprobs"]))
     assert ea.served_model_name == ["tiny"] and ea.max_model_len == 2048
     assert ea.logprobs_mode == "raw_logprobs"
+
+
+def test_weight_transfer_config_on_the_cpu_build() -> None:
+    """modelexpress: the worker runs it (vLLM's engine gets no config); any other backend is
+    vLLM's, passed as given (a GPU build passes modelexpress too: own_transfer_backend)."""
+    mx = parse_args(["--model", "m", "--weight-transfer-config", '{"backend": "modelexpress"}'])
+    assert own_transfer_backend(mx) == "modelexpress"
+    assert engine_args(mx).weight_transfer_config is None
+    nccl = parse_args(["--model", "m", "--weight-transfer-config", '{"backend": "nccl"}'])
+    assert own_transfer_backend(nccl) is None
+    assert engine_args(nccl).weight_transfer_config.backend == "nccl"
+    assert own_transfer_backend(parse_args(["--model", "m"])) is None
+
+
+def test_a_gpu_build_leaves_modelexpress_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlfleet.vllm.args as worker_args
+
+    monkeypatch.setattr(worker_args, "current_platform", argparse.Namespace(is_cpu=lambda: False))
+    mx = parse_args(["--model", "m", "--weight-transfer-config", '{"backend": "modelexpress"}'])
+    assert own_transfer_backend(mx) is None
+    assert engine_args(mx).weight_transfer_config.backend == "modelexpress"
 
 
 def test_served_name_of_a_local_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -908,27 +908,32 @@ def read_request(route: AdminRoute, body: dict[str, Any]) -> Any:
     """The body as the route's request; AdminRequestError says what is wrong: a field the
     route does not take (by name, with the ones it does), a missing one, a wrong type, or
     a rule the request breaks."""
+    return read_struct(route.request, route.name, body)
+
+
+def read_struct(request: type, name: str, body: Any) -> Any:
+    """`body` as a `request` Struct (what `name` takes), refused as read_request refuses."""
     try:
-        return msgspec.convert(body, route.request)
+        return msgspec.convert(body, request)
     except msgspec.ValidationError as e:
         if isinstance(e.__cause__, AdminRequestError):
             raise e.__cause__ from None
-        raise AdminRequestError(_explain(route, str(e))) from None
+        raise AdminRequestError(_explain(request, name, str(e))) from None
 
 
-def _explain(route: AdminRoute, error: str) -> str:
-    messages: dict[str, str] = getattr(route.request, "MESSAGES", {})
-    fields = getattr(route.request, "__struct_fields__", ())
+def _explain(request: type, name: str, error: str) -> str:
+    messages: dict[str, str] = getattr(request, "MESSAGES", {})
+    fields = getattr(request, "__struct_fields__", ())
     if m := _UNKNOWN.fullmatch(error):
         where = f" (in {m['at'].removeprefix('$.')})" if m["at"] else ""
         takes = ", ".join(fields) if fields else "no fields"
-        return (f"unknown field {m['field']!r}{where}: {route.name} takes {takes}")
+        return (f"unknown field {m['field']!r}{where}: {name} takes {takes}")
     if m := _MISSING.fullmatch(error):
-        return messages.get(m["field"], f"{m['field']} is required by {route.name}")
+        return messages.get(m["field"], f"{m['field']} is required by {name}")
     if m := _TYPE.fullmatch(error):
-        generic = f"{m['at']} must be {m['want']}, not {m['got']} ({route.name})"
+        generic = f"{m['at']} must be {m['want']}, not {m['got']} ({name})"
         return messages.get(m["at"], generic)  # a nested field: its path
-    return f"{route.name}: {error}"
+    return f"{name}: {error}"
 
 
 # ---------------------------------------------------------------- checkpoint paths

@@ -17,6 +17,10 @@ Engine settings rlfleet relies on, and who decides them:
 - ``--skip-tokenizer-init``: refused (the worker tokenizes prompts and renders chat).
 - ``--enable-lora``, ``--max-loras``, ``--max-lora-rank``: vLLM's; ``--lora-modules``
   (``vllm serve``'s flag) loads adapters at start-up and needs ``--enable-lora``.
+- ``--weight-transfer-config``: vLLM's, passed to vLLM as given, except on vLLM's CPU build
+  with ``{"backend": "modelexpress"}``: the worker runs that backend itself over rlfleet's
+  weight plane (rlfleet.worker.modelexpress) and vLLM's engine gets none (its own
+  ModelExpress engine is not installed in the workers: its package is kept out of them).
 
 Everything else is vLLM's default unless given; machine-specific choices (the CPU build's
 in-process engine, KV-cache size) live in the set-up's environment file, not here.
@@ -30,8 +34,10 @@ import sys
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import LoRAParserAction
+from vllm.platforms import current_platform
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from rlfleet.protocol import modelexpress
 from rlfleet.protocol.engine import MAX_LOGPROBS
 from rlfleet.worker.serve import add_worker_args, settle_worker_args
 
@@ -137,8 +143,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def own_transfer_backend(args: argparse.Namespace) -> str | None:
+    """The --weight-transfer-config backend the worker runs itself instead of vLLM: the
+    modelexpress one on vLLM's CPU build (where the official engine's does not run); None on
+    a GPU build, and for every other backend (vLLM's own, or refused on a CPU build)."""
+    config = args.weight_transfer_config
+    if config is None or config.backend != modelexpress.BACKEND or not current_platform.is_cpu():
+        return None
+    return modelexpress.BACKEND
+
+
 def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:
-    """vLLM's engine arguments from the parsed command line, with the served name resolved."""
+    """vLLM's engine arguments from the parsed command line, with the served name resolved
+    (and no weight-transfer config where the worker runs the backend itself)."""
     ea = AsyncEngineArgs.from_cli_args(args)
     ea.served_model_name = [served_name(args)]
+    if own_transfer_backend(args) is not None:
+        ea.weight_transfer_config = None
     return ea

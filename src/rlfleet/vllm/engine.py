@@ -620,11 +620,18 @@ class VllmEngine(Engine, EngineControl):
         self.weights_path = None
         return digest
 
+    def own_transfer_backend(self) -> str | None:
+        from rlfleet.vllm.args import own_transfer_backend
+
+        return own_transfer_backend(self.args)
+
     def weight_transfer_refusal(self) -> str | None:
         if self.on_gpu:
             return None  # vLLM says what is missing (e.g. no --weight-transfer-config)
         return ("vLLM's weight-transfer backends (nccl, ipc and the others it registers) need "
-                "a GPU, and this worker runs vLLM's CPU build (RLFLEET_ENGINE=cpu): load "
+                "a GPU, and this worker runs vLLM's CPU build (RLFLEET_ENGINE=cpu): start it "
+                "with --weight-transfer-config '{\"backend\": \"modelexpress\"}' to take "
+                "ModelExpress versions from object storage through these routes, or load "
                 "weights with POST /collective_rpc {\"method\": \"reload_weights\"}, "
                 "/engine/update_weights_from_disk or /engine/init_weights_update_group (gloo)")
 

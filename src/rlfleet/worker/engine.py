@@ -371,6 +371,11 @@ class EngineControl(abc.ABC):
 
     # ---- vLLM's own weight transfer (its native RL routes, rlfleet.worker.native_rl)
 
+    def own_transfer_backend(self) -> str | None:
+        """The vLLM weight-transfer backend the worker runs itself, over rlfleet's weight
+        plane, instead of the engine (rlfleet.worker.modelexpress); None: the engine's."""
+        return None
+
     def weight_transfer_refusal(self) -> str | None:
         """Why this engine cannot run vLLM's weight-transfer steps (None when it can)."""
         return ("this engine has no vLLM weight-transfer engine: load weights with POST "

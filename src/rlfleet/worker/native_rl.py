@@ -13,8 +13,11 @@ server's lock), and two safety rules:
 * `collective_rpc` runs `reload_weights` only, and through update_weights_from_disk's
   checks (paused, an allowed path that fits the model, the digest, the self-check, the hold).
 
-vLLM's weight-transfer steps (init/start/update/finish) go through to vLLM on a GPU build;
-an engine that cannot run them (vLLM's CPU build, the mocker) refuses them with HTTP 400."""
+vLLM's weight-transfer steps (init/start/update/finish/shutdown) go through to vLLM on a GPU
+build. On vLLM's CPU build, a worker started with `--weight-transfer-config '{"backend":
+"modelexpress"}'` runs them itself over rlfleet's weight plane (rlfleet.worker.modelexpress:
+ModelExpress versions staged from object storage); any other backend, and an engine that has
+none (the mocker), is refused with HTTP 400."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, dynamo_lora, vllm_rl
+from rlfleet.protocol import admin, dynamo_lora, modelexpress, vllm_rl
 from rlfleet.protocol.admin import (
     AdminRequestError,
     AdminRoute,
@@ -40,6 +43,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
 from rlfleet.worker.admin import RELOAD_NOT_PAUSED, EngineAdmin
+from rlfleet.worker.modelexpress import ModelExpressTransfer, TransferError
 from rlfleet.worker.system_server import Guard
 
 log = logging.getLogger("rlfleet.native_rl")
@@ -85,10 +89,13 @@ class RefreshHold:
         return max((e for e in (self.paused_by, self.closed_by) if e is not None), default=None)
 
 
-def vllm_error(message: str, status: int, param: str | None = None) -> JSONResponse:
+def vllm_error(message: str, status: int, param: str | None = None,
+               err_type: str | None = None) -> JSONResponse:
     """The error body vLLM's server answers a refused request with (its ErrorResponse;
-    `param`: where in the request, for a body or query that does not fit)."""
-    return JSONResponse({"error": {"message": message, "type": HTTPStatus(status).phrase,
+    `param`: where in the request, for a body or query that does not fit; `err_type`:
+    default the status's phrase)."""
+    return JSONResponse({"error": {"message": message,
+                                   "type": err_type or HTTPStatus(status).phrase,
                                    "param": param, "code": status}}, status_code=status)
 
 
@@ -122,6 +129,9 @@ class NativeRL:
         self.engine = engine_admin.engine
         self.hold = RefreshHold()
         self.guard: Guard | None = None
+        #: the weight-transfer backend the worker runs itself (vLLM's CPU build), if any
+        self.modelexpress = ModelExpressTransfer(engine_admin) \
+            if self.engine.own_transfer_backend() == modelexpress.BACKEND else None
 
     def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None:
         self.hold.observe(spec, req, reply, epoch)
@@ -210,6 +220,15 @@ class NativeRL:
 
     async def transfer(self, step: str, payload: Any = None,
                        weight_version: str | None = None) -> Response:
+        if self.modelexpress is not None:
+            try:  # refusals as vLLM's exception handlers answer a worker's exceptions
+                await self.modelexpress.run(step, payload, weight_version)
+            except AdminRequestError as e:  # a ValueError in vLLM
+                return vllm_error(str(e), 400, err_type="BadRequestError")
+            except TransferError as e:  # a RuntimeError in vLLM (500), or rlfleet's 409
+                return vllm_error(str(e), e.status,
+                                  err_type="InternalServerError" if e.status == 500 else None)
+            return JSONResponse({"message": vllm_rl.TRANSFER_MESSAGES[step]})
         why = self.engine.weight_transfer_refusal()
         if why:
             return route_error(why, 400)
