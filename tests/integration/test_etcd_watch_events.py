@@ -132,8 +132,9 @@ async def test_a_lapsed_lease_leaves_the_view_within_its_ttl(pair, ns: str) -> N
     async with contextlib.aclosing(reader.watch(ns, interval=0.02)) as watch:
         reg = await writer.register(entry(ns), ttl=ttl)
         await until(watch, lambda es: len(es) == 1, 10)
-        assert reg._task is not None
-        reg._task.cancel()  # the owner stops (hangs, or its host goes away): no keep-alive
+        task = reg._lease._task  # the keep-alive of the lease it shares (alone here)
+        assert task is not None
+        task.cancel()  # the owner stops (hangs, or its host goes away): no keep-alive
         stopped = time.monotonic()
         await until(watch, lambda es: es == [], 3 * ttl)
         took = time.monotonic() - stopped

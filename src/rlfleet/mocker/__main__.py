@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     add_worker_args(p)
     p.add_argument("--replicas", type=int, default=1,
                    help="simulate this many independent workers in this process, each with "
-                        "its own request plane, system server, admin state, discovery "
-                        "entries and lease, on free ports (--port and --system-port must be "
-                        "0 or unset); one ready line once all are registered")
+                        "its own request plane, system server, admin state and discovery "
+                        "entries (on etcd all share the process's one lease), on free ports "
+                        "(--port and --system-port must be 0 or unset); one ready line once "
+                        "all are registered")
     args = p.parse_args(argv)
     try:
         settle_worker_args(args)

@@ -180,8 +180,8 @@ class WorkerProcess:
                  mounted: MountedRoutes | None = None, discovery: Discovery | None = None
                  ) -> None:
         """`discovery`: a store client shared with other workers of this process (its
-        entries and leases stay this worker's own; the owner of the client closes it);
-        default: one of its own, from --discovery."""
+        entries stay this worker's own, under the client's one lease on etcd; the owner of
+        the client closes it); default: one of its own, from --discovery."""
         self.engine, self.args = engine, args
         self.mounted = mounted  # vLLM's native RL routes (rlfleet.worker.native_rl)
         self.admin_routes, self.staging = admin_routes, staging
@@ -458,9 +458,10 @@ async def serve_worker(engine: Engine, args: argparse.Namespace,
 
 async def serve_workers(parts: list[WorkerParts]) -> None:
     """`serve_worker` for one worker or many in this process (`python -m rlfleet.mocker
-    --replicas N`): each its own engine, request plane, system server, admin state,
-    discovery entries and leases; one HTTP server for all their listeners and one client of
-    the discovery store. Many: one ready line (RLFLEET_WORKERS_READY) once all registered."""
+    --replicas N`): each its own engine, request plane, system server, admin state and
+    discovery entries; one HTTP server for all their listeners and one client of the
+    discovery store (on etcd, one lease for all their entries). Many: one ready line
+    (RLFLEET_WORKERS_READY) once all registered."""
     args = parts[0].args
     setup_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
     name = parts[0].engine.info.served_model_name

@@ -1,7 +1,10 @@
 """The etcd store (etcd v3 through ``aetcd``): multi-host. ``etcd://host:port[,host:port...]``,
-keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``, one lease per
-registration; records (`Discovery.put_record`) under ``/rlfleet/discovery-records/<name>``,
-with no lease. A watch lists the prefix once and then applies etcd's watch events to that
+keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``; records
+(`Discovery.put_record`) under ``/rlfleet/discovery-records/<name>``, with no lease. A
+client's registrations of one TTL share one lease (etcd's session pattern: `_EtcdLease`),
+kept alive by one call every ttl/3 however many entries it holds (a process of many
+simulated workers holds thousands); closing a registration deletes its key, and the last
+one out revokes the lease. A watch lists the prefix once and then applies etcd's watch events to that
 view in revision order (`_EtcdView`), listing again only when the watch is lost or
 compacted. Every call has a deadline; with several endpoints a failed one hands over to
 the next. A value that is not a valid entry is skipped and reported, never fatal.
@@ -29,6 +32,7 @@ from rlfleet.runtime.discovery.base import (
     Registration,
     Skipped,
     _filter_prefix,
+    _normalize,
     entry_key,
     log,
 )
@@ -37,6 +41,7 @@ ETCD_PREFIX = "/rlfleet/discovery/"
 ETCD_DEFAULT_PORT = 2379
 DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
 WATCH_IDLE = 30.0  # seconds a watch loop sleeps when etcd sends nothing (it lists nothing)
+REPUBLISH_CONCURRENCY = 64  # puts in flight when a lost lease's entries are put again
 
 T = TypeVar("T")
 
@@ -50,49 +55,202 @@ def _grpc_detail(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+class _EtcdLease:
+    """One etcd lease shared by a client's registrations of one TTL (etcd's session
+    pattern), kept alive by one loop every ttl/3 whatever their number. When it is lost
+    (etcd no longer knows it, or it was not kept alive for a whole ttl: a stopped process)
+    a new one is granted and every entry is put under it again, each calling its
+    ``on_lapse`` first; an entry whose last update did not reach etcd is put again too.
+    It is revoked when its last registration closes."""
+
+    def __init__(self, owner: EtcdDiscovery, ttl: float) -> None:
+        self._owner = owner
+        self.ttl = ttl
+        self.id = 0  # the etcd lease; 0: none (not granted yet, or lost)
+        self.kept = 0.0  # loop time it was last known to be alive
+        self.regs: set[_EtcdRegistration] = set()
+        self._granting = asyncio.Lock()  # one grant at a time
+        self._task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<etcd lease {self.id:x} ttl={self.ttl:g} entries={len(self.regs)}>"
+
+    def join(self, reg: _EtcdRegistration) -> None:
+        self.regs.add(reg)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._keepalive(), name=f"discovery-keepalive:etcd-lease-{self.ttl:g}s")
+
+    async def leave(self, reg: _EtcdRegistration) -> None:
+        """`reg` closed; the last one out stops the keep-alive and revokes the lease."""
+        self.regs.discard(reg)
+        if not self.regs:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop the keep-alive and revoke the lease (best effort: it expires anyway)."""
+        if self._owner._leases.get(self.ttl) is self:
+            del self._owner._leases[self.ttl]  # a registration from now on gets a new one
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        lease_id, self.id = self.id, 0
+        if lease_id:
+            try:
+                await self._owner._call(f"revoke lease {lease_id:x}",
+                                        lambda c: c.revoke_lease(lease_id))
+            except DiscoveryError as exc:  # its keys are gone already; it will expire
+                log.debug("discovery: %s", exc)
+
+    async def granted(self) -> int:
+        """The lease's id, granting a new one if there is none."""
+        async with self._granting:
+            if not self.id:
+                ttl = max(1, math.ceil(self.ttl))
+                lease = await self._owner._call(f"grant a {ttl}s lease",
+                                                lambda c: c.lease(ttl))
+                self.id, self.kept = lease.id, asyncio.get_running_loop().time()
+            return self.id
+
+    def drop(self, lease_id: int) -> None:
+        """`lease_id` is gone: the next `granted` grants a new lease, and every entry that
+        was under it re-joins (its ``on_lapse``) under that one."""
+        if lease_id and self.id == lease_id:
+            self.id = 0
+            for reg in self.regs:
+                if reg._lease_id == lease_id:
+                    reg._lost = True
+
+    async def _refresh(self) -> bool:
+        """One keep-alive; False when etcd no longer knows the lease."""
+        lease_id = self.id
+        try:
+            reply = await self._owner._call(f"keep-alive of lease {lease_id:x}",
+                                            lambda c: c.refresh_lease(lease_id))
+        except _LeaseNotFound:
+            return False
+        if reply is None or reply.TTL <= 0:
+            return False
+        if self.id == lease_id:
+            self.kept = asyncio.get_running_loop().time()
+        return True
+
+    async def _tick(self) -> None:
+        """Refresh the lease (a new one where it is lost or lapsed), then put every entry
+        that is not under it or whose last update did not reach etcd."""
+        lease_id = self.id
+        if lease_id and asyncio.get_running_loop().time() - self.kept > self.ttl:
+            log.warning("discovery: the %gs etcd lease %x was not kept alive for a whole "
+                        "ttl; its %d entries re-join", self.ttl, lease_id, len(self.regs))
+            self.drop(lease_id)
+        elif lease_id and not await self._refresh():
+            log.warning("discovery: the %gs etcd lease %x was lost; re-registering its %d "
+                        "entries", self.ttl, lease_id, len(self.regs))
+            self.drop(lease_id)
+        await self.granted()
+        due = [reg for reg in self.regs if reg._lease_id != self.id or reg._dirty]
+        if not due:
+            return
+        limit = asyncio.Semaphore(REPUBLISH_CONCURRENCY)
+
+        async def one(reg: _EtcdRegistration) -> None:
+            async with limit:
+                await reg._republish()
+        results = await asyncio.gather(*(one(reg) for reg in due), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, DiscoveryError)]
+        for reg, result in zip(due, results, strict=True):
+            if isinstance(result, Exception) and not isinstance(result, DiscoveryError):
+                log.error("discovery: unexpected error re-publishing %s", reg.key,
+                          exc_info=result)
+        if errors:
+            raise DiscoveryError(f"{len(errors)} of {len(due)} entries not published "
+                                 f"again: {errors[0]}")
+
+    async def _keepalive(self) -> None:
+        period = self.ttl / 3
+        failing = False
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self._tick()
+                if failing:
+                    log.info("discovery: keep-alive of the %gs etcd lease recovered", self.ttl)
+                    failing = False
+            except DiscoveryError as exc:
+                if not failing:
+                    log.warning("discovery: keep-alive of the %gs etcd lease (%d entries) "
+                                "failed, retrying every %.2gs: %s", self.ttl, len(self.regs),
+                                period, exc)
+                failing = True
+            except Exception:  # a bug; keep the entries alive anyway
+                log.exception("discovery: unexpected keep-alive error for the %gs etcd lease",
+                              self.ttl)
+
+
 class _EtcdRegistration(Registration):
+    """An entry under its client's shared lease for its TTL (`_EtcdLease`), which keeps it
+    alive: the registration has no keep-alive task of its own."""
+
     _owner: EtcdDiscovery
 
     def __init__(self, owner: EtcdDiscovery, key: str, entry: Entry, ttl: float) -> None:
         super().__init__(owner, key, entry, ttl)
-        self._lease_id = 0
+        self._lease = owner._lease_for(ttl)
+        self._lease_id = 0  # the lease its value was last put under
         self._etcd_key = owner._etcd_key(key)
 
     def _value(self) -> bytes:
         return json.dumps(self.entry).encode()
 
     async def _establish(self) -> None:
-        d = self._owner
-        ttl = max(1, math.ceil(self.ttl))
-        lease = await d._call(f"grant lease for {self.key}", lambda c: c.lease(ttl))
-        self._lease_id = lease.id
-        value = self._value()
-        await d._call(f"put {self.key}",
-                      lambda c: c.put(self._etcd_key, value, lease=lease.id))
+        self._lease.join(self)  # from now on the lease is not revoked under it
+        try:
+            async with self._lock:
+                await self._put()
+        except BaseException:
+            await self._lease.leave(self)
+            raise
 
-    async def _refresh(self) -> bool:
-        lease_id = self._lease_id
-        reply = await self._owner._call(f"keep-alive {self.key}",
-                                        lambda c: c.refresh_lease(lease_id))
-        return reply is not None and reply.TTL > 0
+    def _start(self) -> None:
+        return None  # the shared lease's loop keeps it alive
 
     async def _put(self) -> None:
-        value, lease_id = self._value(), self._lease_id
-        try:
-            await self._owner._call(f"put {self.key}",
-                                    lambda c: c.put(self._etcd_key, value, lease=lease_id))
-        except _LeaseNotFound:
-            await self._establish()
+        """Put the value under the shared lease (granting one if there is none, and once
+        more if etcd says it is gone)."""
+        value = self._value()
+        for attempt in range(2):
+            lease_id = await self._lease.granted()
+            try:
+                await self._owner._call(f"put {self.key}", lambda c, lease=lease_id: c.put(
+                    self._etcd_key, value, lease=lease))
+            except _LeaseNotFound:
+                self._lease.drop(lease_id)
+                if attempt:
+                    raise
+                continue
+            self._lease_id = lease_id
+            return
+
+    async def _republish(self) -> None:
+        """Put the entry under the lease now, first asking ``on_lapse`` for the entry to
+        publish where the lease it was under lapsed (the shared lease's loop)."""
+        async with self._lock:
+            if self._closed or (self._lease_id == self._lease.id and not self._dirty):
+                return
+            if self._lost and self.on_lapse is not None:
+                log.warning("discovery: the lease for %s lapsed; it re-joins", self.key)
+                self.entry = _normalize(await self.on_lapse(self.entry))[1]
+            await self._put()
+            self._lost = self._dirty = False
 
     async def _remove(self) -> None:
-        d = self._owner
-        await d._call(f"delete {self.key}", lambda c: c.delete(self._etcd_key))
-        lease_id, self._lease_id = self._lease_id, 0
-        if lease_id:
-            try:
-                await d._call(f"revoke lease of {self.key}", lambda c: c.revoke_lease(lease_id))
-            except DiscoveryError as exc:  # the key is gone already; the lease will expire
-                log.debug("discovery: %s", exc)
+        try:
+            await self._owner._call(f"delete {self.key}", lambda c: c.delete(self._etcd_key))
+        finally:
+            self._lease_id = 0
+            await self._lease.leave(self)
 
 
 class _EtcdView(ChangeSource):
@@ -222,6 +380,7 @@ class EtcdDiscovery(Discovery):
         self.prefix = prefix
         self._current = 0
         self._client: aetcd.Client | None = None
+        self._leases: dict[float, _EtcdLease] = {}  # ttl -> the lease its registrations share
         self._retired: set[asyncio.Task[None]] = set()
 
     @property
@@ -294,6 +453,13 @@ class EtcdDiscovery(Discovery):
     def _new_registration(self, key: str, entry: Entry, ttl: float) -> Registration:
         return _EtcdRegistration(self, key, entry, ttl)
 
+    def _lease_for(self, ttl: float) -> _EtcdLease:
+        """The lease this client's registrations of `ttl` share (made on first use)."""
+        lease = self._leases.get(ttl)
+        if lease is None:
+            lease = self._leases[ttl] = _EtcdLease(self, ttl)
+        return lease
+
     def _changes(self, namespace: str | None, component: str | None,
                  endpoint: str | None) -> ChangeSource:
         prefix = self._etcd_key(_filter_prefix(namespace, component, endpoint))
@@ -351,6 +517,8 @@ class EtcdDiscovery(Discovery):
         return key if key != etcd_key and key.count("/") == 3 else None
 
     async def _close_backend(self) -> None:
+        for lease in list(self._leases.values()):  # none: the last registration out closes it
+            await lease.close()
         client, self._client = self._client, None
         if client is not None:
             await self._close_client(client)
