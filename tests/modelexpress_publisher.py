@@ -7,15 +7,19 @@ that is never uploaded (named `seed` in ModelExpress's plan) and full checkpoint
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
 
 from rlfleet.weights import artifacts as art
+from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
+from tests.fleets import vllm_worker_args
 from tests.modelexpress_reader import on_path
 
 SEED = "seed"  # the seed's version id in a plan: a delta on it has base_version "seed"
@@ -102,3 +106,44 @@ def publish_with_modelexpress(root: Path, seed_file: Path,
         for p in procs:
             p.join(240)
     assert [p.exitcode for p in procs] == [0] * ranks, "a ModelExpress rank failed"
+
+
+# ---------------------------------------------------------------- the backend's versions
+
+#: what the weight-transfer tests publish: mx-1, a delta on the seed; mx-2, a delta on mx-1
+TRANSFER_PLAN = (("mx-1", SEED), ("mx-2", "mx-1"))
+#: the flag that makes a vLLM worker (or vLLM's server) run ModelExpress's backend
+TRANSFER_BACKEND = ("--weight-transfer-config", '{"backend": "modelexpress"}')
+
+
+def publish_transfer_versions(model_dir: Path, root: Path, *, prefix: str, model: str,
+                              s3_server) -> dict[str, Any]:
+    """The seed (a copy of `model_dir` under `root`, never uploaded) and ModelExpress's two
+    deltas of TRANSFER_PLAN published under `prefix`: {"seed_dir", "root", "digests"} (the
+    content digest of each version's tensors)."""
+    if s3_server.proc is None:
+        s3_server.start()
+    seed_dir = shutil.copytree(model_dir, root / "seed")
+    seed = dict(iter_checkpoint_tensors(seed_dir))
+    steps = {"mx-1": perturbed(seed, 41, "layers.")}
+    steps["mx-2"] = perturbed(steps["mx-1"], 42, "layers.1.")
+    publish_with_modelexpress(root / "ranks", seed_dir / "model.safetensors", steps,
+                              TRANSFER_PLAN, prefix=prefix, model=model, s3_server=s3_server)
+    return {"seed_dir": seed_dir, "root": root,
+            "digests": {v: digest_tensors(t.items()) for v, t in steps.items()}}
+
+
+def transfer_init_info(published: Mapping[str, Any], s3_server, prefix: str) -> dict[str, Any]:
+    """ModelExpress's object-storage init_info for the published versions, and the prefix an
+    rlfleet worker needs (rlfleet.protocol.modelexpress)."""
+    return {"object_storage_type": "S3", "initial_base_version_id": SEED,
+            "seed_checkpoint_path": str(published["seed_dir"]),
+            "refit_checkpoint_dir": str(published["root"] / "refit"),
+            "object_storage_endpoint_url": s3_server.endpoint_url,
+            "object_storage_uri_prefix": prefix}
+
+
+def transfer_worker_args(published: Mapping[str, Any], model: str) -> tuple[str, ...]:
+    """A vLLM worker started from the seed with the backend, staging under the root."""
+    return vllm_worker_args(published["seed_dir"], model, *TRANSFER_BACKEND,
+                            "--weights-staging-dir", str(published["root"] / "staging"))

@@ -637,7 +637,7 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
 WORKER_ENTRY_KEYS = [
     "namespace", "component", "instance_id", "transport", "stream_plane", "model",
     "model_path", "vocab_size", "max_model_len", "pid", "system_url", "admin_base_url",
-    "world_size", "gated",
+    "world_size", "weight_transfer_backend", "gated",
     "weight_version", "weight_digest", "weight_step", "fleet_epoch", "endpoint",
     "request_plane_url", "kv_block_size"]
 
@@ -679,6 +679,7 @@ async def test_a_worker_publishes_its_entries_and_their_changes(tmp_path: Path) 
             assert e["request_plane_url"] == f"dyn://dynamo.backend.{e['endpoint']}"
             assert e["gated"] is False and e["fleet_epoch"] == 0
             assert e["world_size"] == 1 and e["admin_base_url"] == e["system_url"]
+            assert e["weight_transfer_backend"] == "none"  # the mocker has no such engine
             assert PolicyIdentity.from_stamped(e) == engine.serving_policy()
             assert WorkerEntry.from_entry(e).to_entry() == e
         assert {k: v for k, v in gen.items() if k not in ("endpoint", "request_plane_url")} == \

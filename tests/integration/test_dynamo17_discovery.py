@@ -1,86 +1,40 @@
 """Dynamo 1.7's discovery and route layout, as a 1.7 client reads and drives them, on mocker
 workers (the mocker is a simulator: this checks the contract, not an engine).
 
-The listing schema below is the client's side: Dynamo 1.7's `RlWorkerInfo` fields
-(lib/llm rl discovery) with `world_size` and `admin_base_url` required, as newer clients
-require them, plus rlfleet's documented extensions, and nothing else. The driving client
-follows a 1.7 client's refresh (prime-rl's Dynamo admin plane): pause, confirm paused,
-reload from disk through `collective_rpc` (vLLM's body: `reload_weights` with
-`kwargs.weights_path`), set and read the version, resume."""
+The listing schema (tests.dynamo17.Dynamo17Worker) is the client's side: Dynamo 1.7's
+`RlWorkerInfo` fields with `world_size`, `admin_base_url` and `weight_transfer_backend`
+required and the control/* and update/* routes listed, as newer clients require them, plus
+rlfleet's documented extensions, and nothing else. The driving client follows a 1.7
+client's refresh (prime-rl's Dynamo admin plane): pause, confirm paused, reload from disk
+through `collective_rpc` (vLLM's body: `reload_weights` with `kwargs.weights_path`), set and
+read the version, resume. The mocker has no weight-transfer engine: its entry says
+`weight_transfer_backend: "none"`, so a client that transfers over nccl refuses to bind it
+(its update/* routes refuse every step). The weight-transfer sequence on a real vLLM worker:
+test_dynamo17_vllm.py."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
 import httpx
 import pytest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ValidationError
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.protocol.rl import RlWorker
+from rlfleet.protocol.vllm_rl import NO_TRANSFER_BACKEND
+from tests.dynamo17 import (
+    REQUIRED_ROUTES,
+    TRANSFER_ROUTES,
+    Dynamo17Worker,
+    DynamoClientError,
+    DynamoWeightSync,
+    listed,
+    served_policy,
+)
 from tests.inprocess import InProcessFleet
 
 MODEL = "mock-dynamo17"
-#: what a Dynamo 1.7 client requires of every worker it binds (its REQUIRED_ROUTES)
-REQUIRED_ROUTES = frozenset({"control/pause_generation", "control/resume_generation",
-                             "control/is_paused", "control/get_weight_version",
-                             "update/update_weight_version"})
-
-
-class Dynamo17Worker(BaseModel):
-    """One worker of GET /v1/rl/workers, strictly: Dynamo 1.7's fields, and beside them
-    only rlfleet's documented extensions (the fields of protocol.rl.RlWorker that 1.7
-    lacks: the policy applied, the fleet epoch, admission)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    namespace: str = Field(min_length=1)
-    component: str = Field(min_length=1)
-    endpoint: str = Field(min_length=1)
-    instance_id: int = Field(ge=0, lt=2**64)
-    transport: dict[str, str] = Field(min_length=1, max_length=1)
-    request_plane_url: str = Field(min_length=1)
-    system_url: str = Field(min_length=1)
-    admin_base_url: str = Field(min_length=1)
-    model: str = Field(min_length=1)
-    routes: list[str]
-    world_size: int = Field(gt=0)
-    error: str | None = None
-
-    @model_validator(mode="after")
-    def _only_declared_extensions(self) -> Dynamo17Worker:
-        unknown = set(self.model_extra or {}) - set(RlWorker.model_fields)
-        if unknown:
-            raise ValueError(f"extra fields not permitted: {sorted(unknown)}")
-        return self
-
-    @field_validator("admin_base_url")
-    @classmethod
-    def _admin_url(cls, v: str) -> str:
-        """As 1.7's RlAdminBaseUrl: http(s) with a host, no user info, query or fragment."""
-        u = urlsplit(v)
-        assert u.scheme in ("http", "https") and u.hostname, v
-        assert not (u.username or u.password or u.query or u.fragment), v
-        return v
-
-
-class Dynamo17Workers(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    protocol_version: Literal[1]
-    namespace: str
-    workers: list[Dynamo17Worker]
-    skipped: list[dict[str, Any]] = Field(default_factory=list)  # rlfleet: unreadable entries
-    discovery: str | None = None  # rlfleet: the store the committed policy is published in
-
-
-async def listed(rl_url: str) -> list[Dynamo17Worker]:
-    async with httpx.AsyncClient(timeout=10) as c:
-        r = await c.get(f"{rl_url}/v1/rl/workers")
-    assert r.status_code == 200, r.text
-    return Dynamo17Workers.model_validate(r.json()).workers
 
 
 class Dynamo17Admin:
@@ -112,29 +66,30 @@ class Dynamo17Admin:
         assert (await self.call("control/is_paused", {}))["is_paused"] is False
 
 
-async def served_policy(url: str) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 2, "ignore_eos": True,
-            "nvext": {"extra_fields": ["engine_data"]}}
-    async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.post(f"{url}/v1/completions", json=body)
-    assert r.status_code == 200, r.text
-    return r.json()["nvext"]["engine_data"]
-
-
 async def test_listing_validates_against_the_strict_schema(tmp_path: Path) -> None:
     async with InProcessFleet(tmp_path, MODEL, 2) as fleet:
         workers = await listed(fleet.rl_url)
         assert len(workers) == 2
         for w in workers:
             assert w.world_size == 1  # the mocker: one rank
+            assert w.weight_transfer_backend == NO_TRANSFER_BACKEND  # it has none
+            assert TRANSFER_ROUTES <= set(w.routes)  # served: each step refused, saying why
             assert w.admin_base_url == w.system_url  # vLLM's native RL routes live there
             assert REQUIRED_ROUTES <= set(w.routes) and w.error is None
             assert {"pause_generation", "get_weight_version"} <= set(w.routes)  # 1.6's stay
             assert "collective_rpc" in w.routes  # 1.7's reload route
-        # the schema has teeth: 1.6's listing (no world_size, no admin_base_url) fails it
+        # the schema has teeth: 1.6's listing (no world_size, no admin_base_url) fails it,
+        # and so does a listing without the backend or the weight-transfer routes
         old = workers[0].model_dump(exclude={"world_size", "admin_base_url"})
         with pytest.raises(ValidationError, match="world_size|admin_base_url"):
             Dynamo17Worker.model_validate(old)
+        with pytest.raises(ValidationError, match="weight_transfer_backend"):
+            Dynamo17Worker.model_validate(workers[0].model_dump(
+                exclude={"weight_transfer_backend"}))
+        for route in sorted(TRANSFER_ROUTES):
+            routes = [r for r in workers[0].routes if r != route]
+            with pytest.raises(ValidationError, match=route):
+                Dynamo17Worker.model_validate({**workers[0].model_dump(), "routes": routes})
         with pytest.raises(ValidationError, match="extra"):
             Dynamo17Worker.model_validate({**workers[0].model_dump(), "surprise": 1})
 
@@ -142,7 +97,7 @@ async def test_listing_validates_against_the_strict_schema(tmp_path: Path) -> No
 async def test_a_dynamo17_client_moves_a_worker_to_the_new_policy(tmp_path: Path) -> None:
     async with InProcessFleet(tmp_path, MODEL, 1) as fleet:
         [worker] = await listed(fleet.rl_url)
-        before = await served_policy(fleet.url)
+        before = await served_policy(fleet.url, MODEL)
         checkpoint = write_mock_checkpoint(fleet.weights / "step-7", seed=7)
         admin = Dynamo17Admin(worker)
         try:
@@ -150,7 +105,7 @@ async def test_a_dynamo17_client_moves_a_worker_to_the_new_policy(tmp_path: Path
             flat = await admin.call("get_weight_version", {})
         finally:
             await admin.http.aclose()
-        after = await served_policy(fleet.url)
+        after = await served_policy(fleet.url, MODEL)
         assert after["weight_version"] == "7" != before["weight_version"]
         assert after["weight_digest"] == flat["weight_digest"] != before["weight_digest"]
         [relisted] = await listed(fleet.rl_url)
@@ -185,3 +140,19 @@ async def test_the_namespaced_routes_refuse_bad_bodies_by_name(tmp_path: Path) -
             # the version is unchanged, and null until one is declared
             r = await c.post("/engine/control/get_weight_version", json={})
             assert r.json() == {"status": "ok", "weight_version": None}
+
+
+async def test_a_weight_transfer_client_refuses_to_bind_the_mocker(tmp_path: Path) -> None:
+    """The mocker says it has no backend: a client that transfers over nccl (prime-rl's)
+    refuses it at discovery, before it pauses anything; its update/* routes refuse too."""
+    async with InProcessFleet(tmp_path, MODEL, 1) as fleet:
+        async with DynamoWeightSync(fleet.rl_url, MODEL) as client:
+            with pytest.raises(DynamoClientError, match="over none, not nccl"):
+                await client.discover()
+        [worker] = await listed(fleet.rl_url)
+        async with httpx.AsyncClient(base_url=worker.system_url, timeout=10) as c:
+            r = await c.post("/engine/update/init_weight_transfer_engine",
+                             json={"init_info": {"master_address": "127.0.0.1"}})
+            assert r.status_code == 200 and r.json()["status"] == "error", r.text
+            assert "no vLLM weight-transfer engine" in r.json()["message"]
+            assert (await c.post("/engine/control/is_paused", json={})).json()["is_paused"] is False

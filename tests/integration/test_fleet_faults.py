@@ -29,7 +29,9 @@ ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
                  # Dynamo 1.7's names (issue 22)
                  "control/pause_generation", "control/resume_generation",
                  "control/is_paused", "control/get_weight_version",
-                 "update/update_weight_version", "collective_rpc"])
+                 "update/update_weight_version", "collective_rpc",
+                 "update/init_weight_transfer_engine", "update/start_weight_update",
+                 "update/update_weights", "update/finish_weight_update"])
 
 
 @pytest.fixture(scope="module")

@@ -201,7 +201,9 @@ def test_vllm_route_table(vw) -> None:
         "apply_staged_weights", "release_staged_weights",
         # Dynamo 1.7's names (issue 22)
         "control/pause_generation", "control/resume_generation", "control/is_paused",
-        "control/get_weight_version", "update/update_weight_version", "collective_rpc"])}
+        "control/get_weight_version", "update/update_weight_version", "collective_rpc",
+        "update/init_weight_transfer_engine", "update/start_weight_update",
+        "update/update_weights", "update/finish_weight_update"])}
     assert call(vw, "liveness_probe") == {"status": "ok", "alive": True}
     assert call(vw, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     assert call(vw, "liveness_probe", method="GET")["alive"] is True

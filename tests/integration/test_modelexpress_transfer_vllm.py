@@ -19,7 +19,6 @@ ModelExpress engine then ignores the update), the worker refuses it."""
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -27,53 +26,36 @@ import httpx
 import pytest
 import requests
 
-from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
+from rlfleet.weights.digest import checkpoint_digest
 from rlfleet.worker import modelexpress as mx
-from tests.fleets import vllm_serve, vllm_worker_args, weight_versions
-from tests.modelexpress_publisher import SEED, perturbed, publish_with_modelexpress
+from tests.fleets import vllm_serve, weight_versions
+from tests.modelexpress_publisher import (
+    TRANSFER_BACKEND,
+    publish_transfer_versions,
+    transfer_init_info,
+    transfer_worker_args,
+)
 from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 
 MODEL = "tiny-mx-transfer"
 PREFIX = f"s3://{BUCKET}/mx-transfer"
-BACKEND = ("--weight-transfer-config", '{"backend": "modelexpress"}')
-PLAN = (("mx-1", SEED), ("mx-2", "mx-1"))
 PROMPT = [151644, 8948, 198, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
 def published(tiny_model, tmp_path_factory, s3_server):
     """The seed (a copy of the tiny model, never uploaded) and ModelExpress's two deltas."""
-    if s3_server.proc is None:
-        s3_server.start()
-    root = tmp_path_factory.mktemp("mx-transfer")
-    seed_dir = shutil.copytree(tiny_model, root / "seed")
-    seed = dict(iter_checkpoint_tensors(seed_dir))
-    steps = {"mx-1": perturbed(seed, 41, "layers.")}
-    steps["mx-2"] = perturbed(steps["mx-1"], 42, "layers.1.")
-    publish_with_modelexpress(root / "ranks", seed_dir / "model.safetensors", steps, PLAN,
-                              prefix=PREFIX, model=MODEL, s3_server=s3_server)
-    return {"seed_dir": seed_dir, "root": root,
-            "digests": {v: digest_tensors(t.items()) for v, t in steps.items()}}
+    return publish_transfer_versions(tiny_model, tmp_path_factory.mktemp("mx-transfer"),
+                                     prefix=PREFIX, model=MODEL, s3_server=s3_server)
 
 
 @pytest.fixture(scope="module")
 def fleet(start_module_fleet, published, s3_server):
     """One vLLM worker started from the seed, with the backend, behind a frontend."""
-    worker = vllm_worker_args(published["seed_dir"], MODEL, *BACKEND, "--weights-staging-dir",
-                              str(published["root"] / "staging"))
-    return start_module_fleet([worker], name="mx-transfer", kind="vllm", model=MODEL,
-                              worker_env=s3_server.env)
-
-
-def init_info(published, s3_server) -> dict:
-    """ModelExpress's object-storage init_info, and the prefix an rlfleet worker needs."""
-    return {"object_storage_type": "S3", "initial_base_version_id": SEED,
-            "seed_checkpoint_path": str(published["seed_dir"]),
-            "refit_checkpoint_dir": str(published["root"] / "refit"),
-            "object_storage_endpoint_url": s3_server.endpoint_url,
-            "object_storage_uri_prefix": PREFIX}
+    return start_module_fleet([transfer_worker_args(published, MODEL)], name="mx-transfer",
+                              kind="vllm", model=MODEL, worker_env=s3_server.env)
 
 
 def greedy(fleet) -> list[int]:
@@ -95,7 +77,7 @@ def test_vllms_client_moves_a_worker_to_modelexpress_versions(fleet, published, 
     assert weight_versions(fleet) == [(None, checkpoint_digest(published["seed_dir"]))]
     tokens = {None: greedy(fleet)}
     client = HTTPVLLMWeightSyncClient(url, timeout=300)
-    client.init_weight_transfer_engine(init_info(published, s3_server))
+    client.init_weight_transfer_engine(transfer_init_info(published, s3_server, PREFIX))
     for version, label in (("mx-1", "policy-1"), ("mx-2", None)):  # None: the version's id
         assert post(url, "/pause", params={"mode": "keep"}).json() == {"status": "paused"}
         client.start_weight_update()
@@ -122,7 +104,7 @@ def test_refusals_leave_the_old_weights_serving(fleet, published, s3_server):
         client.update_weights({"version_id": "mx-1"})  # no start: vLLM's refusal
     assert e.value.response.status_code == 500
     assert e.value.response.json()["error"]["message"] == mx.NOT_STARTED
-    client.init_weight_transfer_engine(init_info(published, s3_server))
+    client.init_weight_transfer_engine(transfer_init_info(published, s3_server, PREFIX))
     client.start_weight_update()
     with pytest.raises(requests.HTTPError) as e:  # not paused: rlfleet's rule, still open
         client.update_weights({"version_id": "mx-1"})
@@ -145,14 +127,14 @@ def vllm_mx_url(published, tmp_path):
     """vLLM's own server with the backend; ModelExpress on its path (not its plugin)."""
     reader = str(Path(sys.prefix) / "modelexpress-reader")
     env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": reader, "VLLM_PLUGINS": "none"}
-    with vllm_serve(published["seed_dir"], tmp_path, *BACKEND, env=env) as url:
+    with vllm_serve(published["seed_dir"], tmp_path, *TRANSFER_BACKEND, env=env) as url:
         yield url
 
 
 def test_steps_out_of_order_are_refused_as_vllm_refuses_them(fleet, vllm_mx_url, published,
                                                               s3_server):
     url = fleet.workers[0].ready["system_url"]
-    ours = init_info(published, s3_server)
+    ours = transfer_init_info(published, s3_server, PREFIX)
     theirs = {k: v for k, v in ours.items() if k != "object_storage_uri_prefix"}
     # init_info that does not fit (before anything else: vLLM's ModelExpress engine ignores
     # every init after a shutdown): (to vLLM, to rlfleet, named in both refusals)

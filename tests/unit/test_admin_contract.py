@@ -82,6 +82,14 @@ def test_a_chain_flag_beside_the_source_of_stage_weights_is_refused() -> None:
      "checkpoint-format files only"),
     (admin.COLLECTIVE_RPC, {"method": "reload_weights", "timeout": "soon"},
      "timeout must be a number of seconds"),
+    (admin.UPDATE_INIT_WEIGHT_TRANSFER_ENGINE, {}, "init_info is required: an object"),
+    (admin.UPDATE_INIT_WEIGHT_TRANSFER_ENGINE, {"init_info": "nccl"}, "init_info is required"),
+    (admin.UPDATE_UPDATE_WEIGHTS, {"update_info": 3}, "update_info is required: an object, "
+     "or one per rank"),
+    (admin.UPDATE_FINISH_WEIGHT_UPDATE, {"weight_version": 3},
+     "weight_version must be a string, or null"),
+    (admin.UPDATE_START_WEIGHT_UPDATE, {"update_info": {}},
+     "unknown field 'update_info': update/start_weight_update takes no fields"),
 ])
 def test_a_wrong_body_names_the_field(route: admin.AdminRoute, body: dict, words: str) -> None:
     with pytest.raises(AdminRequestError) as e:
@@ -100,6 +108,24 @@ def test_collective_rpc_takes_vllms_body_for_reload_weights() -> None:
     assert admin.COLLECTIVE_RPC.serialized and admin.COLLECTIVE_RPC.fenced
     assert msgspec.json.decode(msgspec.json.encode(admin.CollectiveRpcReply(
         results=[None]))) == {"status": "ok", "results": [None]}
+
+
+def test_the_weight_transfer_steps_take_vllms_bodies() -> None:
+    """Dynamo 1.7's update/* bodies, as prime-rl's client sends them: vLLM's, embedded."""
+    init = {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+            "world_size": 2}
+    assert read_request(admin.UPDATE_INIT_WEIGHT_TRANSFER_ENGINE,
+                        {"init_info": init}).init_info == init
+    chunk = {"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]}
+    for info in (chunk, [chunk, chunk]):  # one, or one per rank
+        assert read_request(admin.UPDATE_UPDATE_WEIGHTS, {"update_info": info}).update_info == info
+    finish = admin.UPDATE_FINISH_WEIGHT_UPDATE
+    assert read_request(finish, {"weight_version": "3"}).weight_version == "3"
+    assert read_request(finish, {}).weight_version is None
+    for route in admin.DYNAMO_17_TRANSFER:
+        assert route in admin.DYNAMO_17 and admin.ROUTES[route.name] is route
+        assert route.mutating and route.serialized and route.fenced and not route.native
+        assert route.reply is admin.MessageReply
 
 
 def test_requests_encode_only_what_the_caller_set() -> None:

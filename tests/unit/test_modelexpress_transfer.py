@@ -77,7 +77,7 @@ async def test_init_info_that_does_not_fit_is_a_400_naming_the_field(tmp_path: P
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["type"] == "BadRequestError"
         assert named in error(resp), error(resp)
-        assert native.modelexpress.state is mx.TransferState.OFF
+        assert native.admin.transfer.modelexpress.state is mx.TransferState.OFF
 
 
 async def test_steps_in_vllms_order_with_vllms_refusals(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ async def test_steps_in_vllms_order_with_vllms_refusals(tmp_path: Path) -> None:
         bad = await http.post("/update_weights", json={"update_info": {"version": "v1"}})
         assert bad.status_code == 400 and "version" in error(bad)
         # as in vLLM, a failed update ends it
-        assert native.modelexpress.state is mx.TransferState.READY
+        assert native.admin.transfer.modelexpress.state is mx.TransferState.READY
         assert (await http.post("/finish_weight_update")).status_code == 500
         await http.post("/resume")
         assert (await http.post("/shutdown_weight_transfer_engine")).json() == \
@@ -126,7 +126,37 @@ async def test_finish_sets_the_label_given(tmp_path: Path) -> None:
         resp = await http.post("/finish_weight_update", json={"weight_version": "w2"})
         assert resp.json() == {"message": "Weight update finished"}
         assert (await http.get("/weight_info")).json() == {"weight_version": "w2"}
-        assert native.modelexpress.state is mx.TransferState.READY
+        assert native.admin.transfer.modelexpress.state is mx.TransferState.READY
+
+
+async def test_dynamo17_routes_drive_the_same_backend(tmp_path: Path) -> None:
+    """/engine/update/* (Dynamo 1.7's names) and vLLM's native routes run the same steps on
+    one backend state; /engine answers in the contract's shape, refusals included."""
+    native, http = worker(tmp_path)
+
+    async def engine(step: str, body: dict) -> dict:
+        resp = await http.post(f"/engine/update/{step}", json=body)
+        assert resp.status_code == 200, resp.text
+        return resp.json()
+    async with http:
+        bad = await engine("init_weight_transfer_engine",
+                           {"init_info": init_info(tmp_path, bogus=1)})
+        assert bad["status"] == "error" and "bogus" in bad["message"]
+        assert await engine("init_weight_transfer_engine",
+                            {"init_info": init_info(tmp_path)}) == {
+            "status": "ok", "message": "Weight transfer initialized"}
+        assert (await http.post("/start_weight_update")).status_code == 200  # natively
+        assert await engine("start_weight_update", {}) == {
+            "status": "error", "message": mx.ALREADY_ACTIVE}
+        unpaused = await engine("update_weights", {"update_info": {"version_id": "v1"}})
+        assert unpaused == {"status": "error", "message": mx.NOT_PAUSED}
+        assert await engine("finish_weight_update", {"weight_version": "w3"}) == {
+            "status": "ok", "message": "Weight update finished"}
+        assert native.admin.transfer.modelexpress.state is mx.TransferState.READY
+        said = await http.post("/engine/control/get_weight_version", json={})
+        assert said.json() == {"status": "ok", "weight_version": "w3"}
+        again = await engine("finish_weight_update", {})
+        assert again == {"status": "error", "message": mx.NO_START}
 
 
 def test_update_info_as_modelexpress_and_vllm_send_it() -> None:

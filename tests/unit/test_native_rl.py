@@ -152,3 +152,37 @@ async def test_an_unfenced_pause_does_not_hold_the_worker() -> None:
     async with http:
         await http.post("/engine/pause_generation", json={})  # an operator, no epoch
         assert (await http.post("/resume")).status_code == 200
+
+
+async def test_dynamo17_update_routes_run_the_native_steps_in_the_contracts_shape() -> None:
+    """/engine/update/* and the native weight-transfer routes are one implementation: the
+    same refusal, as the contract's expected failure on /engine (HTTP 200, status error)
+    and as vLLM's 400 natively; the /engine rules apply (admin token, fence), and an
+    rlfleet refresh's hold does not (it guards the native calls only)."""
+    _, mock, http = worker(token=TOKEN)
+    steps = [("init_weight_transfer_engine", {"init_info": {"master_port": 1}}),
+             ("start_weight_update", {}),
+             ("update_weights", {"update_info": {"names": []}}),
+             ("finish_weight_update", {"weight_version": "v2"})]
+    async with http:
+        held = await http.post("/engine/pause_generation", json={},
+                               headers={**AUTH, EPOCH_HEADER: "3"})
+        assert held.json()["status"] == "ok"
+        for step, body in steps:
+            native = await http.post(f"/{step}", json=body, headers=AUTH)
+            assert native.status_code == 409  # held: the native call is refused
+            engine = await http.post(f"/engine/update/{step}", json=body, headers=AUTH)
+            assert engine.status_code == 200, engine.text
+            said = engine.json()
+            assert said["status"] == "error", step
+            assert said["message"] == mock.vllm.engine.weight_transfer_refusal(), step
+            assert (await http.post(f"/engine/update/{step}", json=body)).status_code == 401
+            stale = await http.post(f"/engine/update/{step}", json=body,
+                                    headers={**AUTH, EPOCH_HEADER: "2"})
+            assert stale.status_code == 409 and stale.json()["error"] == "Stale fleet epoch"
+        await http.post("/engine/resume_generation", json={}, headers={**AUTH, EPOCH_HEADER: "3"})
+        native = await http.post("/init_weight_transfer_engine", json=steps[0][1], headers=AUTH)
+        assert native.status_code == 400
+        assert native.json()["error"] == mock.vllm.engine.weight_transfer_refusal()
+        listing = (await http.get("/engine")).json()["routes"]
+        assert {f"update/{step}" for step, _ in steps} <= set(listing)

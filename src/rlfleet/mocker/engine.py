@@ -25,6 +25,11 @@ The simulated weights are one number, the seed of the token distribution. As a c
 they are a directory holding ``mock_weights.json`` = ``{"seed": <int>}`` (see
 `write_mock_checkpoint`); as tensors, ``{"mock.seed": <one integer>}``; their digest is
 ``"mock:<seed>"``.
+
+It has no vLLM weight-transfer engine: its discovery entries say `weight_transfer_backend:
+"none"` (so a client that transfers over nccl refuses to bind it at discovery instead of
+failing mid-refresh), and it refuses vLLM's weight-transfer steps, natively and on
+/engine/update/*, saying how to load weights instead.
 """
 
 from __future__ import annotations

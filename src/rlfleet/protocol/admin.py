@@ -212,6 +212,37 @@ class CollectiveRpcRequest(Request, kw_only=True, frozen=True):
         return (self.kwargs or {}).get("weights_path") or None
 
 
+_INIT_INFO = ("init_info is required: an object with the settings of the worker's weight-transfer "
+              "backend (nccl: master_address, master_port, rank_offset, world_size; modelexpress: "
+              "its object-storage settings)")
+_UPDATE_INFO = ("update_info is required: an object, or one per rank, naming what to transfer "
+                "(nccl: names, dtype_names, shapes; modelexpress: version_id)")
+
+
+class TransferInitRequest(Request, kw_only=True, frozen=True):
+    """Dynamo 1.7's `update/init_weight_transfer_engine` (vLLM's init_weight_transfer_engine
+    body): the backend's `init_info`, checked by the backend."""
+
+    init_info: dict[str, Any]
+    MESSAGES: ClassVar[dict[str, str]] = {"init_info": _INIT_INFO}
+
+
+class TransferUpdateRequest(Request, kw_only=True, frozen=True):
+    """Dynamo 1.7's `update/update_weights` (vLLM's update_weights body): one chunk's
+    `update_info`, checked by the backend."""
+
+    update_info: dict[str, Any] | list[dict[str, Any]]
+    MESSAGES: ClassVar[dict[str, str]] = {"update_info": _UPDATE_INFO}
+
+
+class TransferFinishRequest(Request, kw_only=True, frozen=True):
+    """Dynamo 1.7's `update/finish_weight_update` (vLLM's finish_weight_update body)."""
+
+    weight_version: str | None = None  # the label of the weights transferred; None: unchanged
+    MESSAGES: ClassVar[dict[str, str]] = {"weight_version": "weight_version must be a string, "
+                                          "or null"}
+
+
 class SetVersionRequest(Request, kw_only=True, frozen=True):
     weight_version: str | None  # required; an explicit null counts as declared
     step: int | None = None
@@ -849,9 +880,10 @@ SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
                                           SglangVersionRequest, SglangVersionReply)
 
 # Dynamo 1.7's layout of the vLLM worker's routes, beside 1.6's flat names (the same
-# handlers where both name one), listed in a worker's `routes` as 1.7 lists them: the five
-# a 1.7 client requires, and `collective_rpc` (vLLM's body; `reload_weights` only, the same
-# handler as vLLM's native `POST /collective_rpc` at the worker's admin_base_url).
+# handlers where both name one), listed in a worker's `routes` as 1.7 lists them: the
+# control/* and update/* names a 1.7 client requires, and `collective_rpc` (vLLM's body;
+# `reload_weights` only, the same handler as vLLM's native `POST /collective_rpc` at the
+# worker's admin_base_url).
 CONTROL_PAUSE_GENERATION = PAUSE_GENERATION.at("control/pause_generation")
 CONTROL_RESUME_GENERATION = RESUME_GENERATION.at("control/resume_generation")
 CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, IsPausedReply)
@@ -859,8 +891,20 @@ CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, Weigh
 UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", NewVersionRequest,
                                           WeightVersionReply)
 COLLECTIVE_RPC = AdminRoute("collective_rpc", CollectiveRpcRequest, CollectiveRpcReply)
+# ... and vLLM's weight-transfer steps (the same code as vLLM's native routes at the
+# worker's admin_base_url: rlfleet.worker.weight_transfer), answered `{"status", "message"}`
+UPDATE_INIT_WEIGHT_TRANSFER_ENGINE = AdminRoute("update/init_weight_transfer_engine",
+                                                TransferInitRequest, MessageReply)
+UPDATE_START_WEIGHT_UPDATE = AdminRoute("update/start_weight_update", NoFields, MessageReply)
+UPDATE_UPDATE_WEIGHTS = AdminRoute("update/update_weights", TransferUpdateRequest,
+                                   MessageReply)
+UPDATE_FINISH_WEIGHT_UPDATE = AdminRoute("update/finish_weight_update", TransferFinishRequest,
+                                         MessageReply)
+DYNAMO_17_TRANSFER = (UPDATE_INIT_WEIGHT_TRANSFER_ENGINE, UPDATE_START_WEIGHT_UPDATE,
+                      UPDATE_UPDATE_WEIGHTS, UPDATE_FINISH_WEIGHT_UPDATE)
 DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAUSED,
-             CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION, COLLECTIVE_RPC)
+             CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION, COLLECTIVE_RPC,
+             *DYNAMO_17_TRANSFER)
 
 #: the lifecycle every vLLM-style refresh path needs
 VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,

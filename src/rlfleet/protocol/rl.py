@@ -40,6 +40,8 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     # where vLLM's native RL routes are served (the system server): Dynamo 1.7's name for it
     admin_base_url: str | None = None
     world_size: int  # the engine's ranks, TP x PP x DP (1 for the mocker)
+    # the vLLM weight-transfer backend its engine was started with ("none": the mocker)
+    weight_transfer_backend: str | None = None
     # admission (rlfleet.worker.admission): open to rollouts or not, and why
     gated: bool
     gate_reason: str | None = None
@@ -139,6 +141,7 @@ class RlWorker(BaseModel):
     admin_base_url: str | None = None
     model: str | None = None
     world_size: int | None = Field(None, gt=0)
+    weight_transfer_backend: str | None = Field(None, min_length=1)  # Dynamo 1.7's
     error: str | None = None
     # rlfleet extensions, from the worker's own entry: the policy it applied and the newest
     # fleet epoch it has seen (what a refresh coordinator starts from), its admission flag

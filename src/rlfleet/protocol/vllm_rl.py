@@ -24,6 +24,10 @@ RELOAD_KWARGS = ("weights_path", "is_checkpoint_format")
 #: what an unversioned engine reports as its weight version (vLLM's EngineCore default)
 DEFAULT_WEIGHT_VERSION = "default"
 
+#: the weight-transfer backend discovery names for an engine that has none (the mocker: its
+#: weight-transfer steps are refused; a client that needs a backend refuses it at discovery)
+NO_TRANSFER_BACKEND = "none"
+
 #: the error a mutating native call gets (HTTP 409) while an rlfleet refresh holds the worker
 REFRESH_HOLDS = "Refresh in progress"
 

@@ -32,6 +32,7 @@ import argparse
 import importlib
 import sys
 
+from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.entrypoints.launchers.cli_args import LoRAParserAction
 from vllm.platforms import current_platform
@@ -151,6 +152,12 @@ def own_transfer_backend(args: argparse.Namespace) -> str | None:
     if config is None or config.backend != modelexpress.BACKEND or not current_platform.is_cpu():
         return None
     return modelexpress.BACKEND
+
+
+def weight_transfer_backend(args: argparse.Namespace) -> str:
+    """The weight-transfer backend the worker's engine was started with, as discovery names
+    it: --weight-transfer-config's, else vLLM's default (its WeightTransferConfig's)."""
+    return (args.weight_transfer_config or WeightTransferConfig()).backend
 
 
 def engine_args(args: argparse.Namespace) -> AsyncEngineArgs:

@@ -205,7 +205,7 @@ class VllmEngine(Engine, EngineControl):
         self.llm = None
         self.tokenizer = None
         self._running = 0
-        from rlfleet.vllm.args import served_name
+        from rlfleet.vllm.args import served_name, weight_transfer_backend
 
         path = Path(args.model)
         name = served_name(args)
@@ -221,7 +221,8 @@ class VllmEngine(Engine, EngineControl):
         self.lora: LoraAdapters | None = None  # with --enable-lora
         self._bound: dict[str, PolicyIdentity] = {}  # request id -> its adapter's version
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
-                               else args.model, vocab_size=0, max_model_len=0)
+                               else args.model, vocab_size=0, max_model_len=0,
+                               weight_transfer_backend=weight_transfer_backend(args))
 
     def engine_args(self):
         """vLLM's AsyncEngineArgs from the worker's command line (rlfleet.vllm.args)."""

@@ -54,6 +54,7 @@ from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
 from rlfleet.worker.system_server import FleetFence, Route
+from rlfleet.worker.weight_transfer import WeightTransfer
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
@@ -87,6 +88,8 @@ class EngineAdmin:
         self.check_pending = False  # weights installed since the last self-check
         self.lora = LoraAdmin(engine, self.roots, lambda: engine.info.served_model_name,
                               staging=staging)
+        # vLLM's weight-transfer steps (its native routes and Dynamo 1.7's update/* alike)
+        self.transfer = WeightTransfer(self)
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [
@@ -114,6 +117,7 @@ class EngineAdmin:
             Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
             Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
             Route(admin.COLLECTIVE_RPC, self.collective_rpc),
+            *self.transfer.routes(),
             *self.lora.routes(),
         ]
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity
+from rlfleet.protocol.vllm_rl import NO_TRANSFER_BACKEND
 from rlfleet.runtime.metrics import WorkerSeries
 
 
@@ -83,6 +84,9 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     world_size: int = 1  # the engine's ranks: TP x PP x DP (what a trainer's group counts)
+    # the vLLM weight-transfer backend it was started with (--weight-transfer-config, else
+    # vLLM's default), as discovery names it (Dynamo 1.7's `weight_transfer_backend`)
+    weight_transfer_backend: str = NO_TRANSFER_BACKEND
     # its KV-event publisher (rlfleet.protocol.kv_events): a tcp:// endpoint, and the
     # engine's block size
     kv_events: str | None = None

@@ -1,8 +1,9 @@
 """ModelExpress's weight-transfer backend ("modelexpress") served by the worker itself, over
 rlfleet's weight plane, where vLLM's engine does not run it: on vLLM's CPU build, a worker
 started with `--weight-transfer-config '{"backend": "modelexpress"}'` (rlfleet.vllm.args)
-answers vLLM's weight-transfer routes (rlfleet.worker.native_rl) with this. ModelExpress
-stages one READY version from object storage and installs it; so does this, through the
+answers vLLM's weight-transfer steps (rlfleet.worker.weight_transfer: vLLM's native routes
+and Dynamo 1.7's /engine/update/*) with this. ModelExpress stages one READY version from
+object storage and installs it; so does this, through the
 staging area and the checks of every rlfleet install:
 
 - init_weight_transfer_engine: the object-storage settings and the seed, checked as
@@ -26,13 +27,15 @@ import asyncio
 import enum
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlfleet.protocol.admin import AdminRequestError, ApplyStagedRequest, NewVersionRequest
 from rlfleet.protocol.modelexpress import ModelExpressInitInfo, read_init_info, read_update_info
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.staging import READ_TIMEOUT, StageState
-from rlfleet.worker.admin import EngineAdmin
+
+if TYPE_CHECKING:  # the admin owns this (through rlfleet.worker.weight_transfer)
+    from rlfleet.worker.admin import EngineAdmin
 
 log = logging.getLogger("rlfleet.modelexpress")
 
@@ -44,8 +47,9 @@ NO_START = "finish_weight_update called without a matching start_weight_update."
 IN_UPDATE = "Cannot release a trainer connection during a weight update"
 NOT_INITIALIZED = ("weight transfer engine is not initialized: call init_weight_transfer_engine "
                    "first")
-NOT_PAUSED = ("update_weights: generation is not paused: POST /pause first (an rlfleet worker "
-              "applies weights only while paused); the weight update stays open")
+NOT_PAUSED = ("update_weights: generation is not paused: pause it first (POST /pause, or "
+              "/engine/control/pause_generation; an rlfleet worker applies weights only while "
+              "paused); the weight update stays open")
 
 
 class TransferState(enum.StrEnum):

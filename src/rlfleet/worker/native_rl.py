@@ -13,8 +13,9 @@ server's lock), and two safety rules:
 * `collective_rpc` runs `reload_weights` only, and through update_weights_from_disk's
   checks (paused, an allowed path that fits the model, the digest, the self-check, the hold).
 
-vLLM's weight-transfer steps (init/start/update/finish/shutdown) go through to vLLM on a GPU
-build. On vLLM's CPU build, a worker started with `--weight-transfer-config '{"backend":
+vLLM's weight-transfer steps (init/start/update/finish/shutdown; rlfleet.worker.weight_transfer,
+which Dynamo 1.7's /engine/update/* routes share) go through to vLLM on a GPU build. On
+vLLM's CPU build, a worker started with `--weight-transfer-config '{"backend":
 "modelexpress"}'` runs them itself over rlfleet's weight plane (rlfleet.worker.modelexpress:
 ModelExpress versions staged from object storage); any other backend, and an engine that has
 none (the mocker), is refused with HTTP 400."""
@@ -34,7 +35,7 @@ from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, dynamo_lora, modelexpress, vllm_rl
+from rlfleet.protocol import admin, dynamo_lora, vllm_rl
 from rlfleet.protocol.admin import (
     AdminRequestError,
     AdminRoute,
@@ -43,8 +44,9 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
 from rlfleet.worker.admin import RELOAD_NOT_PAUSED, EngineAdmin
-from rlfleet.worker.modelexpress import ModelExpressTransfer, TransferError
+from rlfleet.worker.modelexpress import TransferError
 from rlfleet.worker.system_server import Guard
+from rlfleet.worker.weight_transfer import TransferUnavailable
 
 log = logging.getLogger("rlfleet.native_rl")
 
@@ -129,9 +131,6 @@ class NativeRL:
         self.engine = engine_admin.engine
         self.hold = RefreshHold()
         self.guard: Guard | None = None
-        #: the weight-transfer backend the worker runs itself (vLLM's CPU build), if any
-        self.modelexpress = ModelExpressTransfer(engine_admin) \
-            if self.engine.own_transfer_backend() == modelexpress.BACKEND else None
 
     def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None:
         self.hold.observe(spec, req, reply, epoch)
@@ -220,23 +219,17 @@ class NativeRL:
 
     async def transfer(self, step: str, payload: Any = None,
                        weight_version: str | None = None) -> Response:
-        if self.modelexpress is not None:
-            try:  # refusals as vLLM's exception handlers answer a worker's exceptions
-                await self.modelexpress.run(step, payload, weight_version)
-            except AdminRequestError as e:  # a ValueError in vLLM
-                return vllm_error(str(e), 400, err_type="BadRequestError")
-            except TransferError as e:  # a RuntimeError in vLLM (500), or rlfleet's 409
-                return vllm_error(str(e), e.status,
-                                  err_type="InternalServerError" if e.status == 500 else None)
-            return JSONResponse({"message": vllm_rl.TRANSFER_MESSAGES[step]})
-        why = self.engine.weight_transfer_refusal()
-        if why:
-            return route_error(why, 400)
-        await self.engine.transfer_weights(step, payload)
-        if step == "finish":
-            failed = await self.admin.weights_transferred(weight_version)
-            if failed:
-                log.warning("%s", failed)
+        """One step (rlfleet.worker.weight_transfer, the same code as Dynamo 1.7's
+        /engine/update/* routes) in vLLM's replies."""
+        try:  # refusals as vLLM's exception handlers answer a worker's exceptions
+            await self.admin.transfer.run(step, payload, weight_version)
+        except TransferUnavailable as e:
+            return route_error(str(e), 400)
+        except AdminRequestError as e:  # a ValueError in vLLM
+            return vllm_error(str(e), 400, err_type="BadRequestError")
+        except TransferError as e:  # a RuntimeError in vLLM (500), or rlfleet's 409
+            return vllm_error(str(e), e.status,
+                              err_type="InternalServerError" if e.status == 500 else None)
         return JSONResponse({"message": vllm_rl.TRANSFER_MESSAGES[step]})
 
     def _add_transfer_routes(self, r: APIRouter) -> None:

@@ -306,6 +306,7 @@ class WorkerProcess:
             model_path=info.model_path, vocab_size=info.vocab_size,
             max_model_len=info.max_model_len, pid=os.getpid(), system_url=self.system_url,
             admin_base_url=self.system_url, world_size=info.world_size,
+            weight_transfer_backend=info.weight_transfer_backend,
             **self.admission.fields(),
             policy=self.engine.serving_policy(),
             adapters=[{**a.policy.to_dict(), "rank": a.rank, "path": a.path, "open": a.open}
