@@ -27,15 +27,31 @@ import asyncio
 import enum
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet.protocol.admin import AdminRequestError, ApplyStagedRequest, NewVersionRequest
 from rlfleet.protocol.modelexpress import ModelExpressInitInfo, read_init_info, read_update_info
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.staging import READ_TIMEOUT, StageState
 
-if TYPE_CHECKING:  # the admin owns this (through rlfleet.worker.weight_transfer)
-    from rlfleet.worker.admin import EngineAdmin
+if TYPE_CHECKING:
+    from rlfleet.weights.staging import StagingArea
+    from rlfleet.worker.engine import EngineControl
+
+
+class TransferHost(Protocol):
+    """What the weight-transfer steps use of the worker's admin (rlfleet.worker.admin's
+    EngineAdmin, which owns them): its engine, its staging area and the install routes the
+    steps end in."""
+
+    engine: EngineControl
+    staging: StagingArea | None
+
+    def checkpoint_path(self, raw: Any) -> Path: ...
+
+    async def apply_staged_weights(self, req: ApplyStagedRequest) -> Any: ...
+
+    async def update_weight_version(self, req: NewVersionRequest) -> Any: ...
 
 log = logging.getLogger("rlfleet.modelexpress")
 
@@ -80,7 +96,7 @@ class ModelExpressTransfer:
     """The backend's state on one worker (the system server runs one control call at a
     time, so the steps never overlap)."""
 
-    def __init__(self, engine_admin: EngineAdmin) -> None:
+    def __init__(self, engine_admin: TransferHost) -> None:
         if engine_admin.staging is None:
             raise ValueError("the modelexpress weight-transfer backend needs a staging area")
         self.admin = engine_admin

@@ -12,7 +12,7 @@ runs that backend itself (rlfleet.worker.modelexpress); any other engine refuses
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet.protocol import admin, modelexpress
 from rlfleet.protocol.admin import (
@@ -23,11 +23,20 @@ from rlfleet.protocol.admin import (
     TransferUpdateRequest,
 )
 from rlfleet.protocol.vllm_rl import TRANSFER_MESSAGES
-from rlfleet.worker.modelexpress import ModelExpressTransfer, TransferError
+from rlfleet.worker.modelexpress import ModelExpressTransfer, TransferError, TransferHost
 from rlfleet.worker.system_server import Route
 
 if TYPE_CHECKING:
-    from rlfleet.worker.admin import EngineAdmin
+    from rlfleet.worker.admission import Admission
+
+
+class TransferOwner(TransferHost, Protocol):
+    """What the steps use of the worker's admin beyond a backend's needs: its admission hold
+    and the check that follows a transfer."""
+
+    admission: Admission
+
+    async def weights_transferred(self, version: str | None) -> str | None: ...
 
 log = logging.getLogger("rlfleet.weight_transfer")
 
@@ -43,7 +52,7 @@ class TransferUnavailable(TransferError):
 class WeightTransfer:
     """The steps over one worker's EngineAdmin (which owns this: `EngineAdmin.transfer`)."""
 
-    def __init__(self, engine_admin: EngineAdmin) -> None:
+    def __init__(self, engine_admin: TransferOwner) -> None:
         self.admin = engine_admin
         self.engine = engine_admin.engine
         #: the backend the worker runs itself (vLLM's CPU build), if any
