@@ -121,13 +121,16 @@ async def test_admin_token_and_fence_apply() -> None:
         assert stale.status_code == 409 and stale.json()["error"] == "Stale fleet epoch"
 
 
-@pytest.mark.parametrize("hold", ["pause", "close"])
+@pytest.mark.parametrize("hold", ["pause", "control/pause", "close"])
 async def test_a_refresh_that_holds_the_worker_refuses_native_changes(hold: str) -> None:
+    """A fenced pause (Dynamo 1.6's flat name or 1.7's control/ one) or close holds the
+    worker against native changes until the same names resume or reopen it."""
     _, _, http = worker()
     fenced = {EPOCH_HEADER: "3"}
+    prefix = "control/" if hold.startswith("control/") else ""
     async with http:
-        if hold == "pause":
-            held = await http.post("/engine/pause_generation", json={}, headers=fenced)
+        if hold.endswith("pause"):
+            held = await http.post(f"/engine/{prefix}pause_generation", json={}, headers=fenced)
         else:
             held = await http.post("/engine/set_admission", json={"open": False}, headers=fenced)
         assert held.json()["status"] == "ok"
@@ -139,8 +142,8 @@ async def test_a_refresh_that_holds_the_worker_refuses_native_changes(hold: str)
             assert resp.json()["error"] == "Refresh in progress" and resp.json()["fleet_epoch"] == 3
             assert "refresh holds this worker" in resp.json()["message"]
         assert (await http.get("/weight_info")).status_code == 200  # reads still answer
-        if hold == "pause":
-            await http.post("/engine/resume_generation", json={}, headers=fenced)
+        if hold.endswith("pause"):
+            await http.post(f"/engine/{prefix}resume_generation", json={}, headers=fenced)
         else:
             await http.post("/engine/set_admission", json={"open": True}, headers=fenced)
         resp = await http.post("/update_weight_version", json={"new_version": "x"})

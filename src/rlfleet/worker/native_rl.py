@@ -53,6 +53,11 @@ log = logging.getLogger("rlfleet.native_rl")
 Run = Callable[[], Awaitable[Response]]
 
 
+#: the /engine routes that pause and resume the engine, by name: 1.6's flat names and 1.7's
+_PAUSES = admin.route_names((admin.PAUSE_GENERATION, admin.CONTROL_PAUSE_GENERATION))
+_RESUMES = admin.route_names((admin.RESUME_GENERATION, admin.CONTROL_RESUME_GENERATION))
+
+
 @dataclass
 class RefreshHold:
     """Whether an rlfleet refresh coordinator holds this worker: the fleet epoch of the call
@@ -66,9 +71,9 @@ class RefreshHold:
         if epoch is None:
             return
         ok = getattr(reply, "status", "ok") == "ok"
-        if spec.name == admin.PAUSE_GENERATION.name and ok:
+        if spec.name in _PAUSES and ok:
             self.paused_by = epoch
-        elif spec.name == admin.RESUME_GENERATION.name:  # resumed, even when the check failed
+        elif spec.name in _RESUMES:  # resumed, even when the check failed
             self.paused_by = None
         elif spec.name == admin.SET_ADMISSION.name:
             if not req.open:
