@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -17,11 +18,11 @@ from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime import metrics
 from rlfleet.runtime.logs import (
     LIBRARY_LOGGERS,
-    PlainLineRelay,
     announce_ready,
     chosen_level,
     default_format,
     parse_ready,
+    relay_lines,
     requested_format,
     setup_logging,
 )
@@ -287,15 +288,21 @@ def test_other_lines_are_not_ready_lines():
 
 
 def test_plain_lines_on_a_relayed_descriptor_become_json_records(tmp_path):
+    """What a PlainLineRelay's process does (relay_lines), here in a thread."""
     path = tmp_path / "out.log"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    read_end, write_end = os.pipe()
+    relay = threading.Thread(target=relay_lines, args=(read_end, fd, "stderr", logging.WARNING))
+    relay.start()
     try:
-        relay = PlainLineRelay(fd, "stderr", logging.WARNING)
-        os.write(fd, b'a plain line\n{"level": "INFO", "message": "already json"}\n\n')
-        os.write(fd, b"{not json\nTraceback (most recent call last):\n  File \"x\"\nno newline")
-        relay.close()
+        os.write(write_end, b'a plain line\n{"level": "INFO", "message": "already json"}\n\n')
+        os.write(write_end, b"{not json\nTraceback (most recent call last):\n  File \"x\"\n"
+                 b"no newline")
+        os.close(write_end)
+        relay.join(5)
     finally:
         os.close(fd)
+        os.close(read_end)
     records = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r["message"] for r in records] == [
         "a plain line", "already json", "{not json", "Traceback (most recent call last):",

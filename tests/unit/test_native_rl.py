@@ -71,6 +71,22 @@ async def test_versions_world_size_and_abort() -> None:
         assert resp.status_code == 400
 
 
+def test_abort_requests_finds_a_request_by_the_id_vllm_would_give_it(monkeypatch) -> None:
+    """vLLM's engine ID of a request (`chatcmpl-<base>`, `cmpl-<base>-<i>`) reaches the
+    request rlfleet's frontend named (its response id: `cmpl-<random>`, or the
+    X-Request-Id as given); an ID the engine has is taken as it is; one it has not is kept."""
+    engine, mock, _ = worker()
+    running = {"cmpl-abc", "chatcmpl-def", "R", "B-1", "cmpl-S-0"}
+    monkeypatch.setattr(engine, "tracks", lambda rid: rid in running)
+    native = NativeRL(mock.vllm)
+    for vllm_id, ours in [("cmpl-abc-0", "cmpl-abc"), ("cmpl-abc", "cmpl-abc"),
+                          ("chatcmpl-def", "chatcmpl-def"), ("chatcmpl-R", "R"),
+                          ("cmpl-R-0", "R"), ("cmpl-B-1", "B-1"), ("R", "R"),
+                          ("cmpl-S-0", "cmpl-S-0"), ("cmpl-zzz-0", "cmpl-zzz-0"),
+                          ("other", "other")]:
+        assert native.engine_request_id(vllm_id) == ours, vllm_id
+
+
 async def test_weight_transfer_is_refused_by_an_engine_without_one() -> None:
     _, _, http = worker()
     async with http:

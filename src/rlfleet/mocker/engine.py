@@ -677,6 +677,9 @@ class MockEngine(Engine, EngineControl):
             run.aborted = True
             run.wake()
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._runs
+
     async def abort_all(self) -> int:
         """Abort every request in the engine (running, frozen by a pause, or held at the
         pause gate); returns how many."""

@@ -17,8 +17,9 @@ handler (vLLM is told not to configure logging).
 
 In json format a worker or frontend process writes nothing but JSON lines on stdout and
 stderr (`keep_output_json`): whatever reaches them without going through logging (a
-library's print, C code's output, a traceback, a child process sharing them) is relayed as
-a record of target `stdout` / `stderr`.
+library's print, C code's output, a traceback, a child process sharing them, what an
+extension module prints while the interpreter shuts down) is relayed, by a small process
+per descriptor, as a record of target `stdout` / `stderr`.
 
 The ready line: a launcher (rlfleet.runtime.launch, `rlfleet up`, tests) waits for one line
 on a process's stdout, `RLFLEET_WORKER_READY key=value ...` or `RLFLEET_FRONTEND_READY
@@ -30,12 +31,11 @@ whose message is that same text and whose fields are its keys and `ready` (the m
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import logging
 import os
+import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -260,61 +260,74 @@ def parse_ready(line: str, prefix: str = READY_PREFIX) -> dict[str, str] | None:
 # ---------------------------------------------------------------------- json-only output
 
 
-class PlainLineRelay:
-    """Keeps a file descriptor's output JSON: the descriptor is replaced by a pipe, and a
-    thread writes each line that arrives to the original file, a JSON object as it is and
-    any other line as a record (target `target`, level `level`; empty lines dropped).
-    Whatever writes to the descriptor (print, C code, a child process that inherited it)
-    goes through it. `close` gives the descriptor its file back and writes what is left."""
+def json_line(line: bytes, target: str, level: int) -> bytes | None:
+    """One line of output (no newline) as a JSON line: a JSON object as it is, any other
+    line as a record of target `target` at `level`; None for an empty line."""
+    text = line.decode(errors="replace").rstrip("\r")
+    if not text.strip():
+        return None
+    if text.lstrip().startswith("{"):
+        try:
+            if isinstance(json.loads(text), dict):
+                return text.encode()
+        except ValueError:
+            pass
+    record = logging.LogRecord(target, level, "", 0, text, None, None)
+    return JsonFormatter().format(record).encode()
 
-    def __init__(self, fd: int, target: str, level: int) -> None:
-        self.fd, self.target, self.level = fd, target, level
-        self.original = os.dup(fd)
-        read_end, write_end = os.pipe()
-        os.dup2(write_end, fd)
-        os.close(write_end)
-        self._read_end = read_end
-        self._format = JsonFormatter()
-        self._thread = threading.Thread(target=self._relay, name=f"json-{target}", daemon=True)
-        self._thread.start()
 
-    def as_json(self, line: bytes) -> bytes | None:
-        """One line (no newline) as a JSON line; None for an empty one."""
-        text = line.decode(errors="replace").rstrip("\r")
-        if not text.strip():
-            return None
-        if text.lstrip().startswith("{"):
-            try:
-                if isinstance(json.loads(text), dict):
-                    return text.encode()
-            except ValueError:
-                pass
-        record = logging.LogRecord(self.target, self.level, "", 0, text, None, None)
-        return self._format.format(record).encode()
-
-    def _write(self, data: bytes) -> None:
+def relay_lines(read_fd: int, write_fd: int, target: str, level: int) -> None:
+    """Until `read_fd` ends, write each line read from it to `write_fd` as a JSON line
+    (json_line); a last line without its newline too."""
+    def write(data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[os.write(self.original, view):]
+            view = view[os.write(write_fd, view):]
 
-    def _relay(self) -> None:
-        pending = b""
-        while chunk := os.read(self._read_end, 1 << 16):
-            *lines, pending = (pending + chunk).split(b"\n")
-            out = [j for j in map(self.as_json, lines) if j is not None]
-            if out:
-                self._write(b"\n".join(out) + b"\n")
-        last = self.as_json(pending)
-        if last is not None:
-            self._write(last + b"\n")
-        os.close(self._read_end)
+    pending = b""
+    while chunk := os.read(read_fd, 1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        out = [j for j in (json_line(x, target, level) for x in lines) if j is not None]
+        if out:
+            write(b"\n".join(out) + b"\n")
+    last = json_line(pending, target, level)
+    if last is not None:
+        write(last + b"\n")
+
+
+class PlainLineRelay:
+    """Keeps a file descriptor's output JSON: the descriptor is replaced by a pipe, and a
+    relay process (`python -m rlfleet.runtime.logs TARGET LEVEL`: relay_lines) writes each
+    line that arrives to the original file, as JSON. Whatever writes to the descriptor
+    (print, C code, a child process that inherited it) goes through it, to the end: being a
+    process, not a thread, it also relays what is written while the interpreter shuts down
+    (an extension module's finalizer) and what children write after this process has gone.
+    It runs in a session of its own (a signal to this process's group does not cut it
+    short) and ends when no process holds the pipe. `close` gives the descriptor its file
+    back and waits for the relay to write what is left."""
+
+    def __init__(self, fd: int, target: str, level: int) -> None:
+        self.fd = fd
+        self.original = os.dup(fd)
+        read_end, write_end = os.pipe()  # neither is inherited by a child
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__, target, logging.getLevelName(level)],
+                stdin=read_end, stdout=self.original, stderr=self.original,
+                start_new_session=True)
+        finally:
+            os.close(read_end)
+        os.dup2(write_end, fd)
+        os.close(write_end)
 
     def close(self, timeout: float = 2.0) -> None:
         os.dup2(self.original, self.fd)  # this process's write end of the pipe is closed
         # the relay ends once no process holds the pipe (a child may still, for a while)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            os.close(self.original)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return
+        os.close(self.original)
 
 
 _relays: list[PlainLineRelay] = []
@@ -322,7 +335,8 @@ _relays: list[PlainLineRelay] = []
 
 def keep_output_json(fmt: str | None) -> None:
     """In json format, from now on this process's stdout (fd 1, records at INFO) and stderr
-    (fd 2, at WARNING) carry JSON lines only (PlainLineRelay), until it exits. For the
+    (fd 2, at WARNING) carry JSON lines only (PlainLineRelay), to its very end: the relays
+    are left in place when it exits, for what the interpreter's shutdown writes. For the
     worker and frontend processes, whose output is a log; once per process."""
     if (fmt or default_format()) != "json" or _relays:
         return
@@ -331,13 +345,6 @@ def keep_output_json(fmt: str | None) -> None:
     _relays.extend([PlainLineRelay(1, "stdout", logging.INFO),
                     PlainLineRelay(2, "stderr", logging.WARNING)])
 
-    def close() -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        for relay in _relays:
-            relay.close()
 
-    atexit.register(close)
+if __name__ == "__main__":  # a PlainLineRelay's process: stdin to stdout, as JSON lines
+    relay_lines(0, 1, sys.argv[1], logging.getLevelName(sys.argv[2]))

@@ -417,6 +417,9 @@ class VllmEngine(Engine, EngineControl):
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self.llm.output_processor.external_req_ids
+
     async def abort_all(self) -> int:
         """Every request vLLM tracks (parallel-sampling parents too), by its internal id, as
         vLLM's own /abort_requests does."""

@@ -135,6 +135,11 @@ class Engine(abc.ABC):
     async def abort(self, request_id: str) -> None:
         """End a running request now, with its partial output and finish reason `abort`."""
 
+    def tracks(self, request_id: str) -> bool:
+        """Whether a request of this ID is in the engine now (running, frozen by a pause, or
+        held by one): `abort` would end it."""
+        raise NotImplementedError
+
     def serving_policy(self) -> PolicyIdentity:
         """The policy currently applied (stamped on every response)."""
         return UNKNOWN

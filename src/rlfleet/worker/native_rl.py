@@ -13,6 +13,9 @@ server's lock), and two safety rules:
 * `collective_rpc` runs `reload_weights` only, and through update_weights_from_disk's
   checks (paused, an allowed path that fits the model, the digest, the self-check, the hold).
 
+`/abort_requests` takes a request's ID as vLLM's server names it in its engine (which is not
+always as rlfleet's frontend does: `vllm_request_aliases`) as well as rlfleet's own.
+
 vLLM's weight-transfer steps (init/start/update/finish/shutdown; rlfleet.worker.weight_transfer,
 which Dynamo 1.7's /engine/update/* routes share) go through to vLLM on a GPU build. On
 vLLM's CPU build, a worker started with `--weight-transfer-config '{"backend":
@@ -127,6 +130,27 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
                       param=locs[0] if locs else None)
 
 
+def vllm_request_aliases(rid: str) -> list[str]:
+    """What rlfleet's frontend calls the request vLLM's OpenAI server gives the engine ID
+    `rid`, most exact first, `rid` itself first of all. vLLM names a chat request
+    `chatcmpl-<base>` and prompt i of a completions request `cmpl-<base>-<i>`, `<base>` being
+    the X-Request-Id (or the body's `request_id`, else random); its response `id` is
+    `chatcmpl-<base>` / `cmpl-<base>`. rlfleet's frontend names a request by its response
+    `id`: the X-Request-Id (or the body's `request_id`) as given, else `chatcmpl-<random>` /
+    `cmpl-<random>`; prompt i of a batch `<id>-<i>`, a single prompt `<id>`."""
+    out = [rid]
+    for prefix in ("cmpl-", "chatcmpl-"):
+        if not rid.startswith(prefix):
+            continue
+        base = rid.removeprefix(prefix)
+        if prefix == "cmpl-" and rid.endswith("-0"):  # prompt 0, alone in its request
+            out.append(rid.removesuffix("-0"))
+        out.append(base)  # the X-Request-Id: a chat request, a prompt of a batch
+        if prefix == "cmpl-" and base.endswith("-0"):
+            out.append(base.removesuffix("-0"))
+    return out
+
+
 class NativeRL:
     """vLLM's native RL routes over one worker's EngineAdmin (mounted by its system server:
     `system_app(..., mounted=NativeRL(admin))`)."""
@@ -213,12 +237,21 @@ class NativeRL:
                 ids = body.get("request_ids")
                 if ids:
                     for rid in ids:
-                        await self.engine.abort(str(rid))
+                        await self.engine.abort(self.engine_request_id(str(rid)))
                     n = len(ids)
                 else:
                     n = await self.engine.abort_all()
                 return JSONResponse({"status": "aborted", "aborted": n})
             return await self.call(raw_request, vllm_rl.ABORT_REQUESTS, run)
+
+    def engine_request_id(self, rid: str) -> str:
+        """The request `rid` names, as this worker's engine knows it: `rid` itself when the
+        engine has it, else the request that vLLM's server would have called `rid`
+        (vllm_request_aliases), else `rid` (aborting it ends nothing, as in vLLM)."""
+        for name in vllm_request_aliases(rid):
+            if self.engine.tracks(name):
+                return name
+        return rid
 
     # ---------------------------------------------------------------- vLLM's weight transfer
 
