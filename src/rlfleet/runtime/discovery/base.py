@@ -163,6 +163,26 @@ def _check_record(name: str, value: Any = None) -> None:
 # ---------------------------------------------------------------- registration
 
 
+class FailureStreak:
+    """A keep-alive loop's failures, logged once a streak: its first failure (a warning) and
+    the success that ends it, not every retry in between."""
+
+    def __init__(self, what: str, period: float) -> None:
+        self.what, self.period = what, period
+        self.failing = False
+
+    def failed(self, exc: Exception) -> None:
+        if not self.failing:
+            log.warning("discovery: %s failed, retrying every %.2gs: %s", self.what,
+                        self.period, exc)
+        self.failing = True
+
+    def ended(self) -> None:
+        if self.failing:
+            log.info("discovery: %s recovered", self.what)
+        self.failing = False
+
+
 class Registration:
     """A registered entry whose lease is kept alive in the background until :meth:`close`."""
 
@@ -206,7 +226,7 @@ class Registration:
 
     async def _keepalive(self) -> None:
         period = self.ttl / 3
-        failing = False
+        streak = FailureStreak(f"keep-alive for {self.key}", period)
         loop = asyncio.get_running_loop()
         kept = loop.time()  # when the lease was last known to be alive
         while True:
@@ -229,14 +249,9 @@ class Registration:
                         await self._put()
                         self._dirty = False
                     kept = loop.time()
-                    if failing:
-                        log.info("discovery: keep-alive for %s recovered", self.key)
-                        failing = False
+                    streak.ended()
                 except DiscoveryError as exc:
-                    if not failing:
-                        log.warning("discovery: keep-alive for %s failed, retrying every "
-                                    "%.2gs: %s", self.key, period, exc)
-                    failing = True
+                    streak.failed(exc)
                 except Exception:  # a bug; keep the entry alive anyway
                     log.exception("discovery: unexpected keep-alive error for %s", self.key)
 

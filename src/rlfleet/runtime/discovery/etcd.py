@@ -28,6 +28,7 @@ from rlfleet.runtime.discovery.base import (
     Discovery,
     DiscoveryError,
     Entry,
+    FailureStreak,
     Listing,
     Registration,
     Skipped,
@@ -170,20 +171,14 @@ class _EtcdLease:
 
     async def _keepalive(self) -> None:
         period = self.ttl / 3
-        failing = False
+        streak = FailureStreak(f"keep-alive of the {self.ttl:g}s etcd lease", period)
         while True:
             await asyncio.sleep(period)
             try:
                 await self._tick()
-                if failing:
-                    log.info("discovery: keep-alive of the %gs etcd lease recovered", self.ttl)
-                    failing = False
+                streak.ended()
             except DiscoveryError as exc:
-                if not failing:
-                    log.warning("discovery: keep-alive of the %gs etcd lease (%d entries) "
-                                "failed, retrying every %.2gs: %s", self.ttl, len(self.regs),
-                                period, exc)
-                failing = True
+                streak.failed(exc)
             except Exception:  # a bug; keep the entries alive anyway
                 log.exception("discovery: unexpected keep-alive error for the %gs etcd lease",
                               self.ttl)
