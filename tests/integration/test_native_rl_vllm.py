@@ -43,12 +43,17 @@ from tests.fleets import MODEL_NAME, vllm_serve, vllm_worker_args
 
 pytestmark = pytest.mark.engine
 
+# both engines compute on one thread: an engine whose threads spin on every core of a small
+# machine starves its own HTTP server, which then takes in an /abort_requests (or the next
+# chunk) only after the engine has run the request to its end
+ENGINE_ENV = {"OMP_NUM_THREADS": "1"}
+
 
 @pytest.fixture(scope="module")
 def vllm_dev_url(tiny_model: Path, tmp_path_factory):
     """vLLM's own server in dev mode (its RL routes), with the workers' engine flags."""
     with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-dev"),
-                    env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
+                    env={"VLLM_SERVER_DEV_MODE": "1", **ENGINE_ENV}) as url:
         yield url
 
 
@@ -57,7 +62,7 @@ def fleet(start_module_fleet, tiny_model: Path) -> LocalFleet:
     """One rlfleet vLLM worker and a frontend (its OpenAI routes, as vLLM's server has)."""
     nccl = ("--weight-transfer-config", '{"backend": "nccl"}')  # a backend needing a GPU
     return start_module_fleet([vllm_worker_args(tiny_model, MODEL_NAME, *nccl)], kind="vllm",
-                              model=MODEL_NAME, name="native-rl")
+                              model=MODEL_NAME, worker_env=ENGINE_ENV, name="native-rl")
 
 
 @pytest.fixture(scope="module")
@@ -206,6 +211,16 @@ class Generation:
             time.sleep(0.02)
         return self
 
+    def settled(self, quiet: float = 0.5, timeout: float = 10) -> int:
+        """Its tokens so far, once none has arrived for `quiet` seconds."""
+        deadline = time.monotonic() + timeout
+        seen, since = self.tokens, time.monotonic()
+        while time.monotonic() - since < quiet and time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self.tokens != seen:
+                seen, since = self.tokens, time.monotonic()
+        return seen
+
     def ended(self, timeout: float = 60) -> tuple[Any, ...]:
         """Its outcome once it has ended; `("running",)` if it has not within `timeout`."""
         self.thread.join(timeout)
@@ -242,8 +257,7 @@ def paused_with_abort(s: Server) -> dict[str, Any]:
 def paused_with_keep(s: Server) -> dict[str, Any]:
     unary, streamed = two_in_flight(s, 600)
     out: dict[str, Any] = {"pause": s.pause(mode="keep", clear_cache="true")}
-    time.sleep(0.3)  # what was on its way arrives
-    before = streamed.tokens
+    before = streamed.settled()  # what was on its way has arrived
     time.sleep(SETTLE)
     out["frozen"] = (streamed.tokens == before < 600, unary.thread.is_alive())
     out["paused"] = s.is_paused()
