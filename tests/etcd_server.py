@@ -11,8 +11,11 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
+
+from rlfleet.runtime.discovery import EtcdDiscovery, new_instance_id, open_discovery
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -94,3 +97,22 @@ def run_etcd(
             proc.wait(timeout=10)
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def etcd_clients(url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
+    """Two separate etcd discovery clients of `url` (one registers, the other reads or
+    interferes), both closed at the end."""
+    first, second = open_discovery(url), open_discovery(url)
+    assert isinstance(first, EtcdDiscovery) and isinstance(second, EtcdDiscovery)
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
+
+
+def discovery_entry(ns: str, **extra: Any) -> dict[str, Any]:
+    """A worker's discovery entry in namespace `ns`, with a fresh instance ID."""
+    return {"namespace": ns, "component": "worker", "endpoint": "generate",
+            "instance_id": new_instance_id(), **extra}

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aetcd import rpc
 
-from rlfleet.runtime.discovery import EtcdDiscovery, new_instance_id, open_discovery
-from tests.etcd_server import run_etcd
+from rlfleet.runtime.discovery import EtcdDiscovery
+from tests.etcd_server import discovery_entry, etcd_clients, run_etcd
 
 TTL = 3.0  # a keep-alive every second; above etcd's shortest lease
 
@@ -32,18 +32,11 @@ def ns() -> str:
 @pytest.fixture
 async def pair(etcd_url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
     """The registering client and another one (a reader, or someone revoking leases)."""
-    writer, other = open_discovery(etcd_url), open_discovery(etcd_url)
-    assert isinstance(writer, EtcdDiscovery) and isinstance(other, EtcdDiscovery)
-    try:
-        yield writer, other
-    finally:
-        await writer.close()
-        await other.close()
+    async with etcd_clients(etcd_url) as clients:
+        yield clients
 
 
-def entry(ns: str, **extra: Any) -> dict[str, Any]:
-    return {"namespace": ns, "component": "worker", "endpoint": "generate",
-            "instance_id": new_instance_id(), **extra}
+entry = discovery_entry
 
 
 async def leases(d: EtcdDiscovery) -> set[int]:

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from rlfleet.runtime.discovery import EtcdDiscovery, new_instance_id, open_discovery
-from tests.etcd_server import free_port, run_etcd
+from rlfleet.runtime.discovery import EtcdDiscovery, open_discovery
+from tests.etcd_server import discovery_entry, etcd_clients, free_port, run_etcd
 
 Entries = list[dict[str, Any]]
 
@@ -27,18 +27,11 @@ def ns() -> str:
 @pytest.fixture
 async def pair(etcd_url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
     """A reader (the frontend's side) and a writer (the workers' side), separate clients."""
-    reader, writer = open_discovery(etcd_url), open_discovery(etcd_url)
-    assert isinstance(reader, EtcdDiscovery) and isinstance(writer, EtcdDiscovery)
-    try:
-        yield reader, writer
-    finally:
-        await writer.close()
-        await reader.close()
+    async with etcd_clients(etcd_url) as clients:
+        yield clients
 
 
-def entry(ns: str, **extra: Any) -> dict[str, Any]:
-    return {"namespace": ns, "component": "worker", "endpoint": "generate",
-            "instance_id": new_instance_id(), **extra}
+entry = discovery_entry
 
 
 async def until(watch: AsyncIterator[Entries], pred: Callable[[Entries], bool],
