@@ -4,9 +4,9 @@ keys ``/rlfleet/discovery/<namespace>/<component>/<endpoint>/<instance_id>``; re
 client's registrations of one TTL share one lease (etcd's session pattern: `_EtcdLease`),
 kept alive by one call every ttl/3 however many entries it holds (a process of many
 simulated workers holds thousands); closing a registration deletes its key, and the last
-one out revokes the lease. A watch lists the prefix once and then applies etcd's watch events to that
-view in revision order (`_EtcdView`), listing again only when the watch is lost or
-compacted. Every call has a deadline; with several endpoints a failed one hands over to
+one out revokes the lease. A watch lists the prefix once and then applies etcd's watch
+events to that view in revision order (`_EtcdView`), listing again only when the watch is
+lost or compacted. Every call has a deadline; with several endpoints a failed one hands over to
 the next. A value that is not a valid entry is skipped and reported, never fatal.
 """
 
