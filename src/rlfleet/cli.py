@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlfleet.rl.control import DEFAULT_CONCURRENCY
+from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.runtime.logs import add_log_args, setup_logging
 
 if TYPE_CHECKING:
@@ -357,91 +358,89 @@ JOURNAL_HELP = ("the refresh journal: a SQLite file, or etcd://host:port[/name] 
                 "rollback returns to)")
 
 
-def _coordinator_args(cp: argparse.ArgumentParser) -> None:
+def _coordinator_flags() -> tuple[Flag, ...]:
     """What `rlfleet refresh` and `rlfleet recover` share (RefreshConfig.from_args reads it)."""
-    cp.add_argument("--rl-url", default=os.environ.get("RLFLEET_RL_URL",
-                                                       "http://127.0.0.1:8001"),
-                    help="the frontend's RL listener")
-    cp.add_argument("--model", default=None, help="only workers serving this model")
-    cp.add_argument("--path", default="vllm-disk",
-                    choices=["vllm-disk", "vllm-distributed", "sglang-disk", "vllm-adapter"])
-    cp.add_argument("--adapter", default=None, metavar="NAME",
-                    help="with --path vllm-adapter: the LoRA adapter to refresh (or "
-                         "recover) alone, the base model and other adapters serving on; "
-                         "--checkpoint is then the adapter's directory")
-    cp.add_argument("--sglang-worker", action="append", default=[],
-                    metavar="SYSTEM_URL,REQUEST_URL")
-    cp.add_argument("--on-failure", default="hold", choices=["retry", "rollback", "hold"])
-    cp.add_argument("--retries", type=int, default=1)
-    cp.add_argument("--pause-mode", default="wait", choices=["keep", "wait", "abort"])
-    cp.add_argument("--probe-tokens", type=int, default=8,
-                    help="tokens each worker generates in the post-update probe")
-    cp.add_argument("--probe-tolerance", type=float, default=None,
-                    help="max logprob difference in the probe (default: by the dtype each "
-                         "worker serves in: float32 1e-3, float16 2e-2, bfloat16 5e-2)")
-    cp.add_argument("--probe-from-checkpoint", action="store_true",
-                    help="check every worker against a transformers forward pass of the "
-                         "checkpoint (loads the whole model here); default: the workers "
-                         "must agree with each other on a prompt their tokenizer makes")
-    cp.add_argument("--admin-concurrency", type=int, default=DEFAULT_CONCURRENCY,
-                    help="admin calls (and probes) in flight at once, whatever the fleet's "
-                         f"size (default {DEFAULT_CONCURRENCY}: 1,024 workers take 16 rounds)")
-    cp.add_argument("--phase-timeout", type=float, default=None,
-                    help="seconds one phase (gate, pause, apply, verify, ...) may take over "
-                         "the whole fleet; a worker not done by then is left out as missing "
-                         "and the others go on (default: 1.25 × the call timeout, 150 s)")
-    cp.add_argument("--transfer-backend", default="gloo", choices=["gloo", "nccl"],
-                    help="process-group backend of --path vllm-distributed (nccl needs "
-                         "CUDA here)")
-    cp.add_argument("--master-address", default=None,
-                    help="address the workers reach this host at for --path "
-                         "vllm-distributed (default: this host's address on the route to "
-                         "the workers)")
-    cp.add_argument("--master-port", type=int, default=None,
-                    help="rendezvous port for --path vllm-distributed (default: a free "
-                         "port)")
-    cp.add_argument("--admin-token", default=os.environ.get("RLFLEET_ADMIN_TOKEN"))
-    cp.add_argument("--journal", default=str(default_journal()), help=JOURNAL_HELP)
-    cp.add_argument("--discovery", default=None,
-                    help="the discovery store where the committed policy is published for "
-                         "the frontends (default: the one the RL listener names)")
+    return (
+        Flag("--rl-url", os.environ.get("RLFLEET_RL_URL", "http://127.0.0.1:8001"),
+             "the frontend's RL listener"),
+        Flag("--model", None, "only workers serving this model"),
+        Flag("--path", "vllm-disk",
+             choices=["vllm-disk", "vllm-distributed", "sglang-disk", "vllm-adapter"]),
+        Flag("--adapter", None,
+             "with --path vllm-adapter: the LoRA adapter to refresh (or recover) alone, the "
+             "base model and other adapters serving on; --checkpoint is then the adapter's "
+             "directory", metavar="NAME"),
+        Flag("--sglang-worker", [], metavar="SYSTEM_URL,REQUEST_URL"),
+        Flag("--on-failure", "hold", choices=["retry", "rollback", "hold"]),
+        Flag("--retries", 1),
+        Flag("--pause-mode", "wait", choices=["keep", "wait", "abort"]),
+        Flag("--probe-tokens", 8, "tokens each worker generates in the post-update probe"),
+        Flag("--probe-tolerance", None,
+             "max logprob difference in the probe (default: by the dtype each worker serves "
+             "in: float32 1e-3, float16 2e-2, bfloat16 5e-2)", type=float),
+        Flag("--probe-from-checkpoint", False,
+             "check every worker against a transformers forward pass of the checkpoint (loads "
+             "the whole model here); default: the workers must agree with each other on a "
+             "prompt their tokenizer makes"),
+        Flag("--admin-concurrency", DEFAULT_CONCURRENCY,
+             "admin calls (and probes) in flight at once, whatever the fleet's size (default "
+             "%(default)s: 1,024 workers take 16 rounds)"),
+        Flag("--phase-timeout", None,
+             "seconds one phase (gate, pause, apply, verify, ...) may take over the whole "
+             "fleet; a worker not done by then is left out as missing and the others go on "
+             "(default: 1.25 × the call timeout, 150 s)", type=float),
+        Flag("--transfer-backend", "gloo",
+             "process-group backend of --path vllm-distributed (nccl needs CUDA here)",
+             choices=["gloo", "nccl"]),
+        Flag("--master-address", None,
+             "address the workers reach this host at for --path vllm-distributed (default: "
+             "this host's address on the route to the workers)"),
+        Flag("--master-port", None,
+             "rendezvous port for --path vllm-distributed (default: a free port)", type=int),
+        Flag("--admin-token", os.environ.get("RLFLEET_ADMIN_TOKEN")),
+        Flag("--journal", str(default_journal()), JOURNAL_HELP),
+        Flag("--discovery", None,
+             "the discovery store where the committed policy is published for the frontends "
+             "(default: the one the RL listener names)"),
+    )
+
+
+#: `rlfleet refresh`'s own flags, beside the coordinator's
+REFRESH_FLAGS = (
+    Flag("--checkpoint", None,
+         "checkpoint directory the workers can read (required unless --staged --source)"),
+    Flag("--version", None, "the version to declare", required=True),
+    Flag("--digest", None, "target digest (default: computed from the checkpoint)"),
+    Flag("--staged", False,
+         "workers pull the version while they serve (stage_weights); the fleet is gated only "
+         "to install it"),
+    Flag("--source", None,
+         "with --staged: s3://bucket/prefix/VERSION, a version directory, or a trainer "
+         "publisher's http://host:port"),
+    Flag("--s3-endpoint-url", None, "S3 endpoint of --source (default: boto3's own)"),
+    Flag("--stage-fanout", 0,
+         "with --staged and an S3, directory or trainer --source: 0 (default), every worker "
+         "pulls from the source; 1, a pipelined chain over the workers in discovery (only the "
+         "first pulls from the source, each one serves the next while it still receives); K, "
+         "a K-ary tree", metavar="K"),
+    Flag("--step", None,
+         "the policy's fleet step (workers stamp it on every token; steps only increase; "
+         "default: one above the step the fleet serves)", type=int),
+    Flag("--mode", "sync",
+         "sync: the whole fleet gated while it changes; rolling: workers updated in waves "
+         "while the rest serve", choices=["sync", "rolling"]),
+    Flag("--max-lag", 1,
+         "rolling: refuse a target more than this many steps ahead of a serving worker"),
+    Flag("--min-serving", 1, "rolling: never fewer workers serving than this"),
+    Flag("--wave-size", None,
+         "rolling: workers updated at once (default: all but --min-serving)", type=int),
+)
 
 
 def _add_refresh(sub: argparse._SubParsersAction) -> None:
     """`refresh` and `recover`."""
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
-    rf.add_argument("--checkpoint", default=None,
-                    help="checkpoint directory the workers can read (required unless --staged "
-                         "--source)")
-    rf.add_argument("--version", required=True, help="the version to declare")
-    rf.add_argument("--digest", default=None, help="target digest (default: computed from the checkpoint)")
-    rf.add_argument("--staged", action="store_true",
-                    help="workers pull the version while they serve (stage_weights); the fleet "
-                         "is gated only to install it")
-    rf.add_argument("--source", default=None,
-                    help="with --staged: s3://bucket/prefix/VERSION, a version directory, or a "
-                         "trainer publisher's http://host:port")
-    rf.add_argument("--s3-endpoint-url", default=None, help="S3 endpoint of --source "
-                                                            "(default: boto3's own)")
-    rf.add_argument("--stage-fanout", type=int, default=0, metavar="K",
-                    help="with --staged and an S3, directory or trainer --source: 0 (default), every "
-                         "worker pulls from the source; 1, a pipelined chain over the workers "
-                         "in discovery (only the first pulls from the source, each one serves "
-                         "the next while it still receives); K, a K-ary tree")
-    rf.add_argument("--step", type=int, default=None,
-                    help="the policy's fleet step (workers stamp it on every token; steps only "
-                         "increase; default: one above the step the fleet serves)")
-    rf.add_argument("--mode", default="sync", choices=["sync", "rolling"],
-                    help="sync: the whole fleet gated while it changes; rolling: workers "
-                         "updated in waves while the rest serve")
-    rf.add_argument("--max-lag", type=int, default=1,
-                    help="rolling: refuse a target more than this many steps ahead of a "
-                         "serving worker")
-    rf.add_argument("--min-serving", type=int, default=1,
-                    help="rolling: never fewer workers serving than this")
-    rf.add_argument("--wave-size", type=int, default=None,
-                    help="rolling: workers updated at once (default: all but --min-serving)")
-    _coordinator_args(rf)
+    add_flags(rf, REFRESH_FLAGS + _coordinator_flags())
     rf.set_defaults(func=run_refresh)
 
     rc = sub.add_parser("recover", help="recover a fleet whose refresh never finished (its "
@@ -450,7 +449,7 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
                                     "every worker holds the interrupted target, else back to "
                                     "the last verified policy; the fleet reopens only on one "
                                     "verified policy. `rlfleet refresh` does this first too.")
-    _coordinator_args(rc)
+    add_flags(rc, _coordinator_flags())
     rc.set_defaults(func=_recover)
 
 

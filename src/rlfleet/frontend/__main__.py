@@ -24,6 +24,7 @@ from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
+from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.runtime.limits import ServerLimits
 from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
 from rlfleet.runtime.request_plane import STALL_TIMEOUT, WorkerClient
@@ -37,76 +38,82 @@ def _truthy(v: str | None) -> bool:
     return (v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def frontend_flags() -> tuple[Flag, ...]:
+    """The frontend's own flags (ServerLimits, logs and tracing add theirs); read when the
+    command line is, since some defaults come from the environment."""
+    return (
+        Flag("--http-host", "127.0.0.1",
+             "bind address of the OpenAI routes and the RL listener (0.0.0.0: all)"),
+        Flag("--http-port", int(os.environ.get("DYN_HTTP_PORT", 8000)),
+             "OpenAI routes port (default: $DYN_HTTP_PORT, else 8000)"),
+        Flag("--advertise-host", None,
+             "address clients on other hosts use (default: the bind address; when bound to "
+             "0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that routes to the discovery "
+             "store)"),
+        Flag("--discovery", None,
+             "file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
+             "$ETCD_ENDPOINTS, else a per-user directory)"),
+        Flag("--namespace", os.environ.get("DYN_NAMESPACE", "dynamo")),
+        Flag("--router-mode", "round-robin",
+             "kv: to the worker holding the longest prefix of the prompt's token IDs (from its KV "
+             "events, else from what this frontend sent it), unless overloaded",
+             choices=ROUTER_MODES),
+        Flag("--kv-overload-threshold", DEFAULT_OVERLOAD,
+             "router mode kv: a worker is overloaded, and a request whose prefix it holds goes "
+             "elsewhere, when (its requests in flight + 1) > this x (the mean over the candidates "
+             "+ 1) (default %(default)s)"),
+        Flag("--kv-overlap-weight", DEFAULT_OVERLAP_WEIGHT,
+             "router mode kv: a worker's cost is this x the prompt tokens it does not hold + the "
+             "uncached prompt tokens of its requests in flight (default %(default)s; higher: "
+             "stickier to the prefix)"),
+        Flag("--gated-hold", 60.0,
+             "seconds a request waits while every worker of its model is gated (a policy "
+             "refresh), or while none serves a policy within its nvext.policy; then 503 (409 for "
+             "the policy bound)"),
+        Flag("--request-timeout", 600.0,
+             "seconds to wait for a worker's next event before failing the request"),
+        Flag("--enable-rl", _truthy(os.environ.get("DYN_ENABLE_RL")),
+             "serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)"),
+        Flag("--rl-port", int(os.environ.get("DYN_RL_PORT", 8001))),
+        Flag("--stall-timeout", STALL_TIMEOUT,
+             "the stream-plane heartbeat: seconds a worker with requests in flight may answer "
+             "nothing at all (not even a ping, sent after a third of it) before it is marked down "
+             "and its requests fail over (not yet started) or fail (default %(default)g; 0: "
+             "never)"),
+        Flag("--down-seconds", DOWN_SECONDS,
+             "seconds a worker that stalled, broke a request or could not be reached stays out of "
+             "routing before it is tried again (default %(default)g)"),
+        Flag("--admin-token", None,
+             "the fleet's admin token: sent to workers (their request plane requires it when they "
+             "have one) and accepted to cancel any run (prefer --admin-token-file or "
+             "$RLFLEET_ADMIN_TOKEN)"),
+        Flag("--admin-token-file", os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
+             "read the admin token from this file (default: $RLFLEET_ADMIN_TOKEN_FILE, else "
+             "$RLFLEET_ADMIN_TOKEN)"),
+        Flag("--max-response-entries", MAX_RESPONSE_ENTRIES,
+             "refuse (400) a request whose n x max_tokens x (1 + logprobs) could exceed this "
+             "(default %(default)s; 0: no limit)"),
+        Flag("--max-kept-bytes", 2 << 30,
+             "about how much memory the events of runs kept for X-Request-Id retries may hold "
+             "(default 2 GiB); beyond it the oldest finished runs are forgotten, and new ones are "
+             "refused (429) while runs in flight hold it all"),
+        Flag("--journal", os.environ.get("RLFLEET_JOURNAL"),
+             "the policy-refresh journal (a SQLite file or etcd://host:port[/name]) whose last "
+             "refreshes the status page (GET /fleet on the RL listener) shows (default: "
+             "$RLFLEET_JOURNAL)"),
+        Flag("--processes", 1,
+             "serve the port from this many processes (SO_REUSEPORT: the kernel spreads "
+             "connections over them); a retry of an X-Request-Id through any of them, or through "
+             "another frontend on the same discovery store, attaches to the first attempt "
+             "(default 1)"),
+        Flag("--reuse-port", False, argparse.SUPPRESS),  # set on each of --processes K
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m rlfleet.frontend",
                                 description="OpenAI-compatible frontend over an rlfleet fleet")
-    p.add_argument("--http-host", default="127.0.0.1",
-                   help="bind address of the OpenAI routes and the RL listener (0.0.0.0: all)")
-    p.add_argument("--http-port", type=int, default=int(os.environ.get("DYN_HTTP_PORT", 8000)),
-                   help="OpenAI routes port (default: $DYN_HTTP_PORT, else 8000)")
-    p.add_argument("--advertise-host", default=None,
-                   help="address clients on other hosts use (default: the bind address; when "
-                        "bound to 0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that "
-                        "routes to the discovery store)")
-    p.add_argument("--discovery", default=None,
-                   help="file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
-                        "$ETCD_ENDPOINTS, else a per-user directory)")
-    p.add_argument("--namespace", default=os.environ.get("DYN_NAMESPACE", "dynamo"))
-    p.add_argument("--router-mode", default="round-robin", choices=ROUTER_MODES,
-                   help="kv: to the worker holding the longest prefix of the prompt's token "
-                        "IDs (from its KV events, else from what this frontend sent it), "
-                        "unless overloaded")
-    p.add_argument("--kv-overload-threshold", type=float, default=DEFAULT_OVERLOAD,
-                   help="router mode kv: a worker is overloaded, and a request whose prefix "
-                        "it holds goes elsewhere, when (its requests in flight + 1) > this x "
-                        "(the mean over the candidates + 1) (default %(default)s)")
-    p.add_argument("--kv-overlap-weight", type=float, default=DEFAULT_OVERLAP_WEIGHT,
-                   help="router mode kv: a worker's cost is this x the prompt tokens it "
-                        "does not hold + the uncached prompt tokens of its requests in flight "
-                        "(default %(default)s; higher: stickier to the prefix)")
-    p.add_argument("--gated-hold", type=float, default=60.0,
-                   help="seconds a request waits while every worker of its model is gated "
-                        "(a policy refresh), or while none serves a policy within its "
-                        "nvext.policy; then 503 (409 for the policy bound)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds to wait for a worker's next event before failing the request")
-    p.add_argument("--enable-rl", action="store_true", default=_truthy(os.environ.get("DYN_ENABLE_RL")),
-                   help="serve GET /v1/rl/workers on --rl-port (or $DYN_ENABLE_RL)")
-    p.add_argument("--rl-port", type=int, default=int(os.environ.get("DYN_RL_PORT", 8001)))
-    p.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT,
-                   help="the stream-plane heartbeat: seconds a worker with requests in flight "
-                        "may answer nothing at all (not even a ping, sent after a third of "
-                        "it) before it is marked down and its requests fail over (not yet "
-                        "started) or fail (default %(default)g; 0: never)")
-    p.add_argument("--down-seconds", type=float, default=DOWN_SECONDS,
-                   help="seconds a worker that stalled, broke a request or could not be "
-                        "reached stays out of routing before it is tried again (default "
-                        "%(default)g)")
-    p.add_argument("--admin-token", default=None,
-                   help="the fleet's admin token: sent to workers (their request plane "
-                        "requires it when they have one) and accepted to cancel any run "
-                        "(prefer --admin-token-file or $RLFLEET_ADMIN_TOKEN)")
-    p.add_argument("--admin-token-file", default=os.environ.get("RLFLEET_ADMIN_TOKEN_FILE"),
-                   help="read the admin token from this file (default: "
-                        "$RLFLEET_ADMIN_TOKEN_FILE, else $RLFLEET_ADMIN_TOKEN)")
-    p.add_argument("--max-response-entries", type=int, default=MAX_RESPONSE_ENTRIES,
-                   help="refuse (400) a request whose n x max_tokens x (1 + logprobs) could "
-                        "exceed this (default %(default)s; 0: no limit)")
-    p.add_argument("--max-kept-bytes", type=int, default=2 << 30,
-                   help="about how much memory the events of runs kept for X-Request-Id "
-                        "retries may hold (default 2 GiB); beyond it the oldest finished runs "
-                        "are forgotten, and new ones are refused (429) while runs in flight "
-                        "hold it all")
-    p.add_argument("--journal", default=os.environ.get("RLFLEET_JOURNAL"),
-                   help="the policy-refresh journal (a SQLite file or etcd://host:port[/name])"
-                        " whose last refreshes the status page (GET /fleet on the RL listener) "
-                        "shows (default: $RLFLEET_JOURNAL)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="serve the port from this many processes (SO_REUSEPORT: the kernel "
-                        "spreads connections over them); a retry of an X-Request-Id through "
-                        "any of them, or through another frontend on the same discovery "
-                        "store, attaches to the first attempt (default 1)")
-    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # one of K
+    add_flags(p, frontend_flags())
     ServerLimits.add_args(p)
     add_log_args(p)
     add_tracing_args(p)

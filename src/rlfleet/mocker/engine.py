@@ -67,6 +67,7 @@ from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
+from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import (
     BadRequest,
@@ -80,46 +81,43 @@ ZIPF_S = 1.2  # how peaked the per-step distribution is: top-1 has p ~ 0.18
 PAUSE_MODES = ("keep", "wait", "abort")
 EOS_TEXT = "<|im_end|>"
 
-#: the simulated engine's knobs, each a flag --NAME (dashes for underscores):
-#: (name, default, type, help)
-KNOBS: tuple[tuple[str, Any, Callable[[str], Any], str | None], ...] = (
-    ("model_name", "mock-model", str, "served model name (--served-model-name wins when given)"),
-    ("vocab_size", 151936, int, None),
-    ("max_model_len", 4096, int, None),
-    ("seed", 0, int, "the simulated weights: another seed, other tokens"),
-    ("token_delay", 0.0, float, "seconds per generated token (per step, all n choices together)"),
-    ("token_delay_jitter", 0.0, float,
-     "up to this many extra seconds per token, uniformly at random"),
-    ("ttft", 0.0, float, "seconds before the first token"),
-    ("max_batch", None, int,
-     "requests generating at once; more wait in a FIFO queue (default: no limit)"),
-    ("eos_token_id", None, int,
-     f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller"),
-    ("eos_prob", 0.01, float, "chance per token that a choice ends with EOS (mean length ~ 1/p)"),
-    ("block_size", 16, int, "tokens per block of the simulated prefix cache (mocker/cache.py)"),
-    ("kv_blocks", 8192, int, "blocks the simulated prefix cache holds (least recently used go)"),
-    ("prefill_delay", 0.0, float,
-     "seconds per prompt token not in the simulated prefix cache, before the first token"),
-    ("routed_experts", None, str,
-     "LxExK: simulate a MoE engine started with --enable-return-routed-experts: L layers of "
-     "E experts, top-K per token (e.g. 2x8x2); the experts it reports are a hash of the "
-     "token, its position and the layer"),
-    ("kv_events_config", None, str,
-     "publish the simulated cache's KV events as vLLM does, e.g. "
-     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
-     "(port 0: any free port)"),
+#: the simulated engine's knobs, each a flag and a key of DEFAULTS
+KNOBS: tuple[Flag, ...] = (
+    Flag("--model-name", "mock-model", "served model name (--served-model-name wins when given)"),
+    Flag("--vocab-size", 151936),
+    Flag("--max-model-len", 4096),
+    Flag("--seed", 0, "the simulated weights: another seed, other tokens"),
+    Flag("--token-delay", 0.0, "seconds per generated token (per step, all n choices together)"),
+    Flag("--token-delay-jitter", 0.0, "up to this many extra seconds per token, uniformly at random"),
+    Flag("--ttft", 0.0, "seconds before the first token"),
+    Flag("--max-batch", None,
+         "requests generating at once; more wait in a FIFO queue (default: no limit)", type=int),
+    Flag("--eos-token-id", None,
+         f"default {QWEN_EOS}, or vocab-size - 1 when the vocabulary is smaller", type=int),
+    Flag("--eos-prob", 0.01, "chance per token that a choice ends with EOS (mean length ~ 1/p)"),
+    Flag("--block-size", 16, "tokens per block of the simulated prefix cache (mocker/cache.py)"),
+    Flag("--kv-blocks", 8192, "blocks the simulated prefix cache holds (least recently used go)"),
+    Flag("--prefill-delay", 0.0,
+         "seconds per prompt token not in the simulated prefix cache, before the first token"),
+    Flag("--routed-experts", None,
+         "LxExK: simulate a MoE engine started with --enable-return-routed-experts: L layers of "
+         "E experts, top-K per token (e.g. 2x8x2); the experts it reports are a hash of the "
+         "token, its position and the layer"),
+    Flag("--kv-events-config", None,
+         "publish the simulated cache's KV events as vLLM does, e.g. "
+         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+         "(port 0: any free port)"),
 )
 
 DEFAULTS: dict[str, Any] = {
-    **{name: default for name, default, _, _ in KNOBS},
+    **{knob.dest: knob.default for knob in KNOBS},
     "served_model_name": None, "enable_lora": False, "max_loras": MAX_LORAS,
     "max_lora_rank": MAX_LORA_RANK, "lora_modules": None,
 }
 
 
 def add_mock_args(p: argparse.ArgumentParser) -> None:
-    for name, default, type_, help_ in KNOBS:
-        p.add_argument("--" + name.replace("_", "-"), type=type_, default=default, help=help_)
+    add_flags(p, KNOBS)
     add_lora_args(p)
 
 

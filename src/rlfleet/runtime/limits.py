@@ -24,6 +24,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.runtime.http import HttpError, json_response
 
 log = logging.getLogger("rlfleet.limits")
@@ -65,20 +66,19 @@ class ServerLimits:
     @classmethod
     def add_args(cls, p: argparse.ArgumentParser) -> None:
         d = cls()
-        p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                       help="largest request body accepted, in bytes; larger ones get 413 "
-                            f"(default {d.max_body_bytes}, 32 MiB; 0: no limit)")
-        p.add_argument("--read-timeout", type=float, default=d.read_timeout,
-                       help="seconds a client has to send a request's head, and again its "
-                            f"body; then its connection is closed (default {d.read_timeout:g};"
-                            " 0: no limit)")
-        p.add_argument("--idle-timeout", type=float, default=d.idle_timeout,
-                       help="seconds an idle kept-alive connection stays open "
-                            f"(default {d.idle_timeout:g})")
-        p.add_argument("--max-connections", type=int, default=None,
-                       help="open connections accepted at once; beyond it a new connection "
-                            "is closed at once (default: the file-descriptor limit less 256, "
-                            "at most 16384)")
+        add_flags(p, (
+            Flag("--max-body-bytes", d.max_body_bytes,
+                 "largest request body accepted, in bytes; larger ones get 413 (default "
+                 "%(default)s, 32 MiB; 0: no limit)"),
+            Flag("--read-timeout", d.read_timeout,
+                 "seconds a client has to send a request's head, and again its body; then its "
+                 "connection is closed (default %(default)g; 0: no limit)"),
+            Flag("--idle-timeout", d.idle_timeout,
+                 "seconds an idle kept-alive connection stays open (default %(default)g)"),
+            Flag("--max-connections", None,
+                 "open connections accepted at once; beyond it a new connection is closed at "
+                 "once (default: the file-descriptor limit less 256, at most 16384)", type=int),
+        ))
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerLimits:
