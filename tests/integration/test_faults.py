@@ -317,8 +317,10 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
 
 
 def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
-    victim = fleet.start_worker(*worker_args(fleet.ckpts), kind="mocker",
-                                env={"RLFLEET_ADMIN_TOKEN": TOKEN})
+    # ten times slower than the others (same text): its streams are still under way when
+    # it is killed, however long the eight took to begin on a loaded box
+    victim = fleet.start_worker(*worker_args(fleet.ckpts), "--token-delay", "0.05",
+                                kind="mocker", env={"RLFLEET_ADMIN_TOKEN": TOKEN})
     iid = int(victim.ready["instance_id"])
     deadline = time.monotonic() + 30
     while iid not in usable(fleet):

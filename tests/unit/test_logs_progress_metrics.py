@@ -3,6 +3,7 @@ fleet-level checks are in tests/integration/test_observability.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rlfleet.frontend.app import Accounting
 from rlfleet.frontend.status import render_page, render_text
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime import metrics
@@ -310,3 +312,34 @@ def test_plain_lines_on_a_relayed_descriptor_become_json_records(tmp_path):
     assert records[1] == {"level": "INFO", "message": "already json"}  # passed as it was
     assert all(r["target"] == "stderr" and r["level"] == "WARNING"
                for r in records if r is not records[1])
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_request_is_out_of_flight_before_its_last_byte_leaves(streamed):
+    """The in-flight gauge drops before the response's last message reaches the server: a
+    client holding the whole response (and scraping another process next) never sees the
+    finished request counted; a request that dies before its last byte drops it too."""
+    gauge = metrics.FRONTEND_INFLIGHT.labels("/v1/completions")
+    base = gauge._value.get()
+    seen = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if streamed:
+            await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        await send({"type": "http.response.body", "body": b"b"})
+
+    async def failing(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise RuntimeError("broken mid-response")
+
+    async def send(message):
+        seen.append((message.get("more_body", False), gauge._value.get() - base))
+
+    scope = {"type": "http", "path": "/v1/completions", "headers": [], "method": "POST"}
+    asyncio.run(Accounting(app)(dict(scope), None, send))
+    # in flight at the start (and each chunk), out of it for the last body message
+    assert [n for _, n in seen] == [1] + [1] * streamed + [0]
+    with pytest.raises(RuntimeError):
+        asyncio.run(Accounting(failing)(dict(scope), None, send))
+    assert gauge._value.get() == base

@@ -172,21 +172,30 @@ class Accounting:
         state = scope.setdefault("state", {})  # a generation route puts its `model` here
         scope[DIRECT_SEND] = send  # what follows the response start passes nothing here
 
+        gauge = self._inflight[route]
+        in_flight = True
+
         async def send_and_note(message: Message) -> None:
-            nonlocal status
+            nonlocal status, in_flight
             if message["type"] == "http.response.start":
                 status = message["status"]
                 if rid is not None:
                     message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
+            elif not message.get("more_body", False) and in_flight:
+                # out of flight before the last byte leaves: a client that has the whole
+                # response never sees it counted (a scrape right after it, on another
+                # process of this frontend, included)
+                in_flight = False
+                gauge.dec()
             await send(message)
 
-        gauge = self._inflight[route]
         gauge.inc()
         t0 = time.monotonic()
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            gauge.dec()
+            if in_flight:
+                gauge.dec()
             secs = time.monotonic() - t0
             model = state.get("model", "")
             key = (model, route)
