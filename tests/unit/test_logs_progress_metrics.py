@@ -315,12 +315,15 @@ def test_plain_lines_on_a_relayed_descriptor_become_json_records(tmp_path):
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_a_request_is_out_of_flight_before_its_last_byte_leaves(streamed):
-    """The in-flight gauge drops before the response's last message reaches the server: a
-    client holding the whole response (and scraping another process next) never sees the
-    finished request counted; a request that dies before its last byte drops it too."""
-    gauge = metrics.FRONTEND_INFLIGHT.labels("/v1/completions")
-    base = gauge._value.get()
+def test_a_request_is_accounted_before_its_last_byte_leaves(streamed):
+    """A request leaves the in-flight gauge and is counted before the response's last
+    message reaches the server: a client holding the whole response (and scraping another
+    process next) finds it counted and out of flight; a request that breaks before its
+    last byte is accounted when it ends."""
+    route = "/v1/completions"
+    gauge = metrics.FRONTEND_INFLIGHT.labels(route)
+    count = metrics.FRONTEND_REQUESTS.labels("", route, "200")
+    base = (gauge._value.get(), count._value.get())
     seen = []
 
     async def app(scope, receive, send):
@@ -334,12 +337,12 @@ def test_a_request_is_out_of_flight_before_its_last_byte_leaves(streamed):
         raise RuntimeError("broken mid-response")
 
     async def send(message):
-        seen.append((message.get("more_body", False), gauge._value.get() - base))
+        seen.append((gauge._value.get() - base[0], count._value.get() - base[1]))
 
-    scope = {"type": "http", "path": "/v1/completions", "headers": [], "method": "POST"}
+    scope = {"type": "http", "path": route, "headers": [], "method": "POST"}
     asyncio.run(Accounting(app)(dict(scope), None, send))
-    # in flight at the start (and each chunk), out of it for the last body message
-    assert [n for _, n in seen] == [1] + [1] * streamed + [0]
+    # in flight and not counted at the start (and each chunk); done for the last message
+    assert seen == [(1, 0)] + [(1, 0)] * streamed + [(0, 1)]
     with pytest.raises(RuntimeError):
         asyncio.run(Accounting(failing)(dict(scope), None, send))
-    assert gauge._value.get() == base
+    assert (gauge._value.get(), count._value.get()) == (base[0], base[1] + 2)

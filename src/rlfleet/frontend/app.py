@@ -172,46 +172,56 @@ class Accounting:
         state = scope.setdefault("state", {})  # a generation route puts its `model` here
         scope[DIRECT_SEND] = send  # what follows the response start passes nothing here
 
-        gauge = self._inflight[route]
         in_flight = True
+        t0 = time.monotonic()
+
+        def done() -> None:
+            nonlocal in_flight
+            in_flight = False
+            self._account(route, state.get("model", ""), status, time.monotonic() - t0)
+            if log.isEnabledFor(logging.DEBUG):
+                self._debug_line(scope, route, rid, traceparent, status, time.monotonic() - t0)
 
         async def send_and_note(message: Message) -> None:
-            nonlocal status, in_flight
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
                 if rid is not None:
                     message["headers"] = [*message.get("headers", ()), (b"x-request-id", rid)]
             elif not message.get("more_body", False) and in_flight:
-                # out of flight before the last byte leaves: a client that has the whole
-                # response never sees it counted (a scrape right after it, on another
-                # process of this frontend, included)
-                in_flight = False
-                gauge.dec()
+                # accounted before the last byte leaves: a client that has the whole response
+                # finds it counted, and no longer in flight, in a scrape right after it (on
+                # another process of this frontend too)
+                done()
             await send(message)
 
-        gauge.inc()
-        t0 = time.monotonic()
+        self._inflight[route].inc()
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            if in_flight:
-                gauge.dec()
-            secs = time.monotonic() - t0
-            model = state.get("model", "")
-            key = (model, route)
-            if (latency := self._latency.get(key)) is None:
-                latency = self._latency[key] = metrics.FRONTEND_LATENCY.labels(model, route)
-            latency.observe(secs)
-            if (counted := self._requests.get((model, route, status))) is None:
-                counted = self._requests[(model, route, status)] = \
-                    metrics.FRONTEND_REQUESTS.labels(model, route, str(status))
-            counted.inc()
-            if log.isEnabledFor(logging.DEBUG):
-                r = rid.decode(errors="replace") if rid is not None else None
-                tp = traceparent.decode(errors="replace") if traceparent is not None else None
-                log.debug("%s %s -> %d in %.3fs", scope["method"], path, status, secs,
-                          extra={"request_id": r, "trace_id": tracing.trace_id_of(tp),
-                                 "model": model or None, "route": route, "status": status})
+            if in_flight:  # it ended before its last byte
+                done()
+
+    def _account(self, route: str, model: str, status: int, secs: float) -> None:
+        self._inflight[route].dec()
+        key = (model, route)
+        if (latency := self._latency.get(key)) is None:
+            latency = self._latency[key] = metrics.FRONTEND_LATENCY.labels(model, route)
+        latency.observe(secs)
+        if (counted := self._requests.get((model, route, status))) is None:
+            counted = self._requests[(model, route, status)] = \
+                metrics.FRONTEND_REQUESTS.labels(model, route, str(status))
+        counted.inc()
+
+    @staticmethod
+    def _debug_line(scope: Scope, route: str, rid: bytes | None, traceparent: bytes | None,
+                    status: int, secs: float) -> None:
+        r = rid.decode(errors="replace") if rid is not None else None
+        tp = traceparent.decode(errors="replace") if traceparent is not None else None
+        model = scope["state"].get("model")
+        log.debug("%s %s -> %d in %.3fs", scope["method"], scope["path"], status, secs,
+                  extra={"request_id": r, "trace_id": tracing.trace_id_of(tp),
+                         "model": model or None, "route": route, "status": status})
 
 
 def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None = None
