@@ -10,7 +10,8 @@ import multiprocessing.process
 import os
 import re
 import subprocess
-from collections.abc import Callable, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ from tests.ray_server import LOOPBACK_ENV
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
+from rlfleet.runtime.discovery import EtcdDiscovery  # noqa: E402
 from rlfleet.runtime.launch import LocalFleet, Proc  # noqa: E402
-from tests.etcd_server import run_etcd  # noqa: E402
+from tests.etcd_server import etcd_clients, run_etcd  # noqa: E402
 from tests.fleets import (  # noqa: E402
     MODEL_NAME,
     RL_PROBE_ENV,
@@ -50,6 +52,20 @@ def tiny_model_b(tmp_path_factory) -> Path:
 def etcd_url():
     with run_etcd() as url:
         yield url
+
+
+@pytest.fixture
+def ns() -> str:
+    """A discovery namespace of its own per test (the store, a shared etcd, stays shared)."""
+    return f"test-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def etcd_pair(etcd_url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
+    """Two separate etcd discovery clients of `etcd_url` (the module's own server where a
+    module overrides it): one registers, the other reads or interferes."""
+    async with etcd_clients(etcd_url) as clients:
+        yield clients
 
 
 @pytest.fixture(scope="session")

@@ -112,7 +112,10 @@ async def etcd_clients(url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDisco
         await second.close()
 
 
-def discovery_entry(ns: str, **extra: Any) -> dict[str, Any]:
-    """A worker's discovery entry in namespace `ns`, with a fresh instance ID."""
-    return {"namespace": ns, "component": "worker", "endpoint": "generate",
-            "instance_id": new_instance_id(), **extra}
+def discovery_entry(ns: str, component: str = "worker", endpoint: str = "generate",
+                    instance_id: int | None = None, **extra: Any) -> dict[str, Any]:
+    """A discovery entry in namespace `ns` (a worker's, unless told), with a fresh instance
+    ID unless given one."""
+    return {"namespace": ns, "component": component, "endpoint": endpoint,
+            "instance_id": instance_id if instance_id is not None else new_instance_id(),
+            **extra}

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,10 @@ from rlfleet.runtime.discovery import (
 )
 
 try:
-    from tests.etcd_server import free_port, run_etcd
+    from tests.etcd_server import discovery_entry, free_port, run_etcd
 except ImportError:  # run as plain `pytest` (repo root not on sys.path)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.etcd_server import free_port, run_etcd
+    from tests.etcd_server import discovery_entry, free_port, run_etcd
 
 Entries = list[dict[str, Any]]
 
@@ -58,19 +57,6 @@ async def disco(store_url: str) -> AsyncIterator[Discovery]:
         yield d
     finally:
         await d.close()
-
-
-@pytest.fixture
-def ns() -> str:
-    """A namespace of its own per test (the etcd server is shared by the module)."""
-    return f"test-{uuid.uuid4().hex[:10]}"
-
-
-def make_entry(ns: str, component: str = "worker", endpoint: str = "generate",
-               instance_id: int | None = None, **extra: Any) -> dict[str, Any]:
-    return {"namespace": ns, "component": component, "endpoint": endpoint,
-            "instance_id": instance_id if instance_id is not None else new_instance_id(),
-            **extra}
 
 
 def key_of(e: dict[str, Any]) -> str:
@@ -142,10 +128,10 @@ def stop_keepalive(reg: Registration) -> None:
 
 
 async def test_register_list_filter(disco: Discovery, ns: str) -> None:
-    a = make_entry(ns, "worker", "generate", 3, addr="http://127.0.0.1:1")
-    b = make_entry(ns, "worker", "generate", 1, addr="http://127.0.0.1:2")
-    c = make_entry(ns, "worker", "load_weights", 2)
-    d = make_entry(ns, "router", "generate", 4)
+    a = discovery_entry(ns, "worker", "generate", 3, addr="http://127.0.0.1:1")
+    b = discovery_entry(ns, "worker", "generate", 1, addr="http://127.0.0.1:2")
+    c = discovery_entry(ns, "worker", "load_weights", 2)
+    d = discovery_entry(ns, "router", "generate", 4)
     regs = [await disco.register(e, ttl=5) for e in (a, b, c, d)]
     assert regs[0].key == key_of(a)
 
@@ -166,16 +152,16 @@ async def test_invalid_entries(disco: Discovery, ns: str) -> None:
     with pytest.raises(ValueError, match="instance_id"):
         await disco.register({"namespace": ns, "component": "w", "endpoint": "e"})
     with pytest.raises(ValueError, match="instance_id"):
-        await disco.register(make_entry(ns, instance_id=1 << 64))
+        await disco.register(discovery_entry(ns, instance_id=1 << 64))
     with pytest.raises(ValueError, match="component"):
-        await disco.register(make_entry(ns, component="a/b"))
+        await disco.register(discovery_entry(ns, component="a/b"))
     with pytest.raises(ValueError, match="JSON"):
-        await disco.register(make_entry(ns, blob=object()))
+        await disco.register(discovery_entry(ns, blob=object()))
     assert await disco.list(ns) == []
 
 
 async def test_update(disco: Discovery, ns: str) -> None:
-    entry = make_entry(ns, load=0)
+    entry = discovery_entry(ns, load=0)
     reg = await disco.register(entry, ttl=5)
     await reg.update({**entry, "load": 7})
     assert await disco.list(ns) == [{**entry, "load": 7}]
@@ -185,13 +171,13 @@ async def test_update(disco: Discovery, ns: str) -> None:
 
 
 async def test_clean_deregistration(disco: Discovery, ns: str) -> None:
-    keep = await disco.register(make_entry(ns, instance_id=1), ttl=5)
-    gone = await disco.register(make_entry(ns, instance_id=2), ttl=5)
+    keep = await disco.register(discovery_entry(ns, instance_id=1), ttl=5)
+    gone = await disco.register(discovery_entry(ns, instance_id=2), ttl=5)
     await gone.close()
     assert [e["instance_id"] for e in await disco.list(ns)] == [1]  # immediately, no expiry
     await gone.close()  # idempotent
     with pytest.raises(DiscoveryError):
-        await gone.update(make_entry(ns, instance_id=2))
+        await gone.update(discovery_entry(ns, instance_id=2))
     await disco.close()  # closing the Discovery deregisters what it registered
     assert keep._closed
     async with open_discovery(disco.url) as fresh:
@@ -199,7 +185,7 @@ async def test_clean_deregistration(disco: Discovery, ns: str) -> None:
 
 
 async def test_keepalive_outlives_ttl(disco: Discovery, ns: str) -> None:
-    entry = make_entry(ns)
+    entry = discovery_entry(ns)
     reg = await disco.register(entry, ttl=1)
     await asyncio.sleep(2.5)  # > etcd's minimum lease (2 s) and the file ttl
     assert await disco.list(ns) == [entry]
@@ -207,7 +193,7 @@ async def test_keepalive_outlives_ttl(disco: Discovery, ns: str) -> None:
 
 
 async def test_expiry_after_owner_sigkill(store_url: str, disco: Discovery, ns: str) -> None:
-    entry = make_entry(ns, component="crashy")
+    entry = discovery_entry(ns, component="crashy")
     with registering_process(store_url, entry, ttl=1) as proc:
         assert proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 15)
@@ -223,7 +209,7 @@ async def test_expiry_after_owner_sigkill(store_url: str, disco: Discovery, ns: 
 
 
 async def test_lost_lease_is_reregistered(disco: Discovery, ns: str) -> None:
-    entry = make_entry(ns)
+    entry = discovery_entry(ns)
     reg = await disco.register(entry, ttl=1.5)
     # lose the lease behind the owner's back
     if isinstance(disco, FileDiscovery):
@@ -244,18 +230,18 @@ async def test_watch_add_change_remove_expiry(disco: Discovery, ns: str) -> None
     def ids(entries: Entries) -> list[int]:
         return [e["instance_id"] for e in entries]
 
-    other = await disco.register(make_entry(ns + "-x"), ttl=5)  # outside the watched namespace
+    other = await disco.register(discovery_entry(ns + "-x"), ttl=5)  # outside the watched namespace
     async with contextlib.aclosing(disco.watch(ns, interval=0.1)) as watch:
         assert await next_matching(watch, lambda _: True, 5) == []  # first yield: immediately
 
-        a = make_entry(ns, instance_id=10, load=0)
+        a = discovery_entry(ns, instance_id=10, load=0)
         reg_a = await disco.register(a, ttl=5)
         assert await next_matching(watch, lambda es: es != [], 5) == [a]
 
         await reg_a.update({**a, "load": 1})
         assert await next_matching(watch, lambda es: es[0]["load"] == 1, 5) == [{**a, "load": 1}]
 
-        b = make_entry(ns, instance_id=20)
+        b = discovery_entry(ns, instance_id=20)
         reg_b = await disco.register(b, ttl=1)
         assert ids(await next_matching(watch, lambda es: len(es) == 2, 5)) == [10, 20]
 
@@ -325,7 +311,7 @@ async def test_file_default_dir_roundtrip(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.delenv("RLFLEET_DISCOVERY", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     d = open_discovery()
-    entry = make_entry(ns)
+    entry = discovery_entry(ns)
     reg = await d.register(entry, ttl=5)
     files = list((tmp_path / "rlfleet" / "discovery").iterdir())
     assert len(files) == 1 and "/" not in files[0].name
@@ -343,7 +329,7 @@ async def test_etcd_unreachable_raises_quickly(ns: str) -> None:
     with pytest.raises(DiscoveryError, match="127.0.0.1"):
         await d.list(ns)
     with pytest.raises(DiscoveryError):
-        await d.register(make_entry(ns), ttl=2)
+        await d.register(discovery_entry(ns), ttl=2)
     assert time.monotonic() - start < 8
     # a watch neither raises nor yields while the store is down
     watch = d.watch(ns, interval=0.1)
@@ -358,7 +344,7 @@ async def test_etcd_several_endpoints_first_reachable(etcd_url: str, ns: str) ->
     d = open_discovery(f"etcd://127.0.0.1:{free_port()},{live}")
     assert isinstance(d, EtcdDiscovery)
     try:
-        entry = make_entry(ns)
+        entry = discovery_entry(ns)
         reg = await d.register(entry, ttl=5)
         assert d.endpoint == live
         assert await d.list(ns) == [entry]
@@ -372,7 +358,7 @@ async def test_etcd_outage_recovery(tmp_path: Path, ns: str) -> None:
     port = free_port()
     with run_etcd(client_port=port, data_dir=tmp_path / "one") as url:
         d = open_discovery(url)
-        entry = make_entry(ns, load=0)
+        entry = discovery_entry(ns, load=0)
         reg = await d.register(entry, ttl=2)
         watch = d.watch(ns, interval=0.1)
         assert await next_matching(watch, lambda _: True, 5) == [entry]
@@ -392,7 +378,7 @@ async def test_etcd_outage_recovery(tmp_path: Path, ns: str) -> None:
 
 
 async def test_registration_type(disco: Discovery, ns: str) -> None:
-    reg = await disco.register(make_entry(ns), ttl=5)
+    reg = await disco.register(discovery_entry(ns), ttl=5)
     assert isinstance(reg, Registration)
     await reg.close()
     assert 0 < new_instance_id() < 1 << 64
@@ -415,7 +401,7 @@ async def test_file_store_skips_and_reports_unreadable_files(tmp_path: Path, ns:
     store = tmp_path / "d"
     d = open_discovery(store.as_uri())
     try:
-        good = make_entry(ns)
+        good = discovery_entry(ns)
         reg = await d.register(good, ttl=5)
         expected = _garbage(store, ns)
         # a FIFO would have blocked here (and the event loop with it) before the fix
@@ -439,7 +425,7 @@ async def test_etcd_store_skips_and_reports_bad_values(etcd_url: str, ns: str) -
     d = open_discovery(etcd_url)
     assert isinstance(d, EtcdDiscovery)
     try:
-        good = make_entry(ns)
+        good = discovery_entry(ns)
         reg = await d.register(good, ttl=5)
         bad_utf8 = d._etcd_key(f"{ns}/backend/generate/5")
         not_entry = d._etcd_key(f"{ns}/backend/generate/6")
@@ -464,7 +450,7 @@ async def test_watch_keeps_following_after_a_bad_file(tmp_path: Path, ns: str) -
         async with contextlib.aclosing(d.watch(ns, interval=0.05)) as watch:
             assert await next_matching(watch, lambda _: True, 5) == []
             _garbage(store, ns)
-            late = make_entry(ns)
+            late = discovery_entry(ns)
             reg = await d.register(late, ttl=5)
             assert await next_matching(watch, lambda es: es != [], 5) == [late]
             await reg.close()
@@ -478,7 +464,7 @@ async def test_file_store_never_blocks_the_event_loop(tmp_path: Path, ns: str,
     """A slow filesystem (here: a listdir that takes 0.6 s) must not stall the loop."""
     d = open_discovery((tmp_path / "d").as_uri())
     try:
-        reg = await d.register(make_entry(ns), ttl=5)
+        reg = await d.register(discovery_entry(ns), ttl=5)
         real_listdir = os.listdir
 
         def slow_listdir(path):
@@ -513,7 +499,7 @@ async def test_vanishing_directory_keeps_its_entries(tmp_path: Path, ns: str, ho
     owner = open_discovery(store.as_uri())
     reader = open_discovery(store.as_uri())
     try:
-        entry = make_entry(ns)
+        entry = discovery_entry(ns)
         reg = await owner.register(entry, ttl=6)  # keep-alive every 2 s recreates the dir
         assert await reader.list(ns) == [entry]
         aside = tmp_path / "aside"
@@ -557,9 +543,9 @@ async def test_rl_listener_lists_the_rest_and_reports_the_bad_entry(tmp_path: Pa
 
     store = tmp_path / "d"
     d = open_discovery(store.as_uri())
-    good = make_entry(ns, "backend", "rl", 1, transport={"http": "http://127.0.0.1:9"},
+    good = discovery_entry(ns, "backend", "rl", 1, transport={"http": "http://127.0.0.1:9"},
                       request_plane_url=f"dyn://{ns}.backend.rl", model="m")
-    bad = make_entry(ns, "backend", "rl", 2, transport={"http": "x", "tcp": "y"},
+    bad = discovery_entry(ns, "backend", "rl", 2, transport={"http": "x", "tcp": "y"},
                      request_plane_url=f"dyn://{ns}.backend.rl", model="m")
     regs = [await d.register(e, ttl=5) for e in (good, bad)]
     _garbage(store, ns)

@@ -5,15 +5,14 @@ leases can be counted exactly)."""
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from aetcd import rpc
 
 from rlfleet.runtime.discovery import EtcdDiscovery
-from tests.etcd_server import discovery_entry, etcd_clients, run_etcd
+from tests.etcd_server import discovery_entry, run_etcd
 
 TTL = 3.0  # a keep-alive every second; above etcd's shortest lease
 
@@ -22,21 +21,6 @@ TTL = 3.0  # a keep-alive every second; above etcd's shortest lease
 def etcd_url() -> Iterator[str]:
     with run_etcd() as url:
         yield url
-
-
-@pytest.fixture
-def ns() -> str:
-    return f"lease-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-async def pair(etcd_url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
-    """The registering client and another one (a reader, or someone revoking leases)."""
-    async with etcd_clients(etcd_url) as clients:
-        yield clients
-
-
-entry = discovery_entry
 
 
 async def leases(d: EtcdDiscovery) -> set[int]:
@@ -59,7 +43,8 @@ async def lease_ttl(d: EtcdDiscovery, lease_id: int) -> int:
 
 
 async def register_many(d: EtcdDiscovery, ns: str, n: int, ttl: float = TTL) -> list[Any]:
-    return list(await asyncio.gather(*(d.register(entry(ns, i=i), ttl=ttl) for i in range(n))))
+    return list(await asyncio.gather(*(d.register(discovery_entry(ns, i=i), ttl=ttl)
+                                       for i in range(n))))
 
 
 def count_calls(d: EtcdDiscovery, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
@@ -75,8 +60,8 @@ def count_calls(d: EtcdDiscovery, monkeypatch: pytest.MonkeyPatch) -> dict[str, 
     return counts
 
 
-async def test_two_hundred_registrations_share_one_lease(pair, ns: str) -> None:
-    writer, other = pair
+async def test_two_hundred_registrations_share_one_lease(etcd_pair, ns: str) -> None:
+    writer, other = etcd_pair
     before = await leases(other)
     regs = await register_many(writer, ns, 200)
     on_keys = await leases_of_keys(other, ns)
@@ -90,9 +75,9 @@ async def test_two_hundred_registrations_share_one_lease(pair, ns: str) -> None:
     assert await leases_of_keys(other, ns) == {}
 
 
-async def test_one_keep_alive_per_period_whatever_the_number(pair, ns: str,
-                                                            monkeypatch) -> None:
-    writer, other = pair
+async def test_one_keep_alive_per_period_whatever_the_number(etcd_pair, ns: str,
+                                                             monkeypatch) -> None:
+    writer, other = etcd_pair
     regs = await register_many(writer, ns, 200)
     lease_id = regs[0]._lease.id
     calls = count_calls(writer, monkeypatch)
@@ -105,9 +90,9 @@ async def test_one_keep_alive_per_period_whatever_the_number(pair, ns: str,
 
 
 @pytest.mark.parametrize("how", ["revoked", "not kept alive for a whole ttl"])
-async def test_a_lost_lease_brings_every_entry_back_under_a_new_one(pair, ns: str,
-                                                                   how: str) -> None:
-    writer, other = pair
+async def test_a_lost_lease_brings_every_entry_back_under_a_new_one(etcd_pair, ns: str,
+                                                                    how: str) -> None:
+    writer, other = etcd_pair
     regs = await register_many(writer, ns, 50)
     lapsed: list[int] = []
 
@@ -138,8 +123,8 @@ async def test_a_lost_lease_brings_every_entry_back_under_a_new_one(pair, ns: st
     assert all(reg._lease_id == lease.id and not reg._lost for reg in regs)
 
 
-async def test_an_update_after_the_lease_is_gone_grants_a_new_one(pair, ns: str) -> None:
-    writer, other = pair
+async def test_an_update_after_the_lease_is_gone_grants_a_new_one(etcd_pair, ns: str) -> None:
+    writer, other = etcd_pair
     a, b = await register_many(writer, ns, 2)
     old = a._lease.id
     await other._call("revoke", lambda c: c.revoke_lease(old))
@@ -151,8 +136,8 @@ async def test_an_update_after_the_lease_is_gone_grants_a_new_one(pair, ns: str)
     assert len(await other.list(ns)) == 2
 
 
-async def test_closing_one_keeps_the_other_and_the_last_revokes(pair, ns: str) -> None:
-    writer, other = pair
+async def test_closing_one_keeps_the_other_and_the_last_revokes(etcd_pair, ns: str) -> None:
+    writer, other = etcd_pair
     a, b = await register_many(writer, ns, 2)
     lease_id = a._lease.id
     await a.close()
@@ -165,13 +150,13 @@ async def test_closing_one_keeps_the_other_and_the_last_revokes(pair, ns: str) -
     assert await lease_ttl(other, lease_id) == -1  # revoked
     assert lease_id not in await leases(other)
     assert writer._leases == {}
-    c = await writer.register(entry(ns, i=2), ttl=TTL)  # a new registration: a new lease
+    c = await writer.register(discovery_entry(ns, i=2), ttl=TTL)  # a new lease for it
     assert c._lease.id not in (0, lease_id)
     await c.close()
 
 
-async def test_each_ttl_has_a_lease_of_its_own(pair, ns: str) -> None:
-    writer, other = pair
+async def test_each_ttl_has_a_lease_of_its_own(etcd_pair, ns: str) -> None:
+    writer, other = etcd_pair
     short = await register_many(writer, ns, 2, ttl=TTL)
     long = await register_many(writer, ns, 2, ttl=2 * TTL)
     assert short[0]._lease is short[1]._lease and long[0]._lease is long[1]._lease

@@ -7,31 +7,13 @@ import asyncio
 import contextlib
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import pytest
-
-from rlfleet.runtime.discovery import EtcdDiscovery, open_discovery
-from tests.etcd_server import discovery_entry, etcd_clients, free_port, run_etcd
+from rlfleet.runtime.discovery import open_discovery
+from tests.etcd_server import discovery_entry, free_port, run_etcd
 
 Entries = list[dict[str, Any]]
-
-
-@pytest.fixture
-def ns() -> str:
-    return f"watch-{uuid.uuid4().hex[:10]}"
-
-
-@pytest.fixture
-async def pair(etcd_url: str) -> AsyncIterator[tuple[EtcdDiscovery, EtcdDiscovery]]:
-    """A reader (the frontend's side) and a writer (the workers' side), separate clients."""
-    async with etcd_clients(etcd_url) as clients:
-        yield clients
-
-
-entry = discovery_entry
 
 
 async def until(watch: AsyncIterator[Entries], pred: Callable[[Entries], bool],
@@ -47,13 +29,13 @@ async def until(watch: AsyncIterator[Entries], pred: Callable[[Entries], bool],
     return await asyncio.wait_for(loop(), timeout)
 
 
-async def test_events_are_applied_in_order_without_listing_again(pair, ns: str) -> None:
-    reader, writer = pair
+async def test_events_are_applied_in_order_without_listing_again(etcd_pair, ns: str) -> None:
+    reader, writer = etcd_pair
     async with contextlib.aclosing(reader.watch(ns, interval=0.02)) as watch:
         assert await until(watch, lambda _: True, 10) == []
         lists = reader.lists
         assert lists == 1
-        regs = [await writer.register(entry(ns, load=0), ttl=10) for _ in range(12)]
+        regs = [await writer.register(discovery_entry(ns, load=0), ttl=10) for _ in range(12)]
         hot = regs[0]
         seen: list[Entries] = []
         for load in range(1, 60):  # one key replaced 59 times in a row
@@ -80,13 +62,13 @@ async def test_events_are_applied_in_order_without_listing_again(pair, ns: str) 
         assert reader.lists == lists + 1
 
 
-async def test_a_compaction_before_the_watch_starts_costs_one_listing(pair, ns: str,
-                                                                     monkeypatch) -> None:
+async def test_a_compaction_before_the_watch_starts_costs_one_listing(etcd_pair, ns: str,
+                                                                      monkeypatch) -> None:
     """The revisions after the first listing are compacted before its watch is created:
     the watch is refused (compacted), the store is listed once more, and the watch from
     that listing's revision carries on with events only."""
-    reader, writer = pair
-    early, late = entry(ns, n=1), entry(ns, n=2)
+    reader, writer = etcd_pair
+    early, late = discovery_entry(ns, n=1), discovery_entry(ns, n=2)
     real_range = reader._range
     compacted: list[int] = []
 
@@ -106,7 +88,7 @@ async def test_a_compaction_before_the_watch_starts_costs_one_listing(pair, ns: 
         got = await until(watch, lambda es: len(es) == 2, 15)
         assert sorted(e["n"] for e in got) == [1, 2]
         assert compacted and reader.lists == 2  # the first listing, and one after the compaction
-        reg = await writer.register(entry(ns, n=3), ttl=10)
+        reg = await writer.register(discovery_entry(ns, n=3), ttl=10)
         got = await until(watch, lambda es: len(es) == 3, 10)
         assert reader.lists == 2  # the new entry came as an event
         await reg.close()
@@ -119,11 +101,11 @@ def _json(e: dict[str, Any]) -> bytes:
     return json.dumps(e).encode()
 
 
-async def test_a_lapsed_lease_leaves_the_view_within_its_ttl(pair, ns: str) -> None:
-    reader, writer = pair
+async def test_a_lapsed_lease_leaves_the_view_within_its_ttl(etcd_pair, ns: str) -> None:
+    reader, writer = etcd_pair
     ttl = 2.0  # etcd's shortest lease
     async with contextlib.aclosing(reader.watch(ns, interval=0.02)) as watch:
-        reg = await writer.register(entry(ns), ttl=ttl)
+        reg = await writer.register(discovery_entry(ns), ttl=ttl)
         await until(watch, lambda es: len(es) == 1, 10)
         task = reg._lease._task  # the keep-alive of the lease it shares (alone here)
         assert task is not None
@@ -138,14 +120,14 @@ async def test_a_lapsed_lease_leaves_the_view_within_its_ttl(pair, ns: str) -> N
             await reg.close()
 
 
-async def test_a_thousand_entries_put_make_the_view_equal_etcds(pair, ns: str) -> None:
-    reader, writer = pair
+async def test_a_thousand_entries_put_make_the_view_equal_etcds(etcd_pair, ns: str) -> None:
+    reader, writer = etcd_pair
     n = 1024
     async with contextlib.aclosing(reader.watch(ns, interval=0.05)) as watch:
         assert await until(watch, lambda _: True, 10) == []
         regs = []
         for start in range(0, n, 128):
-            regs += await asyncio.gather(*(writer.register(entry(ns, i=i), ttl=30)
+            regs += await asyncio.gather(*(writer.register(discovery_entry(ns, i=i), ttl=30)
                                            for i in range(start, start + 128)))
         in_etcd = await writer.list(ns)
         assert len(in_etcd) == n
@@ -171,14 +153,14 @@ async def test_a_lost_watch_costs_one_listing_then_events_again(tmp_path, ns: st
     port = free_port()
     with run_etcd(client_port=port, data_dir=tmp_path / "etcd") as url:
         reader, writer = open_discovery(url), open_discovery(url)
-        first = entry(ns, n=1)
+        first = discovery_entry(ns, n=1)
         reg = await writer.register(first, ttl=30)
         watch = reader.watch(ns, interval=0.05)
         assert await until(watch, lambda es: len(es) == 1, 10) == [first]
         assert reader.lists == 1
     try:
         with run_etcd(client_port=port, data_dir=tmp_path / "etcd"):
-            second = await writer.register(entry(ns, n=2), ttl=30)
+            second = await writer.register(discovery_entry(ns, n=2), ttl=30)
             got = await until(watch, lambda es: len(es) == 2, 20)
             assert sorted(e["n"] for e in got) == [1, 2]
             lists = reader.lists
