@@ -303,31 +303,21 @@ class PlainLineRelay:
     process, not a thread, it also relays what is written while the interpreter shuts down
     (an extension module's finalizer) and what children write after this process has gone.
     It runs in a session of its own (a signal to this process's group does not cut it
-    short) and ends when no process holds the pipe. `close` gives the descriptor its file
-    back and waits for the relay to write what is left."""
+    short) and ends when no process holds the pipe. It stays in place to this process's
+    end (nothing gives the descriptor its file back)."""
 
     def __init__(self, fd: int, target: str, level: int) -> None:
-        self.fd = fd
-        self.original = os.dup(fd)
+        original = os.dup(fd)
         read_end, write_end = os.pipe()  # neither is inherited by a child
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __name__, target, logging.getLevelName(level)],
-                stdin=read_end, stdout=self.original, stderr=self.original,
-                start_new_session=True)
+                stdin=read_end, stdout=original, stderr=original, start_new_session=True)
         finally:
             os.close(read_end)
+            os.close(original)  # the relay has its own copy
         os.dup2(write_end, fd)
         os.close(write_end)
-
-    def close(self, timeout: float = 2.0) -> None:
-        os.dup2(self.original, self.fd)  # this process's write end of the pipe is closed
-        # the relay ends once no process holds the pipe (a child may still, for a while)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return
-        os.close(self.original)
 
 
 _relays: list[PlainLineRelay] = []
