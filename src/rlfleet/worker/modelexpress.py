@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
     from rlfleet.worker.engine import EngineControl
 
+log = logging.getLogger("rlfleet.modelexpress")
+
 
 class TransferHost(Protocol):
     """What the weight-transfer steps use of the worker's admin (rlfleet.worker.admin's
@@ -53,7 +55,6 @@ class TransferHost(Protocol):
 
     async def update_weight_version(self, req: NewVersionRequest) -> Any: ...
 
-log = logging.getLogger("rlfleet.modelexpress")
 
 # refusals in vLLM's worker's words (vllm/v1/worker/gpu_worker.py) and ModelExpress's
 NOT_STARTED = "start_weight_update must be called before update_weights."

@@ -29,6 +29,8 @@ from rlfleet.worker.system_server import Route
 if TYPE_CHECKING:
     from rlfleet.worker.admission import Admission
 
+log = logging.getLogger("rlfleet.weight_transfer")
+
 
 class TransferOwner(TransferHost, Protocol):
     """What the steps use of the worker's admin beyond a backend's needs: its admission hold
@@ -37,8 +39,6 @@ class TransferOwner(TransferHost, Protocol):
     admission: Admission
 
     async def weights_transferred(self, version: str | None) -> str | None: ...
-
-log = logging.getLogger("rlfleet.weight_transfer")
 
 
 class TransferUnavailable(TransferError):
