@@ -38,7 +38,7 @@ from rlfleet.models import make_model
 from rlfleet.models.tokenizer import VOCAB_SIZE
 from rlfleet.rl import Fleet, PolicyRefresh, RetryPolicy, SampleRequest, SamplingSpec
 from rlfleet.rl.stream import numbered, sample_steps
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.train.task import SevensTask

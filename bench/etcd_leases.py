@@ -15,16 +15,12 @@ import argparse
 import asyncio
 import json
 import logging
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from rlfleet.runtime.discovery import EtcdDiscovery, new_instance_id, open_discovery
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ helpers
-from tests.etcd_server import run_etcd  # noqa: E402
+from rlfleet.testing.etcd import run_etcd
 
 
 class Warnings(logging.Handler):

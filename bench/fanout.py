@@ -1,8 +1,8 @@
 """Staging one version onto N hosts: from S3 alone vs a pipelined peer fan-out (a chain).
 
-Every "host" is a Linux network namespace (tests/netns.py) whose link is rate-limited by
+Every "host" is a Linux network namespace (src/rlfleet/testing/netns.py) whose link is rate-limited by
 `tc` in both directions (a token bucket on its interface and on its switch port): one host
-runs the S3 server (SeaweedFS, tests/s3_server.py), one the coordinator (this script's
+runs the S3 server (SeaweedFS, src/rlfleet/testing/s3.py), one the coordinator (this script's
 stage requests), and N = 1, 2, 4, 8 hosts each run a real `python -m rlfleet.mocker`
 worker process, whose staging code and system server (stage_weights, the fan-out chunk
 routes) are the real ones; the mocker only stands in for the engine, which plays no part in
@@ -43,15 +43,13 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ helpers
-
-from rlfleet.protocol.admin import FanoutOrigin  # noqa: E402
-from rlfleet.runtime.discovery import open_discovery  # noqa: E402
-from rlfleet.runtime.launch import LocalFleet  # noqa: E402
-from rlfleet.weights.fanout import fanout_sources  # noqa: E402
-from rlfleet.weights.publish import Publisher  # noqa: E402
-from tests.netns import Host, Lab, unavailable  # noqa: E402
-from tests.s3_server import BUCKET, S3Server  # noqa: E402
+from rlfleet.protocol.admin import FanoutOrigin
+from rlfleet.runtime.discovery import open_discovery
+from rlfleet.testing.fleet import LocalFleet
+from rlfleet.testing.netns import Host, Lab, unavailable
+from rlfleet.testing.s3 import BUCKET, S3Server
+from rlfleet.weights.fanout import fanout_sources
+from rlfleet.weights.publish import Publisher
 
 POLL = 0.05
 

@@ -13,15 +13,31 @@ frontend's CPU while nothing changes, and how long after a worker is stopped (SI
 the frontend drops it, against its lease TTL.
 
     python bench/fleet_scale.py [--workers 8,64,256,1024] [--admin-concurrency 64] [--lease-ttl 10]
-                                [--discovery file|etcd]
+                                [--discovery file|etcd] [--relay-threshold 256]
+                                [--relay-fanout K]
 
 With --discovery etcd the fleets run over a throw-away etcd (the test suite's launcher, the
 `etcd` next to the interpreter): the frontend follows etcd's watch events; a joining
 worker's registration time is when a watch of the bench's own saw its first entry.
 
+What belongs to rlfleet's control, per N, for the synchronous refresh (the simulated
+workers share the bench's cores, so wall time cannot show it): the coordinator's CPU ms per
+worker, the frontend's CPU ms per worker, the admin calls each worker answered (counted by
+the workers' system servers, rlfleet_worker_admin_calls_total; the relay route's own calls
+counted apart), the RL listener's route probes (rlfleet_frontend_route_probes_total), and
+the sequential round trips on the critical path: the discovery listings, each phase's
+admin calls (ceil(N / admin concurrency) rounds called directly; through relays, one round
+to the relays and ceil(subtree / relay concurrency) from them: rlfleet.refresh.relay's hops) and
+the probe's ceil(N / admin concurrency) rounds. `projected_control_s_1024`: the control time
+of a 1,024-worker refresh on hosts of their own at 1 ms RTT, round trips × 1 ms + the
+coordinator's CPU (at the largest N, its CPU per worker × 1,024). Every worker must be
+verified at every N (else the bench fails).
+
 Baseline: the smallest N, side by side (ratio = time at N ÷ time at the smallest N). The
 last line is one JSON object: {"workers", "refresh_s", "ratio_refresh", "join_to_route_s",
-"idle_cpu_frac", "mib_per_worker", ...}."""
+"idle_cpu_frac", "mib_per_worker", "coordinator_cpu_ms_per_worker",
+"frontend_cpu_ms_per_worker", "admin_calls_per_worker", "route_probes_per_refresh",
+"round_trips", "projected_control_s_1024", ...} (the control figures at the largest N)."""
 
 from __future__ import annotations
 
@@ -29,9 +45,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
+import re
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -40,12 +57,11 @@ from pathlib import Path
 import httpx
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.relay import DEFAULT_THRESHOLD as DEFAULT_RELAY_THRESHOLD
 from rlfleet.runtime.discovery import EtcdDiscovery, open_discovery
-from rlfleet.runtime.launch import LocalFleet
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests/ helpers
-from tests.etcd_server import run_etcd  # noqa: E402
+from rlfleet.testing.etcd import run_etcd
+from rlfleet.testing.fleet import LocalFleet
 
 MODEL = "bench-scale"
 
@@ -79,6 +95,48 @@ def mock_argv(root: Path, model: str, replicas: int) -> list[str]:
             "--log-level", "warning"]
 
 
+RTT_S = 0.001  # the projection's round-trip time between hosts
+PROJECTED_N = 1024
+
+
+def counter(url: str, name: str, exclude: frozenset[str] = frozenset()) -> float:
+    """The sum of a Prometheus counter's series at `url`/metrics (series whose first label
+    value is in `exclude` left out)."""
+    text = httpx.get(f"{url}/metrics", timeout=60).text
+    total = 0.0
+    for m in re.finditer(rf"^{name}(?:{{[^=]*=\"([^\"]*)\"[^}}]*}})? (\S+)$", text, re.M):
+        if m.group(1) not in exclude:
+            total += float(m.group(2))
+    return total
+
+
+def admin_calls(mock_url: str) -> tuple[float, float]:
+    """(calls the workers answered but the relay route, relay calls): the mocker process's
+    system servers share one registry."""
+    name = "rlfleet_worker_admin_calls_total"
+    every = counter(mock_url, name)
+    relays = every - counter(mock_url, name, frozenset({"relay"}))
+    return every - relays, relays
+
+
+class Counted:
+    """Counts a PolicyRefresh's discovery listings and probes (wrapping its own methods),
+    for the round trips on the critical path."""
+
+    def __init__(self, r: PolicyRefresh) -> None:
+        self.listings = self.probes = 0
+        discover, probe_one = r.control.discover, r.waves.probe_one
+
+        async def listed(ch):
+            self.listings += 1
+            return await discover(ch)
+
+        async def probed(*args, **kw):
+            self.probes += 1
+            return await probe_one(*args, **kw)
+        r.control.discover, r.waves.probe_one = listed, probed
+
+
 def phases(res) -> dict[str, float]:
     out: dict[str, float] = {}  # seconds per phase (summed over waves)
     for s in res.steps:
@@ -87,13 +145,21 @@ def phases(res) -> dict[str, float]:
 
 
 def refresh(fleet: LocalFleet, journal: Path, ckpt: Path, version: str, seed: int,
-            concurrency: int, **mode) -> tuple[float, dict[str, float]]:
-    """Wall seconds of one refresh; its phases, and the CPU milliseconds per worker the
-    coordinator (this process), the simulated workers and the frontend spent on it."""
+            a: argparse.Namespace, **mode) -> tuple[float, dict[str, float], dict]:
+    """Wall seconds of one refresh; its phases; and what its control cost: the CPU
+    milliseconds per worker the coordinator (this process), the simulated workers and the
+    frontend spent on it, the admin calls per worker, the route probes and the round trips
+    on the critical path. Every worker must end verified."""
     r = PolicyRefresh(fleet.rl_url, model=MODEL, journal=str(journal), timeout=120,
-                      concurrency=concurrency, **mode)
+                      concurrency=a.admin_concurrency, relay_threshold=a.relay_threshold,
+                      relay_fanout=a.relay_fanout, **mode)
+    counted = Counted(r)
+    ready = fleet.workers[0].ready
+    mock_url = ready.get("first_system_url") or ready["system_url"]
     pids = {"mocker": fleet.workers[0].popen.pid, "frontend": fleet.frontend.popen.pid}
     before = {k: proc_stats(pid)[0] for k, pid in pids.items()}
+    calls0, relays0 = admin_calls(mock_url)
+    probes0 = counter(fleet.url, "rlfleet_frontend_route_probes_total")
     try:
         t0, c0 = time.perf_counter(), time.process_time()
         res = asyncio.run(r.refresh(ckpt, version, digest=f"mock:{seed}"))
@@ -103,14 +169,35 @@ def refresh(fleet: LocalFleet, journal: Path, ckpt: Path, version: str, seed: in
     n = max(1, len(res.workers))
     cpu = {"coordinator": coordinator, **{k: proc_stats(pid)[0] - before[k]
                                           for k, pid in pids.items()}}
+    calls1, relays1 = admin_calls(mock_url)
+    hops = r.relays.hops if r.relays is not None else []
+    rounds = counted.listings + sum(h.rounds for h in hops) + \
+        math.ceil(counted.probes / a.admin_concurrency)
+    control = {"coordinator_cpu_ms_per_worker": round(cpu["coordinator"] / n * 1e3, 3),
+               "frontend_cpu_ms_per_worker": round(cpu["frontend"] / n * 1e3, 3),
+               "workers_cpu_ms_per_worker": round(cpu["mocker"] / n * 1e3, 3),
+               "admin_calls_per_worker": round((calls1 - calls0) / n, 3),
+               "relay_calls": int(relays1 - relays0),
+               "relays": max((len(h.relays) for h in hops), default=0),
+               "route_probes_per_refresh": int(counter(fleet.url,
+                                                       "rlfleet_frontend_route_probes_total")
+                                               - probes0),
+               "round_trips": rounds, "listings": counted.listings}
     print(f"refresh to {version} ({n} workers): {wall:.2f} s; CPU ms per worker: "
-          + ", ".join(f"{k} {v / n * 1e3:.1f}" for k, v in cpu.items()), flush=True)
+          + ", ".join(f"{k} {v / n * 1e3:.2f}" for k, v in cpu.items())
+          + f"; admin calls per worker {control['admin_calls_per_worker']} (+"
+          f"{control['relay_calls']} relay calls through {control['relays']} relays); route "
+          f"probes {control['route_probes_per_refresh']}; round trips on the critical path "
+          f"{rounds} ({counted.listings} listings, "
+          + ", ".join(f"{h.route} {h.rounds}" for h in hops)
+          + f", probe {math.ceil(counted.probes / a.admin_concurrency)})", flush=True)
     if not res.ok:
         raise RuntimeError(f"refresh to {version} did not reopen the fleet: {res.reason}")
-    out = sum(w["status"] != "verified" for w in res.workers)
-    if out:  # reported, not hidden: the figure is for the workers that moved
-        print(f"refresh to {version}: {out} worker(s) kept out: {res.reason[:500]}", flush=True)
-    return wall, phases(res) | {"kept_out": out}
+    out = [w for w in res.workers if w["status"] != "verified"]
+    if out:  # every worker is verified at every N, or the figures are not the fleet's
+        raise RuntimeError(f"refresh to {version}: {len(out)} of {n} worker(s) kept out: "
+                           + "; ".join(f"{w['instance_id']}: {w['reason']}" for w in out[:5]))
+    return wall, phases(res), control
 
 
 class EtcdJoinClock:
@@ -151,15 +238,19 @@ def one_size(n: int, a: argparse.Namespace, work: Path) -> dict:
         mock = fleet.start_worker(*mock_argv(root, MODEL, n), kind="mocker", timeout=900)
         started = time.monotonic() - t0
         wait_usable(fleet.url, MODEL, n, 120)
+        # the RL listener has seen the fleet (as a trainer's earlier refresh would have): a
+        # refresh's route probes are then those of the workers that changed since
+        httpx.get(f"{fleet.rl_url}/v1/rl/workers", timeout=300).raise_for_status()
         _, rss = proc_stats(mock.popen.pid)
         out = {"n": n, "start_s": round(started, 2), "rss_mib": round(rss, 1)}
         if not a.skip_refresh:
             journal = work / f"journal-{n}.sqlite"
-            sync_s, sync_ph = refresh(fleet, journal, ckpts["A"], "A", 2, a.admin_concurrency)
-            roll_s, roll_ph = refresh(fleet, journal, ckpts["B"], "B", 3, a.admin_concurrency,
-                                      mode="rolling", wave_size=max(1, n // 4))
+            sync_s, sync_ph, control = refresh(fleet, journal, ckpts["A"], "A", 2, a)
+            roll_s, roll_ph, _ = refresh(fleet, journal, ckpts["B"], "B", 3, a,
+                                         mode="rolling", wave_size=max(1, n // 4))
             out |= {"refresh_s": round(sync_s, 3), "phases": sync_ph,
-                    "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph}
+                    "rolling_s": round(roll_s, 3), "rolling_phases": roll_ph,
+                    "control": control}
         if n == max(a.sizes):
             out.update(discovery_figures(fleet, root, a))
         print(json.dumps(out), flush=True)
@@ -224,6 +315,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", default="8,64,256,1024")
     p.add_argument("--admin-concurrency", type=int, default=64)
+    p.add_argument("--relay-threshold", type=int, default=DEFAULT_RELAY_THRESHOLD,
+                   help="phases over more workers than this go through relays "
+                        "(rlfleet.refresh.relay)")
+    p.add_argument("--relay-fanout", type=int, default=None,
+                   help="relays per relayed phase (default: the square root of the workers)")
     p.add_argument("--lease-ttl", type=float, default=30.0,
                    help="the simulated fleet's lease TTL (long: N workers on two busy cores "
                         "must not lapse while they are refreshed)")
@@ -257,7 +353,23 @@ def main() -> None:
               f"{r['refresh_s'] / base['refresh_s']:>7.2f} {r['rolling_s']:>9} "
               f"{r['rolling_s'] / base['rolling_s']:>7.2f}")
     print("sync phases (s):", {r["n"]: r["phases"] for r in rows})
+    print(f"\ncontrol of the synchronous refresh (every worker verified at every N; "
+          f"projection: {PROJECTED_N} workers, {RTT_S * 1e3:g} ms RTT)")
+    print(f"{'N':>6} {'coord ms/w':>10} {'front ms/w':>10} {'calls/w':>8} {'relay calls':>11} "
+          f"{'probes':>7} {'round trips':>11} {'projected s':>11}")
+    for r in rows:
+        c = r["control"]
+        c["projected_control_s_1024"] = round(
+            c["round_trips"] * RTT_S + c["coordinator_cpu_ms_per_worker"] * PROJECTED_N / 1e3, 3)
+        print(f"{r['n']:>6} {c['coordinator_cpu_ms_per_worker']:>10} "
+              f"{c['frontend_cpu_ms_per_worker']:>10} {c['admin_calls_per_worker']:>8} "
+              f"{c['relay_calls']:>11} {c['route_probes_per_refresh']:>7} "
+              f"{c['round_trips']:>11} {c['projected_control_s_1024']:>11}")
+    if top["n"] != PROJECTED_N:
+        print(f"(the projection takes the round trips measured at N = {top['n']}, not "
+              f"{PROJECTED_N})")
     mib = (top["rss_mib"] - base["rss_mib"]) / max(1, top["n"] - base["n"])
+    c = top["control"]
     print(json.dumps({
         "workers": a.sizes, "refresh_s": {r["n"]: r["refresh_s"] for r in rows},
         "ratio_refresh": round(top["refresh_s"] / base["refresh_s"], 2),
@@ -265,7 +377,12 @@ def main() -> None:
         "join_to_route_s": max(top["join_to_route_s"]),
         "idle_cpu_frac": top["idle_cpu_frac"], "lapse_noticed_s": top["lapse_noticed_s"],
         "lease_ttl_s": a.join_lease_ttl, "mib_per_worker": round(mib, 3),
-        "discovery": a.discovery}))
+        "discovery": a.discovery, "all_verified": True,
+        **{k: c[k] for k in ("coordinator_cpu_ms_per_worker", "frontend_cpu_ms_per_worker",
+                             "admin_calls_per_worker", "route_probes_per_refresh",
+                             "round_trips", "projected_control_s_1024")},
+        "relay_calls": c["relay_calls"], "relays": c["relays"],
+        "control_by_n": {r["n"]: r["control"] for r in rows}}))
 
 
 if __name__ == "__main__":

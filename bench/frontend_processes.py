@@ -7,7 +7,7 @@ declared simulator: this measures the serving layer, not an engine).
 Per K, stacks alternated over `--rounds`: req/s at C = `--concurrency` for unary
 completions of 16 tokens and the frontend's CPU (every process of its group, from /proc)
 per request, from the side-by-side harness's closed-loop `loadgen.py`
-(../shared/bench/peer-dynamo/, when `--loadgen` finds it; else this script's own client);
+(when `--loadgen` names one that exists; else this script's own client);
 then the frontend's CPU per streamed token, from streamed completions of 64 tokens each
 with its own X-Request-Id (as rollout clients send them: the worker keeps each run).
 The last line is one JSON object: {"processes": [1, K],
@@ -31,8 +31,6 @@ import aiohttp
 
 from rlfleet.runtime.launch import spawn
 
-ROOT = Path(__file__).resolve().parent.parent
-LOADGEN = ROOT.parent / "shared" / "bench" / "peer-dynamo" / "loadgen.py"
 MODEL = "tiny"
 PROMPT = list(range(1, 17))
 MOCKER = ["--served-model-name", MODEL, "--vocab-size", "4096", "--eos-prob", "1e-9",
@@ -139,8 +137,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--stream-requests", type=int, default=1000)
-    p.add_argument("--loadgen", default=str(LOADGEN),
-                   help="the side-by-side harness's load generator ('' for this script's)")
+    p.add_argument("--loadgen", default="",
+                   help="a closed-loop load generator script taking --url --model (e.g. the "
+                        "side-by-side harness's loadgen.py); default: this script's own client")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rlfleet-bench-processes-"))
     discovery = f"file://{work}/discovery"

@@ -35,8 +35,8 @@ from pathlib import Path
 import httpx
 
 from rlfleet.models import make_adapter, make_model
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_files
 from rlfleet.weights.publish import TrainerServer

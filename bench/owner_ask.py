@@ -25,9 +25,9 @@ import msgspec
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest
-from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.request_plane import StreamClient
 from rlfleet.runtime.server import bind_socket
-from rlfleet.worker.request_plane import WorkerPlane
+from rlfleet.worker.stream_server import WorkerPlane
 
 
 def kept(rid: str) -> GenerateRequest:
@@ -46,7 +46,7 @@ async def timed(n: int, one) -> float:
 async def run(requests: int, rounds: int) -> dict:
     server = await WorkerPlane(MockEngine(token_delay=0.0)).serve(bind_socket("127.0.0.1", 0))
     addr = f"127.0.0.1:{server.port}"
-    client = WorkerClient()
+    client = StreamClient()
     figures: dict[str, list[float]] = {"ask": [], "attach": [], "generate": []}
     try:
         async def generate(tag: str, i: int) -> None:

@@ -42,7 +42,7 @@ from pathlib import Path
 import httpx
 
 from rlfleet.models import make_model
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.testing.fleet import LocalFleet
 
 MODEL = "bench-model"
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "4096", "--enforce-eager")

@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 
 from rlfleet.models import make_model
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.testing.fleet import LocalFleet
 
 
 async def bare_reload(system_urls: list[str], path: Path, version: str) -> float:

@@ -168,7 +168,7 @@ def main() -> None:
     p.add_argument("--shapes", default="streams,groups,disconnects")
     args = p.parse_args()
 
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-rl-") as tmp, \
             LocalFleet(Path(tmp) / "fleet", lease_ttl=30) as fleet:

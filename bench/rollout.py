@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 
 from rlfleet.rl import RolloutClient, SampleLedger, SampleRequest, SamplingSpec
-from rlfleet.rl.client import request_body
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.rollout.client import request_body
+from rlfleet.testing.fleet import LocalFleet
 
 MODEL = "mock-model"
 

@@ -187,7 +187,7 @@ def main() -> None:
         serve_relay(args.port, args.arg)
         return
 
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="rlfleet-bench-stream-") as tmp, \

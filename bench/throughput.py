@@ -75,7 +75,7 @@ def direct(args: argparse.Namespace) -> None:
 
 
 def through_frontend(args: argparse.Namespace, workdir: Path) -> tuple[int, float]:
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
 
     with LocalFleet(workdir / "fleet") as fleet:
         fleet.start_frontend()

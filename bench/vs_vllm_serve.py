@@ -22,7 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from rlfleet.runtime.launch import LocalFleet, engine_env, vllm_serve
+from rlfleet.runtime.launch import engine_env
+from rlfleet.testing.fleet import LocalFleet, vllm_serve
 
 SERVED = "tiny"
 # `vllm bench serve` (vllm.benchmarks.serve), run without the `vllm` command, whose start

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from rlfleet.models import make_model
-from rlfleet.rl.refresh import PolicyRefresh, reference_probe
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.refresh.coordinator import PolicyRefresh, reference_probe
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.weights import artifacts as art

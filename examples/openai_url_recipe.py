@@ -94,7 +94,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
 
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-recipe-") as tmp:
         root = Path(tmp)

@@ -137,7 +137,7 @@ def main() -> None:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
 
     from rlfleet.models import make_model
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
 
     with tempfile.TemporaryDirectory(prefix="rlfleet-trl-") as tmp:
         out = (a.out or Path(tmp)).resolve()

@@ -33,6 +33,25 @@ fi
 # in the workers, and its declared CUDA dependencies are not needed for those functions
 [ -d "$VENV/modelexpress-reader/modelexpress_rl" ] || \
   $PIP install -q --no-deps --target "$VENV/modelexpress-reader" modelexpress==0.7.0
+# RL frameworks' own client code, driven against a fleet by tests/integration/test_clients_*.py
+# (loaded by tests/clients.py): one folder each under <venv>/clients, outside site-packages and
+# with --no-deps (their declared dependencies are trainers and CUDA builds), plus the few
+# pure-Python modules each client's import path needs. A client that cannot be installed is
+# reported here and its tests skip; the set-up goes on.
+client() {
+  local name=$1; shift
+  [ -e "$VENV/clients/$name/.installed" ] && return 0
+  if $PIP install -q --no-deps --target "$VENV/clients/$name" "$@"; then
+    touch "$VENV/clients/$name/.installed"
+  else
+    echo "warning: could not install $1 into $VENV/clients/$name; its client tests will skip" >&2
+  fi
+}
+client skyrl skyrl==0.3.0
+client areal areal==1.0.4 aiofiles==25.1.0 blinker==1.9.0 colorlog==6.12.0 flask==3.1.3 \
+  hydra-core==1.4.0.dev1 itsdangerous==2.2.0 omegaconf==2.4.0.dev2 orjson==3.13.0 \
+  tenacity==9.2.1 torchdata==0.11.0 werkzeug==3.1.9
+client sglang-router sglang-router==0.3.2 orjson==3.13.0 setproctitle==1.3.8
 
 # Engine environment, sourced by the Makefile and by rlfleet's process launcher (rlfleet.runtime.procs).
 ENVFILE="$VENV/rlfleet.env"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_server import LOOPBACK_ENV
+from rlfleet.testing.ray import LOOPBACK_ENV
 
 # Ray reads these when it is first imported (vLLM imports it too): set them before anything
 # else, so that drivers find the test's Ray head on 127.0.0.1
@@ -24,8 +24,11 @@ os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
 from rlfleet.runtime.discovery import EtcdDiscovery  # noqa: E402
-from rlfleet.runtime.launch import LocalFleet, Proc  # noqa: E402
-from tests.etcd_server import etcd_clients, run_etcd  # noqa: E402
+from rlfleet.runtime.launch import Proc  # noqa: E402
+from rlfleet.testing.etcd import etcd_clients, run_etcd  # noqa: E402
+from rlfleet.testing.fleet import LocalFleet  # noqa: E402
+from rlfleet.testing.s3 import S3Server  # noqa: E402
+from tests.clients import lora_vllm_fleet  # noqa: E402, F401 - the clients' LoRA vLLM worker
 from tests.fleets import (  # noqa: E402
     MODEL_NAME,
     RL_PROBE_ENV,
@@ -34,7 +37,6 @@ from tests.fleets import (  # noqa: E402
     replace_dead_workers,
     vllm_worker_args,
 )
-from tests.s3_server import S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -82,7 +84,7 @@ def ray_head():
     pytest.importorskip("ray", reason="ray is not installed (pip install ray)")
     from ray._private import ray_constants
 
-    from tests.ray_server import run_ray_head
+    from rlfleet.testing.ray import run_ray_head
 
     if ray_constants.ENABLE_RAY_CLUSTER:  # a driver would look for the head elsewhere, forever
         pytest.fail("ray was imported before tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step
 
 PROMPT = [151644, 8948, 198, 40, 1079]
 
@@ -18,7 +18,7 @@ async def greedy(engine, n: int = 8) -> tuple[list[int], list[float]]:
                                                    ignore_eos=True))
     ids, lps = [], []
     async for ev in engine.generate(req, PROMPT):
-        for c in ev.get("choices", []):
-            ids += c["token_ids"]
-            lps += [lp["logprob"] for lp in c["logprobs"] or []]
+        for c in ev.choices if type(ev) is Step else ():
+            ids += c.token_ids
+            lps += [lp.logprob for lp in c.logprobs or []]
     return ids, lps

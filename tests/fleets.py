@@ -6,14 +6,18 @@ factories there instead of copying the start-up."""
 from __future__ import annotations
 
 import contextlib
+import random
+import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
 
-from rlfleet.runtime.launch import LocalFleet, Proc
-from rlfleet.runtime.launch import vllm_serve as launch_vllm_serve
+from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.runtime.launch import Proc
+from rlfleet.testing.fleet import LocalFleet
+from rlfleet.testing.fleet import vllm_serve as launch_vllm_serve
 
 # float32 so logprobs can be compared with transformers; eager for a quick start
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
@@ -46,6 +50,21 @@ def weight_versions(fleet: LocalFleet) -> list[tuple[str | None, str]]:
                        timeout=10).json()
         out.append((v["version"], v["weight_digest"]))
     return out
+
+
+def listening_port() -> int:
+    """A free port below the kernel's ephemeral range, for a service that is restarted on
+    the same port (an ephemeral port may meanwhile be the source port of some connection)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    below = range(10000, low) if low > 10200 else range(1025, 65536)
+    for port in random.sample(below, 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def vllm_worker_args(model_dir: Path, served_name: str = MODEL_NAME, *extra: str) -> tuple[str, ...]:
@@ -107,6 +126,19 @@ def mock_args(root: Path, *extra: str) -> tuple[str, ...]:
             "--token-delay", "0.002", "--seed", "1", *extra)
 
 
+def mock_policies(root: Path) -> dict[str, Path]:
+    """Two mocker checkpoints under `root` ("A": seed 1, "B": seed 2) and `root` itself."""
+    return {"root": root, "A": write_mock_checkpoint(root / "A", 1),
+            "B": write_mock_checkpoint(root / "B", 2)}
+
+
+def two_rl_mockers(start_fleet, ckpts: dict[str, Path]) -> LocalFleet:
+    """The refresh modules' fleet: two RL mocker workers behind a frontend with the RL
+    listener and the post-update probe."""
+    return start_fleet([mock_args(ckpts["root"])] * 2, model=RL_MOCK_MODEL, enable_rl=True,
+                       frontend_env=RL_PROBE_ENV)
+
+
 def fault(proc: Proc, route: str, mode: str = "error", **kw) -> None:
     """Arm the worker's fault injection on `route`."""
     r = httpx.post(f"{proc.ready['system_url']}/engine/fault_injection",
@@ -132,7 +164,7 @@ def routed(fleet: LocalFleet, expected: int | None = None, timeout: float = 5.0)
 def vllm_serve(model_dir: Path, workdir: Path, *flags: str,
                env: Mapping[str, str] | None = None) -> contextlib.AbstractContextManager[str]:
     """vLLM's own OpenAI server on `model_dir`, served as MODEL_NAME with the fleet's engine
-    flags (plus `flags`), for differential tests (rlfleet.runtime.launch.vllm_serve): its
+    flags (plus `flags`), for differential tests (rlfleet.testing.fleet.vllm_serve): its
     URL once it answers; stopped on exit."""
     return launch_vllm_serve(model_dir, MODEL_NAME, workdir, *VLLM_FLAGS, *flags,
                              env=dict(env or {}))

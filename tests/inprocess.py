@@ -20,7 +20,7 @@ from rlfleet.frontend.router import WorkerPool
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine, add_mock_args
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.request_plane import StreamClient
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.worker.serve import add_worker_args, serve_worker, staging_area
 
@@ -51,7 +51,7 @@ class InProcessFleet:
         self.weights.mkdir(parents=True, exist_ok=True)
         self.discovery = open_discovery(self.discovery_url)
         self.pool = WorkerPool(self.discovery, "dynamo")
-        self.client = WorkerClient(request_timeout=30)
+        self.client = StreamClient(request_timeout=30)
         for i in range(self.n):
             args = mock_worker_args(
                 "--served-model-name", self.model, "--enable-rl", "--system-port", "0",

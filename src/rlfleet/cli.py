@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlfleet.rl.control import DEFAULT_CONCURRENCY
+from rlfleet.refresh.control import DEFAULT_CONCURRENCY
+from rlfleet.refresh.relay import DEFAULT_THRESHOLD as RELAY_THRESHOLD
 from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.runtime.logs import add_log_args, setup_logging
 
 if TYPE_CHECKING:
-    from rlfleet.rl.hooks import RefreshHooks
-    from rlfleet.rl.refresh import PolicyRefresh
+    from rlfleet.refresh.coordinator import PolicyRefresh
+    from rlfleet.refresh.hooks import RefreshHooks
 
 
 def _make_model(args: argparse.Namespace) -> int:
@@ -92,9 +93,9 @@ def default_journal() -> Path:
 
 def coordinator(args: argparse.Namespace, hooks: RefreshHooks | None = None) -> PolicyRefresh:
     """The coordinator `rlfleet refresh` / `rlfleet recover` run (`hooks`: tests only)."""
-    from rlfleet.rl.config import RefreshConfig
-    from rlfleet.rl.hooks import NO_HOOKS
-    from rlfleet.rl.refresh import PolicyRefresh
+    from rlfleet.refresh.config import RefreshConfig
+    from rlfleet.refresh.coordinator import PolicyRefresh
+    from rlfleet.refresh.hooks import NO_HOOKS
 
     return PolicyRefresh(config=RefreshConfig.from_args(args), hooks=hooks or NO_HOOKS,
                          on_event=lambda msg: print(msg, flush=True))
@@ -122,7 +123,7 @@ def run_refresh(args: argparse.Namespace, hooks: RefreshHooks | None = None) -> 
 
     source = None
     if args.staged:
-        from rlfleet.rl.staged import source_from_uri
+        from rlfleet.refresh.staged import source_from_uri
 
         if not (args.source or args.checkpoint):
             raise ValueError("--staged needs --source (s3://bucket/prefix/VERSION, a version "
@@ -149,7 +150,7 @@ def _journal(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from rlfleet.rl.journal import JournalMissing, open_journal
+    from rlfleet.journal import JournalMissing, open_journal
 
     try:
         journal = open_journal(args.journal, create=False)
@@ -194,7 +195,7 @@ def _up(args: argparse.Namespace) -> int:
         config = yaml.safe_load(Path(args.config).read_text()) or {}
         if not isinstance(config, dict):
             raise ValueError(f"{args.config}: a fleet config is a mapping (discovery, "
-                             "namespace, frontend, workers)")
+                             "namespace, frontend, workers, control)")
     worker_args = list(args.worker_args)
     if worker_args[:1] == ["--"]:
         worker_args = worker_args[1:]
@@ -206,6 +207,11 @@ def _up(args: argparse.Namespace) -> int:
     if args.ray:
         from rlfleet.runtime.launch import read_state
         from rlfleet.runtime.placement import up_ray
+
+        if spec.control is not None:
+            raise ValueError("fleet config: control: is started by `rlfleet up` without --ray "
+                             "only; with --ray, run `rlfleet control --rl-url ...` beside the "
+                             "fleet and give the frontend fleet-control: its URL")
 
         if read_state(state_dir) is not None:
             raise ValueError(f"a fleet is already up from {state_dir}: `rlfleet down` first")
@@ -223,6 +229,11 @@ def _up(args: argparse.Namespace) -> int:
           + (f", Ray {args.ray} (namespace {args.ray_namespace})" if args.ray else ""))
     print(f"frontend: {front.get('url')}" + (f"  RL listener: {front['rl_url']}"
                                              if front.get("rl_url") else ""))
+    if spec.control_url:
+        journal = next((m["ready"].get("journal") for m in state["members"]
+                        if m["name"] == "control"), None)
+        print(f"fleet control: {spec.control_url} (forwarded at the frontend's URL; journal "
+              f"{journal})")
     _print_members(state["members"])
     print(f"state: {state_dir / 'fleet.json'}  (`rlfleet status`, `rlfleet down`)")
     return 0
@@ -389,6 +400,13 @@ def _coordinator_flags() -> tuple[Flag, ...]:
              "seconds one phase (gate, pause, apply, verify, ...) may take over the whole "
              "fleet; a worker not done by then is left out as missing and the others go on "
              "(default: 1.25 × the call timeout, 150 s)", type=float),
+        Flag("--relay-threshold", RELAY_THRESHOLD,
+             "a phase over more workers than this goes through relays: K workers each run "
+             "its admin call on their share of the fleet and answer for all of it "
+             "(default %(default)s)", type=int),
+        Flag("--relay-fanout", None,
+             "relays per relayed phase (default: the square root of the phase's workers)",
+             type=int),
         Flag("--transfer-backend", "gloo",
              "process-group backend of --path vllm-distributed (nccl needs CUDA here)",
              choices=["gloo", "nccl"]),
@@ -451,6 +469,35 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
                                     "verified policy. `rlfleet refresh` does this first too.")
     add_flags(rc, _coordinator_flags())
     rc.set_defaults(func=_recover)
+
+
+def _control(args: argparse.Namespace) -> int:
+    """`rlfleet control`: the fleet control service (rlfleet.refresh.fleet_control)."""
+    import asyncio
+
+    from rlfleet.refresh.config import RefreshConfig
+    from rlfleet.refresh.fleet_control import serve
+
+    asyncio.run(serve(RefreshConfig.from_args(args), args.host, args.port, args.log_format))
+    return 0
+
+
+def _add_control(sub: argparse._SubParsersAction) -> None:
+    """`control`: one URL for single-server clients, every call a fleet operation."""
+    ct = sub.add_parser(
+        "control", help="serve vLLM's and SGLang's control routes for the whole fleet at one "
+                        "URL (each call a fleet transaction; see docs/one-url.md)",
+        description="A long-lived coordinator: pause, resume, weight updates (from disk or "
+                    "vLLM's four-phase transfer), cache resets and LoRA adapters, as a single "
+                    "vLLM or SGLang server takes them, each mapped onto the fleet lifecycle "
+                    "and recorded in one journal; unfinished transactions are recovered at "
+                    "start. Frontends forward these routes to it with --fleet-control URL.")
+    add_flags(ct, (Flag("--host", "127.0.0.1",
+                        "bind address (default loopback: several clients cannot send the "
+                        "admin token; bind wider only on a trusted network)"),
+                   Flag("--port", 8002, "port (0: a free one; the ready line names it)"))
+              + _coordinator_flags())
+    ct.set_defaults(func=_control, on_failure="rollback", path="vllm-disk")
 
 
 def _add_journal(sub: argparse._SubParsersAction) -> None:
@@ -537,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_tools, _add_refresh, _add_journal, _add_fleet, _add_demo):
+    for add in (_add_tools, _add_refresh, _add_journal, _add_fleet, _add_demo,
+                _add_control):
         add(sub)
     return p
 

@@ -35,12 +35,13 @@ from typing import Any
 import httpx
 
 from rlfleet.models import make_model
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import Probe
+from rlfleet.refresh.transaction import RefreshResult
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleLedger, SampleRequest, SamplingSpec
-from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.transaction import RefreshResult
-from rlfleet.runtime.launch import LocalFleet, Proc
+from rlfleet.rollout.gate import RolloutGate
+from rlfleet.runtime.launch import Proc
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.train.report import plot, write_json

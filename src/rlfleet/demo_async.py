@@ -39,11 +39,11 @@ from rlfleet.demo import (
     wait_listed,
 )
 from rlfleet.protocol.nvext import PolicyBound
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import Probe
 from rlfleet.rl import Fleet, PartialRolloutPolicy, RetryPolicy, SampleRequest, SamplingSpec
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.rl.stream import StreamedSample, numbered
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
 from rlfleet.train.task import SevensTask

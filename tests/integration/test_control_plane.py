@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlfleet.rl.probe import reference_probe
+from rlfleet.refresh.probe import reference_probe
 from rlfleet.weights.broadcast import push_weights
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from tests.fleets import vllm_worker_args
@@ -180,11 +180,26 @@ def test_version_routes(ctl):
 def test_system_health_answers_ready_as_dynamo_workers_do(ctl):
     """Dynamo's RL end-to-end harness waits for the worker's /health to say "ready"."""
     r = httpx.get(f"{ctl.system_url}/health", timeout=10)
+    answered = time.monotonic_ns()
     assert r.status_code == 200
     body = r.json()
     assert body["status"] == "ready" and body["endpoints"] == {"generate": "ready", "rl": "ready"}
     assert body["model"] == MODEL and body["weight_digest"].startswith("blake3:")
-    assert body["uptime"]["secs"] >= 0 and "instance_id" in body and "gated" in body
+    assert int(body["instance_id"]) == int(ctl.workers[0].ready["instance_id"])
+    assert body["gated"] is False  # open to rollouts
+    # uptime is Dynamo's {secs, nanos} and counts from the worker's start, not per request:
+    # between two reads it grows by at least the time between the first answer and the
+    # second ask (one monotonic clock on this host; no bound on how long anything takes)
+    time.sleep(0.2)
+    asked = time.monotonic_ns()
+    again = httpx.get(f"{ctl.system_url}/health", timeout=10).json()["uptime"]
+
+    def ns(uptime: dict) -> int:
+        secs, nanos = uptime["secs"], uptime["nanos"]
+        assert type(secs) is int and type(nanos) is int and 0 <= nanos < 10**9, uptime
+        return secs * 10**9 + nanos
+
+    assert ns(again) - ns(body["uptime"]) >= asked - answered, (body["uptime"], again)
 
 
 # ------------------------------------------------------------------ pause modes in flight

@@ -21,17 +21,16 @@ Differences that are intended, and so not compared (rlfleet's extensions or choi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.compare import close, reference_and_fleet
 from tests.fleets import MODEL_NAME, vllm_serve
 
 pytestmark = pytest.mark.engine
 
-TOL = 1e-4
 PROMPT = "Hello world, the answer is"
 
 
@@ -46,13 +45,8 @@ def vllm_url(tiny_model: Path, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(request):
-    """(vLLM's server, rlfleet's frontend). RLFLEET_DIFF_URLS="VLLM_URL,RLFLEET_URL" points
-    the test at servers already running (to iterate on a failure without restarts)."""
-    given = os.environ.get("RLFLEET_DIFF_URLS")
-    if given:
-        ref, got = given.split(",")
-        return ref, got
-    return request.getfixturevalue("vllm_url"), request.getfixturevalue("vllm_fleet").url
+    """(vLLM's server, rlfleet's frontend)."""
+    return reference_and_fleet(request)
 
 
 # ------------------------------------------------------------------ comparison
@@ -77,20 +71,6 @@ def _stream(url: str, route: str, body: dict) -> tuple[int, list[dict]]:
         return 200, events
 
 
-def close(a, b, path: str = "") -> None:
-    """Equal, with floats within TOL (both may be null)."""
-    if isinstance(a, float) or isinstance(b, float):
-        assert a is not None and b is not None and abs(a - b) <= TOL, (path, a, b)
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (path, a, b)
-        for k in a:
-            close(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, list):
-        assert isinstance(b, list) and len(a) == len(b), (path, a, b)
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            close(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, (path, a, b)
 
 
 CHOICE_KEYS = ("index", "text", "finish_reason", "stop_reason", "logprobs", "token_ids",

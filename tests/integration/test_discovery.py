@@ -26,10 +26,10 @@ from rlfleet.runtime.discovery import (
 )
 
 try:
-    from tests.etcd_server import discovery_entry, free_port, run_etcd
+    from rlfleet.testing.etcd import discovery_entry, free_port, run_etcd
 except ImportError:  # run as plain `pytest` (repo root not on sys.path)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from tests.etcd_server import discovery_entry, free_port, run_etcd
+    from rlfleet.testing.etcd import discovery_entry, free_port, run_etcd
 
 Entries = list[dict[str, Any]]
 
@@ -579,7 +579,7 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
 
     import httpx
 
-    from rlfleet.runtime.launch import LocalFleet
+    from rlfleet.testing.fleet import LocalFleet
     from tests.fleets import wait_for_workers
 
     flags = ("--served-model-name", "mock", "--enable-rl", "--system-port", "0")

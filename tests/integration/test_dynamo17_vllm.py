@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlfleet.testing.s3 import BUCKET
 from tests.dynamo17 import DynamoClientError, DynamoWeightSync, listed, served_policy
 from tests.fleets import MODEL_NAME, weight_versions
 from tests.modelexpress_publisher import (
@@ -29,7 +30,6 @@ from tests.modelexpress_publisher import (
     transfer_init_info,
     transfer_worker_args,
 )
-from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 
@@ -73,6 +73,50 @@ async def test_a_dynamo17_client_moves_a_worker_to_modelexpress_versions(mx_flee
     [relisted] = await listed(mx_fleet.rl_url)
     extra = relisted.model_extra or {}
     assert (extra["weight_version"], extra["weight_digest"]) == ("2", published["digests"]["mx-2"])
+
+
+async def test_nemo_rls_dynamo_refit_moves_a_worker_through_engine_rpc(mx_fleet, published,
+                                                                      s3_server):
+    """NeMo RL's Dynamo refit (nemo_rl/models/generation/dynamo/, DynamoRefitChannel): vLLM's
+    weight-transfer methods named by `engine_rpc` on init_weights_update_group and
+    update_weights_from_distributed, with allow_unpaused and without the cache reset. An
+    rlfleet worker applies weights only while paused: unpaused, the update is refused by
+    name (HTTP 400) and stays open; paused, the same calls move the worker."""
+    [entry] = await listed(mx_fleet.rl_url)
+    async with DynamoWeightSync(mx_fleet.rl_url, MODEL, backend="modelexpress") as client:
+        [worker] = await client.discover()
+        await client.call(worker, "init_weights_update_group", {
+            "engine_rpc": "init_weight_transfer_engine",
+            "init_info": transfer_init_info(published, s3_server, PREFIX)})
+        common = {"allow_unpaused": True, "reset_prefix_cache": False}
+        steps = [("start_weight_update", {"is_checkpoint_format": True}),
+                 ("update_weights", {"update_info": {"version_id": "mx-1"}}),
+                 ("finish_weight_update", {"weight_version": "nemo-1"})]
+        said = await client.call(worker, "update_weights_from_distributed",
+                                 {"engine_rpc": steps[0][0], **common, **steps[0][1]})
+        unpaused = await client.http.post(
+            f"{entry.system_url}/engine/update_weights_from_distributed",
+            json={"engine_rpc": steps[1][0], **common, **steps[1][1]})
+        assert unpaused.status_code == 400 and "allow_unpaused" in unpaused.text
+        await client.call(worker, "pause_generation", {"mode": "wait"})
+        for rpc, kw in steps[1:]:
+            said = await client.call(worker, "update_weights_from_distributed",
+                                     {"engine_rpc": rpc, **common, **kw})
+            assert said["status"] == "ok", (rpc, said)
+        assert said["version"] == "nemo-1" and said["weight_digest"] == \
+            published["digests"]["mx-1"]
+        await client.call(worker, "resume_generation", {})  # the self-check passes
+        # NeMo RL's cache flush
+        await client.call(worker, "pause_generation", {"mode": "wait", "clear_cache": True})
+        await client.call(worker, "resume_generation", {})
+        refused = await client.http.post(
+            f"{entry.system_url}/engine/update_weights_from_distributed",
+            json={"engine_rpc": "update_weights_from_ipc", **common})
+        assert refused.status_code == 400 and "'update_weights_from_ipc'" in refused.text
+    assert weight_versions(mx_fleet) == [("nemo-1", published["digests"]["mx-1"])]
+    served = await served_policy(mx_fleet.url, MODEL)
+    assert (served["weight_version"], served["weight_digest"]) == \
+        ("nemo-1", published["digests"]["mx-1"])
 
 
 async def test_an_nccl_init_on_the_cpu_build_is_refused_for_want_of_a_gpu(vllm_fleet):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlfleet.mocker.engine import SEED_TENSOR, MockEngine
-from rlfleet.rl.probe import reference_probe
+from rlfleet.refresh.probe import reference_probe
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors

@@ -12,7 +12,7 @@ import pytest
 from aetcd import rpc
 
 from rlfleet.runtime.discovery import EtcdDiscovery
-from tests.etcd_server import discovery_entry, run_etcd
+from rlfleet.testing.etcd import discovery_entry, run_etcd
 
 TTL = 3.0  # a keep-alive every second; above etcd's shortest lease
 

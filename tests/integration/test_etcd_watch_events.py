@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from rlfleet.runtime.discovery import open_discovery
-from tests.etcd_server import discovery_entry, free_port, run_etcd
+from rlfleet.testing.etcd import discovery_entry, free_port, run_etcd
 
 Entries = list[dict[str, Any]]
 

@@ -1,6 +1,6 @@
-"""The README's integration blocks are the code of the examples they point to (so running an
-example runs the block as written), and the generic recipe runs against a mocker fleet
-(the TRL example runs in test_trl_grpo.py)."""
+"""The integration blocks of the README and the guides (docs/trainer.md) are the code of the
+examples they point to (so running an example runs the block as written), and the generic
+recipe runs against a mocker fleet (the TRL example runs in test_trl_grpo.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def readme_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    """Every python block of README.md and of docs/*.md."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [b for doc in docs for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)]
 
 
 def example_block(example: str, name: str) -> str:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.coordinator import PolicyRefresh
 from tests.fleets import RL_PROBE_ENV
 
 MODEL = "mock"
@@ -205,10 +205,10 @@ def test_the_worker_request_plane_requires_the_admin_token(fleet):
     # the stream plane: a connection without the token is refused and closed
     host, port = fleet.workers[0].ready["stream"].rsplit(":", 1)
     from rlfleet.protocol.engine import GenerateRequest
-    from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+    from rlfleet.runtime.request_plane import StreamClient, WorkerError
 
     async def without_token():
-        client = WorkerClient()
+        client = StreamClient()
         try:
             with pytest.raises(WorkerError) as e:
                 stream = await client.generate(f"{host}:{port}", GenerateRequest(

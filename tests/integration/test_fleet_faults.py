@@ -5,15 +5,18 @@ disconnects, and a worker killed mid-stream. The kill comes last (tests run in o
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.fleets import MODEL_NAME, VLLM_FLEET_LEASE, wait_for_workers
+from rlfleet.runtime.launch import spawn
+from tests.fleets import MODEL_NAME, RL_PROBE_ENV, VLLM_FLEET_LEASE, wait_for_workers
 
 pytestmark = [pytest.mark.engine, pytest.mark.kills_session_worker]
 
@@ -31,7 +34,11 @@ ROUTES = sorted(["abort_request", "destroy_weights_update_group", "flush_cache",
                  "control/is_paused", "control/get_weight_version",
                  "update/update_weight_version", "collective_rpc",
                  "update/init_weight_transfer_engine", "update/start_weight_update",
-                 "update/update_weights", "update/finish_weight_update"])
+                 "update/update_weights", "update/finish_weight_update",
+                 # the relay tree (issue 35)
+                 "relay",
+                 # a worker moved in one call per refresh (issue 35)
+                 "commit_policy"])
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +91,32 @@ def test_rl_listener_lists_both_workers(fleet):
 
 
 def test_hung_worker_stays_listed_with_an_error(fleet):
+    """A listener probes a worker's routes once in the worker's life: a fresh listener (its
+    own frontend over the fleet's store) whose first probe of a worker hangs lists that
+    worker with an error, after its probe timeout, not after the hang."""
     hung = fleet.workers[0]
     r = httpx.post(f"{hung.ready['system_url']}/engine/fault_injection",
                    json={"route": "engine", "mode": "hang", "hang_seconds": 10, "times": 1},
                    timeout=5)
     assert r.json()["status"] == "ok"
-    t0 = time.monotonic()
-    workers = {w["instance_id"]: w for w in rl_workers(fleet)}
-    assert time.monotonic() - t0 < 8  # the probe timeout (2 s), not the hang
+    argv = [sys.executable, "-m", "rlfleet.frontend", "--http-port", "0", "--enable-rl",
+            "--rl-port", "0", "--discovery", fleet.discovery, "--namespace", fleet.namespace]
+    listener = spawn("frontend-fresh-listener", argv, fleet.workdir / "logs",
+                     env={**os.environ, **RL_PROBE_ENV})
+    try:
+        listener.wait_ready(60)
+        t0 = time.monotonic()
+        r = httpx.get(f"{listener.ready['rl_url']}/v1/rl/workers", timeout=30)
+        assert time.monotonic() - t0 < 8  # the probe timeout (2 s), not the hang
+        workers = {w["instance_id"]: w for w in r.json()["workers"]}
+    finally:
+        listener.stop()
     w = workers[int(hung.ready["instance_id"])]
     assert w["routes"] == [] and "failed" in w["error"]
     other = workers[int(fleet.workers[1].ready["instance_id"])]
     assert other["routes"] == ROUTES and "error" not in other
+    # the fleet's own listener probed both before: it lists them as they are
+    assert all("error" not in w for w in rl_workers(fleet))
 
 
 def test_retry_with_the_same_request_id_generates_nothing_new(fleet):

@@ -20,6 +20,7 @@ import pytest
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.rl import CommittedPolicy
+from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.rl import (
     RetryPolicy,
     RolloutClient,
@@ -28,7 +29,6 @@ from rlfleet.rl import (
     SampleRequest,
     SamplingSpec,
 )
-from rlfleet.rl.refresh import PolicyRefresh
 from rlfleet.runtime.discovery import open_discovery
 from tests.fleets import RL_PROBE_ENV, wait_for_workers
 

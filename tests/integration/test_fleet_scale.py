@@ -2,7 +2,8 @@
 declared simulator) behind one frontend over file discovery. It is listed by the RL
 listener, routed to, refreshed synchronously (with one worker hung: named in the result,
 the others not held up) and in rolling waves, and recovered after its coordinator is
-killed mid-refresh (tests/refresh_hooked.py). No timings are asserted."""
+killed mid-refresh (tests/refresh_hooked.py); so is a 1,024-worker one (its calls through
+relays). No timings are asserted."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.coordinator import PolicyRefresh
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import local_fleet, mock_args, wait_for_workers
 
@@ -128,3 +129,55 @@ def test_a_rolling_refresh_moves_the_fleet_in_waves(big):
     assert len(waves) >= 2
     assert sum(w["status"] == "verified" for w in res.workers) == N
     assert set(policies(big).values()) == {("C", "mock:4")}
+
+
+N_RECOVER = 1024
+
+
+@pytest.fixture
+def huge(tmp_path_factory):
+    """1,024 simulated workers in one mocker process (relayed: above the default relay
+    threshold of 256)."""
+    tmp = tmp_path_factory.mktemp("scale1024")
+    root = tmp / "weights"
+    ckpts = {name: write_mock_checkpoint(root / name, seed) for name, seed in SEEDS.items()}
+    with local_fleet(tmp / "fleet", [], lease_ttl=60.0, enable_rl=True,
+                     frontend_env={"DYN_RL_REQUEST_TIMEOUT_SECS": "60"}) as fleet:
+        # registering 1,024 workers takes a while on two busy cores
+        fleet.start_worker(*mock_args(root, "--replicas", str(N_RECOVER)), kind="mocker",
+                           timeout=600)
+        wait_for_workers(fleet.url, MODEL, N_RECOVER, timeout=600)
+        fleet.ckpts, fleet.journal = ckpts, str(tmp / "journal.sqlite")
+        yield fleet
+
+
+def test_a_killed_coordinator_is_recovered_at_1024_workers(huge):
+    """A coordinator SIGKILLed once 1,024 workers are paused (its calls through relays)
+    leaves them gated; the next one recovers the whole fleet onto one verified policy from
+    the journal (forward to the interrupted target: there is no earlier verified one) and
+    reopens it."""
+    argv = [sys.executable, str(HOOKED), "paused=kill", "--checkpoint", str(huge.ckpts["B"]),
+            "--version", "B", "--digest", "mock:3", "--rl-url", huge.rl_url, "--model", MODEL,
+            "--journal", huge.journal]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    assert not usable_workers(huge)  # gated: the coordinator died with the fleet closed
+    r = PolicyRefresh(huge.rl_url, model=MODEL, journal=huge.journal, timeout=120)
+    try:
+        res = asyncio.run(r.recover())
+    finally:
+        r.journal.close()
+    assert res is not None and res.ok and res.kind == "recovery", res and res.reason
+    assert sum(w["status"] == "verified" for w in res.workers) == N_RECOVER
+    relayed = {c.get("relay") for w in res.workers for c in w["calls"] if c["step"] == "pause"}
+    assert None not in relayed and len(relayed) > 1  # the recovery's pause went through relays
+    # what each worker publishes of itself (its discovery entry, as the RL listener lists it)
+    ws = listed(huge)
+    assert len(ws) == N_RECOVER
+    assert {(w["weight_version"], w["weight_digest"]) for w in ws} == {("B", "mock:3")}
+    wait_for_workers(huge.url, MODEL, N_RECOVER, timeout=300)  # all reopened
+
+
+def usable_workers(f) -> list[dict]:
+    return [w for w in httpx.get(f"{f.url}/health", timeout=60).json()["workers"]
+            if w["model"] == MODEL and w["usable"]]

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.testing.fleet import LocalFleet
 from tests.fleets import wait_for_workers
 
 MODEL = "mock"

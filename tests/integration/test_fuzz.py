@@ -27,7 +27,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from rlfleet.runtime.launch import LocalFleet, Proc
+from rlfleet.runtime.launch import Proc
+from rlfleet.testing.fleet import LocalFleet
 from tests.fleets import wait_for_workers
 
 MODEL = "mock"
@@ -416,7 +417,7 @@ def test_system_server_fuzz(servers: Servers) -> None:
 
     def judge(r: httpx.Response, c: Call) -> None:
         if c.path in SGLANG_NATIVE and r.status_code == 500 and r.request.url.port == sglang_port:
-            # CONTRACT.md: an allow-listed native SGLang method is called with the body as
+            # docs/contract.md: an allow-listed native SGLang method is called with the body as
             # its keyword arguments, and one that raises (an unknown argument, a bad mode)
             # is the contract's 500 {"error": "Handler error"}, as Dynamo answers it
             assert r.json()["error"] == "Handler error", (r.text, c)

@@ -14,8 +14,7 @@ import httpx
 import pytest
 
 from rlfleet.frontend.status import FleetStatus
-from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.rl.journal import (
+from rlfleet.journal import (
     POLICY_ROLES,
     EtcdJournal,
     JournalMissing,
@@ -23,7 +22,8 @@ from rlfleet.rl.journal import (
     SqliteJournal,
     open_journal,
 )
-from rlfleet.rl.journal.record import COLUMNS, IDENTITY_FIELDS, policy_column
+from rlfleet.journal.record import COLUMNS, IDENTITY_FIELDS, policy_column
+from rlfleet.protocol.identity import PolicyIdentity
 
 FLEET = "http://127.0.0.1:8001"
 
@@ -76,6 +76,64 @@ def test_holdings_are_the_newest_seen_per_worker(journal) -> None:
     assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="B", digest="d:B"),
                                       2: PolicyIdentity(version="A", digest="d:A")}
     assert j.holdings("other", "m") == {}
+
+
+def holds(version: str) -> dict:
+    return {"holds": {"version": version, "digest": f"d:{version}"}}
+
+
+def test_holdings_follow_this_journals_writes_and_another_coordinators(journal) -> None:
+    """What a journal read once (and keeps) changes with its own later writes and with
+    another journal's on the same store (another coordinator's)."""
+    j = journal
+    served(j, "A", workers={"1": holds("A"), "2": holds("A")})
+    assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="A", digest="d:A"),
+                                      2: PolicyIdentity(version="A", digest="d:A")}
+    mine = j.begin(update_path="vllm-disk", fleet=FLEET, model="m")
+    j.update(mine, workers={"1": holds("B"), "3": holds("B")})
+    assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="B", digest="d:B"),
+                                      2: PolicyIdentity(version="A", digest="d:A"),
+                                      3: PolicyIdentity(version="B", digest="d:B")}
+    other = open_journal(j.path)
+    try:
+        served(other, "C", workers={"2": holds("C")})
+        assert other.holdings(FLEET, "m")[2] == PolicyIdentity(version="C", digest="d:C")
+    finally:
+        other.close()
+    assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="B", digest="d:B"),
+                                      2: PolicyIdentity(version="C", digest="d:C"),
+                                      3: PolicyIdentity(version="B", digest="d:B")}
+    assert j.last_served(FLEET, "m").served.version == "C"
+
+
+def test_sqlite_holdings_kept_in_memory_are_what_the_records_say(tmp_path) -> None:
+    """SQLite reads holdings from the records (the newest record with a worker's holds):
+    a record rewritten without a worker's holds gives it back to older records, and a
+    record moved to another model selection takes its holdings along."""
+    j = SqliteJournal(tmp_path / "j.sqlite")
+    served(j, "A", workers={"1": holds("A"), "2": holds("A")})
+    mine = j.begin(update_path="vllm-disk", fleet=FLEET, model="m")
+    j.update(mine, workers={"1": holds("B"), "3": holds("B")})
+    assert set(j.holdings(FLEET, "m")) == {1, 2, 3}
+    j.update(mine, workers={"1": {"holds": None}, "3": holds("B")})
+    assert j.holdings(FLEET, "m") == {1: PolicyIdentity(version="A", digest="d:A"),
+                                      2: PolicyIdentity(version="A", digest="d:A"),
+                                      3: PolicyIdentity(version="B", digest="d:B")}
+    assert j.holdings(FLEET, "other") == {}
+    j.update(mine, model="other")
+    assert j.holdings(FLEET, "other") == {3: PolicyIdentity(version="B", digest="d:B")}
+    assert set(j.holdings(FLEET, "m")) == {1, 2}
+    j.close()
+
+
+def test_the_last_served_record_without_its_workers(journal) -> None:
+    j = journal
+    rid = served(j, "A", workers={"1": holds("A")})
+    brief, full = j.last_served(FLEET, "m", workers=False), j.last_served(FLEET, "m")
+    assert full["workers"] == {"1": holds("A")} and brief["workers"] == {}
+    assert {k: v for k, v in brief.items() if k != "workers"} == \
+        {k: v for k, v in full.items() if k != "workers"}
+    assert brief["id"] == rid and brief.served == PolicyIdentity(version="A", digest="d:A")
 
 
 def test_a_journal_from_before_gets_the_new_columns(tmp_path) -> None:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from rlfleet.models import make_model
-from tests.etcd_server import free_port
+from rlfleet.testing.etcd import free_port
 from tests.fleets import vllm_worker_args
 
 MODEL = "tiny-moe"

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
+from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.rl.fleet import Fleet
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.sample import SampleRequest, SamplingSpec
+from rlfleet.rollout.sample import SampleRequest, SamplingSpec
 from rlfleet.weights.adapters import publish_adapter
 from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
 

@@ -19,16 +19,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rlfleet.journal import open_journal
 from rlfleet.models import make_adapter
 from rlfleet.protocol.admin import STALE_EPOCH
 from rlfleet.protocol.dynamo_lora import lora_name_to_id
-from rlfleet.rl.client import RolloutClient
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.hooks import RefreshHooks
 from rlfleet.rl.fleet import Fleet
-from rlfleet.rl.hooks import RefreshHooks
-from rlfleet.rl.journal import open_journal
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.retry import RetryPolicy
-from rlfleet.rl.sample import SampleFailed, SampleRequest, SamplingSpec
+from rlfleet.rollout.client import RolloutClient
+from rlfleet.rollout.retry import RetryPolicy
+from rlfleet.rollout.sample import SampleFailed, SampleRequest, SamplingSpec
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import RL_MOCK_MODEL as MODEL

@@ -20,14 +20,14 @@ import httpx
 import pytest
 
 from rlfleet.models import make_adapter
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import Probe
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import checkpoint_digest
 from rlfleet.weights.publish import TrainerServer
 from tests.fleets import MODEL_NAME, vllm_worker_args
-from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 

@@ -24,7 +24,8 @@ import pytest
 from rlfleet.mocker.admin import EngineRoute, MockAdmin, parse_engine_routes, sglang_result
 from rlfleet.mocker.engine import CHECKPOINT_FILE, MockEngine, write_mock_checkpoint
 from rlfleet.runtime.discovery import open_discovery
-from rlfleet.runtime.launch import LocalFleet, Proc, spawn
+from rlfleet.runtime.launch import Proc, spawn
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.worker.system_server import system_app
 
 PROMPT = [1101, 1102, 1103, 1104]
@@ -203,7 +204,9 @@ def test_vllm_route_table(vw) -> None:
         "control/pause_generation", "control/resume_generation", "control/is_paused",
         "control/get_weight_version", "update/update_weight_version", "collective_rpc",
         "update/init_weight_transfer_engine", "update/start_weight_update",
-        "update/update_weights", "update/finish_weight_update"])}
+        "update/update_weights", "update/finish_weight_update",
+        # one call per worker for a synchronous refresh, and the relay tree (issue 35)
+        "commit_policy", "relay"])}
     assert call(vw, "liveness_probe") == {"status": "ok", "alive": True}
     assert call(vw, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     assert call(vw, "liveness_probe", method="GET")["alive"] is True
@@ -219,6 +222,7 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
     assert head0["weight_digest"] == "mock:0" and head0["weight_version"] is None
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": False,
+                                              "weight_version": None,
                                               "weight_digest": "mock:0", "step": None,
                                               "fleet_epoch": 0}
 
@@ -230,6 +234,7 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
                    "weight_digest": "mock:7", "step": 42}
     assert call(vw, "get_weight_version") == {"status": "ok", "version": "step-42",
                                               "version_declared": True,
+                                              "weight_version": "step-42",
                                               "weight_digest": "mock:7", "step": 42,
                                               "fleet_epoch": 0}
     assert call(vw, "resume_generation") == {"status": "ok", "message": "Engine resumed"}
@@ -249,6 +254,7 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
         "weight_digest": "mock:9", "step": None}  # new weights without a step: unknown
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": False,
+                                              "weight_version": None,
                                               "weight_digest": "mock:9", "step": None,
                                               "fleet_epoch": 0}
     assert call(vw, "set_weight_version", {"weight_version": "named", "step": 9}) == \
@@ -257,6 +263,7 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
         {"status": "ok", "version": None, "step": 9}  # a relabel keeps the step
     assert call(vw, "get_weight_version") == {"status": "ok", "version": None,
                                               "version_declared": True,
+                                              "weight_version": None,
                                               "weight_digest": "mock:9", "step": 9,
                                               "fleet_epoch": 0}
     assert call(vw, "set_weight_version", {"weight_version": "x", "step": -1})["message"] \
@@ -439,7 +446,7 @@ def test_sglang_route_table(sw) -> None:
         "continue_generation", "control/update_weight_version",
         "control/update_weights_from_disk", "control/update_weights_from_distributed",
         "control/update_weights_from_ipc", "control/update_weights_from_tensor",
-        "pause_generation", "set_admission"]}
+        "pause_generation", "relay", "set_admission"]}
     for route in ("flush_cache", "get_weight_version", "resume_generation", "liveness_probe",
                   "update_weights_from_disk", "control/pause_generation"):
         resp = raw_call(sw, route)

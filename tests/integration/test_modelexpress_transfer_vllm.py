@@ -26,6 +26,7 @@ import httpx
 import pytest
 import requests
 
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.digest import checkpoint_digest
 from rlfleet.worker import modelexpress as mx
 from tests.fleets import vllm_serve, weight_versions
@@ -35,7 +36,6 @@ from tests.modelexpress_publisher import (
     transfer_init_info,
     transfer_worker_args,
 )
-from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 

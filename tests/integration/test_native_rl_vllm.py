@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.testing.fleet import LocalFleet
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import MODEL_NAME, vllm_serve, vllm_worker_args
 
@@ -110,6 +110,41 @@ SEQUENCE = [
 
 def test_native_routes_answer_as_vllm_does(vllm_dev_url: str, worker_url: str) -> None:
     for method, path, kw, equal in SEQUENCE:
+        ref, got = call(vllm_dev_url, method, path, **kw), call(worker_url, method, path, **kw)
+        where = f"{method} {path} {kw}: vLLM {ref.status_code} {ref.text[:300]} / " \
+                f"rlfleet {got.status_code} {got.text[:300]}"
+        assert got.status_code == ref.status_code, where
+        if equal:
+            assert got.json() == ref.json(), where
+        else:
+            assert shape(got.json()) == shape(ref.json()), where
+
+
+# vLLM's dev-mode cache and sleep routes; sleep mode is unsupported on the CPU build, which
+# pauses, marks the executor asleep and keeps the memory (rlfleet.protocol.vllm_rl.SLEEP)
+SLEEP_SEQUENCE = [
+    ("POST", "/reset_prefix_cache", {}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("POST", "/sleep", {"params": {"level": "3"}}, False),
+    ("POST", "/sleep", {"params": {"level": "1"}}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("GET", "/is_paused", {}, True),
+    ("POST", "/wake_up", {"params": {"tags": "weights"}}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("POST", "/wake_up", {"params": {"tags": "weights"}}, True),  # not asleep: no change
+    ("POST", "/wake_up", {}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("GET", "/is_paused", {}, True),
+    ("POST", "/sleep", {"params": {"level": "0", "mode": "keep"}}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("POST", "/wake_up", {"params": {"tags": "scheduling"}}, True),
+    ("GET", "/is_sleeping", {}, True),
+    ("POST", "/reset_prefix_cache", {"params": {"reset_running_requests": "true"}}, True),
+]
+
+
+def test_cache_and_sleep_routes_answer_as_vllm_does(vllm_dev_url: str, worker_url: str) -> None:
+    for method, path, kw, equal in SLEEP_SEQUENCE:
         ref, got = call(vllm_dev_url, method, path, **kw), call(worker_url, method, path, **kw)
         where = f"{method} {path} {kw}: vLLM {ref.status_code} {ref.text[:300]} / " \
                 f"rlfleet {got.status_code} {got.text[:300]}"

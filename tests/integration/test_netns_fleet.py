@@ -1,5 +1,5 @@
 """A fleet across hosts, for real: each "host" is a Linux network namespace with its own
-address on a private bridge (tests/netns.py). etcd and the frontend on one host, a real
+address on a private bridge (src/rlfleet/testing/netns.py). etcd and the frontend on one host, a real
 vLLM worker on each of two others, a mocker (slow tokens, for the mid-stream partition) on a
 fourth, and the trainer/coordinator on a fifth. Traffic stays inside the namespaces the
 test made; they are deleted at the end, also when a test fails."""
@@ -21,11 +21,11 @@ import httpx
 import pytest
 
 from rlfleet.models import make_model
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
-from tests.etcd_server import run_etcd
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.testing.etcd import run_etcd
+from rlfleet.testing.fleet import LocalFleet
+from rlfleet.testing.netns import Host, Lab, unavailable
 from tests.fleets import VLLM_FLAGS
-from tests.netns import Host, Lab, unavailable
 
 MODEL = "Qwen/Qwen3-0.6B"  # a local directory of that name: served under that name
 SLOW = "slow-mock"
@@ -88,7 +88,8 @@ def net(tmp_path_factory) -> Iterator[Net]:
             a = fleet.start_worker("--model", MODEL, *common, cwd=models, wait=False,
                                    env={**gloo, "VLLM_HOST_IP": w1.ip})
         with w2.entered():  # advertised from the interface that routes to etcd
-            b = fleet.start_worker("--model", MODEL, *common, cwd=models, wait=False, env=gloo)
+            b = fleet.start_worker("--model", MODEL, *common, "--enable-fault-injection",
+                                   cwd=models, wait=False, env=gloo)
         with w3.entered():
             fleet.start_worker("--served-model-name", SLOW, "--token-delay", "0.05",
                                "--host", "0.0.0.0", "--lease-ttl", "2", kind="mocker")
@@ -221,23 +222,51 @@ def test_partition_mid_stream_ends_the_stream_with_an_error_in_time(net: Net) ->
 
 
 def test_partition_mid_refresh_holds_the_fleet_gated_then_recovers(net: Net) -> None:
-    """A vLLM worker's host drops off while the refresh applies: the refresh (which needs the
-    whole fleet, min_workers=2) ends within its deadlines, held; the fleet stays gated; once
-    the link is back a refresh reopens it on both workers."""
+    """A vLLM worker's host drops off while the refresh applies (the worker closed and
+    paused, its weights not yet loaded): the refresh (which needs the whole fleet,
+    min_workers=2) ends within its deadlines, held; the fleet stays gated; once the link is
+    back a refresh reopens it on both workers. The apply starts at its own phase where
+    workers move step by step ("<refresh> apply ..."), inside each worker's commit where
+    they move in one commit_policy call each ("<refresh> commit ...", the vLLM workers
+    here): the worker's load is held back (a fault's delay) until the cut, made once the
+    worker reports itself paused."""
     cut = threading.Event()
+    w2_url = ""  # the paused worker's system URL (read below, in the trainer's host)
+    cutter: list[threading.Thread] = []
 
-    def on_event(msg: str) -> None:
-        if " apply ..." in msg and not cut.is_set():
-            net.lab.cut(net.w2)
-            cut.set()
+    def cut_once_paused() -> None:
+        deadline = time.monotonic() + 3 * REFRESH_TIMEOUT
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.post(f"{w2_url}/engine/control/is_paused", json={}, timeout=5)
+                if r.json().get("is_paused") is True:
+                    net.lab.cut(net.w2)
+                    cut.set()
+                    return
+            time.sleep(0.05)
+
+    def on_event(msg: str) -> None:  # in the coordinator's loop: the cut waits elsewhere
+        if (" apply ..." in msg or " commit ..." in msg) and not cutter:
+            cutter.append(threading.Thread(target=cut_once_paused, daemon=True))
+            cutter[0].start()
 
     with net.trn.entered():
+        ws = httpx.get(f"{net.fleet.rl_url}/v1/rl/workers", timeout=30).json()["workers"]
+        w2_url = next(w["system_url"] for w in ws if urlsplit(w["system_url"]).hostname
+                      == net.w2.ip)
+        # the worker's load waits (a commit runs it in-process, after the close and pause)
+        r = httpx.post(f"{w2_url}/engine/fault_injection", timeout=10,
+                       json={"route": "update_weights_from_disk", "mode": "delay", "times": 1,
+                             "hang_seconds": REFRESH_TIMEOUT})
+        assert r.json()["status"] == "ok", r.text
         coordinator = PolicyRefresh(net.fleet.rl_url, model=MODEL, timeout=REFRESH_TIMEOUT,
                                     min_workers=2, on_event=on_event)
         try:
             t0 = time.monotonic()
             result = _refresh(coordinator, net.ckpt["A"], "net-cut-1")
             took = time.monotonic() - t0
+            assert cutter, "the refresh announced no apply (nor commit) start"
+            cutter[0].join(3 * REFRESH_TIMEOUT)
             assert cut.is_set()
             assert not result.ok and result.decision == "held", (result.decision, result.reason)
             by_ip = {urlsplit(w["system_url"]).hostname: w for w in result.workers}
@@ -248,6 +277,9 @@ def test_partition_mid_refresh_holds_the_fleet_gated_then_recovers(net: Net) -> 
             assert not any(w["usable"] for w in net.health() if w["model"] == MODEL)
         finally:
             net.lab.mend(net.w2)
+            with contextlib.suppress(httpx.HTTPError):  # disarmed, had the load not run
+                httpx.post(f"{w2_url}/engine/fault_injection", timeout=10,
+                           json={"route": "update_weights_from_disk", "times": 0})
         deadline = time.monotonic() + 60
         while True:  # the worker answers again (its keep-alive and the listener's probe)
             ws = httpx.get(f"{net.fleet.rl_url}/v1/rl/workers", timeout=30).json()["workers"]

@@ -20,7 +20,7 @@ import yaml
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.rl import PolicyRefresh, RetryPolicy, RolloutClient, SampleLedger, SamplingSpec
-from rlfleet.rl.sample import SampleRequest
+from rlfleet.rollout.sample import SampleRequest
 from tests.fleets import VLLM_FLAGS
 
 pytestmark = pytest.mark.engine

@@ -1,6 +1,6 @@
-"""Every rlfleet command in the README, and every key of its fleet/worker YAML examples, is
-checked against the real `--help` of the program it runs: a flag the code does not have
-fails here, not in a user's first hour."""
+"""Every rlfleet command in the README and in the guides under docs/, and every key of their
+fleet/worker YAML examples, is checked against the real `--help` of the program it runs: a
+flag the code does not have fails here, not in a user's first hour."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+# the README first, then every guide that exists (a guide not written yet is simply not here)
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAMS = {"rlfleet.frontend", "rlfleet.vllm", "rlfleet.mocker"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
+FLEET_KEYS = {"discovery", "namespace", "frontend", "workers", "control"}
 
 
 @functools.cache
@@ -33,14 +37,18 @@ def has_flag(text: str, flag: str) -> bool:
     return re.search(rf"(^|[\s,\[]){re.escape(flag)}([\s,=\]]|$)", text, re.M) is not None
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+def name(doc: Path) -> str:
+    return str(doc.relative_to(ROOT))
 
 
-def commands() -> list[tuple[str, str | None, list[str]]]:
-    """(program, subcommand, tokens after it) for each rlfleet command in bash blocks."""
+def blocks(doc: Path, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", doc.read_text(), re.S)
+
+
+def commands(doc: Path) -> list[tuple[str, str | None, list[str]]]:
+    """(program, subcommand, tokens after it) for each rlfleet command in doc's bash blocks."""
     found = []
-    for block in blocks("bash"):
+    for block in blocks(doc, "bash"):
         pending = ""
         for line in block.replace("\\\n", " ").splitlines():
             pending += line + "\n"
@@ -74,52 +82,94 @@ def flags(tokens: list[str]) -> list[str]:
     return [t.split("=", 1)[0] for t in tokens if t.startswith("--") and t != "--"]
 
 
-CMDS = commands()
+CMDS = [(name(doc), *cmd) for doc in DOCUMENTS for cmd in commands(doc)]
 
 
 def test_the_readme_names_the_commands_it_should() -> None:
-    named = {(p, s) for p, s, _ in CMDS}
+    named = {(p, s) for doc, p, s, _ in CMDS if doc == "README.md"}
     assert {("rlfleet.frontend", None), ("rlfleet.vllm", None), ("rlfleet", "up"),
             ("rlfleet", "status"), ("rlfleet", "down"), ("rlfleet", "refresh")} <= named
 
 
-@pytest.mark.parametrize("program, sub, tokens", CMDS,
-                         ids=[f"{p} {s or ''} {' '.join(t)[:40]}" for p, s, t in CMDS])
-def test_every_flag_exists(program: str, sub: str | None, tokens: list[str]) -> None:
+def test_the_readme_starts_with_the_two_commands() -> None:
+    """`make demo` and `make test` are the first thing a newcomer runs."""
+    first = blocks(README, "bash")[0].splitlines()
+    assert [line.split("#")[0].strip() for line in first[:2]] == ["make demo", "make test"]
+
+
+def test_no_document_points_outside_the_repository() -> None:
+    outside = [f"{name(doc)}: {m}" for doc in DOCUMENTS
+               for m in re.findall(r"[\w./-]*\.\./shared/[\w./-]*", doc.read_text())]
+    assert not outside, outside
+
+
+@pytest.mark.parametrize("doc, program, sub, tokens", CMDS,
+                         ids=[f"{d}: {p} {s or ''} {' '.join(t)[:40]}" for d, p, s, t in CMDS])
+def test_every_flag_exists(doc: str, program: str, sub: str | None, tokens: list[str]) -> None:
     if program == "rlfleet" and sub == "up" and "--" in tokens:  # worker flags after `--`
         tokens, worker = tokens[:tokens.index("--")], tokens[tokens.index("--") + 1:]
         kind = tokens[tokens.index("--kind") + 1] if "--kind" in tokens else "vllm"
         missing = [f for f in flags(worker) if not has_flag(help_text(f"rlfleet.{kind}"), f)]
-        assert not missing, f"worker flags not in python -m rlfleet.{kind} --help: {missing}"
+        assert not missing, f"{doc}: worker flags not in python -m rlfleet.{kind} --help: {missing}"
     text = help_text(program, sub)
     missing = [f for f in flags(tokens) if not has_flag(text, f)]
-    assert not missing, f"not in `{program} {sub or ''} --help`: {missing}"
+    assert not missing, f"{doc}: not in `{program} {sub or ''} --help`: {missing}"
 
 
-def _yaml_examples() -> list[dict]:
-    return [d for d in (yaml.safe_load(b) for b in blocks("yaml")) if isinstance(d, dict)]
+def _yaml_examples(doc: Path) -> list[tuple[str, dict]]:
+    """(the block's text, its mapping) for each YAML block of doc that is a mapping."""
+    found = []
+    for block in blocks(doc, "yaml"):
+        data = yaml.safe_load(block)
+        if isinstance(data, dict):
+            found.append((block, data))
+    return found
 
 
-def test_yaml_examples_use_real_flags() -> None:
-    examples = _yaml_examples()
+def _check_worker(doc: str, worker: dict) -> None:  # python -m rlfleet.vllm --config: keys are its flags
+    missing = [k for k in worker if not has_flag(help_text("rlfleet.vllm"), f"--{k}")]
+    assert not missing, f"{doc}: worker YAML keys that are not flags: {missing}"
+
+
+def _check_fleet(doc: str, fleet: dict) -> None:
+    assert set(fleet) <= FLEET_KEYS, f"{doc}: fleet.yaml keys rlfleet up does not read: " \
+                                     f"{sorted(set(fleet) - FLEET_KEYS)}"
+    missing = [k for k in fleet.get("frontend") or {}
+               if not has_flag(help_text("rlfleet.frontend"), f"--{k}")]
+    assert not missing, f"{doc}: frontend keys that are not flags: {missing}"
+    if isinstance(fleet.get("control"), dict):
+        missing = [k for k in fleet["control"] if not has_flag(help_text("rlfleet", "control"), f"--{k}")]
+        assert not missing, f"{doc}: control keys that are not `rlfleet control` flags: {missing}"
+    for group in fleet["workers"]:
+        program = f"rlfleet.{group.get('kind', 'vllm')}"
+        missing = [k for k in group.get("args", {}) if not has_flag(help_text(program), f"--{k}")]
+        assert not missing, f"{doc}: {program} keys that are not flags: {missing}"
+
+
+def test_readme_yaml_examples_use_real_flags() -> None:
+    examples = [data for _, data in _yaml_examples(README)]
     fleets = [d for d in examples if "workers" in d]
     workers = [d for d in examples if "workers" not in d]
     assert fleets and workers, "the README shows a fleet.yaml and a worker --config YAML"
-    for w in workers:  # python -m rlfleet.vllm --config: keys are its flags
-        missing = [k for k in w if not has_flag(help_text("rlfleet.vllm"), f"--{k}")]
-        assert not missing, f"worker YAML keys that are not flags: {missing}"
+    for w in workers:
+        _check_worker("README.md", w)
     for fleet in fleets:
-        assert set(fleet) <= {"discovery", "namespace", "frontend", "workers"}
-        missing = [k for k in fleet.get("frontend", {})
-                   if not has_flag(help_text("rlfleet.frontend"), f"--{k}")]
-        assert not missing, f"frontend keys that are not flags: {missing}"
-        for group in fleet["workers"]:
-            program = f"rlfleet.{group.get('kind', 'vllm')}"
-            missing = [k for k in group.get("args", {}) if not has_flag(help_text(program), f"--{k}")]
-            assert not missing, f"{program} keys that are not flags: {missing}"
+        _check_fleet("README.md", fleet)
+
+
+@pytest.mark.parametrize("doc", DOCUMENTS[1:], ids=[name(d) for d in DOCUMENTS[1:]])
+def test_guides_yaml_examples_use_real_flags(doc: Path) -> None:
+    """A guide's fleet.yaml (a mapping with `workers`) and worker YAML (a block that says it
+    is `rlfleet.vllm --config`'s); other YAML a guide shows is not a flag file."""
+    for block, data in _yaml_examples(doc):
+        if "workers" in data:
+            _check_fleet(name(doc), data)
+        elif "--config" in block.split("\n", 1)[0] or block.startswith("# worker"):
+            _check_worker(name(doc), data)
 
 
 def test_the_check_catches_a_wrong_flag() -> None:
     """The checker itself: a flag that does not exist is reported."""
     assert not has_flag(help_text("rlfleet.frontend"), "--no-such-flag")
     assert has_flag(help_text("rlfleet.frontend"), "--http-host")
+    assert not _program(["rlfleet"]) and _program(["X=1", "rlfleet", "up", "--workers", "2"])

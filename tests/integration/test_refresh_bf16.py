@@ -14,9 +14,9 @@ import sys
 import pytest
 import torch
 
-from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.probe import probe_from_model
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.journal import SqliteJournal
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import probe_from_model
 from rlfleet.weights.digest import checkpoint_digest
 
 pytestmark = pytest.mark.engine

@@ -11,34 +11,38 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlfleet.mocker.engine import write_mock_checkpoint
+from rlfleet.journal import SqliteJournal
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.rl.control import SglangWorker
-from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.transaction import (
+from rlfleet.refresh.control import SglangWorker
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.transaction import (
     TRANSITIONS,
     IllegalRefreshTransition,
     RefreshState,
     check_transition,
 )
 from rlfleet.runtime.launch import spawn
-from tests.fleets import RL_MOCK_MODEL, RL_PROBE_ENV, fault, mock_args, routed, wait_for_workers
+from tests.fleets import (
+    RL_MOCK_MODEL,
+    fault,
+    mock_args,
+    mock_policies,
+    routed,
+    two_rl_mockers,
+    wait_for_workers,
+)
 
 MODEL = RL_MOCK_MODEL
 
 
 @pytest.fixture
 def ckpts(tmp_path) -> dict[str, Path]:
-    root = tmp_path / "weights"
-    return {"root": root, "A": write_mock_checkpoint(root / "A", 1),
-            "B": write_mock_checkpoint(root / "B", 2)}
+    return mock_policies(tmp_path / "weights")
 
 
 @pytest.fixture
 def fleet(start_fleet, ckpts):
-    return start_fleet([mock_args(ckpts["root"])] * 2, model=MODEL, enable_rl=True,
-                       frontend_env=RL_PROBE_ENV)
+    return two_rl_mockers(start_fleet, ckpts)
 
 
 def coordinator(fleet, tmp_path, **kw) -> PolicyRefresh:

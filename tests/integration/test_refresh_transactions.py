@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rlfleet.journal import open_journal
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.rl.journal import open_journal
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.coordinator import PolicyRefresh
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import RL_PROBE_ENV, fault, local_fleet, mock_args, routed
 

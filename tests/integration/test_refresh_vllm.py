@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
+from rlfleet.journal import SqliteJournal
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import reference_probe
 from rlfleet.rl import RolloutClient, SamplingSpec
-from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.probe import reference_probe
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.rollout.gate import RolloutGate
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import vllm_worker_args
 
@@ -105,7 +105,17 @@ def test_refresh_a_to_b_under_load(setup, tmp_path):
     assert entry["decision"] == "reopened" and entry["reason"]
     assert [s["name"] for s in entry["steps"]] == [
         "resolve", "gate", "pause", "apply", "reset_cache", "verify", "resume", "probe", "reopen"]
-    assert all(s["seconds"] >= 0 for s in entry["steps"])
+    # every step was timed, and the journal keeps the times the caller was given
+    assert all(type(s["seconds"]) is float and s["seconds"] > 0 for s in entry["steps"]), \
+        entry["steps"]
+    assert [(s["name"], s["seconds"]) for s in entry["steps"]] == \
+        [(s["name"], s["seconds"]) for s in result.steps]
+    assert result.seconds == sum(s["seconds"] for s in entry["steps"])
+    # a step a worker ran inside its one commit_policy call lies inside that call
+    committed = [s for s in entry["steps"] if s.get("via") == "commit_policy"]
+    assert [s["name"] for s in committed] == [
+        "gate", "pause", "apply", "reset_cache", "verify", "resume"], entry["steps"]
+    assert all(s["seconds"] <= committed[0]["commit_seconds"] for s in committed), committed
     for w in entry["workers"].values():
         assert w["status"] == "verified"
         calls = {c["route"]: c for c in w["calls"]}

@@ -9,9 +9,9 @@ import pytest
 
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
-from rlfleet.rl.checks import CHECKS, Expectation, SampleRules, single_policy, weight_spans
-from rlfleet.rl.client import request_body
-from rlfleet.rl.response import parse_openai, parse_sglang
+from rlfleet.rollout.checks import CHECKS, Expectation, SampleRules, single_policy, weight_spans
+from rlfleet.rollout.client import request_body
+from rlfleet.rollout.response import parse_openai, parse_sglang
 from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine

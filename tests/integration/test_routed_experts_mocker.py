@@ -1,7 +1,7 @@
 """Routed experts on the wire (request plane, OpenAI routes unary and streamed, rollout
 client, NextTurn), from mocker workers that simulate a MoE engine (--routed-experts: a
 declared simulator; its experts are a hash, not a model's routing). vLLM's CPU build
-cannot return routed experts (see README: routed experts)."""
+cannot return routed experts (see docs/routing.md: routed experts)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from rlfleet.protocol.engine import RoutedExperts
-from rlfleet.rl.client import RolloutClient
-from rlfleet.rl.sample import NextTurn, SamplingSpec
+from rlfleet.rollout.client import RolloutClient
+from rlfleet.rollout.sample import NextTurn, SamplingSpec
 
 MODEL = "mock-moe"
 LAYERS, TOPK = 3, 2

@@ -319,8 +319,8 @@ def test_grafana_dashboard_queries_name_exported_metrics(vllm_fleet):
     (frontend, real vLLM workers, and the trainer process's rollout and refresh series)."""
     from prometheus_client import REGISTRY, generate_latest
 
-    import rlfleet.rl.client  # noqa: F401  the trainer side's series
-    import rlfleet.rl.refresh  # noqa: F401
+    import rlfleet.refresh.coordinator  # noqa: F401
+    import rlfleet.rollout.client  # noqa: F401  the trainer side's series
 
     dash = json.loads((Path(__file__).parents[2] / "deploy/grafana/rlfleet.json").read_text())
     exported = exported_names(httpx.get(f"{vllm_fleet.url}/metrics", timeout=10).text)

@@ -25,7 +25,7 @@ import pytest_asyncio
 from safetensors.torch import save_file
 
 from rlfleet.protocol.admin import ROUTES, AdmissionRequest, read_request
-from rlfleet.rl.probe import reference_probe
+from rlfleet.refresh.probe import reference_probe
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine

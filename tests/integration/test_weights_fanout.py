@@ -27,9 +27,9 @@ from fastapi.responses import Response, StreamingResponse
 from rlfleet.protocol import fanout as wire
 from rlfleet.protocol.admin import FanoutOrigin
 from rlfleet.runtime.server import AppServer, bind_socket
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.fanout import CHUNK_BYTES, fanout_sources
 from rlfleet.weights.publish import Publisher, TrainerServer
-from tests.s3_server import BUCKET
 
 TOKEN = "fanout-s3cret"
 RATE = 8e6  # bytes/s the first worker reads the 32 MB version at: ~4 s of staging

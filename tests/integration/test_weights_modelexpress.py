@@ -14,13 +14,13 @@ import pytest
 import safetensors.torch
 import torch
 
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
 from rlfleet.weights.staging import StageState, StagingArea
 from tests.modelexpress_publisher import SEED, publish_with_modelexpress
 from tests.modelexpress_reader import on_path
-from tests.s3_server import BUCKET
 
 MODEL = "tiny-fp8"
 RANKS = 2

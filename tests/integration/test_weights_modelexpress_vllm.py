@@ -14,14 +14,14 @@ import shutil
 import httpx
 import pytest
 
-from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.journal import SqliteJournal
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.testing.fleet import LocalFleet
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
 from tests.fleets import vllm_worker_args, weight_versions
 from tests.modelexpress_publisher import SEED, perturbed, publish_with_modelexpress
-from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 

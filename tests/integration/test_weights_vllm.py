@@ -14,14 +14,14 @@ import httpx
 import pytest
 import torch
 
-from rlfleet.rl.journal import SqliteJournal
-from rlfleet.rl.refresh import PolicyRefresh, reference_probe
-from rlfleet.runtime.launch import LocalFleet
+from rlfleet.journal import SqliteJournal
+from rlfleet.refresh.coordinator import PolicyRefresh, reference_probe
+from rlfleet.testing.fleet import LocalFleet
+from rlfleet.testing.s3 import BUCKET
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, TrainerServer
 from tests.fleets import VLLM_FLAGS, wait_for_workers, weight_versions
-from tests.s3_server import BUCKET
 
 pytestmark = pytest.mark.engine
 

@@ -8,7 +8,7 @@ import pytest
 from rlfleet.frontend.router import NoWorker, WorkerPool
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.rl import CommittedPolicy
-from rlfleet.rl import committed
+from rlfleet.refresh import committed
 from rlfleet.runtime.discovery import FileDiscovery, open_discovery
 
 OLD = PolicyIdentity(version="A", digest="d-a", step=0)
@@ -113,3 +113,26 @@ async def test_a_record_of_an_epoch_no_worker_has_seen_is_an_earlier_fleets(tmp_
         raw = await d.get_record(CommittedPolicy.record_name("ns", "m"))
     assert CommittedPolicy.from_record(raw).committed == NEW
     assert any("an earlier fleet's" in m for m in events)
+
+
+async def test_a_commit_read_with_one_workers_change_re_judges_the_workers_left_unchanged(
+        tmp_path):
+    """The refreshed worker's reopen is the change that brings the new record in: the
+    worker left out of the commit (its entry unchanged) is taken out of routing then too,
+    and the poller, reading the same record later, finds nothing new to re-judge."""
+    url = tmp_path.as_uri()
+    async with open_discovery(url) as d:
+        pool = WorkerPool(d, "ns")
+        await pool._apply_changes({"k1": entry(1, OLD), "k2": entry(2, OLD)})
+        assert pool.workers[1].usable and pool.workers[2].usable
+        assert await committed.publish(url, "ns", ["m"], epoch=1, refresh_id=1,
+                                       committed=NEW, admitting=None, on_event=[].append)
+        await pool._apply_changes({"k1": entry(1, NEW)})  # only worker 1 reopened
+        assert pool.workers[1].usable
+        assert not pool.workers[2].usable
+        assert "committed policy B" in pool.workers[2].off_policy
+        assert await pool.read_committed({"m"}) == set()  # nothing new for the poller
+        with pytest.raises(NoWorker):
+            pool.pick("m", exclude={1})
+        await pool._apply_changes({"k2": None})  # worker 2 leaves: the others untouched
+        assert set(pool.workers) == {1} and pool.workers[1].usable

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.frontend import openai as render
-from rlfleet.frontend.dispatch import Result
+from rlfleet.frontend.result import Result
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest
-from rlfleet.rl.response import OpenAIStream, parse_openai
+from rlfleet.rollout.response import OpenAIStream, parse_openai
+from tests import render
+from tests.render import event
 
 PROMPT = [1000, 1001, 1002]
 TOKENS = [[5, 6, 7], [8, 9, 10]]
@@ -25,17 +26,17 @@ def lp(t: int) -> float:
 def filled(n: int, stream: bool) -> tuple[Result, list]:
     """A Result as a worker fills it (one token per step when `stream`), and its deltas."""
     res = Result("rid", n)
-    res.apply({"prompt_token_ids": PROMPT, "_worker": 1, **POLICY.stamped()})
+    res.apply(event({"prompt_token_ids": PROMPT, "worker_id": 1, **POLICY.stamped()}))
     deltas = []
     for i in range(n):
         steps = [[t] for t in TOKENS[i]] if stream else [TOKENS[i]]
         for k, step in enumerate(steps):
-            deltas += res.apply({"choices": [{
+            deltas += res.apply(event({"choices": [{
                 "index": i, "token_ids": step, "text": "x" * len(step),
                 "logprobs": [{"token_id": t, "logprob": lp(t), "decoded": "x", "top": []}
                              for t in step],
-                "finish_reason": "length" if k == len(steps) - 1 else None}]})
-    res.apply({"done": True})
+                "finish_reason": "length" if k == len(steps) - 1 else None}]}))
+    res.apply(event({"done": True}))
     return res, deltas
 
 
@@ -98,8 +99,8 @@ def test_a_completion_batch_names_each_prompts_ids():
         "model": "m", "prompt": [PROMPT, PROMPT[:2]], "max_tokens": 3, "nvext": ONLY})
     a, _ = filled(1, stream=False)
     b = Result("rid", 1)
-    b.apply({"prompt_token_ids": PROMPT[:2], "_worker": 1, **POLICY.stamped()})
-    b.apply({"choices": [{"index": 0, "token_ids": [4], "text": "x", "finish_reason": "stop"}]})
+    b.apply(event({"prompt_token_ids": PROMPT[:2], "worker_id": 1, **POLICY.stamped()}))
+    b.apply(event({"choices": [{"index": 0, "token_ids": [4], "text": "x", "finish_reason": "stop"}]}))
     body = render.completion_response(req, [a, b], "m")
     first, second = body["nvext"]["choices"]
     assert first["engine_data"] == whole(0)

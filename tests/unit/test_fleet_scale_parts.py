@@ -1,5 +1,5 @@
 """The pieces a thousand-worker fleet leans on, without starting a process: the
-coordinator's bounded fan-out and phase deadline (rlfleet.rl.control), the file store's
+coordinator's bounded fan-out and phase deadline (rlfleet.refresh.control), the file store's
 change detection (a watch lists only when the directory changed or a lease ran out), and
 one HTTP server answering several apps on their own sockets."""
 
@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from rlfleet.protocol.admin import GET_WEIGHT_VERSION
-from rlfleet.rl.control import Channel, FleetWorker, for_each
-from rlfleet.rl.refresh import PolicyRefresh
+from rlfleet.refresh.control import Channel, FleetWorker, for_each
+from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.runtime.server import AppServer, bind_socket
 

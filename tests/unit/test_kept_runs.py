@@ -1,6 +1,6 @@
 """Runs kept for X-Request-Id retries (issue 10 findings 5, 7, 9, 11): what a request ID
 stands for (route + body as data), the memory they may hold, the owner's cancel, and a run
-whose worker failed starting anew. The real RunRegistry with scripted event sources."""
+whose worker failed starting anew. The real GenerationRuns with scripted event sources."""
 
 from __future__ import annotations
 
@@ -9,27 +9,28 @@ import json
 
 import pytest
 
-from rlfleet.frontend.runs import RequestIdConflict, RunRegistry, event_bytes
+from rlfleet.frontend.runs import GenerationRuns, RequestIdConflict
 from rlfleet.protocol.engine import Delta, Done, Head, Step
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerError
+from rlfleet.runtime.runs import event_bytes
+from tests.scripted import Scripted
 
 BODY = json.dumps({"model": "m", "prompt": [1, 2], "max_tokens": 3}).encode()
 
 
-def events(tokens: int, gate: asyncio.Event | None = None, fail: Exception | None = None):
-    def source(run):
-        async def gen():
-            yield Head(prompt_token_ids=[1, 2], weight_version=None, weight_digest=None)
-            for t in range(tokens):
-                yield Step(choices=[Delta(index=0, token_ids=[t])])
-            if gate is not None:
-                await gate.wait()
-            if fail is not None:
-                raise fail
-            yield Done()
-        return gen()
-    return source
+def events(tokens: int, gate: asyncio.Event | None = None, fail: Exception | None = None
+           ) -> Scripted:
+    async def gen():
+        yield Head(prompt_token_ids=[1, 2], weight_version=None, weight_digest=None)
+        for t in range(tokens):
+            yield Step(choices=[Delta(index=0, token_ids=[t])])
+        if gate is not None:
+            await gate.wait()
+        if fail is not None:
+            raise fail
+        yield Done()
+    return Scripted(gen())
 
 
 async def finished(run) -> None:
@@ -37,7 +38,7 @@ async def finished(run) -> None:
 
 
 async def test_the_same_request_respaced_replays_another_route_or_body_conflicts() -> None:
-    reg = RunRegistry()
+    reg = GenerationRuns()
     run, replayed = reg.start("a", BODY, True, events(3), route="/v1/completions")
     await finished(run)
     respaced = json.dumps(json.loads(BODY), indent=4, sort_keys=True).encode()
@@ -51,7 +52,7 @@ async def test_the_same_request_respaced_replays_another_route_or_body_conflicts
 
 async def test_kept_runs_are_bounded_in_memory() -> None:
     one = event_bytes(Step(choices=[Delta(index=0, token_ids=[1])]))
-    reg = RunRegistry(max_kept_bytes=60 * one)
+    reg = GenerationRuns(max_kept_bytes=60 * one)
     done = [reg.start(f"d{i}", BODY, True, events(20))[0] for i in range(2)]
     for run in done:
         await finished(run)
@@ -75,7 +76,7 @@ async def test_kept_runs_are_bounded_in_memory() -> None:
 
 
 async def test_only_the_owner_or_the_admin_cancels() -> None:
-    reg = RunRegistry(admin_token="adm")
+    reg = GenerationRuns(admin_token="adm")
     gate = asyncio.Event()
     run = reg.start("c", BODY, True, events(1, gate), cancel_token="secret")[0]
     assert reg.may_cancel(run, "secret", None)
@@ -88,7 +89,7 @@ async def test_only_the_owner_or_the_admin_cancels() -> None:
 
 
 async def test_a_run_whose_worker_failed_starts_anew_on_a_retry() -> None:
-    reg = RunRegistry()
+    reg = GenerationRuns()
     stalled = WorkerError("worker stalled", 504, stalled=True)
     run = reg.start("r", BODY, True, events(2, fail=stalled))[0]
     await finished(run)
@@ -101,3 +102,13 @@ async def test_a_run_whose_worker_failed_starts_anew_on_a_retry() -> None:
     refused = reg.start("q", BODY, True, events(0, fail=WorkerError("bad", 400)))[0]
     await finished(refused)
     assert reg.start("q", BODY, True, events(1)) == (refused, True)
+
+
+async def test_an_ended_run_names_its_worker_and_lets_its_source_go() -> None:
+    reg = GenerationRuns()
+    source = events(1)
+    source.worker = "worker-1"  # type: ignore[assignment]  (a Dispatch says its worker)
+    run = reg.start("e", BODY, True, source)[0]
+    await finished(run)
+    assert run.worker == "worker-1" and run.source is None
+    assert [type(e).__name__ for e in run.events] == ["Head", "Step", "Done"]

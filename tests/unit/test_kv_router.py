@@ -14,6 +14,7 @@ from rlfleet.frontend.router import WorkerPool
 from rlfleet.mocker.cache import PrefixCache
 from rlfleet.protocol import kv_events as kv
 from rlfleet.protocol.nvext import PolicyBound
+from rlfleet.runtime.discovery import FileDiscovery
 
 
 @dataclass
@@ -125,6 +126,28 @@ def test_sync_clears_on_policy_change_and_forgets_workers() -> None:
     assert r.views[2].overlap(p.keys(16)) == 0  # refreshed: its cache was flushed
     r.sync({2: {"weight_digest": "d2"}})
     assert 1 not in r.views
+
+
+async def test_the_pool_in_mode_kv_follows_each_change_alone(tmp_path) -> None:
+    """A discovery change touches the prefix view of the workers it names: a refreshed
+    worker's cache is flushed, one that left is forgotten, the others keep theirs."""
+    def entry(iid: int, digest: str) -> dict:
+        return {"namespace": "ns", "component": "backend", "endpoint": "generate",
+                "instance_id": iid, "model": "m", "transport": {"http": f"http://w{iid}"},
+                "stream_plane": f"127.0.0.1:{iid}", "weight_digest": digest}
+    async with FileDiscovery(tmp_path) as d:
+        pool = WorkerPool(d, "ns", mode="kv")
+        pool.update([entry(i, "d1") for i in (1, 2, 3)])
+        kv_ = pool.kv
+        assert kv_ is not None and set(kv_.views) == {1, 2, 3}
+        p = Prefix(_tokens(32))
+        for i in (1, 2, 3):
+            _served(kv_, i, p)
+        pool.apply({"ns/backend/generate/2": entry(2, "d2"), "ns/backend/generate/3": None})
+        assert set(kv_.views) == {1, 2}
+        assert kv_.views[1].overlap(p.keys(16)) == 2  # untouched
+        assert kv_.views[2].overlap(p.keys(16)) == 0  # refreshed: flushed
+        await pool.stop()
 
 
 def test_load_outweighs_a_short_prefix_but_not_a_long_one() -> None:

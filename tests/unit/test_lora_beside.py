@@ -140,7 +140,16 @@ def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and
             lora._config(source, "p-v1")
     with pytest.raises(ArtifactError, match="reading adapter_config.json failed"):
         lora._config({"kind": "trainer", "url": f"http://127.0.0.1:{free_port()}"}, "p-v1")
-    assert isinstance(LoraStageRequest(lora_name="p", version="p-v1", source={}), LoraStageRequest)
+    # the route's caller reads the refusal in the reply, and nothing is left staged
+    for says, source in {"source.kind must be one of": {},
+                         "has no adapter_config.json": cases["has no adapter_config.json"]
+                         }.items():
+        reply = asyncio.run(lora.stage_lora_adapter(
+            LoraStageRequest(lora_name="p", version="p-v1", source=source)))
+        assert reply.status == "error" and says in reply.message, reply
+        assert reply.handle is admin.UNSET
+    staged = asyncio.run(lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="p")))
+    assert staged.status == "error" and "nothing was staged" in staged.message
 
 
 def test_an_adapter_version_in_the_catalog_is_staged_from_the_holders_it_lists(

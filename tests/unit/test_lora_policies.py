@@ -8,14 +8,14 @@ import msgspec
 import pytest
 
 from rlfleet.frontend.router import NoWorker, Worker, WorkerPool, within
+from rlfleet.journal.record import IDENTITY_FIELDS, stored_columns
 from rlfleet.models import make_adapter, make_model
 from rlfleet.protocol import admin
 from rlfleet.protocol.admin import AdminRequestError
 from rlfleet.protocol.engine import Head
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.config import RefreshConfig
-from rlfleet.rl.journal.record import IDENTITY_FIELDS, stored_columns
+from rlfleet.refresh.config import RefreshConfig
 from rlfleet.vllm.adapters import adapter_problem
 from rlfleet.vllm.args import engine_args, parse_args
 from rlfleet.weights.adapters import is_artifact, materialize_adapter, publish_adapter

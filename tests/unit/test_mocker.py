@@ -11,12 +11,13 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
-from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.engine import Done, GenerateRequest, Step
 from rlfleet.runtime import metrics
-from rlfleet.worker.request_plane import request_plane_app
+from rlfleet.worker.stream_server import WorkerPlane
 
 PROMPT = [1101, 1102, 1103, 1104]
 _ids = iter(range(1 << 30))
@@ -30,10 +31,14 @@ def request(prompt: list[int] | None = None, stream: bool = False, **sampling: A
 
 async def collect(engine: MockEngine, req: GenerateRequest,
                   events: list[dict] | None = None) -> tuple[list[dict], dict]:
-    """Run a request; merge its choice deltas by index. Returns (choices, done event)."""
+    """Run a request; merge its choice deltas by index. Returns (choices, done event). The
+    engine yields the request plane's typed frames; they are read here as the JSON the
+    worker's HTTP plane sends for them."""
     merged: dict[int, dict] = {}
     done = None
-    async for ev in engine.generate(req, req.prompt_token_ids):
+    async for frame in engine.generate(req, req.prompt_token_ids):
+        assert type(frame) in (Step, Done), frame
+        ev = msgspec.json.decode(msgspec.json.encode(frame))
         if events is not None:
             events.append(ev)
         if ev.get("done"):
@@ -424,7 +429,7 @@ async def test_set_weights_switches_output_and_needs_pause() -> None:
 @pytest.fixture
 async def client():
     engine = MockEngine(max_model_len=128)
-    transport = httpx.ASGITransport(app=request_plane_app(engine))
+    transport = httpx.ASGITransport(app=WorkerPlane(engine).http_app())
     async with httpx.AsyncClient(transport=transport, base_url="http://worker") as c:
         yield c
 

@@ -13,7 +13,7 @@ import pytest
 from rlfleet.mocker.adapters import parse_lora_modules
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.models import make_adapter
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step
 from rlfleet.weights.digest import checkpoint_digest
 from rlfleet.worker.engine import BadRequest, UnknownAdapter
 
@@ -35,9 +35,10 @@ def request(rid: str, adapter: str | None = None, n: int = 8) -> GenerateRequest
 async def generate(e: MockEngine, req: GenerateRequest) -> tuple[list[int], list[dict]]:
     ids, spans = [], []
     async for ev in e.generate(req, list(req.prompt_token_ids)):
-        for c in ev.get("choices", []):
-            ids += c["token_ids"]
-            spans = c.get("weight_versions") or spans
+        for c in ev.choices if type(ev) is Step else ():
+            ids += c.token_ids
+            # as the frame carries them
+            spans = [s.to_dict() for s in c.weight_versions or ()] or spans
     return ids, spans
 
 

@@ -169,8 +169,12 @@ async def test_a_refresh_that_holds_the_worker_refuses_native_changes(hold: str)
 async def test_an_unfenced_pause_does_not_hold_the_worker() -> None:
     _, _, http = worker()
     async with http:
-        await http.post("/engine/pause_generation", json={})  # an operator, no epoch
-        assert (await http.post("/resume")).status_code == 200
+        paused = await http.post("/engine/pause_generation", json={})  # an operator, no epoch
+        assert paused.status_code == 200 and paused.json()["status"] == "ok", paused.text
+        assert (await http.get("/is_paused")).json() == {"is_paused": True}
+        resumed = await http.post("/resume")  # native: not refused as a refresh's hold
+        assert resumed.status_code == 200, resumed.text
+        assert (await http.get("/is_paused")).json() == {"is_paused": False}
 
 
 async def test_dynamo17_update_routes_run_the_native_steps_in_the_contracts_shape() -> None:

@@ -6,19 +6,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from rlfleet.frontend import openai as render
-from rlfleet.frontend.dispatch import Result
-from rlfleet.frontend.sglang import generate_body
+from rlfleet.frontend.result import Result
 from rlfleet.protocol.admin import InstallReply, VersionReply
 from rlfleet.protocol.engine import Delta, Frame, Head
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.openai import CompletionRequest
 from rlfleet.protocol.rl import RlWorker
 from rlfleet.protocol.sglang import MetaInfo, SglangGenerateRequest
-from rlfleet.rl.checks import weight_spans
-from rlfleet.rl.partial import PartialOutput, ResumedPrefix
-from rlfleet.rl.response import parse_openai, parse_sglang
+from rlfleet.rollout.checks import weight_spans
+from rlfleet.rollout.partial import PartialOutput, ResumedPrefix
+from rlfleet.rollout.response import parse_openai, parse_sglang
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter
+from tests import render
+from tests.render import event
 
 POLICY = PolicyIdentity(version="v|7", digest="sha256:ab12", step=7)  # a version may hold '|'
 IDENTITIES = [POLICY, PolicyIdentity(version="v1", digest="d1"), PolicyIdentity(step=0), UNKNOWN]
@@ -93,10 +93,10 @@ def test_a_weight_span_is_the_policy_and_its_positions():
 
 def _result(policy: PolicyIdentity) -> Result:
     res = Result("rid-1", 1)
-    res.apply({"prompt_token_ids": PROMPT, "_worker": 7, **policy.stamped()})
-    res.apply({"choices": [{"index": 0, "token_ids": [5, 6], "text": "ab", "logprobs": None,
-                            "finish_reason": "length", "stop_reason": None}]})
-    res.apply({"done": True, "prompt_logprobs": None})
+    res.apply(event({"prompt_token_ids": PROMPT, "worker_id": 7, **policy.stamped()}))
+    res.apply(event({"choices": [{"index": 0, "token_ids": [5, 6], "text": "ab", "logprobs": None,
+                                  "finish_reason": "length", "stop_reason": None}]}))
+    res.apply(event({"done": True, "prompt_logprobs": None}))
     return res
 
 
@@ -115,7 +115,7 @@ def test_the_frontend_stamps_it_and_the_rollout_client_reads_it_back(policy):
     assert weight_spans(gen.choices[0].weight_spans, 2) == [WeightSpan.of(policy, 0, 2)]
     sreq = SglangGenerateRequest.model_validate({
         "input_ids": PROMPT, "model": "m", "rid": "rid-1", "sampling_params": {}})
-    assert parse_sglang(generate_body(sreq, res), "rid-1").policy == policy
+    assert parse_sglang(render.sglang_body(sreq, res), "rid-1").policy == policy
 
 
 def test_a_partial_attempt_keeps_its_policy_on_the_samples_spans():

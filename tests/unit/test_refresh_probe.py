@@ -1,12 +1,13 @@
-"""The post-update probe's judgement (rlfleet.rl.probe) and the coordinator's transfer
+"""The post-update probe's judgement (rlfleet.refresh.probe) and the coordinator's transfer
 settings, without a fleet."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlfleet.rl.control import address_toward
-from rlfleet.rl.probe import (
+from rlfleet.refresh.control import address_toward
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import (
     DEFAULT_TOLERANCE,
     Answer,
     Probe,
@@ -14,7 +15,6 @@ from rlfleet.rl.probe import (
     disagreement,
     tolerance,
 )
-from rlfleet.rl.refresh import PolicyRefresh
 
 
 def answer(worker: int, tokens: list[int], lps: list[float] | None = None,
@@ -78,7 +78,7 @@ def test_refresh_config_is_checked_in_one_place_and_read_from_the_cli() -> None:
     import dataclasses
 
     from rlfleet.cli import build_parser
-    from rlfleet.rl.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
+    from rlfleet.refresh.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
 
     args = build_parser().parse_args(
         ["refresh", "--checkpoint", "/tmp/c", "--version", "v", "--rl-url", "http://x:1",

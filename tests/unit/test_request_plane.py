@@ -29,9 +29,9 @@ from rlfleet.protocol.engine import (
     TokenizeRequest,
 )
 from rlfleet.runtime import metrics
-from rlfleet.runtime.request_plane import FrameReader, Heartbeat, WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import FrameReader, Heartbeat, StreamClient, WorkerError
 from rlfleet.runtime.server import bind_socket
-from rlfleet.worker.request_plane import WorkerPlane
+from rlfleet.worker.stream_server import WorkerPlane
 
 PROMPT = [1101, 1102, 1103, 1104]
 _ids = iter(range(1 << 30))
@@ -55,11 +55,11 @@ def metric(name: str, **labels: str) -> float:
 
 @contextlib.asynccontextmanager
 async def worker(request_timeout: float = 30.0, **mock: Any
-                 ) -> AsyncIterator[tuple[MockEngine, str, WorkerClient]]:
+                 ) -> AsyncIterator[tuple[MockEngine, str, StreamClient]]:
     """An in-process worker (the mocker behind the real stream plane) and a client."""
     engine = MockEngine(**mock)
     server = await WorkerPlane(engine).serve(bind_socket("127.0.0.1", 0))
-    client = WorkerClient(request_timeout=request_timeout)
+    client = StreamClient(request_timeout=request_timeout)
     try:
         yield engine, f"127.0.0.1:{server.port}", client
     finally:
@@ -72,8 +72,8 @@ async def tokens_of(engine: MockEngine, req: GenerateRequest) -> list[list[int]]
     out: dict[int, list[int]] = {}
     async for ev in engine.generate(msgspec.structs.replace(req, request_id="ref-" + req.request_id),
                                     PROMPT):
-        for d in ev.get("choices", ()):
-            out.setdefault(d["index"], []).extend(d["token_ids"])
+        for d in ev.choices if type(ev) is Step else ():
+            out.setdefault(d.index, []).extend(d.token_ids)
     return [out[i] for i in sorted(out)]
 
 
@@ -198,7 +198,7 @@ async def test_unreachable_worker_is_retryable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here
-    client = WorkerClient(connect_timeout=2)
+    client = StreamClient(connect_timeout=2)
     with pytest.raises(WorkerError) as e:
         await client.generate(f"127.0.0.1:{port}", request())
     assert e.value.status == 503 and e.value.retryable and "unreachable" in e.value.message
@@ -240,7 +240,7 @@ async def test_a_worker_that_dies_between_two_coalesced_events() -> None:
         writer.transport.abort()  # as a killed process: no goodbye
 
     async with scripted_worker(script) as addr:
-        client = WorkerClient()
+        client = StreamClient()
         stream = await client.generate(addr, request())
         got = []
         t0 = time.monotonic()
@@ -266,7 +266,7 @@ async def test_a_stalled_worker_times_out_and_is_told_to_stop() -> None:
         closed.set_result((kind, closed_sid == sid))
 
     async with scripted_worker(script) as addr:
-        client = WorkerClient(request_timeout=0.3)
+        client = StreamClient(request_timeout=0.3)
         stream = await client.generate(addr, request())
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as e:
@@ -352,7 +352,7 @@ async def test_cancel_ends_the_stream_with_its_partial_output() -> None:
 
 
 def test_deltas_of_several_steps_merge_per_choice_without_changing_events() -> None:
-    from rlfleet.frontend.dispatch import merge_deltas
+    from rlfleet.frontend.result import merge_deltas
     from rlfleet.protocol.engine import Delta, TokenLogprob
 
     def lp(t: int) -> TokenLogprob:
@@ -401,7 +401,7 @@ async def test_a_worker_shutting_down_refuses_new_requests_as_retryable() -> Non
     engine = MockEngine(token_delay=0.005)
     server = await WorkerPlane(engine).serve(bind_socket("127.0.0.1", 0))
     addr = f"127.0.0.1:{server.port}"
-    client = WorkerClient()
+    client = StreamClient()
     try:
         running = await client.generate(addr, request(max_tokens=30))
         await anext(running)
@@ -476,7 +476,7 @@ async def test_a_worker_that_answers_pings_is_not_stalled_while_its_engine_is_sl
         await reader.read()
 
     async with scripted_worker(script) as addr:
-        client = WorkerClient(stall_timeout=0.2)
+        client = StreamClient(stall_timeout=0.2)
         events = [ev async for ev in await client.generate(addr, request())]
         assert [type(ev).__name__ for ev in events] == ["Head", "Done"]
         await client.close()
@@ -493,7 +493,7 @@ async def test_a_silent_worker_fails_every_request_on_it_at_once_as_stalled() ->
                 pings += kind == Frame.PING
 
     async with scripted_worker(script) as addr:
-        client = WorkerClient(stall_timeout=0.3)
+        client = StreamClient(stall_timeout=0.3)
         streams = [await client.generate(addr, request()) for _ in range(3)]
 
         async def end(stream) -> WorkerError:
@@ -530,7 +530,7 @@ async def test_an_attach_only_request_follows_a_kept_run_or_finds_none_within_it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"
-    client = WorkerClient()
+    client = StreamClient()
     assert await client.attach(closed, probe, 5.0) is None
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from rlfleet.rl import AttemptState, IllegalTransition
-from rlfleet.rl.attempt import OPEN_STATES, TERMINAL_STATES, TRANSITIONS, Attempt, transition
+from rlfleet.rollout.attempt import OPEN_STATES, TERMINAL_STATES, TRANSITIONS, Attempt, transition
 
 S = AttemptState
 LEGAL = {

@@ -10,9 +10,7 @@ import copy
 
 import pytest
 
-from rlfleet.frontend import openai as render
-from rlfleet.frontend.dispatch import Result
-from rlfleet.frontend.sglang import generate_body
+from rlfleet.frontend.result import Result
 from rlfleet.protocol.openai import CompletionRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.rl import (
@@ -28,7 +26,7 @@ from rlfleet.rl import (
     WeightSpan,
     WrongAdapter,
 )
-from rlfleet.rl.checks import (
+from rlfleet.rollout.checks import (
     CHECKS,
     Expectation,
     identity,
@@ -41,7 +39,9 @@ from rlfleet.rl.checks import (
     verify,
     weight_spans,
 )
-from rlfleet.rl.response import OpenAIStream, parse_openai, parse_sglang
+from rlfleet.rollout.response import OpenAIStream, parse_openai, parse_sglang
+from tests import render
+from tests.render import event
 
 MODEL = "tiny"
 RID = "rid-1"
@@ -58,21 +58,21 @@ def wspan(version: str, digest: str, start: int, end: int) -> WeightSpan:
 def engine_result(n: int = 1, finish: str = "length", stream: bool = False) -> tuple[Result, list]:
     """A frontend Result as a worker would fill it; also the per-step deltas."""
     res = Result(RID, n)
-    res.apply({"prompt_token_ids": PROMPT, "_worker": 7, "weight_version": "v1",
-               "weight_digest": "d1"})
+    res.apply(event({"prompt_token_ids": PROMPT, "worker_id": 7, "weight_version": "v1",
+                     "weight_digest": "d1"}))
     deltas = []
     for i in range(n):
         ids = TOKENS[i]
         steps = [[t] for t in ids] if stream else [ids]
         for k, step in enumerate(steps):
             last = k == len(steps) - 1
-            deltas += res.apply({"choices": [{
+            deltas += res.apply(event({"choices": [{
                 "index": i, "token_ids": step, "text": "".join(f"<{t}>" for t in step),
                 "logprobs": [{"token_id": t, "logprob": -0.25 * (t % 4 + 1), "decoded": f"<{t}>",
                               "top": []} for t in step],
-                "finish_reason": finish if last else None, "stop_reason": None}]})
-    res.apply({"done": True, "prompt_logprobs": [None] + [
-        {str(t): {"logprob": -1.5, "rank": 3, "decoded_token": "x"}} for t in PROMPT[1:]]})
+                "finish_reason": finish if last else None, "stop_reason": None}]}))
+    res.apply(event({"done": True, "prompt_logprobs": [None] + [
+        {str(t): {"logprob": -1.5, "rank": 3, "decoded_token": "x"}} for t in PROMPT[1:]]}))
     return res, deltas
 
 
@@ -100,7 +100,7 @@ def sglang_body(finish: str = "length") -> dict:
     req = SglangGenerateRequest.model_validate({
         "input_ids": PROMPT, "model": MODEL, "return_logprob": True, "logprob_start_len": 0,
         "rid": RID, "sampling_params": {"max_new_tokens": 4}})
-    return generate_body(req, res)
+    return render.sglang_body(req, res)
 
 
 def expectation(n: int = 1, expected_version="v1", expected_digest="d1", **rules) -> Expectation:

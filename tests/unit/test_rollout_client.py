@@ -16,9 +16,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from rlfleet.frontend import openai as render
-from rlfleet.frontend.dispatch import Result
-from rlfleet.frontend.sglang import generate_body
+from rlfleet.frontend.result import Result
 from rlfleet.protocol.openai import CompletionRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
 from rlfleet.rl import (
@@ -35,8 +33,10 @@ from rlfleet.rl import (
     SamplingSpec,
     WeightSpan,
 )
-from rlfleet.rl.checks import CHECKS
-from rlfleet.rl.telemetry import KINDS, trace_id
+from rlfleet.rollout.checks import CHECKS
+from rlfleet.rollout.telemetry import KINDS, trace_id
+from tests import render
+from tests.render import event
 
 MODEL = "tiny"
 PROMPT = [1000, 1001, 1002]
@@ -100,9 +100,9 @@ class FakeFrontend:
             req = SglangGenerateRequest.model_validate(body)
             prompt, n, max_tokens = req.input_ids, 1, req.sampling_params.max_new_tokens
         res = Result(rid, n)
-        res.apply({"prompt_token_ids": prompt, "_worker": 7,
-                   "weight_version": act.get("version", "v1"), "weight_digest": "d1",
-                   **({"weight_adapter": act["adapter"]} if "adapter" in act else {})})
+        res.apply(event({"prompt_token_ids": prompt, "worker_id": 7,
+                         "weight_version": act.get("version", "v1"), "weight_digest": "d1",
+                         **({"weight_adapter": act["adapter"]} if "adapter" in act else {})}))
         stop_at = act.get("abort", act.get("break_"))
         deltas = []
         for c in range(n):
@@ -112,12 +112,12 @@ class FakeFrontend:
                 finish = ("abort" if "abort" in act else "length") if last else None
                 if last and "break_" in act:
                     finish = None
-                deltas += res.apply({"choices": [{
+                deltas += res.apply(event({"choices": [{
                     "index": c, "token_ids": [t], "text": f"<{t}>", "finish_reason": finish,
                     "logprobs": [{"token_id": t, "logprob": -0.1 * (1 + t % 5),
-                                  "decoded": f"<{t}>", "top": []}]}]})
-        res.apply({"done": True, "prompt_logprobs": [None] + [
-            {str(t): {"logprob": -2.0, "rank": 1, "decoded_token": "x"}} for t in prompt[1:]]})
+                                  "decoded": f"<{t}>", "top": []}]}]}))
+        res.apply(event({"done": True, "prompt_logprobs": [None] + [
+            {str(t): {"logprob": -2.0, "rank": 1, "decoded_token": "x"}} for t in prompt[1:]]}))
         model = body["model"]  # echoed, as the frontend does
         if openai and not req.stream:
             events = [render.completion_response(req, res, model)]
@@ -125,7 +125,7 @@ class FakeFrontend:
             events = [render.completion_chunk(req, res, model, d, 0) for d in deltas]
             events.append(render.final_chunk(req, res, model, "text_completion"))
         else:
-            full = generate_body(req, res)
+            full = render.sglang_body(req, res)
             events = [full] if not req.stream else [
                 {**full, "output_ids": full["output_ids"][:k + 1]} for k in range(len(deltas))]
         if "spans" in act:
@@ -502,7 +502,7 @@ def test_retry_backoff_is_bounded():
 
 
 async def test_no_attempt_starts_while_the_gate_is_closed():
-    from rlfleet.rl.gate import RolloutGate
+    from rlfleet.rollout.gate import RolloutGate
 
     gate = RolloutGate()
     gate.close("policy refresh")
@@ -581,7 +581,7 @@ def test_policy_bound_is_checked_when_made():
 async def test_a_reopen_hands_the_new_policy_to_waiting_attempts():
     """PolicyRefresh reopens the gate on the policy it verified: attempts waiting at the
     gate expect it at once, with nobody calling `expect` (issue 10 finding 11)."""
-    from rlfleet.rl.gate import RolloutGate
+    from rlfleet.rollout.gate import RolloutGate
 
     gate = RolloutGate()
     gate.close("policy refresh")

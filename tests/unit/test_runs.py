@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from rlfleet.frontend.runs import RequestIdConflict, RunRegistry
+from rlfleet.frontend.runs import GenerationRuns, RequestIdConflict
+from tests.scripted import Scripted
 
 
 async def events(n: int, delay: float = 0.0):
@@ -17,26 +18,21 @@ async def events(n: int, delay: float = 0.0):
 
 
 async def test_a_retry_replays_the_first_run_without_a_second_source():
-    reg = RunRegistry()
-    calls = []
-
-    def source(run):
-        calls.append(run)
-        return events(3)
-
+    reg = GenerationRuns()
+    source = Scripted(events(3))
     run, replayed = reg.start("r1", b"body", True, source)
     assert not replayed
     first = [e async for e in run.follow()]
     again, replayed = reg.start("r1", b"body", True, source)
-    assert replayed and again is run and len(calls) == 1
+    assert replayed and again is run and source.reads == 1
     assert [e async for e in again.follow()] == first == [{"i": 0}, {"i": 1}, {"i": 2}]
     with pytest.raises(RequestIdConflict):
         reg.start("r1", b"other body", True, source)
 
 
 async def test_runs_without_a_request_id_stop_when_their_caller_leaves():
-    reg = RunRegistry(orphan_grace=0.05)
-    run, _ = reg.start("anon", b"", False, lambda r: events(100, 0.01))
+    reg = GenerationRuns(orphan_grace=0.05)
+    run, _ = reg.start("anon", b"", False, Scripted(events(100, 0.01)))
     reg.attach(run)
     await asyncio.sleep(0.03)
     reg.detach(run)
@@ -46,8 +42,8 @@ async def test_runs_without_a_request_id_stop_when_their_caller_leaves():
 
 
 async def test_kept_runs_wait_for_a_retry_then_give_up():
-    reg = RunRegistry(orphan_grace=0.1)
-    run, _ = reg.start("kept", b"", True, lambda r: events(1000, 0.01))
+    reg = GenerationRuns(orphan_grace=0.1)
+    run, _ = reg.start("kept", b"", True, Scripted(events(1000, 0.01)))
     reg.attach(run)
     reg.detach(run)
     await asyncio.sleep(0.05)
@@ -60,9 +56,9 @@ async def test_kept_runs_wait_for_a_retry_then_give_up():
 
 
 async def test_memory_is_bounded():
-    reg = RunRegistry(max_runs=3, window=0.0)
+    reg = GenerationRuns(max_runs=3, window=0.0)
     for i in range(10):
-        run, _ = reg.start(f"r{i}", b"", True, lambda r: events(1))
+        run, _ = reg.start(f"r{i}", b"", True, Scripted(events(1)))
         await run.task
-    reg.start("last", b"", True, lambda r: events(1))
+    reg.start("last", b"", True, Scripted(events(1)))
     assert len(reg.runs) <= 3

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from rlfleet.frontend.dispatch import Staleness, merge_deltas
+from rlfleet.frontend.dispatch import Staleness
+from rlfleet.frontend.result import merge_deltas
 from rlfleet.frontend.router import NoWorker, Worker, within
 from rlfleet.protocol.engine import Delta, WeightSpan
 from rlfleet.protocol.nvext import NvExt, PolicyBound

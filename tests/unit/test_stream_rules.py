@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
-from rlfleet.rl.sample import AdmittedSample, Completion
 from rlfleet.rl.stream import StreamConfig, StreamStats, sample_steps
+from rlfleet.rollout.sample import AdmittedSample, Completion
 
 
 def test_stream_config_refuses_bad_settings():

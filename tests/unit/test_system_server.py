@@ -1,4 +1,4 @@
-"""The worker system server's shared HTTP behaviour (CONTRACT.md, "Worker system server"),
+"""The worker system server's shared HTTP behaviour (docs/contract.md, "Worker system server"),
 driven in-process: body parsing, errors, the route listing, the admin token, fault
 injection and per-worker serialisation. The `exit` fault is tested on a real process in
 tests/integration/test_mocker_admin.py."""

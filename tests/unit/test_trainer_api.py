@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.frontend import openai as render
-from rlfleet.frontend.dispatch import Result
-from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest, TokenizeRouteRequest
+from rlfleet.frontend.result import Result
+from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest
+from rlfleet.protocol.vllm_native import TokenizeRouteRequest
 from rlfleet.rl import (
     AdmittedSample,
     Chat,
@@ -35,8 +35,10 @@ from rlfleet.rl import (
     SampleRequest,
     SamplingSpec,
 )
-from rlfleet.rl.client import request_body
-from rlfleet.rl.sample import prompt_kind
+from rlfleet.rollout.client import request_body
+from rlfleet.rollout.sample import prompt_kind
+from tests import render
+from tests.render import event
 
 MODEL = "tiny"
 FAST = RetryPolicy(max_attempts=3, backoff_initial=0.001, backoff_max=0.002, attempt_timeout=5.0)
@@ -95,16 +97,16 @@ class Frontend:
             prompt = req.prompt if isinstance(req.prompt, list) else tokenize(req.prompt)
             budget = req.max_tokens
         res = Result(rid, req.n)
-        res.apply({"prompt_token_ids": prompt, "_worker": 1, "weight_version": "v1",
-                   "weight_digest": "d1"})
+        res.apply(event({"prompt_token_ids": prompt, "worker_id": 1, "weight_version": "v1",
+                         "weight_digest": "d1"}))
         abort, self.abort_first_after = self.abort_first_after, None
         for c in range(req.n):
             ids = [2000 + (sum(prompt) + 7 * k + 31 * c) % 900 for k in range(budget)][:abort]
-            res.apply({"choices": [{"index": c, "token_ids": ids, "text": "x" * len(ids),
+            res.apply(event({"choices": [{"index": c, "token_ids": ids, "text": "x" * len(ids),
                                     "finish_reason": "abort" if abort else "length",
                                     "logprobs": [{"token_id": t, "logprob": -0.5, "decoded": "x",
-                                                  "top": []} for t in ids]}]})
-        res.apply({"done": True, "prompt_logprobs": None})
+                                                  "top": []} for t in ids]}]}))
+        res.apply(event({"done": True, "prompt_logprobs": None}))
         out = render.chat_response(req, res, MODEL) if chat else \
             render.completion_response(req, res, MODEL)
         if self.omit_prompt_ids:

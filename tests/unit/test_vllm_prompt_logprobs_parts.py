@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from vllm.logprobs import Logprob
 
+from rlfleet.protocol.engine import PromptLogprob
 from rlfleet.vllm.engine import _PromptLogprobs
 
 IDS = [5, 6, 7]
@@ -20,8 +21,8 @@ def test_delta_outputs_give_them_once_then_empty_lists_add_nothing():
     p.add([None, entry(6, -1.0), entry(7, -2.0)])  # the first token's output
     p.add([])  # every output after it (vLLM's DELTA)
     got = p.take()
-    assert got == [None, {"6": {"logprob": -1.0, "rank": 1, "decoded_token": "t6"}},
-                   {"7": {"logprob": -2.0, "rank": 1, "decoded_token": "t7"}}]
+    assert got == [None, {"6": PromptLogprob(logprob=-1.0, rank=1, decoded_token="t6")},
+                   {"7": PromptLogprob(logprob=-2.0, rank=1, decoded_token="t7")}]
     assert p.take() is None  # the Done after the first event carries none (not [])
 
 
@@ -30,7 +31,7 @@ def test_parts_over_several_outputs_are_joined_and_ready_only_when_whole():
     p.add([None, entry(6, -1.0)])
     assert p.ready is None and p.take() is None
     p.add([entry(7, -2.0)])
-    assert [None if e is None else e[str(t)]["logprob"] for t, e in zip(IDS, p.take(),
+    assert [None if e is None else e[str(t)].logprob for t, e in zip(IDS, p.take(),
                                                                          strict=True)] \
         == [None, -1.0, -2.0]
 

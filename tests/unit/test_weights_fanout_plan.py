@@ -80,9 +80,9 @@ def test_the_fanout_of_a_peer_source_is_typed():
 
 def test_the_staged_coordinator_lays_a_chain_over_discovery_order():
     from rlfleet.protocol.identity import PolicyIdentity
-    from rlfleet.rl.control import FleetWorker
-    from rlfleet.rl.policy import Policy
-    from rlfleet.rl.staged import VllmStagedControl
+    from rlfleet.refresh.control import FleetWorker
+    from rlfleet.refresh.policy import Policy
+    from rlfleet.refresh.staged import VllmStagedControl
 
     ws = [FleetWorker(i, URLS[i], None) for i in (3, 1, 2)]
     target = Policy(PolicyIdentity(version="v1"), source={
@@ -104,9 +104,9 @@ def test_a_trainer_source_fans_out_like_s3():
     """The first worker stages from the trainer's publisher, the others from their peers,
     with the publisher's copy of the version as the origin they fall back to."""
     from rlfleet.protocol.identity import PolicyIdentity
-    from rlfleet.rl.control import FleetWorker
-    from rlfleet.rl.policy import Policy
-    from rlfleet.rl.staged import VllmStagedControl
+    from rlfleet.refresh.control import FleetWorker
+    from rlfleet.refresh.policy import Policy
+    from rlfleet.refresh.staged import VllmStagedControl
 
     trainer = FanoutOrigin(uri="http://trainer:9100/v1")
     sources = fanout_sources(URLS, "v1", trainer, degree=2)

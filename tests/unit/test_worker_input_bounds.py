@@ -15,9 +15,9 @@ import pytest
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
-from rlfleet.runtime.request_plane import WorkerClient, WorkerError
+from rlfleet.runtime.request_plane import StreamClient, WorkerError
 from rlfleet.runtime.server import bind_socket
-from rlfleet.worker.request_plane import MAX_BYTES_PER_TOKEN, WorkerPlane
+from rlfleet.worker.stream_server import MAX_BYTES_PER_TOKEN, WorkerPlane
 
 
 class CountingEngine(MockEngine):
@@ -39,12 +39,12 @@ class CountingEngine(MockEngine):
 
 @contextlib.asynccontextmanager
 async def plane(trust: bool = False, **mock: Any
-                ) -> AsyncIterator[tuple[CountingEngine, str, WorkerClient]]:
+                ) -> AsyncIterator[tuple[CountingEngine, str, StreamClient]]:
     engine = CountingEngine(**mock)
     await engine.start()
     server = await WorkerPlane(engine, trust_request_chat_template=trust).serve(
         bind_socket("127.0.0.1", 0))
-    client = WorkerClient(request_timeout=30)
+    client = StreamClient(request_timeout=30)
     try:
         yield engine, f"127.0.0.1:{server.port}", client
     finally:
@@ -56,7 +56,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 TEMPLATE = {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}
 
 
-async def run(client: WorkerClient, addr: str, req: GenerateRequest) -> list:
+async def run(client: StreamClient, addr: str, req: GenerateRequest) -> list:
     return [ev async for ev in await client.generate(addr, req)]
 
 

@@ -19,15 +19,15 @@ from rlfleet.frontend.kv import DEFAULT_OVERLAP_WEIGHT, DEFAULT_OVERLOAD, KvRout
 from rlfleet.frontend.processes import run_group
 from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import DOWN_SECONDS, ROUTER_MODES, WorkerPool
-from rlfleet.frontend.runs import RunRegistry
+from rlfleet.frontend.runs import GenerationRuns
 from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.runtime.flags import Flag, add_flags
-from rlfleet.runtime.limits import ServerLimits
+from rlfleet.runtime.limits import ServerLimits, raise_fd_limit
 from rlfleet.runtime.logs import add_log_args, announce_ready, keep_output_json, setup_logging
-from rlfleet.runtime.request_plane import STALL_TIMEOUT, WorkerClient
+from rlfleet.runtime.request_plane import STALL_TIMEOUT, StreamClient
 from rlfleet.runtime.server import AppServer, bind_socket, freeze_heap
 from rlfleet.runtime.tracing import add_tracing_args
 
@@ -101,6 +101,11 @@ def frontend_flags() -> tuple[Flag, ...]:
              "the policy-refresh journal (a SQLite file or etcd://host:port[/name]) whose last "
              "refreshes the status page (GET /fleet on the RL listener) shows (default: "
              "$RLFLEET_JOURNAL)"),
+        Flag("--fleet-control", None,
+             "the fleet control service's URL (`rlfleet control`): vLLM's and SGLang's control "
+             "routes (/pause, /resume, /update_weights_from_disk, ...) at this frontend's URL are "
+             "forwarded there, each a fleet operation (docs/one-url.md); default: not served",
+             type=str),
         Flag("--processes", 1,
              "serve the port from this many processes (SO_REUSEPORT: the kernel spreads "
              "connections over them); a retry of an X-Request-Id through any of them, or through "
@@ -152,14 +157,14 @@ async def serve(args: argparse.Namespace) -> None:
         if args.router_mode == "kv" else None
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
                       gated_hold=args.gated_hold, kv=kv, down_seconds=args.down_seconds)
-    client = WorkerClient(request_timeout=args.request_timeout,
+    client = StreamClient(request_timeout=args.request_timeout,
                           stall_timeout=args.stall_timeout or None, admin_token=args.admin_token)
     dispatch.MAX_RESPONSE_ENTRIES = args.max_response_entries or None
-    runs = RunRegistry(max_kept_bytes=args.max_kept_bytes, admin_token=args.admin_token)
+    runs = GenerationRuns(max_kept_bytes=args.max_kept_bytes, admin_token=args.admin_token)
     await pool.start()
     limits = ServerLimits.from_args(args)
     reuse = args.reuse_port
-    servers = [AppServer(build_app(pool, client, runs),
+    servers = [AppServer(build_app(pool, client, runs, fleet_control=args.fleet_control),
                          bind_socket(args.http_host, args.http_port, reuse), limits=limits)]
     if args.enable_rl:
         servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),
@@ -188,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     keep_output_json(args.log_format)
+    # a frontend holds a socket per client and per worker: the soft descriptor limit (often
+    # 1,024) is raised to the hard one, for this process and any it starts
+    raise_fd_limit()
     if args.processes > 1:
         setup_logging(args.log_level, args.log_format)
         sys.exit(run_group(args, argv))

@@ -16,20 +16,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.frontend import openai, sglang
-from rlfleet.frontend.generation import Frontend, frontend_of
+from rlfleet.frontend import sglang, vllm_native
+from rlfleet.frontend.fleet_control import control_routes
+from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
+from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
-from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, RunRegistry, token_hash
+from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
+from rlfleet.protocol.sglang import AbortRequest
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import DIRECT_SEND, ERROR_HANDLERS, HttpError, json_response
-from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.request_plane import StreamClient
 
 log = logging.getLogger("rlfleet.frontend.requests")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
-          "/metrics", "/v1/responses/input_tokens")
+          "/metrics", "/v1/responses/input_tokens",
+          "/inference/v1/generate", "/tokenize", "/detokenize")
 
 
 async def models(request: Request) -> Response:
@@ -63,9 +67,11 @@ async def health(request: Request) -> Response:
                 **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
                 **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
-    # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes)
+    # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes);
+    # no worker: 503 (vLLM's and SGLang's clients read the status code: not ready to serve)
     return json_response({"status": "healthy" if workers else "no_workers",
-                          "process": os.getpid(), "workers": workers})
+                          "process": os.getpid(), "workers": workers},
+                         200 if workers else 503)
 
 
 async def metrics_route(request: Request) -> Response:
@@ -93,6 +99,24 @@ async def cancel(request: Request) -> Response:
         if worker is not None and await fe.client.cancel(worker.address, part):
             cancelled = True
     return json_response({"request_id": rid, "cancelled": cancelled})
+
+
+async def abort_request(request: Request) -> Response:
+    """SGLang's POST /abort_request ({"rid"} or {"abort_all": true}): this process's
+    requests (rlfleet.frontend.sglang.abort_runs), else, for a rid, the kept run another
+    frontend process holds (as the cancel route relays it)."""
+    fe = frontend_of(request)
+    req: AbortRequest = await parse_body(request, AbortRequest)
+    auth = request.headers.get("authorization", "")
+    admin = auth[7:] if auth[:7].lower() == "bearer " else None
+    token = request.headers.get(CANCEL_TOKEN_HEADER)
+    rid = None if req.abort_all else req.rid
+    if rid == "":
+        return json_response({"rid": "", "aborted": 0})  # SGLang: nothing named, nothing done
+    found, aborted = await sglang.abort_runs(request, rid, token, admin)
+    if rid is not None and not found:
+        aborted = int(await _cancel_elsewhere(fe, rid, token, admin))
+    return json_response({"rid": rid, "abort_all": req.abort_all, "aborted": aborted})
 
 
 def _not_owner(rid: str) -> HttpError:
@@ -224,17 +248,22 @@ class Accounting:
                          "model": model or None, "route": route, "status": status})
 
 
-def build_app(pool: WorkerPool, client: WorkerClient, runs: RunRegistry | None = None
-              ) -> ASGIApp:
+def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | None = None,
+              fleet_control: str | None = None) -> ASGIApp:
+    """`fleet_control`: the fleet control service's URL; its control routes are forwarded
+    there (rlfleet.frontend.fleet_control)."""
     app = Starlette(routes=[
-        *openai.router.routes,
+        *openai_routes.router.routes,
         *sglang.router.routes,
+        *vllm_native.router.routes,
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
+        *(control_routes(fleet_control) if fleet_control else ()),
+        Route("/abort_request", abort_request, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
-    app.state.frontend = Frontend(pool, client, runs or RunRegistry())
+    app.state.frontend = Frontend(pool, client, runs or GenerationRuns())
     metrics.FLEET.watch(pool)
     # while tracing, a request's span is current for its accounting (the DEBUG line names
     # the trace) and its route (the worker's span starts under it)

@@ -16,13 +16,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from rlfleet.frontend.dispatch import Result, dispatch, merge_deltas
+from rlfleet.frontend.dispatch import Dispatch
+from rlfleet.frontend.result import Result, merge_deltas
 from rlfleet.frontend.router import WorkerPool
 from rlfleet.frontend.runs import (
     CANCEL_TOKEN_HEADER,
     GenerationRun,
+    GenerationRuns,
     RequestIdConflict,
-    RunRegistry,
     fingerprint,
     token_hash,
 )
@@ -36,7 +37,7 @@ from rlfleet.runtime.http import (
     bad_json_message,
     json_response,
 )
-from rlfleet.runtime.request_plane import WorkerClient
+from rlfleet.runtime.request_plane import StreamClient
 
 REQUEST_ID_HEADER = "x-request-id"
 _json = msgspec.json.Encoder()
@@ -47,8 +48,8 @@ class Frontend:
     """The state every route reads (from `request.app.state.frontend`)."""
 
     pool: WorkerPool
-    client: WorkerClient
-    runs: RunRegistry = field(default_factory=RunRegistry)
+    client: StreamClient
+    runs: GenerationRuns = field(default_factory=GenerationRuns)
 
 
 def frontend_of(request: Request) -> Frontend:
@@ -139,7 +140,7 @@ class Follower:
 
     __slots__ = ("runs", "run", "res", "_seen", "_ended")
 
-    def __init__(self, runs: RunRegistry, run: GenerationRun, res: Result) -> None:
+    def __init__(self, runs: GenerationRuns, run: GenerationRun, res: Result) -> None:
         self.runs, self.run, self.res = runs, run, res
         self._seen = 0
         self._ended = False
@@ -271,11 +272,14 @@ class Call:
 
 
 async def follow(request: Request, model: str, greqs: GenerateRequest | list[GenerateRequest],
-                 results: Result | list[Result], bound: PolicyBound | None = None) -> Call:
+                 results: Result | list[Result], bound: PolicyBound | None = None,
+                 on_start: Callable[[list[GenerationRun]], None] | None = None) -> Call:
     """Start the request's runs, one per prompt (or rejoin the runs of a reused
     X-Request-Id), and wait for each worker's first event; fail before any byte is sent if
     a worker refuses its part (the other parts are then abandoned). `bound`: the request's
-    staleness bound (nvext.policy), see dispatch."""
+    staleness bound (nvext.policy), see Dispatch. `on_start` hears of the runs once they
+    are started, before their first event (a unary run's worker may send none before its
+    end), e.g. so that they can be aborted meanwhile."""
     fe = frontend_of(request)
     if isinstance(greqs, GenerateRequest):
         greqs = [greqs]
@@ -299,14 +303,9 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
     followers: list[Follower] = []
     try:
         for greq, res in zip(greqs, results, strict=True):
-            def source(run: GenerationRun, greq: GenerateRequest = greq) -> AsyncIterator:
-                # a run only this caller follows moves at the caller's pace; a kept run is
-                # read to its end whoever listens, so that a retry finds it whole
-                return dispatch(fe.pool, fe.client, model, greq,
-                                lambda w: setattr(run, "worker", w),
-                                None if keep else lambda s: setattr(run, "stream", s),
-                                paced=not keep, bound=bound)
-
+            # a run only this caller follows moves at the caller's pace; a kept run is read
+            # to its end whoever listens, so that a retry finds it whole
+            source = Dispatch(fe.pool, fe.client, model, greq, paced=not keep, bound=bound)
             try:
                 run, _ = fe.runs.start(greq.request_id, body, keep, source,
                                        route=request.url.path, cancel_token=cancel_token)
@@ -320,6 +319,8 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
         raise
     call = Call(followers, ClientWatch(request))
     try:
+        if on_start is not None:
+            on_start([f.run for f in followers])
         if len(followers) == 1:
             await followers[0].head()
         else:
@@ -341,7 +342,7 @@ def batch_request_id(rid: str, index: int, count: int) -> str:
     return rid if count == 1 else f"{rid}-{index}"
 
 
-def _check_batch_reuse(runs: RunRegistry, rid: str, count: int) -> None:
+def _check_batch_reuse(runs: GenerationRuns, rid: str, count: int) -> None:
     """An X-Request-Id used for one prompt is not reused for a batch, nor the reverse."""
     if count == 1:  # a batch has parts <id>-0 and <id>-1 at least
         used = f"{rid}-0" in runs.runs and f"{rid}-1" in runs.runs

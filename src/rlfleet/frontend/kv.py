@@ -166,7 +166,7 @@ class PrefixView:
                     self.cached.discard(k)
 
 
-class Attempt:
+class RouteAttempt:
     """One request sent to one worker, as the router books it: routed (its prompt is
     there, its uncached part is that worker's prefill backlog), first token (the backlog
     is done), end (its completions are there too)."""
@@ -310,12 +310,19 @@ class KvRouter:
         """Follow the pool's live set: forget workers that left, clear the view of a
         worker whose policy changed, (re)subscribe to each worker's KV events (when
         called on an event loop)."""
+        for iid in list(self.views.keys() - entries.keys()):
+            self.forget(iid)
+        self.follow(entries)
+
+    def follow(self, entries: dict[int, dict]) -> None:
+        """Take these workers' entries as they are now (each joined, or changed), as
+        `sync` does, leaving the other workers as they are: the pool's work per discovery
+        change does not grow with the fleet (`forget` the workers that left). A worker
+        whose KV event stream broke is subscribed again at the next change of its entry."""
         try:
             start_events = asyncio.get_running_loop() is not None
         except RuntimeError:
             start_events = False
-        for iid in list(self.views.keys() - entries.keys()):
-            self.forget(iid)
         for iid, e in entries.items():
             policy = (e.get("weight_digest"), e.get("weight_version"), e.get("weight_step"),
                       e.get("stream_plane"))

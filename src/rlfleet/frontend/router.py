@@ -22,9 +22,9 @@ from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.protocol.rl import CommittedPolicy
 from rlfleet.runtime import metrics
-from rlfleet.runtime.discovery import Discovery, DiscoveryError
+from rlfleet.runtime.discovery import Discovery, DiscoveryError, entry_key
 from rlfleet.runtime.http import HttpError
-from rlfleet.runtime.request_plane import ATTACH_DEADLINE, WorkerClient, WorkerError, WorkerStream
+from rlfleet.runtime.request_plane import ATTACH_DEADLINE, StreamClient, WorkerError, WorkerStream
 
 log = logging.getLogger("rlfleet.router")
 
@@ -52,6 +52,9 @@ class Worker:
     down_until: float = 0.0  # set when a request found it unreachable or broken
     # why it serves no policy the fleet committed (CommittedPolicy): left out of a refresh
     off_policy: str | None = None
+    # `policy`, read from this entry (an entry is never changed in place: a new one is new)
+    _policy: tuple[dict, PolicyIdentity] | None = field(default=None, repr=False,
+                                                         compare=False)
 
     @property
     def usable(self) -> bool:
@@ -61,7 +64,10 @@ class Worker:
     @property
     def policy(self) -> PolicyIdentity:
         """The policy it serves, as its discovery entry says."""
-        return PolicyIdentity.from_stamped(self.entry)
+        got = self._policy
+        if got is None or got[0] is not self.entry:
+            got = self._policy = (self.entry, PolicyIdentity.from_stamped(self.entry))
+        return got[1]
 
     @property
     def step(self) -> int | None:
@@ -147,7 +153,7 @@ def rank(key: str, workers: list[Worker]) -> list[Worker]:
     return sorted(workers, key=_scorer(key), reverse=True)
 
 
-async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateRequest,
+async def ask_owners(client: StreamClient, asked: list[Worker], req: GenerateRequest,
                      placed_at: str, paced: bool = False) -> tuple[Worker, WorkerStream] | None:
     """Ask `asked` at once whether one keeps the run of `req`'s ID (an attach-only
     request, ASK_DEADLINE seconds each: an unreachable or silent worker keeps none): the
@@ -189,7 +195,7 @@ async def ask_owners(client: WorkerClient, asked: list[Worker], req: GenerateReq
 _telling: set[asyncio.Task] = set()  # the tasks of `_tell` (kept until they end)
 
 
-def _tell(client: WorkerClient, workers: list[Worker], probe: GenerateRequest) -> None:
+def _tell(client: StreamClient, workers: list[Worker], probe: GenerateRequest) -> None:
     """Send `probe` (attach-only) to `workers` in the background: each remembers that the
     ID's run is at `probe.placed_at`."""
     async def tell() -> None:
@@ -201,6 +207,14 @@ def _tell(client: WorkerClient, workers: list[Worker], probe: GenerateRequest) -
     task = asyncio.ensure_future(tell())
     _telling.add(task)
     task.add_done_callback(_telling.discard)
+
+
+def _key(e: dict) -> str:
+    """An entry's discovery key (what `Discovery.follow` names its changes by)."""
+    try:
+        return entry_key(e)
+    except (TypeError, ValueError):  # not from a store (a hand-made entry): its ID alone
+        return f"instance/{e.get('instance_id')}"
 
 
 @dataclass
@@ -221,6 +235,8 @@ class WorkerPool:
     _task: asyncio.Task | None = None
     _poller: asyncio.Task | None = None
     _relisting: asyncio.Future | None = None
+    _keys: dict[str, int] = field(default_factory=dict)  # discovery key -> its worker's ID
+    _refs: dict[int, int] = field(default_factory=dict)  # worker ID -> keys naming it
     _unreadable: set[str] = field(default_factory=set)  # records whose failure was logged
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -248,20 +264,34 @@ class WorkerPool:
             await self.kv.close()
 
     async def _follow(self) -> None:
-        """Follow discovery for the life of the pool: neither a bad entry nor a failing
-        watch ends it (it logs and carries on with the last good set)."""
+        """Follow discovery for the life of the pool, one change at a time (the work per
+        change does not grow with the fleet): neither a bad entry nor a failing watch ends
+        it (it logs and carries on with the last good set)."""
         while True:
             try:
-                async for entries in self.discovery.watch(self.namespace):
-                    try:
-                        await self._apply(entries)
-                    except Exception:  # a malformed entry must not freeze membership
-                        log.exception("discovery update not applied; keeping the last set")
-                    self._ready.set()
+                # the generate entries alone: the other endpoints' files are never read
+                follow = self.discovery.follow(self.namespace, endpoint="generate")
+                async with contextlib.aclosing(follow) as changes:
+                    async for change in changes:
+                        # what changed, read now: the watch's view moves on at its next step
+                        changed = {k: change.entries.get(k) for k in change.changed}
+                        try:
+                            await self._apply_changes(changed)
+                        except Exception:  # a malformed entry must not freeze membership
+                            log.exception("discovery update not applied; keeping the last set")
+                        self._ready.set()
                 return  # the discovery object was closed
             except Exception:
                 log.exception("discovery watch failed; restarting it in 1 s")
                 await asyncio.sleep(1.0)
+
+    async def _apply_changes(self, changed: dict[str, dict | None]) -> None:
+        # the records first, as in _apply; a record read here that changed re-judges every
+        # worker of its model, not only the changed ones (a worker left out of the commit
+        # has an unchanged entry, and the poller will not see this change again)
+        moved = await self.read_committed({e.get("model") for e in changed.values()
+                                           if e is not None and e.get("endpoint") == "generate"})
+        self.apply(changed, rejudge=moved)
 
     async def _apply(self, entries: list[dict]) -> None:
         generate = [e for e in entries if e.get("endpoint") == "generate"]
@@ -285,31 +315,76 @@ class WorkerPool:
         except Exception as e:  # the watch carries on; the request gets its 404
             log.warning("listing discovery for an unknown model failed: %r", e)
 
+    def _worker_of(self, e: dict) -> Worker | None:
+        """The worker an entry describes (the one known, its state kept, while its stream
+        plane stays), or None: not a routable generate entry."""
+        transport = e.get("transport")
+        url = transport.get("http") if isinstance(transport, dict) else None
+        address = e.get("stream_plane")
+        if not isinstance(url, str) or not isinstance(address, str) \
+                or not isinstance(e.get("model"), str):
+            return None
+        iid = int(e["instance_id"])
+        w = self.workers.get(iid)
+        if w is None or w.address != address:
+            w = Worker(iid, e["model"], url, address, e)
+            log.info("worker %s joined: %s at %s (stream plane %s)", iid, w.model, url,
+                     address)
+        else:
+            w.entry = e
+        return w
+
     def update(self, entries: list[dict]) -> None:
         """Replace the live set, keeping the load and health state of workers that stay."""
         fresh: dict[int, Worker] = {}
+        keys: dict[str, int] = {}
         for e in entries:
-            transport = e.get("transport")
-            url = transport.get("http") if isinstance(transport, dict) else None
-            address = e.get("stream_plane")
-            if not isinstance(url, str) or not isinstance(address, str) \
-                    or not isinstance(e.get("model"), str):
-                continue
-            iid = int(e["instance_id"])
-            w = self.workers.get(iid)
-            if w is None or w.address != address:
-                w = Worker(iid, e["model"], url, address, e)
-                log.info("worker %s joined: %s at %s (stream plane %s)", iid, w.model, url,
-                         address)
-            else:
-                w.entry = e
-            fresh[iid] = w
+            w = self._worker_of(e)
+            if w is not None:
+                fresh[w.instance_id] = w
+                keys[_key(e)] = w.instance_id
         for iid in self.workers.keys() - fresh.keys():
             log.info("worker %s left", iid)
-        self.workers = fresh
+        self.workers, self._keys = fresh, keys
+        self._refs = {}
+        for iid in keys.values():
+            self._refs[iid] = self._refs.get(iid, 0) + 1
         if self.kv is not None:
             self.kv.sync({iid: w.entry for iid, w in fresh.items()})
         self._judge()
+        self._wake()
+
+    def apply(self, changed: dict[str, dict | None], rejudge: set[str] = frozenset()) -> None:
+        """Apply what changed in discovery (key -> its entry now, None: removed), touching
+        only those workers; the others keep their state untouched, except that every worker
+        of a model in `rejudge` (its committed policy just changed) is judged again."""
+        touched: list[Worker] = []
+        left: list[int] = []
+        for key, e in changed.items():
+            gone = self._keys.pop(key, None)
+            if gone is not None:
+                self._refs[gone] -= 1
+            w = self._worker_of(e) if e is not None and e.get("endpoint") == "generate" \
+                else None
+            if w is not None:
+                self._keys[key] = w.instance_id
+                self._refs[w.instance_id] = self._refs.get(w.instance_id, 0) + 1
+                self.workers[w.instance_id] = w
+                touched.append(w)
+            if gone is not None and not self._refs[gone]:  # no other key names it
+                del self._refs[gone]
+                if self.workers.pop(gone, None) is not None:
+                    log.info("worker %s left", gone)
+                    left.append(gone)
+        if not changed and not rejudge:
+            return
+        if changed and self.kv is not None:  # the workers that changed, not the pool
+            for iid in left:
+                if iid not in self.workers:  # (not back under another key)
+                    self.kv.forget(iid)
+            self.kv.follow({w.instance_id: w.entry for w in touched})
+        self._judge(touched)
+        self._rejudge(rejudge)
         self._wake()
 
     def _wake(self) -> None:
@@ -323,19 +398,21 @@ class WorkerPool:
         changes no worker's entry when a worker was left out of it."""
         while True:
             await asyncio.sleep(self.committed_poll)
-            before = dict(self.committed)
             try:
-                await self.read_committed({w.model for w in self.workers.values()})
+                moved = await self.read_committed({w.model for w in self.workers.values()})
             except Exception:  # a bug; the last records stand
                 log.exception("reading the committed policies failed")
                 continue
-            if self.committed != before:
-                self._judge()
+            if moved:
+                self._rejudge(moved)
                 self._wake()
 
-    async def read_committed(self, models: set) -> None:
+    async def read_committed(self, models: set) -> set[str]:
         """Read the committed-policy record of each model (a store that cannot be read, or a
-        record that is not one, leaves the last one read in place, and says so once)."""
+        record that is not one, leaves the last one read in place, and says so once).
+        Returns the models whose record this read changed: the caller re-judges all their
+        workers (`_rejudge`), since whoever changed the record is the one that knows."""
+        moved: set[str] = set()
         for model in sorted(m for m in models if isinstance(m, str)):
             name = CommittedPolicy.record_name(self.namespace, model)
             try:
@@ -349,16 +426,25 @@ class WorkerPool:
                 continue
             self._unreadable.discard(name)
             if rec is None:
-                self.committed.pop(model, None)
+                if self.committed.pop(model, None) is not None:
+                    moved.add(model)
             elif rec != self.committed.get(model):
                 log.info("committed policy of %s: %s", model, rec.describe())
                 self.committed[model] = rec
+                moved.add(model)
+        return moved
 
-    def _judge(self) -> None:
-        """Take out of routing every worker that serves no committed policy of its model
-        (left out of a refresh: whatever its lease says, its weights are not the fleet's),
-        and back in those that do."""
-        for w in self.workers.values():
+    def _rejudge(self, models: set[str]) -> None:
+        """Judge again every worker of these models (their committed policy changed: a
+        commit is rare, so this walk of the pool is paid per commit, not per entry change)."""
+        if models:
+            self._judge([w for w in self.workers.values() if w.model in models])
+
+    def _judge(self, workers: list[Worker] | None = None) -> None:
+        """Take out of routing every worker (of `workers`, default all) that serves no
+        committed policy of its model (left out of a refresh: whatever its lease says, its
+        weights are not the fleet's), and back in those that do."""
+        for w in self.workers.values() if workers is None else workers:
             rec = self.committed.get(w.model)
             policy = w.policy
             why = None if rec is None or rec.serves(policy) else (
@@ -479,7 +565,7 @@ class WorkerPool:
                     out.append(w)  # type: ignore[arg-type]
         return out
 
-    async def owner(self, client: WorkerClient, model: str, key: str, chosen: Worker,
+    async def owner(self, client: StreamClient, model: str, key: str, chosen: Worker,
                     req: GenerateRequest, prefix: Prefix | None = None,
                     exclude: set[int] = frozenset(), paced: bool = False
                     ) -> tuple[Worker, WorkerStream | None]:

@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import msgspec
 
-from rlfleet.protocol.engine import Head, Step
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerError
-from rlfleet.runtime.runs import Run
-from rlfleet.runtime.runs import RunRegistry as Runs
+from rlfleet.runtime.runs import Run, RunRegistry, event_bytes
 
 REPLAYS = metrics.FRONTEND_REPLAYS  # on the frontend's /metrics
 RESTARTS = metrics.FRONTEND_RESTARTS
@@ -60,23 +58,6 @@ def token_hash(token: str | None) -> bytes | None:
     return None if not token else hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
-def event_bytes(ev: Any) -> int:
-    """About how much memory one kept event holds (Python objects: ~40 bytes a token ID,
-    ~120 a logprob entry)."""
-    kind = type(ev)
-    if kind is Step:
-        n = 64
-        for d in ev.choices:
-            n += 64 + 40 * len(d.token_ids) + len(d.text)
-            if d.logprobs:
-                n += sum(120 + 120 * len(lp.top or ()) for lp in d.logprobs)
-        return n
-    if kind is Head:
-        return 256 + 40 * len(ev.prompt_token_ids)
-    prompt_logprobs = getattr(ev, "prompt_logprobs", None)
-    return 256 + (200 * sum(len(p or ()) for p in prompt_logprobs) if prompt_logprobs else 0)
-
-
 def _worker_failed(error: BaseException | None) -> bool:
     """The run ended because its worker died, stalled or was unreachable, or no worker was
     free: not because of the request itself."""
@@ -89,36 +70,64 @@ class RequestIdConflict(Exception):
     """The request ID is already used by a different request body."""
 
 
+class Source(Protocol):
+    """What feeds a run (rlfleet.frontend.dispatch.Dispatch): its events, the worker
+    serving it (None before one is picked), and `taken(n)`, told of every `n` events its
+    one caller has passed on (a run that nobody else can join moves at its caller's pace)."""
+
+    worker: Any
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    def taken(self, n: int) -> None: ...
+
+
 class GenerationRun(Run):
     """One generation the frontend owns (rlfleet.runtime.runs.Run): what its request ID
-    stands for, its owner's cancel token, the worker that took it."""
+    stands for, its owner's cancel token, and its source while it runs (which says the
+    worker that took it); an ended run keeps only that worker."""
 
-    __slots__ = ("fingerprint", "cancel_token", "worker", "stream")
+    __slots__ = ("fingerprint", "cancel_token", "source", "_worker")
 
-    def __init__(self, request_id: str, fingerprint: str, keep: bool,
+    def __init__(self, request_id: str, fingerprint: str, keep: bool, source: Source,
                  cancel_token: bytes | None = None) -> None:
         super().__init__(request_id, keep)
         self.fingerprint = fingerprint
         self.cancel_token = cancel_token  # sha256 of the X-Cancel-Token it was started with
-        self.worker: Any = None  # the worker that took it (rlfleet.frontend.router.Worker)
-        self.stream: Any = None  # its paced stream, for a run that nobody else can join
+        self.source: Source | None = source
+        self._worker: Any = None  # the worker that took it, once it ended
+
+    @property
+    def worker(self) -> Any:
+        """The worker that took it (rlfleet.frontend.router.Worker), None before one did."""
+        return self._worker if self.source is None else self.source.worker
+
+    def let_go(self) -> None:
+        """It ended: keep its worker, not its source (the request, its last stream), which
+        a run kept for retries would otherwise hold for as long as it is remembered."""
+        if self.source is not None:
+            self._worker, self.source = self.source.worker, None
 
     def release(self, upto: int) -> None:
         """Its caller has read the events before number `upto`: a run that nobody else can
-        join forgets them."""
+        join forgets them, and its worker may send as many more."""
         if not self.keep and upto > self.base:
             n = upto - self.base
             del self.events[:n]
             self.base = upto
-            if self.stream is not None:  # the worker may send as many more
-                self.stream.taken(n)
+            if self.source is not None:
+                self.source.taken(n)
+
+
+def _events(run: GenerationRun) -> AsyncIterator[Any]:
+    return aiter(run.source)  # type: ignore[arg-type]  (a run starts with its source)
 
 
 def _cancelled() -> BaseException:
     return WorkerError("the request was cancelled before it finished", 499)
 
 
-class RunRegistry(Runs[GenerationRun]):
+class GenerationRuns(RunRegistry[GenerationRun]):
     """The runs this frontend drives (see the module docstring)."""
 
     def __init__(self, orphan_grace: float = 30.0, window: float = 600.0,
@@ -130,9 +139,10 @@ class RunRegistry(Runs[GenerationRun]):
         self.admin_token = admin_token  # may cancel any run
 
     def start(self, request_id: str, body: bytes, keep: bool,  # type: ignore[override]
-              source: Callable[[GenerationRun], AsyncIterator[Any]], route: str = "",
+              source: Source, route: str = "",
               cancel_token: str | None = None) -> tuple[GenerationRun, bool]:
-        """The run for `request_id`: an existing one (replayed) or a new one fed by `source`.
+        """The run for `request_id`: an existing one (replayed, `source` left unread) or a
+        new one fed by `source`.
         Returns (run, replayed). Raises RequestIdConflict (the ID names another request) or
         HttpError 429 (kept runs in flight hold all the memory allowed)."""
         fp = fingerprint(route, body) if keep else ""
@@ -147,8 +157,11 @@ class RunRegistry(Runs[GenerationRun]):
                 return run, True
             RESTARTS.inc()  # its worker failed it: this attempt starts anew (elsewhere)
             self.forget(request_id)
-        run = GenerationRun(request_id, fp, keep, token_hash(cancel_token))
-        return super().start(run, source), False
+        run = GenerationRun(request_id, fp, keep, source, token_hash(cancel_token))
+        return super().start(run, _events), False
+
+    def ended(self, run: GenerationRun) -> None:
+        run.let_go()
 
     def is_admin(self, admin_token: str | None) -> bool:
         """Whether `admin_token` is this frontend's admin token."""

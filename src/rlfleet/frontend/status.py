@@ -1,7 +1,7 @@
 """The fleet's status page, served by the RL listener (rlfleet.frontend.rl): every worker
 (model, address, policy version and digest, open or gated and why, requests in flight,
 tokens/s), the gate of each model, and the last policy refreshes from the journal with the
-time of each phase (from the journal's store, SQLite or etcd, through rlfleet.rl.journal's
+time of each phase (from the journal's store, SQLite or etcd, through rlfleet.journal's
 one interface). One snapshot (`FleetStatus.snapshot`) feeds GET /fleet.json, the HTML
 page (which renders it, then fetches it again every two seconds) and `rlfleet status`."""
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from rlfleet.rl.journal import JournalError, JournalMissing, open_journal
+from rlfleet.journal import JournalError, JournalMissing, open_journal
 from rlfleet.runtime.discovery import Discovery, DiscoveryError
 
 PROBE_TIMEOUT = 2.0  # seconds for each worker's /health; a slow worker is shown as such

@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from rlfleet.refresh.probe import Probe
+from rlfleet.refresh.transaction import RefreshResult
 from rlfleet.rl.fleet import Fleet
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.sample import Chat, SampleRequest, SamplingSpec
-from rlfleet.rl.transaction import RefreshResult
+from rlfleet.rollout.sample import Chat, SampleRequest, SamplingSpec
 from rlfleet.train.checkpoint import save_checkpoint
 
 #: a probe whose best and second-best logits are closer than this could flip on float noise

@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.rl.fleet import Fleet
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.sample import Chat, SampleRequest, SamplingSpec
 from rlfleet.rl.stream import RolloutStream, StreamedSample
+from rlfleet.rollout.sample import Chat, SampleRequest, SamplingSpec
 from rlfleet.train.checkpoint import save_checkpoint
 
 

@@ -65,7 +65,7 @@ def _check_replicas(args: argparse.Namespace) -> bool:
     if args.replicas > 1 and not args.weights_staging_dir:
         args.weights_staging_dir = str(default_staging_root())
     if args.admin_schema == "sglang" and args.enable_rl:
-        # SGLang workers do not register with GET /v1/rl/workers (CONTRACT.md)
+        # SGLang workers do not register with GET /v1/rl/workers (docs/contract.md)
         log.warning("--enable-rl ignored: SGLang-schema workers do not register the rl endpoint")
         args.enable_rl = False
     return True

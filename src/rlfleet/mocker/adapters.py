@@ -1,6 +1,6 @@
 """LoRA adapters in the simulated engine (a declared simulator: nothing here is vLLM's
 behaviour): the engine side of the worker's adapter routes (rlfleet.worker.lora_admin over
-`EngineControl`), so that a refresh coordinator's adapter path (rlfleet.rl.adapter) drives
+`EngineControl`), so that a refresh coordinator's adapter path (rlfleet.refresh.adapter) drives
 a mocker fleet as it drives vLLM workers.
 
 An adapter is a directory in peft's format (adapter_config.json with its rank `r`, and

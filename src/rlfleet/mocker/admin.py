@@ -1,4 +1,4 @@
-"""The mocker's /engine routes, in either flavour of the contract (shared/spec/CONTRACT.md):
+"""The mocker's /engine routes, in either flavour of the contract (docs/contract.md):
 
 * ``vllm`` (default): the vLLM worker's own routes (`rlfleet.worker.admin.EngineAdmin`)
   over the simulated engine;

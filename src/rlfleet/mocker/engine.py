@@ -65,7 +65,16 @@ from rlfleet.mocker.adapters import (
 )
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
+from rlfleet.protocol.engine import (
+    Delta,
+    Done,
+    GenerateRequest,
+    PromptLogprob,
+    RoutedExperts,
+    SamplingOptions,
+    Step,
+    TokenLogprob,
+)
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.flags import Flag, add_flags
 from rlfleet.worker import engine as contract
@@ -183,7 +192,7 @@ class _Choice:
     index: int
     prev: int  # the previous token: the last prompt token at first
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -366,26 +375,29 @@ class MockEngine(Engine, EngineControl):
             return chr(b)
         return f"<0x{b:02X}>" if 0 <= b < 256 else f"<{token}>"
 
-    def _logprob_entry(self, base: int, token: int, k: int) -> dict:
+    def _logprob_entry(self, base: int, token: int, k: int) -> TokenLogprob:
         rank, lp = self._rank_of(base, token)
-        return {"token_id": token, "logprob": lp, "rank": rank, "decoded": self.decode(token),
-                "top": [[t, tlp, self.decode(t)] for t, tlp in self._top(base, k)]}
+        return TokenLogprob(token_id=token, logprob=lp, rank=rank, decoded=self.decode(token),
+                            top=[(t, tlp, self.decode(t)) for t, tlp in self._top(base, k)])
 
     def _weights_key(self, lora: Version | None) -> Any:
         """What seeds the distribution: the base weights' seed, and an adapter's digest."""
         return self.weights.seed if lora is None else (self.weights.seed, lora.key)
 
     def _prompt_logprobs(self, ids: list[int], k: int, lora: Version | None = None
-                         ) -> list[dict | None]:
-        out: list[dict | None] = [None]
+                         ) -> list[dict[str, PromptLogprob] | None]:
+        out: list[dict[str, PromptLogprob] | None] = [None]
         seed = self._weights_key(lora)
         for p in range(1, len(ids)):
             base = _hash((seed, "prompt", p, ids[p - 1]))[1] % self._m
             rank, lp = self._rank_of(base, ids[p])
-            entry = {str(ids[p]): {"logprob": lp, "rank": rank, "decoded_token": self.decode(ids[p])}}
+            entry = {str(ids[p]): PromptLogprob(logprob=lp, rank=rank,
+                                                decoded_token=self.decode(ids[p]))}
             for j, (t, tlp) in enumerate(self._top(base, k)):
-                entry.setdefault(str(t), {"logprob": tlp, "rank": j + 1,
-                                          "decoded_token": self.decode(t)})
+                key = str(t)
+                if key not in entry:
+                    entry[key] = PromptLogprob(logprob=tlp, rank=j + 1,
+                                               decoded_token=self.decode(t))
             out.append(entry)
         return out
 
@@ -404,6 +416,27 @@ class MockEngine(Engine, EngineControl):
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
+
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        return [self.decode(t) for t in token_ids]
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The inverse of `tokenize` for its byte tokens (UTF-8, undecodable bytes
+        replaced); any other token as `decode` spells it."""
+        out: list[str] = []
+        run = bytearray()
+        for t in token_ids:
+            b = t - self._byte_base
+            if 0 <= b < 256 and t != self.eos:
+                run.append(b)
+                continue
+            if run:
+                out.append(run.decode("utf-8", "replace"))
+                run.clear()
+            out.append(self.decode(t))
+        if run:
+            out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
 
     def tokenize(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  add_generation_prompt: bool = True,
@@ -451,7 +484,7 @@ class MockEngine(Engine, EngineControl):
         return len(self._runs)
 
     async def generate(self, req: GenerateRequest, prompt_token_ids: list[int]
-                       ) -> AsyncIterator[dict]:
+                       ) -> AsyncIterator[Step | Done]:
         rid = req.request_id
         if rid in self._runs:
             raise BadRequest(f"request_id {rid!r} is already running on this worker")
@@ -485,7 +518,7 @@ class MockEngine(Engine, EngineControl):
             series.running.dec()
 
     async def _decode(self, req: GenerateRequest, ids: list[int], run: _Run
-                      ) -> AsyncIterator[dict]:
+                      ) -> AsyncIterator[Step | Done]:
         s = req.sampling
         if req.routed_experts_start is not None and req.routed_experts_start > len(ids):
             raise BadRequest(f"routed_experts_prompt_start must be between 0 and the prompt "
@@ -515,10 +548,9 @@ class MockEngine(Engine, EngineControl):
                 self._advance(ch, s, seed, s.max_tokens or room, run.lora)
             generated.inc(len(live))
             if req.stream:
-                ev: dict[str, Any] = {"choices": [self._out(req, ids, ch, hold, want_lp)
-                                                  for ch in live]}
+                ev = Step(choices=[self._out(req, ids, ch, hold, want_lp) for ch in live])
                 if early:
-                    ev["prompt_logprobs"], prompt_lps, early = prompt_lps, None, False
+                    ev.prompt_logprobs, prompt_lps, early = prompt_lps, None, False
                 yield ev
             live = [ch for ch in live if ch.finish_reason is None]
         for ch in live:
@@ -527,8 +559,8 @@ class MockEngine(Engine, EngineControl):
             self.cache.store(ids + ch.token_ids, salt)
         final = choices if not req.stream else live
         if final:
-            yield {"choices": [self._out(req, ids, ch, hold, want_lp) for ch in final]}
-        yield {"done": True, "prompt_logprobs": prompt_lps}
+            yield Step(choices=[self._out(req, ids, ch, hold, want_lp) for ch in final])
+        yield Done(prompt_logprobs=prompt_lps)
 
     def _advance(self, ch: _Choice, s: SamplingOptions, seed: int, max_tokens: int,
                  lora: Version | None = None) -> None:
@@ -569,14 +601,13 @@ class MockEngine(Engine, EngineControl):
                 return
 
     def _out(self, req: GenerateRequest, ids: list[int], ch: _Choice, hold: int,
-             want_lp: bool) -> dict:
+             want_lp: bool) -> Delta:
         """A choice's delta; its final one with the routed experts when asked for."""
         d = self._delta(ch, hold, want_lp)
         if ch.finish_reason is not None and req.routed_experts_start is not None \
                 and self.moe is not None:
-            d["routed_experts"] = msgspec.to_builtins(
-                self._experts(ids + ch.token_ids, len(ids), req.routed_experts_start),
-                builtin_types=(bytes,))
+            d.routed_experts = self._experts(ids + ch.token_ids, len(ids),
+                                             req.routed_experts_start)
         return d
 
     def _experts(self, seq: list[int], prompt_len: int, start: int) -> RoutedExperts:
@@ -602,15 +633,15 @@ class MockEngine(Engine, EngineControl):
         return RoutedExperts.of(arr, first)
 
     @staticmethod
-    def _delta(ch: _Choice, hold: int, want_lp: bool) -> dict:
+    def _delta(ch: _Choice, hold: int, want_lp: bool) -> Delta:
         """What the client has not seen of a choice. While it runs, the last `hold`
         characters stay back: they may be the start of a stop string."""
         end = len(ch.text) if ch.finish_reason else max(ch.sent_text, len(ch.text) - hold)
-        delta = {"index": ch.index, "token_ids": ch.token_ids[ch.sent_tokens:],
-                 "text": ch.text[ch.sent_text:end],
-                 "logprobs": ch.logprobs[ch.sent_tokens:] if want_lp else None,
-                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
-                 "weight_versions": [s.to_dict() for s in ch.spans] if ch.finish_reason else None}
+        delta = Delta(index=ch.index, token_ids=ch.token_ids[ch.sent_tokens:],
+                      text=ch.text[ch.sent_text:end],
+                      logprobs=ch.logprobs[ch.sent_tokens:] if want_lp else None,
+                      finish_reason=ch.finish_reason, stop_reason=ch.stop_reason,
+                      weight_versions=list(ch.spans) if ch.finish_reason else None)
         ch.sent_tokens, ch.sent_text = len(ch.token_ids), end
         return delta
 

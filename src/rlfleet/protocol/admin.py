@@ -4,7 +4,7 @@ routes and the allow-listed native methods) with its request Struct, its reply S
 its flags, in one table (`ROUTES`, `NATIVE_METHODS`). The system server decodes a body
 against the route's request Struct once (`read_request`: an unknown field is refused by
 name, a wrong type names the field); callers build the same Structs
-(`rlfleet.runtime.admin_client`). Shapes: shared/spec/CONTRACT.md.
+(`rlfleet.runtime.admin_client`). Shapes: docs/contract.md.
 
 A request Struct encodes only the fields its caller set (`omit_defaults`); a reply field
 that the contract sometimes omits is `UNSET` until a handler sets it. A failure the route
@@ -24,7 +24,13 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.vllm_rl import RELOAD_KWARGS, RELOAD_WEIGHTS
+from rlfleet.protocol.vllm_rl import (
+    DISK_ENGINE_RPCS,
+    RELOAD_KWARGS,
+    RELOAD_WEIGHTS,
+    TRANSFER_ENGINE_RPCS,
+    UPDATE_WEIGHTS_FROM_PATH,
+)
 
 # ---------------------------------------------------------------- headers and errors
 
@@ -47,14 +53,22 @@ class AdminRequestError(ValueError):
     """The request body is not acceptable; the message says what to send instead."""
 
 
-class HttpError(msgspec.Struct, kw_only=True):
+class UnsupportedRequest(AdminRequestError):
+    """A body the real server takes, asking for what an rlfleet worker does not do (an
+    `engine_rpc` it does not run): HTTP 400 `{"error", "message"}` naming it, on every
+    route (not the route's own 200 failure)."""
+
+    status = 400
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
     """The body of every non-200 answer but 409 (400, 401, 404, 405, 499, 500)."""
 
     error: str
     message: str
 
 
-class StaleEpochError(HttpError, kw_only=True):
+class StaleEpochError(ErrorBody, kw_only=True):
     """HTTP 409: a call from an older fleet epoch than the newest the worker has seen."""
 
     fleet_epoch: int
@@ -67,9 +81,13 @@ class StaleEpochError(HttpError, kw_only=True):
 class Request(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True,
               omit_defaults=True):
     """A route's body. `MESSAGES`: what to tell a caller who left a field out or sent it
-    with the wrong type (else a message that names the field and the type)."""
+    with the wrong type (else a message that names the field and the type).
+    `ENGINE_RPCS`: for a route whose real server takes Dynamo's `engine_rpc` (the engine
+    method to run), the ones this worker runs; any other is refused by name before the rest
+    of the body is read (UnsupportedRequest). None: the route takes no `engine_rpc`."""
 
     MESSAGES: ClassVar[dict[str, str]] = {}
+    ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = None
     #: string fields that may not be empty (the refusal is the field's MESSAGES entry)
     NON_EMPTY: ClassVar[tuple[str, ...]] = ()
 
@@ -158,8 +176,13 @@ class DiskUpdateRequest(Request, kw_only=True, frozen=True):
     model_path: str | None = None  # checked by weights_path (the worker's roots)
     weight_version: str | None = None
     step: int | None = None  # the policy's fleet step (rlfleet)
+    # Dynamo's: the engine method that loads `model_path` (default reload_weights); each one
+    # an rlfleet worker runs (DISK_ENGINE_RPCS) is the same load, digest and self-check
+    engine_rpc: str | None = None
     MESSAGES: ClassVar[dict[str, str]] = {"model_path": _MODEL_PATH, "weight_version": _VERSION,
-                                          "step": _STEP}
+                                          "step": _STEP, "engine_rpc": "engine_rpc must be a "
+                                          f"string: one of {', '.join(DISK_ENGINE_RPCS)}"}
+    ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = tuple(DISK_ENGINE_RPCS)
 
     def __post_init__(self) -> None:
         _check_step(self.step)
@@ -253,24 +276,62 @@ class SetVersionRequest(Request, kw_only=True, frozen=True):
         _check_step(self.step)
 
 
+class GroupLeaveRequest(Request, kw_only=True, frozen=True):
+    """Leave the trainer's group: no field. Dynamo's handler takes `engine_rpc` (default
+    prime-rl's `destroy_broadcaster`): an rlfleet worker runs vLLM's
+    `shutdown_weight_transfer_engine` (the shutdown step of rlfleet.worker.weight_transfer)
+    and refuses any other by name."""
+
+    ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = ("shutdown_weight_transfer_engine",)
+    engine_rpc: str | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "engine_rpc": "engine_rpc must be a string: shutdown_weight_transfer_engine"}
+
+
 _GROUP = "master_address (string), master_port (int) and world_size (int) are required"
 GROUP_BACKENDS = ("gloo", "nccl")
 
 
+_INIT_RPC = "init_weight_transfer_engine"
+
+
 class GroupRequest(Request, kw_only=True, frozen=True):
-    master_address: str
-    master_port: int
-    world_size: int
+    """Join a trainer's weight-update group (master_address, master_port, world_size, ...).
+    Dynamo's handler also takes `engine_rpc` (the engine method that joins, with the body as
+    its keywords; default prime-rl's `init_broadcaster`): an rlfleet worker runs vLLM's
+    `init_weight_transfer_engine` (`init_info`, as NeMo RL's Dynamo refit sends it: the step
+    of rlfleet.worker.weight_transfer) and refuses any other by name."""
+
+    ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = (_INIT_RPC,)
+    master_address: str | None = None  # required without engine_rpc (_GROUP)
+    master_port: int | None = None
+    world_size: int | None = None
     rank_offset: int = 1  # this worker's first rank in the group, in [1, world_size)
     backend: str | None = None  # gloo | nccl; None: the engine's (`resolved`)
     timeout: float | None = None  # seconds; None: the worker's default (`resolved`)
     group_name: str | None = None
+    engine_rpc: str | None = None  # Dynamo's: init_weight_transfer_engine only
+    init_info: dict[str, Any] | None = None  # its keyword (the transfer backend's settings)
     MESSAGES: ClassVar[dict[str, str]] = {
         "master_address": _GROUP, "master_port": _GROUP, "world_size": _GROUP,
         "rank_offset": "rank_offset must be an integer in [1, world_size)",
-        "timeout": "timeout must be a positive number of seconds"}
+        "timeout": "timeout must be a positive number of seconds",
+        "engine_rpc": f"engine_rpc must be a string: {_INIT_RPC}", "init_info": _INIT_INFO}
 
     def __post_init__(self) -> None:
+        if self.engine_rpc is not None:
+            own = [k for k in ("master_address", "master_port", "world_size", "backend",
+                               "timeout", "group_name") if getattr(self, k) is not None]
+            if own or self.rank_offset != 1:
+                raise AdminRequestError(f"{own[0] if own else 'rank_offset'} is rlfleet's own "
+                                        f"group; with engine_rpc {_INIT_RPC} send init_info only")
+            if self.init_info is None:
+                raise AdminRequestError(_INIT_INFO)
+            return
+        if self.init_info is not None:
+            raise AdminRequestError(f"init_info goes with engine_rpc {_INIT_RPC}")
+        if self.master_address is None or self.master_port is None or self.world_size is None:
+            raise AdminRequestError(_GROUP)
         if not 0 < self.rank_offset < self.world_size:
             raise AdminRequestError(f"rank_offset must be an integer in [1, world_size); got "
                                     f"{self.rank_offset!r}")
@@ -288,28 +349,124 @@ class GroupRequest(Request, kw_only=True, frozen=True):
 _TENSORS = "names, dtypes and shapes are required: equal-length, non-empty lists"
 
 
+_RPC_TENSORS = ("names, dtypes and shapes announce rlfleet's own transfer over the trainer's "
+                "group; with engine_rpc send that method's keyword instead")
+_NCCL_RECEIVE = (f"engine_rpc {UPDATE_WEIGHTS_FROM_PATH!r} with weight_dir is prime-rl's NCCL "
+                 "receive (NCCLWeightUpdateWorker: a state dict broadcast by prime-rl's trainer "
+                 "to the receiver its init_broadcaster started), which an rlfleet worker does "
+                 "not run; load a checkpoint with update_weights_from_disk (engine_rpc "
+                 f"{UPDATE_WEIGHTS_FROM_PATH!r}, model_path), or send names, dtypes and shapes "
+                 "over a group joined with init_weights_update_group")
+
+
+_STEP_RPCS = ("start_weight_update", "update_weights", "finish_weight_update")
+
+
 class DistributedRequest(Request, kw_only=True, frozen=True):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+    """Weights from a trainer: rlfleet's own transfer (`names`, `dtypes`, `shapes` announced,
+    the tensors received over the group joined with init_weights_update_group), or, with
+    Dynamo's `engine_rpc`, that engine method (Dynamo's handler passes the body's other
+    fields as its keywords): `reload_weights` (`weights_path`; none: the model the worker
+    started from) and `update_weights_from_path` (`weight_path`, prime-rl's filesystem
+    worker) each load a checkpoint from disk through update_weights_from_disk's checks;
+    vLLM's `start_weight_update` (`is_checkpoint_format`), `update_weights` (`update_info`)
+    and `finish_weight_update` (the label: `weight_version`) run that step of vLLM's weight
+    transfer (rlfleet.worker.weight_transfer), as NeMo RL's Dynamo refit sends them."""
+
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
     weight_version: str | None = None
     reset_prefix_cache: bool = True
     allow_unpaused: bool = False  # apply while generating (only without the cache reset)
     step: int | None = None  # the policy's fleet step (rlfleet)
     mock_seed: int | None = None  # the mocker's simulated weights (rlfleet.mocker.engine)
+    engine_rpc: str | None = None  # Dynamo's: the engine method to run (DISK_ENGINE_RPCS)
+    weights_path: str | None = None  # reload_weights' keyword
+    weight_path: str | None = None  # update_weights_from_path's (prime-rl's filesystem worker)
+    weight_dir: str | None = None  # ... prime-rl's NCCL worker's (refused: UnsupportedRequest)
+    update_info: dict[str, Any] | list[dict[str, Any]] | None = None  # update_weights' keyword
+    is_checkpoint_format: bool | None = None  # start_weight_update's (true only)
     MESSAGES: ClassVar[dict[str, str]] = {
         "names": _TENSORS, "dtypes": _TENSORS, "shapes": _TENSORS, "weight_version": _VERSION,
         "step": _STEP,
         "reset_prefix_cache": "reset_prefix_cache and allow_unpaused must be booleans",
-        "allow_unpaused": "reset_prefix_cache and allow_unpaused must be booleans"}
+        "allow_unpaused": "reset_prefix_cache and allow_unpaused must be booleans",
+        "engine_rpc": f"engine_rpc must be a string: one of {', '.join(DISK_ENGINE_RPCS)}",
+        **{k: f"{k} must be a string (a checkpoint directory on this worker's disk)"
+           for k in ("weights_path", "weight_path", "weight_dir")},
+        "update_info": _UPDATE_INFO,
+        "is_checkpoint_format": "is_checkpoint_format must be a boolean"}
+    ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = (*DISK_ENGINE_RPCS, *_STEP_RPCS)
 
     def __post_init__(self) -> None:
-        if not (len(self.names) == len(self.dtypes) == len(self.shapes) and self.names):
+        if self.engine_rpc is not None:
+            self._check_engine_rpc()
+        elif not (len(self.names) == len(self.dtypes) == len(self.shapes) and self.names):
             raise AdminRequestError(_TENSORS)
+        else:
+            given = [k for k in ("weights_path", "weight_path", "weight_dir") if getattr(self, k)]
+            if given:
+                raise AdminRequestError(f"{given[0]} is an engine method's keyword: send it with "
+                                        f"engine_rpc (one of {', '.join(DISK_ENGINE_RPCS)})")
         if self.allow_unpaused and self.reset_prefix_cache:
             raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
                                     "send reset_prefix_cache: false, or pause first")
         _check_step(self.step)
+
+    def _check_engine_rpc(self) -> None:
+        if self.names or self.dtypes or self.shapes or self.mock_seed is not None:
+            raise AdminRequestError(_RPC_TENSORS)
+        if self.engine_rpc in _STEP_RPCS:
+            self._check_step_rpc()
+            return
+        if self.update_info is not None or self.is_checkpoint_format is not None:
+            raise AdminRequestError(f"{self.engine_rpc} takes "
+                                    f"{DISK_ENGINE_RPCS[self.engine_rpc]}, not update_info or "
+                                    "is_checkpoint_format")
+        if self.engine_rpc == UPDATE_WEIGHTS_FROM_PATH and self.weight_dir is not None:
+            raise UnsupportedRequest(_NCCL_RECEIVE)
+        keyword = DISK_ENGINE_RPCS[self.engine_rpc]
+        wrong = [k for k in ("weights_path", "weight_path", "weight_dir")
+                 if k != keyword and getattr(self, k) is not None]
+        if wrong:
+            raise AdminRequestError(f"{self.engine_rpc} takes {keyword}, not {wrong[0]}")
+        if self.engine_rpc == UPDATE_WEIGHTS_FROM_PATH and not self.weight_path:
+            raise AdminRequestError(f"{UPDATE_WEIGHTS_FROM_PATH} needs weight_path (a "
+                                    "checkpoint directory on this worker's disk)")
+        if self.allow_unpaused:
+            raise UnsupportedRequest(f"allow_unpaused with engine_rpc {self.engine_rpc!r}: an "
+                                     "rlfleet worker loads a checkpoint from disk only while "
+                                     "generation is paused; pause first")
+
+    def _check_step_rpc(self) -> None:
+        rpc = self.engine_rpc
+        paths = [k for k in ("weights_path", "weight_path", "weight_dir") if getattr(self, k)]
+        if paths:
+            raise AdminRequestError(f"{rpc} takes no {paths[0]} (a step of vLLM's weight "
+                                    "transfer, not a load from disk)")
+        if (rpc == "update_weights") != (self.update_info is not None):
+            raise AdminRequestError(_UPDATE_INFO if rpc == "update_weights"
+                                    else f"update_info goes with engine_rpc update_weights, "
+                                    f"not {rpc}")
+        if self.is_checkpoint_format is not None and rpc != "start_weight_update":
+            raise AdminRequestError(f"is_checkpoint_format goes with engine_rpc "
+                                    f"start_weight_update, not {rpc}")
+        if self.is_checkpoint_format is False:
+            raise UnsupportedRequest("is_checkpoint_format false: an rlfleet worker's weight "
+                                     "transfer takes checkpoint-format names only")
+
+    @property
+    def transfer_step(self) -> str | None:
+        """With a vLLM weight-transfer `engine_rpc`: its step (init, start, update, finish)."""
+        return TRANSFER_ENGINE_RPCS.get(self.engine_rpc) if self.engine_rpc in _STEP_RPCS \
+            else None
+
+    @property
+    def checkpoint(self) -> str | None:
+        """With `engine_rpc`: the directory the method loads (None: reload_weights of the
+        model the worker started from)."""
+        return self.weights_path if self.engine_rpc == RELOAD_WEIGHTS else self.weight_path
 
     @property
     def version(self) -> str | None:
@@ -422,6 +579,63 @@ class AdmissionRequest(Request, kw_only=True, frozen=True):
     MESSAGES: ClassVar[dict[str, str]] = {
         "open": "open (boolean) is required", "reason": "reason must be a string",
         "policy": "policy must be an object {version, digest}"}
+
+
+#: the install routes a commit_policy call may run (their bodies are checked as theirs)
+COMMIT_INSTALLS = ("update_weights_from_disk", "apply_staged_weights")
+_COMMIT_INSTALL = f"install is required: one of {', '.join(COMMIT_INSTALLS)}"
+
+
+class CommitRequest(Request, kw_only=True, frozen=True):
+    """commit_policy (an rlfleet extension): one call that moves a worker to a policy, each
+    step through the worker's own route, under that route's rules (its fence, its armed
+    faults): close its admission (`close_reason`; None leaves it as it is), pause
+    (`pause_mode`), install (`install`, with `body`: that route's request), reset the prefix
+    cache (`reset_cache`), verify (get_weight_version reports `expect_version` /
+    `expect_digest`, liveness_probe passes) and resume. It stops at the first step that
+    fails: the worker stays closed and, past the pause, paused. No step starts once
+    `deadline_s` seconds have passed since the call began (a step under way runs to its
+    end: an install cut halfway would leave the weights uncertain)."""
+
+    install: str
+    body: dict[str, Any]
+    expect_version: str
+    expect_digest: str
+    close_reason: str | None = None
+    pause_mode: str = "wait"
+    reset_cache: bool = True
+    deadline_s: float = 60.0
+    #: the post-update probe (a request-plane generate request, as `POST /generate` takes
+    #: it): run after the resume on the worker's own request plane, its events answered in
+    #: the reply (`CommitReply.probe`); a worker without a request plane leaves it unrun
+    probe: dict[str, Any] | None = None
+    MESSAGES: ClassVar[dict[str, str]] = {
+        "install": _COMMIT_INSTALL,
+        "probe": "probe must be an object (a request-plane generate request) or null",
+        "body": "body is required: the install route's request (an object)",
+        "expect_version": "expect_version is required: the version the worker must report",
+        "expect_digest": "expect_digest is required: the weight digest the worker must report",
+        "close_reason": "close_reason must be a string (or null: admission left as it is)",
+        "pause_mode": f"pause_mode must be one of {', '.join(PAUSE_MODES)}",
+        "reset_cache": "reset_cache must be a boolean",
+        "deadline_s": "deadline_s must be a positive number of seconds"}
+    NON_EMPTY: ClassVar[tuple[str, ...]] = ("expect_version", "expect_digest")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.install not in COMMIT_INSTALLS:
+            raise AdminRequestError(f"install {self.install!r} is not an install route: "
+                                    f"{_COMMIT_INSTALL}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise AdminRequestError(self.MESSAGES["pause_mode"])
+        if isinstance(self.deadline_s, bool) or not self.deadline_s > 0 or \
+                self.deadline_s != self.deadline_s:
+            raise AdminRequestError(self.MESSAGES["deadline_s"])
+        route = ROUTES[self.install]
+        try:  # refused here, before anything changes, when the install would refuse it
+            read_struct(route.request, route.name, self.body)
+        except AdminRequestError as e:
+            raise AdminRequestError(f"body (the {route.name} request): {e}") from None
 
 
 # ---------------------------------------------------------------- LoRA adapters
@@ -667,6 +881,9 @@ class InstallReply(_Identified, Reply, kw_only=True):
 
 class VersionReply(_Identified, Reply, kw_only=True):
     version: str | None | UnsetType = UNSET
+    # the declared label again, under the name Dynamo 1.7's control/get_weight_version, vLLM's
+    # /weight_info and SGLang's get_weight_version use (null while none is declared)
+    weight_version: str | None | UnsetType = UNSET
     version_declared: bool | UnsetType = UNSET
     weight_digest: str | None | UnsetType = UNSET
     step: int | None | UnsetType = UNSET
@@ -770,6 +987,42 @@ class AdmissionReply(Reply, kw_only=True):
     weights_uncertain: str | None | UnsetType = UNSET
 
 
+class CommitStep(msgspec.Struct, kw_only=True):
+    """One step of a commit_policy call, as a call to its route would have answered."""
+
+    step: str  # gate | pause | apply | reset_cache | verify | resume (the refresh's names)
+    route: str  # the route it ran
+    http_status: int  # what the route answered (200, or 409 / 500 as its call would)
+    body: Any  # the route's reply body
+    seconds: float  # how long the worker spent in it
+
+
+class CommitProbe(msgspec.Struct, kw_only=True):
+    """The post-update probe a commit_policy call ran (`CommitRequest.probe`), as
+    `POST /generate` would have answered it: its HTTP status (and message when not 200),
+    and every event of the stream (the head first, the last one `done` or an error)."""
+
+    http_status: int
+    events: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    message: str | None = None
+    body: dict[str, Any] | None = None  # the refusal's body, as the route answered it
+
+
+class CommitReply(_Identified, Reply, kw_only=True):
+    """commit_policy's reply: every step it ran, in order (the last one failed when
+    `failed_step` is set), and the policy identity the worker reports after the install
+    (get_weight_version's)."""
+
+    steps: list[CommitStep] = msgspec.field(default_factory=list)
+    failed_step: str | UnsetType = UNSET
+    version: str | None | UnsetType = UNSET
+    version_declared: bool | UnsetType = UNSET
+    weight_digest: str | None | UnsetType = UNSET
+    step: int | None | UnsetType = UNSET
+    dtype: str | UnsetType = UNSET
+    probe: CommitProbe | UnsetType = UNSET  # the probe run, when asked and the worker can
+
+
 class FaultReply(Reply, kw_only=True):
     route: str | UnsetType = UNSET
     mode: str | UnsetType = UNSET
@@ -812,6 +1065,7 @@ class AdminRoute:
     serialized: bool = True  # runs under the worker's control lock, one call at a time
     fenced: bool = True  # refused from an older fleet epoch (all but fault injection)
     native: bool = False  # an SGLang native method: a bad body raises (HTTP 500)
+    listed: bool = True  # in the worker's route listing (GET /engine, discovery's `routes`)
 
     def failure(self, message: str) -> Any:
         """The reply the route gives for a request it refuses."""
@@ -838,7 +1092,7 @@ SET_WEIGHT_VERSION = AdminRoute("set_weight_version", SetVersionRequest, SetVers
 INIT_WEIGHTS_UPDATE_GROUP = AdminRoute("init_weights_update_group", GroupRequest, MessageReply)
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = AdminRoute("update_weights_from_distributed",
                                              DistributedRequest, InstallReply)
-DESTROY_WEIGHTS_UPDATE_GROUP = AdminRoute("destroy_weights_update_group", NoFields,
+DESTROY_WEIGHTS_UPDATE_GROUP = AdminRoute("destroy_weights_update_group", GroupLeaveRequest,
                                           MessageReply)
 STAGE_WEIGHTS = AdminRoute("stage_weights", StageRequest, StageReply)
 GET_STAGED_WEIGHTS = _read("get_staged_weights", StagedQuery, StagedListReply)
@@ -846,6 +1100,7 @@ APPLY_STAGED_WEIGHTS = AdminRoute("apply_staged_weights", ApplyStagedRequest, In
 RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", HandleRequest, StageReply)
 SET_ADMISSION = AdminRoute("set_admission", AdmissionRequest, AdmissionReply, serialized=False)
 FAULT_INJECTION = AdminRoute("fault_injection", FaultRequest, FaultReply, fenced=False)
+COMMIT_POLICY = AdminRoute("commit_policy", CommitRequest, CommitReply)
 
 # LoRA adapters (not named load_lora / unload_lora: Dynamo's RL route list has none of its
 # LoRA routes); each adapter fences on its own epoch, in the body (LoraRequest)
@@ -887,6 +1142,9 @@ SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
 CONTROL_PAUSE_GENERATION = PAUSE_GENERATION.at("control/pause_generation")
 CONTROL_RESUME_GENERATION = RESUME_GENERATION.at("control/resume_generation")
 CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, IsPausedReply)
+# ... and its flat name, beside 1.6's (RL clients that speak the flat names call it); served,
+# not listed: a worker's listing stays the route list Dynamo 1.7 advertises
+IS_PAUSED = dataclasses.replace(CONTROL_IS_PAUSED, name="is_paused", listed=False)
 CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, WeightVersionReply)
 UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", NewVersionRequest,
                                           WeightVersionReply)
@@ -934,7 +1192,49 @@ NATIVE_GET_WEIGHT_VERSION = NATIVE_METHODS["get_weight_version"]
 ROUTES = {r.name: r for r in (
     LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
     UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
-    SET_ADMISSION, FAULT_INJECTION, *SGLANG_FIXED, *DYNAMO_17, *LORA, *LORA_STAGED)}
+    SET_ADMISSION, FAULT_INJECTION, COMMIT_POLICY, *SGLANG_FIXED, *DYNAMO_17, IS_PAUSED, *LORA,
+    *LORA_STAGED)}
+
+# ---------------------------------------------------------------- whose schema each route follows
+
+_DYNAMO_VLLM = "Dynamo components/src/dynamo/vllm/handlers.py"
+_DYNAMO_17 = f"{_DYNAMO_VLLM} (1.7's control/* and update/* layout)"
+_VLLM_RL = "vLLM vllm/entrypoints/rl/online/api_router.py (the body, under Dynamo 1.7's name)"
+_SGLANG = ("SGLang python/sglang/srt/managers/io_struct.py, as Dynamo's SGLang worker serves it "
+           "(components/src/dynamo/sglang)")
+_RLFLEET = "rlfleet's own (no upstream server has it; docs in this module)"
+
+#: per route of the table, the source file of the server whose request and reply schema it
+#: follows: a field that server's handler reads is taken here (honoured, or refused by name
+#: with HTTP 400: UnsupportedRequest), one it refuses stays refused. rlfleet's additions to a
+#: borrowed route (`step`, `fleet_epoch`, `dtype`, `adapters`, ...) are marked "rlfleet" at
+#: their fields. The native methods (NATIVE_METHODS) follow SGLang's
+#: python/sglang/srt/managers/tokenizer_manager.py methods of the same names.
+FOLLOWS: dict[str, str] = {
+    **dict.fromkeys((
+        "liveness_probe", "pause_generation", "resume_generation", "flush_cache",
+        "abort_request", "update_weights_from_disk", "get_weight_version",
+        "init_weights_update_group", "update_weights_from_distributed",
+        "destroy_weights_update_group"), _DYNAMO_VLLM),
+    **dict.fromkeys(("control/pause_generation", "control/resume_generation",
+                     "control/is_paused", "control/get_weight_version",
+                     "update/update_weight_version"), _DYNAMO_17),
+    "is_paused": f"{_DYNAMO_17}: control/is_paused under its flat name",
+    "collective_rpc": "vLLM vllm/entrypoints/serve/dev/rpc/api_router.py (Dynamo 1.7 serves "
+                      "it under /engine too)",
+    **dict.fromkeys(("update/init_weight_transfer_engine", "update/start_weight_update",
+                     "update/update_weights", "update/finish_weight_update"), _VLLM_RL),
+    **dict.fromkeys((r.name for r in SGLANG_FIXED), _SGLANG),
+    "load_lora_adapter": "vLLM vllm/entrypoints/serve/lora/api_router.py "
+                         "(/v1/load_lora_adapter's body, with rlfleet's identity fields)",
+    "unload_lora_adapter": "vLLM vllm/entrypoints/serve/lora/api_router.py "
+                           "(/v1/unload_lora_adapter's body)",
+    **dict.fromkeys(("set_weight_version", "stage_weights", "get_staged_weights",
+                     "apply_staged_weights", "release_staged_weights", "set_admission",
+                     "fault_injection", "commit_policy", "set_lora_admission",
+                     "list_lora_adapters", "stage_lora_adapter", "get_staged_lora_adapter",
+                     "activate_lora_adapter", "discard_lora_adapter"), _RLFLEET),
+}
 
 
 def route_names(routes: tuple[AdminRoute, ...] | list[AdminRoute]) -> frozenset[str]:
@@ -955,8 +1255,43 @@ def read_request(route: AdminRoute, body: dict[str, Any]) -> Any:
     return read_struct(route.request, route.name, body)
 
 
+#: why an rlfleet worker does not run an engine method Dynamo's clients are known to name
+_NOT_RUN = {
+    "init_broadcaster": "prime-rl's NCCL broadcast receiver (its worker extension); an rlfleet "
+                        "worker joins a trainer's group with master_address, master_port, "
+                        "world_size[, rank_offset, backend]",
+    "destroy_broadcaster": "prime-rl's NCCL broadcast receiver (its worker extension)",
+}
+
+
+def check_engine_rpc(request: type, name: str, body: Any) -> None:
+    """Refuse, by name, an `engine_rpc` the route's real server takes that this worker does
+    not run (UnsupportedRequest: HTTP 400), before the rest of the body (that method's
+    keywords) is read."""
+    runs = getattr(request, "ENGINE_RPCS", None)
+    if runs is None or not isinstance(body, dict) or body.get("engine_rpc") is None:
+        return
+    rpc = body["engine_rpc"]
+    if not isinstance(rpc, str):
+        raise AdminRequestError(f"engine_rpc must be a string, not {type(rpc).__name__} ({name})")
+    if rpc in runs:
+        return
+    why = f": {_NOT_RUN[rpc]}" if rpc in _NOT_RUN else ""
+    if not runs:
+        raise UnsupportedRequest(f"{name}: an rlfleet worker runs no engine_rpc here, not "
+                                 f"{rpc!r}{why}; leave engine_rpc out")
+    loads = [r for r in runs if r in DISK_ENGINE_RPCS]
+    steps = [r for r in runs if r in TRANSFER_ENGINE_RPCS]
+    kinds = ([f"{', '.join(loads)} (a load of a checkpoint from disk with "
+              "update_weights_from_disk's checks)"] if loads else []) + \
+        ([f"{', '.join(steps)} (vLLM's weight-transfer steps)"] if steps else [])
+    raise UnsupportedRequest(f"{name}: an rlfleet worker does not run engine_rpc {rpc!r}{why}; "
+                             f"it runs {'; '.join(kinds)}")
+
+
 def read_struct(request: type, name: str, body: Any) -> Any:
     """`body` as a `request` Struct (what `name` takes), refused as read_request refuses."""
+    check_engine_rpc(request, name, body)
     try:
         return msgspec.convert(body, request)
     except msgspec.ValidationError as e:

@@ -20,10 +20,12 @@ Events of one generation, in order:
   3. `Done`  always last: {"done": true, "prompt_logprobs": [...] | null}
   or, at any point, `ErrorEvent` {"error": {"message", "type", "code"}}, which ends it.
 With `stream=false` the worker sends the same kinds, with all tokens of every choice in
-one `Step`. Engines yield `Step` and `Done` as plain dicts of exactly these shapes (the
-worker writes them as they are; the frontend reads them back as these types), except that
-with echo and stream an engine puts the prompt logprobs into its first event
-(`"prompt_logprobs"`), which the worker moves into the Head.
+one `Step`. Engines yield these very `Step` and `Done` structs (the worker encodes them as
+they are; the frontend decodes them as the same types). A field an engine leaves unset
+(`UNSET`: `Delta.weight_versions`, `Delta.routed_experts`, `Done.cached_tokens`) is left
+out of the frame; the reader sees it unset too. With echo and stream an engine puts the
+prompt logprobs into its first `Step` (`Step.prompt_logprobs`), which the worker moves into
+the Head before the Step is sent.
 """
 
 from __future__ import annotations
@@ -315,17 +317,35 @@ class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # special tokens (BOS) added when tokenising: None = the default (yes for a text prompt,
+    # no for chat, whose template adds them)
+    add_special_tokens: bool | None = None
+    # the reply also carries each token as the tokenizer's vocabulary spells it
+    return_token_strs: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt, messages")
 
 
-class Tokens(Struct, kw_only=True):
+class Tokens(Struct, kw_only=True, omit_defaults=True):
     """The reply to a TokenizeRequest."""
 
     token_ids: list[int]
     count: int
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    """The text of token IDs, as the worker's tokenizer decodes them (special tokens kept)."""
+
+    token_ids: list[int]
+
+
+class Detokenized(Struct, kw_only=True):
+    """The reply to a DetokenizeRequest."""
+
+    text: str
 
 
 class CancelRequest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -393,7 +413,6 @@ class TokenLogprob(Struct, kw_only=True):
 
 
 FinishReason = Literal["stop", "length", "abort"]
-EXPERT_DTYPES = ("uint8", "uint16", "int32")
 
 
 class RoutedExperts(Struct, kw_only=True, frozen=True):
@@ -472,18 +491,22 @@ class Delta(Struct, kw_only=True):
     finish_reason: FinishReason | None = None
     # the stop string or stop token ID that ended the choice; None for EOS or length
     stop_reason: int | str | None = None
-    # with the final delta, from an engine that tracks policies per token
-    weight_versions: list[WeightSpan] | None = None
+    # with the final delta, from an engine that tracks policies per token (unset: the
+    # engine does not say, left out of the frame)
+    weight_versions: list[WeightSpan] | None | UnsetType = UNSET
     # set by the frontend on a final delta: the choice left the request's staleness bound
     # (nvext.policy) while it was generated
     stale_policy: bool | UnsetType = UNSET
     # with the final delta, when the request asked (routed_experts_start) and the engine
-    # returns them
-    routed_experts: RoutedExperts | None = None
+    # returns them (unset: none, left out of the frame)
+    routed_experts: RoutedExperts | None | UnsetType = UNSET
 
 
 class Step(Struct, kw_only=True):
     choices: list[Delta]
+    # from an engine to its worker only, on the first Step of a request with echo and
+    # stream: the prompt logprobs, which the worker moves into the Head (never sent)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None | UnsetType = UNSET
 
 
 class PromptLogprob(Struct, kw_only=True):
@@ -498,6 +521,9 @@ class Done(Struct, kw_only=True):
 
     done: bool = True
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # prompt tokens the engine found in its prefix cache (vLLM's num_cached_tokens);
+    # unset: the engine does not say (left out of the frame)
+    cached_tokens: int | None | UnsetType = UNSET
 
 
 class EngineError(Struct, kw_only=True):
@@ -527,6 +553,7 @@ class Frame(enum.IntEnum):
     CREDIT = 5  # int: the caller has taken this many more events of the stream
     PING = 6  # (empty, stream 0) are you there? answered by PONG on the worker's event loop
     AUTH = 7  # str, stream 0, first frame: the admin token (workers started with one need it)
+    DETOKENIZE = 8  # DetokenizeRequest; answered by REPLY (Detokenized) or ERROR
     # worker -> frontend
     HEAD = 10
     STEP = 11

@@ -8,7 +8,7 @@ Surfaces (one table each, derived from the Struct's fields, so a new field is on
 - stamped (`stamped` / `from_stamped`): {"weight_version", "weight_digest", "weight_step"}
   (discovery entries, `nvext.engine_data`, request-plane frames);
 - an admin reply's fields (`reply_fields` / `from_reply`): {"version", "weight_digest",
-  "step"} (get_weight_version and every install route, shared/spec/CONTRACT.md);
+  "step"} (get_weight_version and every install route, docs/contract.md);
 - a span label (`span_label` / `from_span_label`): "<version>|<digest>|<step>", what an
   engine that tracks policies per token stamps on its tokens (the base model's: an
   adapter's tokens are stamped by the worker from the adapter the request ran on);

@@ -13,7 +13,6 @@ from rlfleet.protocol.engine import (
     InvalidParam,
     PromptLogprob,
     SamplingOptions,
-    TokenizeRequest,
     WeightSpan,
 )
 from rlfleet.protocol.nvext import NvExt
@@ -157,7 +156,7 @@ class _Request(BaseModel):
                                "parser (vLLM: --reasoning-parser)", "thinking_token_budget")
         if self.stream and (self.prompt_logprobs or 0) != 0 \
                 and not self.nvext.wants("prompt_logprobs"):
-            # rlfleet's extension (CONTRACT.md): streamed prompt logprobs come in the last
+            # rlfleet's extension (docs/contract.md): streamed prompt logprobs come in the last
             # chunk's nvext when asked for there
             raise InvalidParam("`prompt_logprobs` are not available when `stream=True` (unless "
                                "nvext.extra_fields asks for \"prompt_logprobs\": they come in "
@@ -412,34 +411,6 @@ class ChatCompletionRequest(_Request):
             kw["reasoning_effort"] = self.reasoning_effort
             kw.setdefault("enable_thinking", self.reasoning_effort != "none")
         return kw or None
-
-
-class TokenizeRouteRequest(BaseModel):
-    """POST /tokenize (vLLM's route): the IDs the served model's tokenizer makes of `prompt`,
-    or of `messages` rendered with its chat template."""
-
-    model_config = ConfigDict(strict=True, extra="forbid")
-
-    model: str = Field(min_length=1)
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> TokenizeRouteRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt, messages")
-        if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty: send at least one message")
-        return self
-
-    def engine_request(self) -> TokenizeRequest:
-        if self.prompt is not None:
-            return TokenizeRequest(prompt=self.prompt)
-        return TokenizeRequest(messages=[m.plain() for m in self.messages or ()],
-                               add_generation_prompt=self.add_generation_prompt,
-                               chat_template_kwargs=self.chat_template_kwargs)
 
 
 class InputTokensRequest(BaseModel):

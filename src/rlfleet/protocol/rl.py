@@ -4,7 +4,8 @@ GET /v1/rl/workers, protocol version 1, which lists the `rl` ones (`RlWorker`)."
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -59,6 +60,10 @@ class WorkerEntry(msgspec.Struct, kw_only=True, omit_defaults=True):
     # connect to, and the engine's KV block size (in tokens)
     kv_events: str | None = None
     kv_block_size: int | None = None
+    # the engine's --logprobs-mode and tokenizer (vLLM's model_config, which server-info
+    # clients read: TRL checks logprobs_mode)
+    logprobs_mode: str | None = None
+    tokenizer: str | None = None
 
     def to_entry(self) -> dict[str, Any]:
         """The entry as discovery stores it."""
@@ -89,7 +94,7 @@ class CommittedPolicy(msgspec.Struct, kw_only=True, frozen=True):
     reopens). A record of an older fleet `epoch` never replaces a newer one."""
 
     model: str
-    epoch: int  # the fleet epoch of the transaction that wrote it (rlfleet.rl.journal)
+    epoch: int  # the fleet epoch of the transaction that wrote it (rlfleet.journal)
     refresh_id: int  # that transaction's journal record
     committed: PolicyIdentity | None = None  # None: not known (nothing is filtered)
     admitting: PolicyIdentity | None = None  # the target of the transaction under way
@@ -162,10 +167,8 @@ class RlWorker(BaseModel):
     @field_validator("admin_base_url")
     @classmethod
     def _admin(cls, v: str | None) -> str | None:
-        if v is not None:
-            u = urlsplit(v)
-            if u.scheme not in ("http", "https") or u.username or u.password or u.query or u.fragment:
-                raise ValueError("admin_base_url must be http(s) without userinfo, query or fragment")
+        if v is not None and not admin_url_ok(v):
+            raise ValueError("admin_base_url must be http(s) without userinfo, query or fragment")
         return v
 
     @model_validator(mode="after")
@@ -184,6 +187,53 @@ class RlWorker(BaseModel):
     def dump(self) -> dict[str, Any]:
         """Optional fields are omitted when absent, never null."""
         return self.model_dump(exclude_none=True)
+
+
+@functools.lru_cache(maxsize=8192)  # each worker's, listed again and again
+def admin_url_ok(url: str) -> bool:
+    """RlWorker's rule for admin_base_url: http(s), without userinfo, query or fragment
+    (ValueError: a URL urlsplit cannot split)."""
+    u = urlsplit(url)
+    return u.scheme in ("http", "https") and not (u.username or u.password or u.query
+                                                  or u.fragment)
+
+
+class RlWorkerStrict(msgspec.Struct):
+    """RlWorker's fields and bounds in msgspec's strict types: on a listing of a thousand
+    workers a fraction of pydantic's CPU (the RL listener lists with it, a refresh
+    coordinator reads listings with it). What the types cannot say, `passes` checks; an
+    entry either refuses (or a value RlWorker would coerce) is judged by RlWorker itself,
+    whose error is the one reported. Used only while its fields are RlWorker's, in order
+    (STRICT_MIRRORS)."""
+
+    namespace: str
+    component: str
+    endpoint: str
+    instance_id: Annotated[int, msgspec.Meta(ge=0)]
+    transport: dict[str, str]
+    request_plane_url: str
+    routes: list[str] = []
+    system_url: str | None = None
+    admin_base_url: str | None = None
+    model: str | None = None
+    world_size: Annotated[int, msgspec.Meta(gt=0)] | None = None
+    weight_transfer_backend: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    error: str | None = None
+    weight_version: str | None = None
+    weight_digest: str | None = None
+    weight_step: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    fleet_epoch: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    gated: bool | None = None
+    adapters: list[dict[str, Any]] | None = None
+
+    def passes(self) -> bool:
+        """RlWorker's checks beyond the types (ValueError: an admin URL urlsplit refuses)."""
+        admin = self.admin_base_url
+        return self.instance_id < 2**64 and len(self.transport) == 1 and (
+            admin is None or (self.world_size is not None and admin_url_ok(admin)))
+
+
+STRICT_MIRRORS = RlWorkerStrict.__struct_fields__ == tuple(RlWorker.model_fields)
 
 
 class SkippedEntry(BaseModel):

@@ -20,6 +20,20 @@ PauseMode = Literal["abort", "wait", "keep"]
 #: checks of update_weights_from_disk (digest, self-check, hold)
 RELOAD_WEIGHTS = "reload_weights"
 RELOAD_KWARGS = ("weights_path", "is_checkpoint_format")
+#: prime-rl's worker-extension method (`FileSystemWeightUpdateWorker.update_weights_from_path`
+#: in prime_rl/inference/vllm/worker/filesystem.py): a load of the checkpoint at `weight_path`
+UPDATE_WEIGHTS_FROM_PATH = "update_weights_from_path"
+#: the engine methods Dynamo's `engine_rpc` field may name (its vLLM handlers run
+#: `collective_rpc(engine_rpc, kwargs=...)`) that an rlfleet worker runs, each as a load from
+#: disk through update_weights_from_disk's checks, with the keyword that names the directory
+#: (Dynamo's disk handler: `weights_path` for reload_weights, else `weight_path`)
+DISK_ENGINE_RPCS = {RELOAD_WEIGHTS: "weights_path", UPDATE_WEIGHTS_FROM_PATH: "weight_path"}
+#: vLLM's weight-transfer methods as Dynamo's `engine_rpc` names them (NeMo RL's Dynamo refit
+#: sends them to init_weights_update_group and update_weights_from_distributed), by the step
+#: of rlfleet.worker.weight_transfer each one runs
+TRANSFER_ENGINE_RPCS = {"init_weight_transfer_engine": "init", "start_weight_update": "start",
+                        "update_weights": "update", "finish_weight_update": "finish",
+                        "shutdown_weight_transfer_engine": "shutdown"}
 
 #: what an unversioned engine reports as its weight version (vLLM's EngineCore default)
 DEFAULT_WEIGHT_VERSION = "default"
@@ -62,7 +76,41 @@ ROUTES = (PAUSE, RESUME, IS_PAUSED, ABORT_REQUESTS, INIT_WEIGHT_TRANSFER_ENGINE,
 # and {lora_name}; a plain-text success, vLLM's ErrorResponse (400, 404) otherwise
 LOAD_LORA_ADAPTER = NativeRoute("/v1/load_lora_adapter", "POST")
 UNLOAD_LORA_ADAPTER = NativeRoute("/v1/unload_lora_adapter", "POST")
-LORA_ROUTES = (LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER)
+
+# vLLM's dev-mode cache and sleep routes (`entrypoints/serve/dev/cache/api_router.py`,
+# `entrypoints/serve/dev/sleep/api_router.py`). On vLLM's CPU build sleep mode is not
+# available (`--enable-sleep-mode` is refused at start; `CPUWorker.sleep` and `wake_up` log
+# "sleep mode is not supported on CPU, ignore it."): /sleep pauses the scheduler and marks
+# the executor asleep while the weights and KV cache stay resident, /wake_up clears the mark
+# and resumes; an rlfleet worker answers so on every build.
+RESET_PREFIX_CACHE = NativeRoute("/reset_prefix_cache", "POST")
+SLEEP = NativeRoute("/sleep", "POST")
+WAKE_UP = NativeRoute("/wake_up", "POST")
+IS_SLEEPING = NativeRoute("/is_sleeping", "GET", mutating=False)
+#: the memory pools vLLM's executor puts to sleep at level >= 1 (vllm/v1/executor/abstract.py)
+SLEEP_TAGS = frozenset(("weights", "kv_cache"))
+#: the wake_up tag that only resumes scheduling (a level-0 sleep)
+SCHEDULING_TAG = "scheduling"
+#: what the CPU build logs for sleep and wake_up (its worker ignores both)
+SLEEP_UNSUPPORTED = "sleep mode is not supported on CPU, ignore it."
+
+# prime-rl's own server routes (prime_rl/inference/vllm/server.py) where they do not collide
+# with vLLM's: `POST /update_weights {"weight_dir"}` (vLLM's route of that path takes
+# `update_info`; the body tells them apart) runs `update_weights_from_path` and answers
+# `{"status": "ok"}`; `GET /liveness` answers `{"status": "ok"}`; `POST /init_broadcaster`
+# starts prime-rl's own NCCL receiver, which an rlfleet worker does not run (HTTP 400).
+PRIME_RL_LIVENESS = NativeRoute("/liveness", "GET", mutating=False)
+PRIME_RL_INIT_BROADCASTER = NativeRoute("/init_broadcaster", "POST")
+#: ... and, on a worker started with LoRA, its `/load_lora_adapter` (vLLM's body, always in
+#: place, `{"status": "ok"}`; vLLM's own is /v1/load_lora_adapter)
+PRIME_RL_LOAD_LORA_ADAPTER = NativeRoute("/load_lora_adapter", "POST")
+
+# SkyRL 0.3's own server route (skyrl/backends/skyrl_train/inference_servers/
+# vllm_server_actor.py), on a worker started with LoRA: `{"lora_name", "lora_path"}` (both
+# required), vLLM's load with `load_inplace=True`; `{"status": "ok", "lora_name"}` (SkyRL's
+# RemoteInferenceClient reads a 2xx body as text, a 4xx's JSON `error.message`)
+SKYRL_LOAD_LORA_ADAPTER = NativeRoute("/skyrl/v1/load_lora_adapter", "POST")
+SKYRL_LOAD_FIELDS = ("lora_name", "lora_path")
 
 #: the weight-transfer steps, by route: what the engine is asked to do (EngineControl)
 TRANSFER_STEPS = {INIT_WEIGHT_TRANSFER_ENGINE: "init", SHUTDOWN_WEIGHT_TRANSFER_ENGINE: "shutdown",

@@ -5,10 +5,20 @@ refresh (PolicyRefresh, its RefreshConfig, its journal, and the trainer-side Rol
 between them)."""
 # ruff: noqa: F401  (this module only re-exports the public API)
 
+from rlfleet.journal import EtcdJournal, SqliteJournal, open_journal
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.attempt import AttemptState, IllegalTransition
-from rlfleet.rl.checks import (
+from rlfleet.refresh.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
+from rlfleet.refresh.control import FleetFenced, SglangWorker
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.hooks import RefreshHooks
+from rlfleet.refresh.policy import Policy
+from rlfleet.refresh.probe import Probe, probe_from_model
+from rlfleet.refresh.transaction import RefreshResult, RefreshState
+from rlfleet.rl.fleet import Fleet, FleetHeld
+from rlfleet.rl.stream import OnStale, RolloutStream, StreamConfig, StreamedSample, StreamStats
+from rlfleet.rollout.attempt import AttemptState, IllegalTransition
+from rlfleet.rollout.checks import (
     CheckFailed,
     IdentityMismatch,
     LogprobsMisaligned,
@@ -20,19 +30,9 @@ from rlfleet.rl.checks import (
     TokenIdsMissing,
     WrongAdapter,
 )
-from rlfleet.rl.client import RolloutClient, TokenizeFailed
-from rlfleet.rl.config import OnFailure, PauseMode, RefreshConfig, RefreshMode, UpdatePath
-from rlfleet.rl.control import FleetFenced, SglangWorker
-from rlfleet.rl.fleet import Fleet, FleetHeld
-from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.hooks import RefreshHooks
-from rlfleet.rl.journal import EtcdJournal, SqliteJournal, open_journal
-from rlfleet.rl.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
-from rlfleet.rl.partial import PartialAction, PartialOutput, PartialRolloutPolicy
-from rlfleet.rl.policy import Policy
-from rlfleet.rl.probe import Probe, probe_from_model
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.retry import RetryPolicy
-from rlfleet.rl.sample import *  # noqa: F403  (its __all__: what a trainer builds and gets back)
-from rlfleet.rl.stream import OnStale, RolloutStream, StreamConfig, StreamedSample, StreamStats
-from rlfleet.rl.transaction import RefreshResult, RefreshState
+from rlfleet.rollout.client import RolloutClient, TokenizeFailed
+from rlfleet.rollout.gate import RolloutGate
+from rlfleet.rollout.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
+from rlfleet.rollout.partial import PartialAction, PartialOutput, PartialRolloutPolicy
+from rlfleet.rollout.retry import RetryPolicy
+from rlfleet.rollout.sample import *  # noqa: F403  (its __all__: what a trainer builds and gets back)

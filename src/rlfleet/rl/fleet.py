@@ -42,23 +42,23 @@ from typing import Any, TypeVar
 import httpx
 
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.client import RolloutClient
-from rlfleet.rl.config import RefreshConfig, RefreshMode
-from rlfleet.rl.gate import RolloutGate
-from rlfleet.rl.ledger import SampleLedger
-from rlfleet.rl.partial import PartialRolloutPolicy
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.retry import RetryPolicy
-from rlfleet.rl.sample import (
+from rlfleet.refresh.config import RefreshConfig, RefreshMode
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import Probe
+from rlfleet.refresh.transaction import RefreshResult
+from rlfleet.rl.stream import RolloutStream, StreamConfig
+from rlfleet.rollout.client import RolloutClient
+from rlfleet.rollout.gate import RolloutGate
+from rlfleet.rollout.ledger import SampleLedger
+from rlfleet.rollout.partial import PartialRolloutPolicy
+from rlfleet.rollout.retry import RetryPolicy
+from rlfleet.rollout.sample import (
     AdmittedSample,
     Chat,
     RolloutOutcome,
     SampleRequest,
     SamplingSpec,
 )
-from rlfleet.rl.stream import RolloutStream, StreamConfig
-from rlfleet.rl.transaction import RefreshResult
 
 T = TypeVar("T")
 

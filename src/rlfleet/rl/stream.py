@@ -52,13 +52,13 @@ from typing import Any, Protocol, TypeVar
 
 from rlfleet.protocol.identity import UNKNOWN
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.rl.client import RolloutClient
-from rlfleet.rl.config import RefreshMode
-from rlfleet.rl.ledger import AlreadyAdmitted
-from rlfleet.rl.probe import Probe
-from rlfleet.rl.refresh import PolicyRefresh
-from rlfleet.rl.sample import AdmittedSample, SampleFailed, SampleRequest
-from rlfleet.rl.transaction import RefreshResult
+from rlfleet.refresh.config import RefreshMode
+from rlfleet.refresh.coordinator import PolicyRefresh
+from rlfleet.refresh.probe import Probe
+from rlfleet.refresh.transaction import RefreshResult
+from rlfleet.rollout.client import RolloutClient
+from rlfleet.rollout.ledger import AlreadyAdmitted
+from rlfleet.rollout.sample import AdmittedSample, SampleFailed, SampleRequest
 
 T = TypeVar("T")
 

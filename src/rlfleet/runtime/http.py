@@ -110,19 +110,6 @@ def bad_json_message(exc: Exception, raw: bytes = b"") -> str:
     return str(exc) or type(exc).__name__
 
 
-def validation_message(exc: Exception) -> str:
-    """One readable line from a pydantic ValidationError (or any exception)."""
-    errors = getattr(exc, "errors", None)
-    if not callable(errors):
-        return str(exc)
-    parts = []
-    for e in errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        msg = e.get("msg", "invalid").removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
-
-
 class ClientWatch:
     """Notices when the caller of one HTTP request closes its connection, and then cancels
     the task serving it (which aborts whatever that task waits on). One watcher task per

@@ -3,8 +3,9 @@ benchmarks and tests: local processes here, Ray actors in rlfleet.runtime.placem
 process gets the engine environment written by setup (`<venv>/rlfleet.env`), its own
 process group, and a log file (`spawn`), or its output relayed through a supervisor
 (`spawn_relayed`: the frontend's `--processes`); one readiness wait (`Proc.wait_ready`) and
-one stop (`Proc.stop`, `stop_all`) for all of them. Also vLLM's own server (`vllm_serve`),
-the baseline of the differential tests and benchmarks."""
+one stop (`Proc.stop`, `stop_all`) for all of them. The harness that tests, benchmarks and
+the demo start fleets with (`LocalFleet`, vLLM's own server `vllm_serve`) is in
+rlfleet.testing.fleet."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-
-import httpx
 
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import default_discovery_url
@@ -249,103 +248,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-VLLM_SERVE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the `vllm` command
-
-
-@contextlib.contextmanager
-def vllm_serve(model: Path, served_name: str, log_dir: Path, *flags: str,
-               env: dict[str, str] | None = None, timeout: float = 600) -> Iterator[str]:
-    """vLLM's own OpenAI server (`vllm serve`, the baseline that differential tests and
-    benchmarks compare rlfleet with) on `model` as `served_name`, with `flags` (engine flags
-    and others), on 127.0.0.1 at a free port, with the engine environment plus `env`: its
-    URL once `/v1/models` answers. Its output is <log_dir>/vllm-serve-<port>.log; it is
-    stopped (its process group) on exit, also when it fails to start."""
-    port = free_port()
-    argv = [sys.executable, "-m", VLLM_SERVE, "--model", str(model), "--served-model-name",
-            served_name, "--host", "127.0.0.1", "--port", str(port), *flags]
-    proc = spawn(f"vllm-serve-{port}", argv, log_dir, env={**os.environ, **(env or {})},
-                 ready_marker=None)
-    url = f"http://127.0.0.1:{port}"
-
-    def answers() -> bool:
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-        return False
-
-    try:
-        proc.wait_ready(timeout, answers)
-        yield url
-    finally:
-        proc.stop(30)
-
-
-class LocalFleet:
-    """A fleet of local processes: one frontend and any number of workers sharing one
-    discovery store (tests, benchmarks, the demo; the trainer's API is `rlfleet.rl.Fleet`).
-    Use as a context manager; everything it started is stopped on exit, also on errors."""
-
-    def __init__(self, workdir: Path, discovery: str | None = None,
-                 namespace: str = "dynamo", lease_ttl: float = 10.0) -> None:
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.discovery = discovery or f"file://{self.workdir / 'discovery'}"
-        self.namespace = namespace
-        self.lease_ttl = lease_ttl
-        self.procs: list[Proc] = []
-        self.frontend: Proc | None = None
-        self.workers: list[Proc] = []
-
-    def _common(self) -> list[str]:
-        return ["--discovery", self.discovery, "--namespace", self.namespace]
-
-    def start_frontend(self, *extra: str, enable_rl: bool = False, timeout: float = 60,
-                       env: dict[str, str] | None = None) -> Proc:
-        argv = [sys.executable, "-m", "rlfleet.frontend", "--http-port", "0", *self._common()]
-        if enable_rl:
-            argv += ["--enable-rl", "--rl-port", "0"]
-        p = spawn("frontend", [*argv, *extra], self.workdir / "logs",
-                  env={**os.environ, **(env or {})})
-        self.procs.append(p)
-        self.frontend = p
-        p.wait_ready(timeout)
-        return p
-
-    def start_worker(self, *extra: str, kind: str = "vllm", wait: bool = True,
-                     timeout: float = 300, name: str | None = None,
-                     env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
-        """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker);
-        `cwd`: the directory a relative --model is resolved in."""
-        name = name or f"{kind}-worker-{len(self.workers)}"
-        argv = [sys.executable, "-m", f"rlfleet.{kind}", "--lease-ttl", str(self.lease_ttl),
-                *self._common(), *extra]
-        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})}, cwd=cwd)
-        self.procs.append(p)
-        self.workers.append(p)
-        if wait:
-            p.wait_ready(timeout)
-        return p
-
-    @property
-    def url(self) -> str:
-        assert self.frontend is not None, "no frontend started"
-        return self.frontend.ready["url"]
-
-    @property
-    def rl_url(self) -> str:
-        assert self.frontend is not None, "no frontend started"
-        return self.frontend.ready["rl_url"]
-
-    def stop(self) -> None:
-        stop_all(list(reversed(self.procs)))
-        self.procs.clear()
-
-    def __enter__(self) -> LocalFleet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
 # ------------------------------------------------------------------ `rlfleet up`: a fleet spec
 
 
@@ -400,10 +302,48 @@ class Member:
     args: list[str]
     gpus: int = 0  # GPUs it holds (a worker: tensor × pipeline parallel size)
     cpus: float = 1.0
+    env: dict[str, str] = field(default_factory=dict)  # beside this process's environment
 
     @property
     def is_worker(self) -> bool:
-        return self.module != "rlfleet.frontend"
+        return self.name.startswith("worker-")
+
+
+#: what `rlfleet up` sets on the fleet control service itself (`control:` may not)
+CONTROL_SET_BY_UP = ("rl-url", "admin-token", "admin-token-file")
+CONTROL_DEFAULT_PORT = 8002  # `rlfleet control`'s
+
+
+def control_member(cfg: Any, admin_token: str | None) -> tuple[Member, str]:
+    """The fleet control service `rlfleet up` starts for a fleet config's `control:` (true,
+    or a mapping of `rlfleet control` flags: port, host, journal, on-failure, ...), and the
+    URL every frontend process forwards control calls to. Port 0 is settled to a free port
+    here (the frontend is told it before the service starts); its `--rl-url` is added when
+    the frontend is ready; the admin token goes in its environment, never its command line."""
+    if cfg is True:
+        cfg = {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"fleet config: control is true or a mapping of `rlfleet control` "
+                         f"flags (port, host, journal, ...), not {cfg!r}")
+    keys = {str(k).removeprefix("--").replace("_", "-") for k in cfg}
+    if taken := sorted(keys & set(CONTROL_SET_BY_UP)):
+        raise ValueError(f"fleet config: control: {taken} are set by `rlfleet up` (the RL "
+                         "listener is the frontend's; the admin token comes from "
+                         "--admin-token-file or $RLFLEET_ADMIN_TOKEN)")
+    flags = to_flags(cfg)
+    host = _flag_value(flags, "--host") or "127.0.0.1"
+    port = _flag_value(flags, "--port") or str(CONTROL_DEFAULT_PORT)
+    try:
+        port_no = int(port)
+    except ValueError:
+        raise ValueError(f"fleet config: control: port must be a number, not {port!r}") from None
+    reach = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    if port_no == 0:  # the frontend needs the service's URL before it starts
+        port_no = free_port(reach)
+    env = {"RLFLEET_ADMIN_TOKEN": admin_token} if admin_token else {}
+    member = Member("control", "rlfleet.cli", ["control", *flags, "--port", str(port_no)],
+                    cpus=0.5, env=env)
+    return member, f"http://{reach}:{port_no}"
 
 
 @dataclass
@@ -414,6 +354,8 @@ class FleetSpec:
     workers: list[Member]
     discovery: str
     namespace: str = "dynamo"
+    control: Member | None = None  # the fleet control service (config `control:`)
+    control_url: str | None = None  # where every frontend process forwards control calls
 
     @classmethod
     def load(cls, config: dict[str, Any] | None = None, *, state_dir: Path,
@@ -426,19 +368,30 @@ class FleetSpec:
         here: readable and not empty; never on a command line). `frontend_processes`: the
         frontend serves its port from this many processes (its `--processes`)."""
         cfg = dict(config or {})
-        unknown = set(cfg) - {"discovery", "namespace", "frontend", "workers"}
+        unknown = set(cfg) - {"discovery", "namespace", "frontend", "workers", "control"}
         if unknown:
             raise ValueError(f"fleet config: unknown keys {sorted(unknown)} (use discovery, "
-                             "namespace, frontend, workers)")
+                             "namespace, frontend, workers, control)")
         disc = (discovery or cfg.get("discovery") or default_discovery_url()
                 or (Path(state_dir).absolute() / "discovery").as_uri())
         namespace = str(cfg.get("namespace") or os.environ.get("DYN_NAMESPACE", "dynamo"))
         common = ["--discovery", disc, "--namespace", namespace]
+        token = None
         if admin_token_file:
             path = str(Path(admin_token_file).absolute())
-            settle_admin_token(argparse.Namespace(admin_token=None, admin_token_file=path))
+            settled = argparse.Namespace(admin_token=None, admin_token_file=path)
+            settle_admin_token(settled)
+            token = settled.admin_token
             common += ["--admin-token-file", path]
         fe = to_flags(cfg.get("frontend"))
+        control, control_url = None, None
+        if cfg.get("control") not in (None, False):
+            if _flag_value(fe, "--fleet-control") is not None:
+                raise ValueError("fleet config: frontend: fleet-control is set by `control:` "
+                                 "(leave it out, or leave out control: to name a service "
+                                 "started elsewhere)")
+            control, control_url = control_member(cfg["control"], token)
+            fe += ["--enable-rl", "--fleet-control", control_url]  # the service needs the RL listener
         if frontend_processes is not None:
             if frontend_processes < 1:
                 raise ValueError(f"--processes must be at least 1, got {frontend_processes}")
@@ -473,7 +426,7 @@ class FleetSpec:
                 workers.append(Member(f"worker-{len(workers)}", WORKER_MODULES[k],
                                       [*common, *flags], gpus=gpus,
                                       cpus=float(g.get("cpus", 1.0))))
-        return cls(frontend, workers, disc, namespace)
+        return cls(frontend, workers, disc, namespace, control, control_url)
 
 
 def _gpu_engine() -> bool:
@@ -507,15 +460,34 @@ def up_local(spec: FleetSpec, state_dir: Path, timeout: float = 600) -> dict[str
         raise ValueError(f"a fleet is already up from {state_dir} ({old['mode']}): "
                          "`rlfleet down` first")
     procs: list[tuple[Member, Proc]] = []
+
+    def start(m: Member, *extra: str) -> None:
+        argv = [sys.executable, "-m", m.module, *m.args, *extra]
+        procs.append((m, spawn(m.name, argv, state_dir / "logs",
+                               env={**os.environ, **m.env} if m.env else None)))
+
     try:
         for m in [spec.frontend, *spec.workers]:
-            procs.append((m, spawn(m.name, [sys.executable, "-m", m.module, *m.args],
-                                   state_dir / "logs")))
+            start(m)
         members = []
-        for m, p in procs:
+
+        def wait(m: Member, p: Proc) -> dict[str, str]:
             ready = p.wait_ready(timeout)
             members.append({"name": m.name, "pid": p.pid, "ready": ready,
                             "log": str(p.log_path)})
+            return ready
+
+        for m, p in list(procs):
+            wait(m, p)
+        if spec.control is not None:
+            # started once the RL listener answers and the workers are up: at start the
+            # service recovers the fleet's unfinished transactions from its journal
+            rl_url = members[0]["ready"].get("rl_url")
+            if not rl_url:
+                raise RuntimeError("the frontend named no RL listener (rl_url) in its ready "
+                                   f"line; the fleet control service needs it: {members[0]}")
+            start(spec.control, "--rl-url", rl_url)
+            wait(*procs[-1])
     except BaseException:
         for _, p in reversed(procs):
             p.stop()

@@ -7,10 +7,10 @@ Where each metric lives:
 - `WORKER`: a worker's series (every one labelled with the model it serves), exported on
   its request plane's and its system server's /metrics;
 - the process registry (prometheus_client's default): vLLM's own `vllm:*` series in a vLLM
-  worker, the process and Python collectors everywhere, and the trainer side (rollouts,
-  policy refreshes: rlfleet.rl.telemetry) in the process that runs a RolloutClient or a
-  PolicyRefresh. Both /metrics routes add it to their own registry, so a worker never
-  exports zeroed frontend series, nor a frontend worker series.
+  worker, the process and Python collectors everywhere, and the trainer side (rollouts:
+  rlfleet.rollout.telemetry; policy refreshes: rlfleet.refresh.telemetry) in the process
+  that runs a RolloutClient or a PolicyRefresh. Both /metrics routes add it to their own
+  registry, so a worker never exports zeroed frontend series, nor a frontend worker series.
 
 End-to-end latencies have buckets up to hours (an RL generation may take minutes, a held
 request longer).
@@ -84,6 +84,10 @@ FRONTEND_OWNER_ASKS = Counter("rlfleet_frontend_request_id_owner_asks_total",
                               "top-ranked worker, after asking the workers ranked above whether "
                               "they own its run (found: attached there)", ["outcome"],
                               registry=FRONTEND)
+FRONTEND_ROUTE_PROBES = Counter("rlfleet_frontend_route_probes_total",
+                                "Probes of a worker's /engine route list by the RL listener (once "
+                                "per worker life; again after a failed one), by outcome (ok, "
+                                "failed)", ["outcome"], registry=FRONTEND)
 
 
 class FleetCollector:
@@ -146,6 +150,10 @@ WORKER_ATTACHES = Counter("rlfleet_worker_request_id_attaches_total",
                           ["model"], registry=WORKER)
 WORKER_RUNNING = Gauge("rlfleet_worker_running_requests", "Requests running in the engine",
                        ["model"], registry=WORKER)
+WORKER_ADMIN_CALLS = Counter("rlfleet_worker_admin_calls_total",
+                             "Admin calls this process's system servers answered (POST "
+                             "/engine/<route> of the route table), by route", ["route"],
+                             registry=WORKER)
 
 
 class WorkerSeries:

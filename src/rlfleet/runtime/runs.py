@@ -23,7 +23,25 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
+from rlfleet.protocol.engine import Head, Step
 from rlfleet.runtime.http import HttpError
+
+
+def event_bytes(ev: Any) -> int:
+    """About how much memory one kept request-plane event (Head, Step, Done) holds (Python
+    objects: ~40 bytes a token ID, ~120 a logprob entry)."""
+    kind = type(ev)
+    if kind is Step:
+        n = 64
+        for d in ev.choices:
+            n += 64 + 40 * len(d.token_ids) + len(d.text)
+            if d.logprobs:
+                n += sum(120 + 120 * len(lp.top or ()) for lp in d.logprobs)
+        return n
+    if kind is Head:
+        return 256 + 40 * len(ev.prompt_token_ids)
+    prompt_logprobs = getattr(ev, "prompt_logprobs", None)
+    return 256 + (200 * sum(len(p or ()) for p in prompt_logprobs) if prompt_logprobs else 0)
 
 
 class Run:

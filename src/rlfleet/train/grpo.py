@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from rlfleet.models.tokenizer import ENDOFTEXT_ID
-from rlfleet.rl.probe import Probe
+from rlfleet.refresh.probe import Probe
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,19 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest, RoutedExperts, SamplingOptions
+from rlfleet.protocol.engine import (
+    Delta,
+    Done,
+    GenerateRequest,
+    PromptLogprob,
+    RoutedExperts,
+    SamplingOptions,
+    Step,
+    TokenLogprob,
+)
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
 from rlfleet.vllm.adapters import LoraAdapters, Served
@@ -114,8 +122,8 @@ def _sampling_params(s: SamplingOptions, room: int, stream: bool):
     )
 
 
-def _token_logprobs(token_ids, logprobs, k: int) -> list[dict]:
-    """vLLM's per-position {token_id: Logprob} dicts → TokenLogprob dicts, 1:1 with token_ids."""
+def _token_logprobs(token_ids, logprobs, k: int) -> list[TokenLogprob]:
+    """vLLM's per-position {token_id: Logprob} dicts → TokenLogprobs, 1:1 with token_ids."""
     out = []
     for tid, pos in zip(token_ids, logprobs, strict=True):
         chosen = pos[tid]
@@ -123,20 +131,21 @@ def _token_logprobs(token_ids, logprobs, k: int) -> list[dict]:
         if k > 0:
             ranked = sorted(pos.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
             top = [(t, lp.logprob, lp.decoded_token or "") for t, lp in ranked[:k]]
-        out.append({"token_id": tid, "logprob": chosen.logprob, "rank": chosen.rank,
-                    "decoded": chosen.decoded_token or "", "top": top})
+        out.append(TokenLogprob(token_id=tid, logprob=chosen.logprob, rank=chosen.rank,
+                                decoded=chosen.decoded_token or "", top=top))
     return out
 
 
-def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs) -> list[dict | None]:
-    """The contract's shape: position 0 null, then {"<id>": {logprob, rank, decoded_token}}."""
-    out: list[dict | None] = []
+def _prompt_logprobs(prompt_ids: list[int], prompt_logprobs
+                     ) -> list[dict[str, PromptLogprob] | None]:
+    """The contract's shape: position 0 null, then {"<id>": PromptLogprob}."""
+    out: list[dict[str, PromptLogprob] | None] = []
     for i, pos in enumerate(prompt_logprobs):
         if pos is None or i == 0:
             out.append(None)
             continue
-        entries = {str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                            "decoded_token": lp.decoded_token or ""}
+        entries = {str(t): PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                         decoded_token=lp.decoded_token or "")
                    for t, lp in pos.items()}
         if str(prompt_ids[i]) not in entries:  # never expected; keep alignment honest
             raise RuntimeError(f"engine returned no logprob for prompt token at position {i}")
@@ -156,7 +165,7 @@ class _PromptLogprobs:
     def __init__(self, prompt_ids: list[int]) -> None:
         self.ids = prompt_ids
         self.parts: list = []  # vLLM's per-position entries so far (position 0: None)
-        self.ready: list[dict | None] | None = None
+        self.ready: list[dict[str, PromptLogprob] | None] | None = None
         self.taken = False
 
     def add(self, part) -> None:
@@ -169,17 +178,17 @@ class _PromptLogprobs:
         if len(self.parts) == len(self.ids):
             self.ready = _prompt_logprobs(self.ids, self.parts)
 
-    def take(self) -> list[dict | None] | None:
+    def take(self) -> list[dict[str, PromptLogprob] | None] | None:
         if self.taken or self.ready is None:
             return None
         self.taken = True
         return self.ready
 
 
-def _span(w) -> dict:
+def _span(w) -> WeightSpan:
     """vLLM's WeightVersionSpan (labelled with `PolicyIdentity.span_label` by set_version)
-    → the response shape {"version", "digest", "step", "start", "end"}."""
-    return WeightSpan.of(PolicyIdentity.from_span_label(w.version), w.start, w.end).to_dict()
+    → a WeightSpan ({"version", "digest", "step", "start", "end"} on the wire)."""
+    return WeightSpan.of(PolicyIdentity.from_span_label(w.version), w.start, w.end)
 
 
 async def _until_listening(host: str, port: int, deadline: float) -> None:
@@ -222,7 +231,9 @@ class VllmEngine(Engine, EngineControl):
         self._bound: dict[str, PolicyIdentity] = {}  # request id -> its adapter's version
         self.info = EngineInfo(served_model_name=name, model_path=str(path.resolve()) if path.exists()
                                else args.model, vocab_size=0, max_model_len=0,
-                               weight_transfer_backend=weight_transfer_backend(args))
+                               weight_transfer_backend=weight_transfer_backend(args),
+                               logprobs_mode=str(getattr(args, "logprobs_mode", None) or "")
+                               or None, tokenizer=getattr(args, "tokenizer", None))
 
     def engine_args(self):
         """vLLM's AsyncEngineArgs from the worker's command line (rlfleet.vllm.args)."""
@@ -257,6 +268,7 @@ class VllmEngine(Engine, EngineControl):
         eos = self.tokenizer.eos_token_id
         self.info.vocab_size = mc.get_vocab_size()
         self.info.max_model_len = mc.max_model_len
+        self.info.logprobs_mode = str(mc.logprobs_mode)  # as the engine resolved it
         self.info.eos_token_ids = (eos,) if eos is not None else ()
         self.info.world_size = self.llm.vllm_config.parallel_config.world_size_across_dp
         self.info.kv_block_size = self.llm.vllm_config.cache_config.block_size
@@ -331,10 +343,14 @@ class VllmEngine(Engine, EngineControl):
     def token_strs(self, token_ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in token_ids]
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(token_ids)
+
     def num_running(self) -> int:
         return self._running
 
-    async def generate(self, req: GenerateRequest, prompt_token_ids: list[int]) -> AsyncIterator[dict]:
+    async def generate(self, req: GenerateRequest, prompt_token_ids: list[int]
+                       ) -> AsyncIterator[Step | Done]:
         from vllm.inputs import TokensPrompt
 
         s = req.sampling
@@ -369,36 +385,39 @@ class VllmEngine(Engine, EngineControl):
         series = self.series
         series.running.inc()
         series.prompt.inc(len(prompt_token_ids))
+        cached = None  # prompt tokens vLLM found in its prefix cache
         try:
             async for out in results:
                 started = True
                 prompt_lps.add(out.prompt_logprobs)
+                cached = getattr(out, "num_cached_tokens", cached)
                 choices = []
                 for c in out.outputs:
                     ids = list(c.token_ids)
                     if not ids and c.finish_reason is None:
                         continue
                     series.generated.inc(len(ids))
-                    choice = {
-                        "index": c.index, "token_ids": ids, "text": c.text,
-                        "logprobs": _token_logprobs(ids, c.logprobs, k)
+                    choice = Delta(
+                        index=c.index, token_ids=ids, text=c.text,
+                        logprobs=_token_logprobs(ids, c.logprobs, k)
                         if s.logprobs is not None and c.logprobs is not None else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    }
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                     if c.weight_versions and served is None:  # the base model's spans
-                        choice["weight_versions"] = [_span(w) for w in c.weight_versions]
+                        choice.weight_versions = [_span(w) for w in c.weight_versions]
                     if experts_from is not None and c.finish_reason is not None \
                             and getattr(c, "routed_experts", None) is not None:
-                        choice["routed_experts"] = msgspec.to_builtins(
-                            RoutedExperts.of(np.asarray(c.routed_experts), experts_from),
-                            builtin_types=(bytes,))
+                        choice.routed_experts = RoutedExperts.of(np.asarray(c.routed_experts),
+                                                                 experts_from)
                     choices.append(choice)
                 if choices:
-                    ev: dict[str, Any] = {"choices": choices}
+                    ev = Step(choices=choices)
                     if early and prompt_lps.ready is not None:
-                        ev["prompt_logprobs"], early = prompt_lps.take(), False
+                        ev.prompt_logprobs, early = prompt_lps.take(), False
                     yield ev
-            yield {"done": True, "prompt_logprobs": prompt_lps.take()}
+            done = Done(prompt_logprobs=prompt_lps.take())
+            if isinstance(cached, int):
+                done.cached_tokens = cached
+            yield done
         except _CLIENT_ERRORS as e:
             if not started:  # vLLM's input checks
                 raise BadRequest(str(e)) from e

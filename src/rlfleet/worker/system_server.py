@@ -19,6 +19,8 @@ serves, HTTP 503 `{"status": "notready", ...}` before and while it shuts down, w
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import hmac
 import json
 import logging
@@ -39,11 +41,12 @@ from rlfleet.protocol.admin import (
     STALE_EPOCH,
     AdminRequestError,
     AdminRoute,
+    ErrorBody,
     FaultReply,
     FaultRequest,
-    HttpError,
     Reply,
     StaleEpochError,
+    UnsupportedRequest,
 )
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import bad_json_message
@@ -51,6 +54,28 @@ from rlfleet.runtime.http import bad_json_message
 log = logging.getLogger("rlfleet.system")
 
 Handler = Callable[[Any], Awaitable[Any]]
+#: a route of the serving table run in-process by a handler of that table (a composite
+#: call: commit_policy): `(name, body) -> (HTTP status, reply body)`, under the route's rules
+#: (fence, armed faults, `changed`, the mounted routes' view) but the control lock, which the
+#: calling handler holds
+TableCall = Callable[[str, dict[str, Any]], Awaitable[tuple[int, Any]]]
+_TABLE_CALL: contextvars.ContextVar[TableCall | None] = contextvars.ContextVar(
+    "rlfleet_table_call", default=None)
+
+
+def table_call() -> TableCall | None:
+    """For a handler: how to run another route of its server's table (None outside one)."""
+    return _TABLE_CALL.get()
+
+
+_CALL_EPOCH: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "rlfleet_call_epoch", default=None)
+
+
+def call_epoch() -> int | None:
+    """For a handler: the fleet epoch its call came with (None: no header, or a route that
+    is not fenced), for one that calls other workers on the caller's behalf (the relay)."""
+    return _CALL_EPOCH.get()
 
 
 @dataclass(frozen=True)
@@ -172,7 +197,7 @@ def _encoded(body: Any, status_code: int = 200) -> Response:
 
 
 def _http_error(error: str, message: str, status_code: int) -> Response:
-    return _encoded(HttpError(error=error, message=message), status_code)
+    return _encoded(ErrorBody(error=error, message=message), status_code)
 
 
 def system_app(routes: list[Route], *, admin_token: str | None = None,
@@ -207,7 +232,7 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     @app.get(admin.ROUTE_PREFIX)
     async def _routes():
         """The advertised route table (what the RL listener probes; fault name `engine`)."""
-        return await calls.listing(sorted(table))
+        return await calls.listing(sorted(n for n, r in table.items() if r.spec.listed))
 
     @app.api_route(admin.ROUTE_PREFIX + "/{name:path}", methods=["GET", "POST"])
     async def _engine_route(name: str, request: Request):
@@ -220,12 +245,12 @@ async def _route_not_served(request: Request, exc: Exception) -> Response:
     """The contract's error shape for paths and methods no route serves too."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 404:
-        body = HttpError(error="Route not found", message=f"Route {request.url.path} not found")
+        body = ErrorBody(error="Route not found", message=f"Route {request.url.path} not found")
     elif exc.status_code == 405:
-        body = HttpError(error="Method not allowed",
+        body = ErrorBody(error="Method not allowed",
                          message=f"{request.method} is not allowed on {request.url.path}")
     else:
-        body = HttpError(error=str(exc.detail), message=str(exc.detail))
+        body = ErrorBody(error=str(exc.detail), message=str(exc.detail))
     return Response(msgspec.json.encode(body), status_code=exc.status_code, headers=exc.headers,
                     media_type="application/json")
 
@@ -284,6 +309,7 @@ class _Calls:
             return _http_error("Route not found",
                                f"Route {admin.ROUTE_PREFIX}/{name} not found", 404)
         spec = route.spec
+        metrics.WORKER_ADMIN_CALLS.labels(spec.name).inc()
         if spec.mutating and not self.authorized(request):
             return _http_error("Unauthorized", f"this route needs '{admin.AUTH_HEADER}: "
                                "Bearer <admin token>'", 401)
@@ -303,6 +329,8 @@ class _Calls:
         except StaleEpoch as e:
             log.warning("refused %s: %s", name, e)
             return e.response()
+        except UnsupportedRequest as e:  # what the real server runs and this worker does not
+            return _http_error("Unsupported request", str(e), e.status)
         except AdminRequestError as e:  # a bad body: the contract's expected failure
             if spec.native:  # SGLang's own methods raise on a bad argument
                 return _http_error("Handler error", f"bad arguments: {e}", 500)
@@ -341,14 +369,47 @@ class _Calls:
     async def run(self, route: Route, req: Any, epoch: int | None) -> Any:
         spec = route.spec
         self.fence.check(epoch, advance=spec.mutating)  # again: a newer one may have come
+        token = _TABLE_CALL.set(functools.partial(self.inner, epoch=epoch))
+        epoch_token = _CALL_EPOCH.set(epoch)
         try:
             reply = await route.handler(req)
         finally:
+            _CALL_EPOCH.reset(epoch_token)
+            _TABLE_CALL.reset(token)
             if spec.mutating and self.changed is not None:  # publishes what changed
                 await self.changed()
         if self.mounted is not None:
             self.mounted.observe(spec, req, reply, epoch)
         return reply
+
+    async def inner(self, name: str, body: dict[str, Any], *, epoch: int | None
+                    ) -> tuple[int, Any]:
+        """Run route `name` in-process for a handler that holds the control lock (`TableCall`):
+        what a call of it would have answered, status and body."""
+        route = self.table.get(name)
+        if route is None:
+            return 404, {"error": "Route not found", "message": f"Route {name} not served"}
+        spec = route.spec
+        epoch = epoch if spec.fenced else None
+        try:
+            self.fence.check(epoch, advance=spec.mutating)
+            injected = await self.faults.check(spec.name) if (
+                self.faults is not None and spec.fenced) else None
+            if injected is not None:
+                return 200, msgspec.to_builtins(injected)
+            req = admin.read_request(spec, body)
+            return 200, msgspec.to_builtins(await self.run(route, req, epoch))
+        except StaleEpoch as e:
+            return 409, msgspec.to_builtins(StaleEpochError(
+                error=STALE_EPOCH, message=str(e), fleet_epoch=e.epoch,
+                newest_fleet_epoch=e.newest))
+        except UnsupportedRequest as e:
+            return e.status, {"error": "Unsupported request", "message": str(e)}
+        except AdminRequestError as e:
+            return 200, msgspec.to_builtins(spec.failure(str(e)))
+        except Exception as e:  # the contract's 500, as a call of it would answer
+            log.exception("route %s failed", name)
+            return 500, {"error": "Handler error", "message": f"{type(e).__name__}: {e}"}
 
     async def guard(self, request: Request, name: str, call: Callable[[], Awaitable[Response]],
                     *, mutating: bool, serialized: bool) -> Response:

@@ -124,9 +124,6 @@ class Listing:
 
     entries: Entries
     skipped: list[Skipped] = field(default_factory=list)
-    # key -> (expires_at, ttl) of each listed lease, where the store knows them (file):
-    # what its watch checks without listing again
-    leases: dict[str, tuple[float, float]] | None = None
 
     @classmethod
     def of(cls, items: Iterable[tuple[str, Entry]], skipped: list[Skipped],
@@ -326,6 +323,11 @@ class Discovery(abc.ABC):
         """Entries matching the filter and what was skipped; never raises for one bad entry
         (DiscoveryError when the store itself cannot be read)."""
 
+    async def _list_shared(self, namespace: str | None, component: str | None,
+                           endpoint: str | None) -> Listing:
+        """`_list`, whose entries may be the store's own objects (`listing(shared=True)`)."""
+        return await self._list(namespace, component, endpoint)
+
     @abc.abstractmethod
     def _changes(self, namespace: str | None, component: str | None,
                  endpoint: str | None) -> ChangeSource: ...
@@ -361,11 +363,16 @@ class Discovery(abc.ABC):
         return (await self.listing(namespace, component, endpoint)).entries
 
     async def listing(self, namespace: str | None = None, component: str | None = None,
-                      endpoint: str | None = None) -> Listing:
-        """Like :meth:`list`, with the entries the store had to skip and why."""
+                      endpoint: str | None = None, *, shared: bool = False) -> Listing:
+        """Like :meth:`list`, with the entries the store had to skip and why. `shared`: the
+        entries may be the store's own (a store that keeps what it read, the file store,
+        hands out the same object for an entry until it changes; a caller that keeps what
+        it made of an entry can tell an unchanged one by identity); read them, never change
+        them."""
         self._check_open()
         self.lists += 1
-        return self._report(await self._list(namespace, component, endpoint))
+        got = self._list_shared if shared else self._list
+        return self._report(await got(namespace, component, endpoint))
 
     async def watch(self, namespace: str | None = None, interval: float = 0.25, *,
                     component: str | None = None,
@@ -374,25 +381,37 @@ class Discovery(abc.ABC):
         bad entries (the last good list stands while the store cannot be read).
 
         Use with ``contextlib.aclosing`` so the generator is closed when you stop iterating.
-        It ends when the discovery object is closed.
+        It ends when the discovery object is closed. Each yield builds the whole sorted
+        list; a follower of a large fleet wants :meth:`follow`, which says what changed.
+        """
+        async with contextlib.aclosing(self.follow(namespace, interval, component=component,
+                                                   endpoint=endpoint)) as changes:
+            async for change in changes:
+                yield _sorted_entries(list(change.entries.items()))
+
+    async def follow(self, namespace: str | None = None, interval: float = 0.25, *,
+                     component: str | None = None,
+                     endpoint: str | None = None) -> AsyncIterator[Change]:
+        """Yield the live entries now, then after each change with the keys that changed:
+        a store's watch applies each change it is told of (etcd's events in revision order,
+        the file store's changed files) and lists the whole store only at the start and
+        when it lost track (a compacted or broken etcd watch, a directory replaced, an
+        overflowing file watch), so a follower's work per change does not grow with the
+        fleet (a discovery directory on a filesystem shared between hosts, which raises no
+        event for other hosts' writes, is listed again after each change instead).
+        Survives store outages and bad entries as :meth:`watch` does.
         """
         if not interval > 0:
             raise ValueError(f"interval must be positive, got {interval!r}")
         self._check_open()
-        last: Entries | None = None
         failing = False
-        changes = self._changes(namespace, component, endpoint)
+        first = True
+        source = self._changes(namespace, component, endpoint)
         try:
-            await changes.start()
+            await source.start()
             while not self._closed:
                 try:
-                    listing = await changes.view()
-                    if listing is None:
-                        listing = await self.listing(namespace, component, endpoint)
-                    else:
-                        listing = self._report(listing)
-                    changes.listed(listing)
-                    entries = listing.entries
+                    change = await source.step()
                 except Exception as exc:  # noqa: BLE001 - a watch never dies; it reports and retries
                     if not failing:
                         if isinstance(exc, DiscoveryError):
@@ -406,14 +425,16 @@ class Discovery(abc.ABC):
                     if failing:
                         log.info("discovery: watch on %s recovered", self.url)
                         failing = False
-                    if entries is not last and entries != last:
-                        last = entries
-                        yield entries
+                    if first or change.skipped_changed:
+                        self._report(Listing([], list(change.skipped)))
+                    if first or change.changed:
+                        first = False
+                        yield change
                 if self._closed:
                     break
-                await changes.wait(interval, failing)
+                await source.wait(interval, failing)
         finally:
-            await changes.aclose()
+            await source.aclose()
 
     async def put_record(self, name: str, value: dict[str, Any]) -> None:
         """Publish a small JSON object under `name`, beside the entries and under no lease
@@ -453,19 +474,59 @@ class Discovery(abc.ABC):
         return f"<{type(self).__name__} {self.url}>"
 
 
+@dataclass
+class Change:
+    """One step of :meth:`Discovery.follow`: the live entries matching its filter, by key,
+    and the keys whose entry was added, replaced or removed since the step before (at the
+    first step: every key). `entries` is the watch's own view, changed in place by the
+    next step: read it, do not keep the dict (the entries in it are never changed in
+    place, and may be kept; none may be changed by a reader)."""
+
+    entries: dict[str, Entry]
+    changed: set[str]
+    skipped: list[Skipped] = field(default_factory=list)  # what the store holds but cannot read
+    skipped_changed: bool = False  # `skipped` differs from the step before
+
+    def __repr__(self) -> str:
+        return f"<Change {len(self.entries)} entries, {len(self.changed)} changed>"
+
+
 class ChangeSource:
-    """Tells a watch loop when to look again, and may keep the view itself (etcd applies
-    its watch's events); the default just polls and lists."""
+    """Keeps the view a :meth:`Discovery.follow` yields and tells it when to look again.
+    This default lists the store at every tick and compares (a store with a watch of its
+    own applies its changes instead: etcd's events, the file store's changed files)."""
+
+    def __init__(self, owner: Discovery, where: tuple[str | None, str | None, str | None]
+                 ) -> None:
+        self._owner, self._where = owner, where
+        self.entries: dict[str, Entry] = {}
+        self.skipped: list[Skipped] = []
+        self.started = False  # a step has been made (the first one changes every key)
 
     async def start(self) -> None:
         return None
 
-    async def view(self) -> Listing | None:
-        """The current listing where this source keeps one; None: list the store."""
-        return None
+    async def step(self) -> Change:
+        """The view now and what changed since the last step (raises DiscoveryError when
+        the store cannot be read; the view then stays as it was)."""
+        listing = await self._owner._list(*self._where)
+        self._owner.lists += 1
+        return self._replace({entry_key(e): e for e in listing.entries}, listing.skipped)
 
-    def listed(self, listing: Listing) -> None:
-        """The watch just listed this (what it yields unless nothing changed)."""
+    def _replace(self, fresh: dict[str, Entry], skipped: list[Skipped]) -> Change:
+        """The view becomes `fresh` (a whole listing): the keys that differ changed."""
+        changed = {k for k in self.entries.keys() | fresh.keys()
+                   if self.entries.get(k) != fresh.get(k)}
+        if not self.started:
+            changed = set(fresh)
+        self.entries.clear()
+        self.entries.update(fresh)
+        return self._change(changed, skipped)
+
+    def _change(self, changed: set[str], skipped: list[Skipped]) -> Change:
+        moved = skipped != self.skipped
+        self.skipped, self.started = skipped, True
+        return Change(self.entries, changed, skipped, moved)
 
     async def wait(self, interval: float, failing: bool) -> None:
         await asyncio.sleep(interval)

@@ -22,8 +22,10 @@ from typing import Any, TypeVar
 import aetcd
 import aetcd.exceptions
 import aetcd.rtypes
+import msgspec
 
 from rlfleet.runtime.discovery.base import (
+    Change,
     ChangeSource,
     Discovery,
     DiscoveryError,
@@ -33,11 +35,13 @@ from rlfleet.runtime.discovery.base import (
     Registration,
     Skipped,
     _filter_prefix,
+    _matches,
     _normalize,
     entry_key,
     log,
 )
 
+_decode = msgspec.json.Decoder().decode
 ETCD_PREFIX = "/rlfleet/discovery/"
 ETCD_DEFAULT_PORT = 2379
 DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
@@ -254,32 +258,58 @@ class _EtcdView(ChangeSource):
     removes it. The watch starts at the revision after the listing's, so nothing falls in
     between; the store is listed again only when the watch is lost (a broken stream, an
     endpoint change) or etcd compacted the revisions it still had to send, and the new
-    watch then starts after the new listing's revision. A frontend's cost follows the
-    changes, not the fleet: an idle fleet costs nothing but the open stream."""
+    watch then starts after the new listing's revision. A follower's cost follows the
+    changes, not the fleet: each event touches one key (the keys it changed are what a
+    step reports), and an idle fleet costs nothing but the open stream."""
 
     def __init__(self, owner: EtcdDiscovery, prefix: bytes,
                  where: tuple[str | None, str | None, str | None]) -> None:
-        self._owner = owner
+        super().__init__(owner, where)
+        self._owner: EtcdDiscovery = owner
         self._prefix = prefix
-        self._where = where  # the watch's (namespace, component, endpoint) filter
-        self._items: dict[str, tuple[str, Entry] | Skipped] = {}  # etcd key -> its entry
+        # etcd key -> (entry key, entry) or what is wrong with its value; entries outside
+        # the filter are not kept
+        self._items: dict[str, tuple[str, Entry] | Skipped] = {}
+        # entry key -> its entry now (None: removed), for each changed since the last step
+        self._pending: dict[str, Entry | None] = {}
+        self._skipped_moved = False  # a skipped value came, changed or went since then
         self.revision = 0  # etcd's revision the view is current to
         self._listed = 0  # the revision of the listing it started from
-        self._listing: Listing | None = None  # built from _items; None after a change
-        self._stale = True  # list (again) before the next view
+        self._stale = True  # list (again) before the next step
         self._event = asyncio.Event()  # an event was applied, or the watch ended
         self._watch: Any = None
         self._pump: asyncio.Task[None] | None = None
         self._warned = False
 
-    async def view(self) -> Listing:
+    async def step(self) -> Change:
         if self._stale:
             await self._resync()
-        if self._listing is None:
-            entries = [v for v in self._items.values() if not isinstance(v, Skipped)]
-            skipped = [v for v in self._items.values() if isinstance(v, Skipped)]
-            self._listing = Listing.of(entries, skipped, *self._where)
-        return self._listing
+            return self._replace(self._live(), self._skipped_now())
+        pending, self._pending = self._pending, {}
+        for key, entry in pending.items():
+            if entry is None:
+                self.entries.pop(key, None)
+            else:
+                self.entries[key] = entry
+        skipped = self._skipped_now() if self._skipped_moved else self.skipped
+        self._skipped_moved = False
+        return self._change(set(pending), skipped)
+
+    def _live(self) -> dict[str, Entry]:
+        return {v[0]: v[1] for v in self._items.values() if not isinstance(v, Skipped)}
+
+    def _skipped_now(self) -> list[Skipped]:
+        return [v for v in self._items.values() if isinstance(v, Skipped)]
+
+    def _parse(self, kv: Any) -> tuple[str, Entry] | Skipped | None:
+        """The key-value's entry, what is wrong with it, or None: outside the filter (as
+        its etcd key tells, before its value is read, or as its entry does)."""
+        if self._owner._outside(kv.key, self._where):
+            return None
+        got = self._owner._parse(kv)
+        if isinstance(got, Skipped):
+            return got if got.matches(*self._where) else None
+        return got if _matches(got[1], *self._where) else None
 
     async def _resync(self) -> None:
         """List the prefix, then watch it from the next revision on."""
@@ -287,10 +317,15 @@ class _EtcdView(ChangeSource):
         self._event.clear()
         result = await self._owner._range(self._prefix)
         self._owner.lists += 1
-        self._items = {kv.key.decode("utf-8", errors="replace"): self._owner._parse(kv)
-                       for kv in result.kvs}
+        items = {}
+        for kv in result.kvs:
+            got = self._parse(kv)
+            if got is not None:
+                items[kv.key.decode("utf-8", errors="replace")] = got
+        self._items = items
+        self._pending.clear()
+        self._skipped_moved = False
         self.revision = self._listed = result.header.revision
-        self._listing = None
         start = self.revision + 1
         try:
             watch = await self._owner._call(
@@ -312,13 +347,21 @@ class _EtcdView(ChangeSource):
         kv = event.kv
         if kv.mod_revision <= self._listed:
             return  # in the listing already (a watch that starts after it never sends one)
-        name = kv.key.decode("utf-8", errors="replace")
-        if event.kind == aetcd.rtypes.EventKind.PUT:
-            self._items[name] = self._owner._parse(kv)
-        else:
-            self._items.pop(name, None)
         self.revision = kv.mod_revision
-        self._listing = None
+        name = kv.key.decode("utf-8", errors="replace")
+        old = self._items.get(name)
+        new = self._parse(kv) if event.kind == aetcd.rtypes.EventKind.PUT else None
+        if new is None:
+            self._items.pop(name, None)
+        else:
+            self._items[name] = new
+        if old == new:
+            return  # the same value put again
+        for got, now in ((old, None), (new, new)):
+            if isinstance(got, Skipped):
+                self._skipped_moved = True
+            elif got is not None:
+                self._pending[got[0]] = None if now is None else now[1]  # type: ignore[index]
 
     async def _run(self, watch: Any) -> None:
         try:
@@ -342,7 +385,7 @@ class _EtcdView(ChangeSource):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._event.wait(), WATCH_IDLE)
         if self._event.is_set():
-            # the rest of a burst (a fleet changing: N events) lands in the same view
+            # the rest of a burst (a fleet changing: N events) lands in the same step
             await asyncio.sleep(interval)
             self._event.clear()
 
@@ -464,11 +507,25 @@ class EtcdDiscovery(Discovery):
         """Every key under `prefix` and the revision they are current to (one listing)."""
         return await self._call(f"list {prefix.decode()}", lambda c: c.get_prefix(prefix))
 
+    def _outside(self, etcd_key: bytes, where: tuple[str | None, str | None, str | None]
+                 ) -> bool:
+        """Whether an etcd key names an entry outside the filter `where` (a key that names
+        no entry's key may hold any entry: not outside)."""
+        if not any(where):
+            return False
+        key = self._key_of(etcd_key.decode("utf-8", errors="replace"))
+        return key is not None and any(
+            want is not None and part != want
+            for part, want in zip(key.split("/", 3), where, strict=False))
+
     def _parse(self, kv: Any) -> tuple[str, Entry] | Skipped:
         """An etcd key-value as (entry key, entry), or what is wrong with it."""
         name = kv.key.decode("utf-8", errors="replace")
         try:
-            entry = json.loads(kv.value.decode("utf-8"))
+            try:
+                entry = _decode(kv.value)
+            except msgspec.DecodeError:  # what json says of it (or a value only json reads)
+                entry = json.loads(kv.value.decode("utf-8"))
             return entry_key(entry), entry
         except UnicodeDecodeError as exc:
             return Skipped(name, f"not UTF-8 text: {exc}", self._key_of(name))
@@ -479,7 +536,8 @@ class EtcdDiscovery(Discovery):
                     endpoint: str | None) -> Listing:
         result = await self._range(self._etcd_key(_filter_prefix(namespace, component,
                                                                  endpoint)))
-        parsed = [self._parse(kv) for kv in result.kvs]
+        where = (namespace, component, endpoint)
+        parsed = [self._parse(kv) for kv in result.kvs if not self._outside(kv.key, where)]
         return Listing.of([p for p in parsed if not isinstance(p, Skipped)],
                           [p for p in parsed if isinstance(p, Skipped)],
                           namespace, component, endpoint)

@@ -11,32 +11,43 @@ without the directory never empty a frontend's pool.
 
 A keep-alive touches its file (its modification time is the lease's start) rather than
 rewriting it, so the directory itself changes only when an entry is added, replaced or
-removed. A watch therefore stats one directory per tick and lists it only when it changed
-(or changed within the last `HOT` seconds: timestamps are coarse), and stats the file of an
-entry only when that entry's lease would have run out: its cost follows the changes and
-the leases, not the listing.
+removed. A watch (`_FileView`) on a local filesystem reads just the files the kernel says
+changed (inotify) and lists the directory whole only at its start or when it lost track;
+on a filesystem shared between hosts it stats the directory once a tick and lists it only
+when it changed (or changed within the last `HOT` seconds: timestamps are coarse). Either
+way it reads the file of an entry again only when that entry's lease would have run out:
+its cost follows the changes and the leases, not the listing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import hashlib
+import heapq
 import json
+import math
 import os
 import secrets
 import stat
+import struct
+import sys
 import threading
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from rlfleet.runtime.discovery import base
 from rlfleet.runtime.discovery.base import DiscoveryError, Entry, Skipped, entry_key, log
 
-# file name -> (inode, mtime_ns, size), the parsed record or None, the reason it is unusable
-_Cached = tuple[tuple[int, int, int], dict[str, Any] | None, str | None]
+# file name -> (inode, mtime_ns, size), the parsed record or None, the reason it is unusable,
+# the record's entry key (None with no record)
+_Cached = tuple[tuple[int, int, int], dict[str, Any] | None, str | None, str | None]
+_decode = msgspec.json.Decoder().decode
 
 
 def default_file_dir() -> Path:
@@ -75,11 +86,16 @@ class FileDiscovery(base.Discovery):
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory).absolute()
         super().__init__(self.directory.as_uri())
+        self._dir = f"{self.directory}{os.sep}"  # a file's path is this and its name
+        self._keys_of_names: dict[str, str | None] = {}  # file name -> `_key_of_name`
+        self._outside_memo: dict[tuple, dict[str, bool]] = {}  # `_key_outside`, by filter
         self._cache: dict[str, _Cached] = {}
         self._lock = threading.Lock()  # one scan or write at a time; they run in threads
         self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) when last seen
         self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
         self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
+        self._names_of_last: dict[str, str] = {}  # entry key -> its file, last scan
+        self._names_of_keys: dict[str, str] = {}  # entry key -> its file's name (`_name`)
         self._pending: list[tuple[Any, tuple, asyncio.Future]] = []  # ops for the next trip
         self._batcher: asyncio.Task[None] | None = None
 
@@ -88,7 +104,7 @@ class FileDiscovery(base.Discovery):
 
     def _changes(self, namespace: str | None, component: str | None,
                  endpoint: str | None) -> base.ChangeSource:
-        return _FileChanges(self)
+        return _FileView(self, (namespace, component, endpoint))
 
     async def _batched(self, fn, *args):
         """`fn(*args)` in a thread, in one trip with the other writes, touches and deletes
@@ -133,10 +149,20 @@ class FileDiscovery(base.Discovery):
                                  f"filesystem in {self.DEADLINE:g}s") from None
 
     def _path(self, key: str) -> Path:
-        name = urllib.parse.quote(key, safe="")
-        if len(name) > 200:  # '#' never occurs in a quoted name
-            name = "#" + hashlib.sha256(key.encode()).hexdigest()
-        return self.directory / f"{name}.json"
+        return self.directory / self._name(key)
+
+    def _name(self, key: str) -> str:
+        """The name of `key`'s file (remembered: a watch asks for it at every lease end)."""
+        name = self._names_of_keys.get(key)
+        if name is None:
+            name = urllib.parse.quote(key, safe="")
+            if len(name) > 200:  # '#' never occurs in a quoted name
+                name = "#" + hashlib.sha256(key.encode()).hexdigest()
+            name += ".json"
+            if len(self._names_of_keys) > 100_000:
+                self._names_of_keys.clear()
+            self._names_of_keys[key] = name
+        return name
 
     @staticmethod
     def _key_of_name(name: str) -> str | None:
@@ -218,48 +244,92 @@ class FileDiscovery(base.Discovery):
         self._last.pop(key, None)
         self._held.pop(key, None)
 
-    def _read(self, name: str) -> tuple[dict[str, Any] | None, str | None, float]:
+    def _name_key(self, name: str) -> str | None:
+        """`_key_of_name`, remembered (a watch and a listing ask for every name)."""
+        try:
+            return self._keys_of_names[name]
+        except KeyError:
+            if len(self._keys_of_names) > 100_000:
+                self._keys_of_names.clear()
+            key = self._keys_of_names[name] = self._key_of_name(name)
+            return key
+
+    def _outside(self, name: str, where: tuple[str | None, str | None, str | None]) -> bool:
+        """Whether the file `name` holds an entry outside the filter `where`, as its name
+        tells (a file whose name tells no key may hold any entry: not outside)."""
+        key = self._name_key(name)
+        return key is not None and self._key_outside(key, where)
+
+    def _key_outside(self, key: str, where: tuple[str | None, str | None, str | None]) -> bool:
+        """Whether entry key `key` is outside the filter `where` (remembered)."""
+        memo = self._outside_memo.get(where)
+        if memo is None or len(memo) > 100_000:
+            if len(self._outside_memo) > 16:
+                self._outside_memo.clear()
+            memo = self._outside_memo[where] = {}
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = any(want is not None and part != want
+                                  for part, want in zip(key.split("/", 3), where, strict=False))
+        return out
+
+    def _read(self, name: str, touched: bool = False
+              ) -> tuple[dict[str, Any] | None, str | None, float, str | None]:
         """(the parsed record, None), or (None, why it is unusable), or (None, None) when the
-        file is gone; and the file's mtime (when its lease was last renewed). Cached by
-        inode/mtime/size; never blocks (FIFOs and devices are refused before they are
-        opened, and opened non-blocking in case of a race)."""
-        path = self.directory / name
+        file is gone; the file's mtime (when its lease was last renewed); the record's entry
+        key (None without a record). Cached by
+        inode/mtime/size (`touched`: the caller knows nothing wrote the file since it was
+        last read, only keep-alives touched it: cached by inode/size); never blocks (FIFOs
+        and devices are refused before they are opened, and opened non-blocking in case of
+        a race)."""
+        path = self._dir + name
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return None, None, 0.0
+            return None, None, 0.0, None
         except OSError as exc:
-            return None, f"cannot stat: {exc}", 0.0
+            return None, f"cannot stat: {exc}", 0.0, None
         sig = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._cache.get(name)
-        if cached is not None and cached[0] == sig:
-            return cached[1], cached[2], st.st_mtime
-        record, error = self._parse(path, st)
-        self._cache[name] = (sig, record, error)
-        return record, error, st.st_mtime
+        if cached is not None and (cached[0] == sig or (
+                touched and (cached[0][0], cached[0][2]) == (sig[0], sig[2]))):
+            # (a touched record keeps its cached time: a write that may follow is parsed)
+            return cached[1], cached[2], st.st_mtime, cached[3]
+        record, error, key = self._parse(path, st)
+        self._cache[name] = (sig, record, error, key)
+        return record, error, st.st_mtime, key
 
-    def _parse(self, path: Path, st: os.stat_result) -> tuple[dict[str, Any] | None, str | None]:
+    def _parse(self, path: str, st: os.stat_result
+               ) -> tuple[dict[str, Any] | None, str | None, str | None]:
+        """(the record, None, its entry's key) or (None, why it is unusable, None)."""
         if not stat.S_ISREG(st.st_mode):
-            return None, "not a regular file"
+            return None, "not a regular file", None
         if st.st_size > self.MAX_RECORD_BYTES:
-            return None, f"{st.st_size} bytes: too large to be a discovery record"
+            return None, f"{st.st_size} bytes: too large to be a discovery record", None
         data, error = _read_file(path, self.MAX_RECORD_BYTES + 1)
         if data is None:
-            return None, error
+            return None, error, None
         try:
-            record = json.loads(data.decode("utf-8"))
+            try:
+                record = _decode(data)
+            except msgspec.DecodeError:  # what json says of it (or a value only json reads)
+                record = json.loads(data.decode("utf-8"))
             if not (isinstance(record, dict) and isinstance(record.get("entry"), dict)
                     and isinstance(record.get("expires_at"), int | float)):
                 raise ValueError('not a discovery record ({"entry", "expires_at", "ttl"})')
-            entry_key(record["entry"])
+            key = entry_key(record["entry"])
         except UnicodeDecodeError as exc:
-            return None, f"not UTF-8 text: {exc}"
+            return None, f"not UTF-8 text: {exc}", None
         except (ValueError, TypeError) as exc:
-            return None, str(exc)
-        return record, None
+            return None, str(exc), None
+        return record, None, key
 
-    def _scan(self) -> tuple[dict[str, tuple[Entry, float]], list[Skipped]]:
-        """Live entries by key (with their expiry) and the files that had to be skipped."""
+    def _scan(self, where: tuple[str | None, str | None, str | None] | None = None
+              ) -> tuple[dict[str, tuple[Entry, float]], list[Skipped]]:
+        """Live entries by key (with their expiry) and the files that had to be skipped;
+        with a filter `where` (namespace, component, endpoint), the files whose names tell
+        an entry outside it are not read (a listing of one endpoint stats only its files;
+        the store writes each entry under its key's name)."""
         now = time.time()
         skipped: list[Skipped] = []
         try:
@@ -284,16 +354,17 @@ class FileDiscovery(base.Discovery):
             skipped.append(Skipped(str(self.directory), "the discovery directory is missing; "
                                    "its entries are kept until their leases end"))
         live: dict[str, tuple[Entry, float]] = {}
+        names_of: dict[str, str] = {}  # entry key -> its file's name
         for name in names:
             if name.startswith("."):
                 if name.endswith(".tmp"):
                     self._gc_tmp(name, now)
                 continue
-            if not name.endswith(".json"):
+            if not name.endswith(".json") or (where is not None and self._outside(name, where)):
                 continue
-            record, error, renewed = self._read(name)
+            record, error, renewed, key = self._read(name)
             if error is not None:
-                skipped.append(Skipped(str(self.directory / name), error, self._key_of_name(name)))
+                skipped.append(Skipped(self._dir + name, error, self._key_of_name(name)))
                 continue
             if record is None:
                 continue
@@ -304,19 +375,100 @@ class FileDiscovery(base.Discovery):
                 grace = self.GC_TTLS * (ttl or 10.0)
                 if now - expires_at > grace:
                     with contextlib.suppress(OSError):
-                        (self.directory / name).unlink()
+                        os.unlink(self._dir + name)
                 continue
-            entry = record["entry"]
-            live[entry_key(entry)] = (entry, expires_at)
-        for gone in self._cache.keys() - set(names):
-            del self._cache[gone]
+            live[key] = (record["entry"], expires_at)  # type: ignore[index]
+            names_of[key] = name  # type: ignore[index]
+        if len(self._cache) > len(names):
+            for gone in self._cache.keys() - set(names):
+                del self._cache[gone]
         for key, (entry, expires_at) in list(self._held.items()):
             if expires_at <= now or key in live:
                 del self._held[key]
             else:
                 live[key] = (entry, expires_at)
-        self._last = live
+        if where is None:
+            self._names_of_last, self._last = names_of, live
+        else:  # the entries outside the filter stand as last read
+            self._names_of_last.update(names_of)
+            outside = self._key_outside
+            last = {k: v for k, v in self._last.items() if outside(k, where)}
+            last.update(live)
+            self._last = last
         return live, skipped
+
+    def _renew(self, quiet: dict[str, str]) -> dict[str, float]:
+        """The new lease end of each file of `quiet` (name -> the key of its entry) that no
+        write changed since it was read (a kernel watch named none): a stat alone, where
+        its inode and size are those of its cached record, which holds that key and whose
+        lease runs on. The files left out (gone, rewritten, unreadable, ended) are for
+        `_read_names`."""
+        now = time.time()
+        out: dict[str, float] = {}
+        for name, key in quiet.items():
+            cached = self._cache.get(name)
+            if cached is None or cached[3] != key:
+                continue
+            try:
+                st = os.stat(self._dir + name)
+            except OSError:
+                continue
+            if st.st_ino != cached[0][0] or st.st_size != cached[0][2]:
+                continue
+            record: dict[str, Any] = cached[1]  # type: ignore[assignment]
+            ttl = _ttl(record)
+            expires_at = max(float(record["expires_at"]), st.st_mtime + ttl if ttl else 0.0)
+            if expires_at > now:
+                self._last[key] = (record["entry"], expires_at)
+                out[name] = expires_at
+        return out
+
+    def _read_changes(self, names: set[str], quiet: dict[str, str]
+                      ) -> tuple[dict[str, float],
+                                 dict[str, tuple[str | None, Entry | None, float,
+                                                 Skipped | None]]]:
+        """One trip of a watch: the leases of `quiet` renewed (`_renew`), and the files of
+        `names` and those of `quiet` not renewed, read (`_read_names`)."""
+        renewed = self._renew(quiet)
+        rest = quiet.keys() - renewed.keys()
+        return renewed, self._read_names(names | rest, frozenset(rest))
+
+    def _read_names(self, names: set[str], touched: frozenset[str] = frozenset()
+                    ) -> dict[str, tuple[str | None, Entry | None, float, Skipped | None]]:
+        """Read just these files of the directory (a watch told they changed, or their
+        lease is due; `touched`: those of them nothing wrote since they were read, whose
+        records are not parsed again): for each, (its live entry's key, the entry, when
+        its lease ends, None), or (None, None, 0, why it is skipped), or (None, None, 0,
+        None) when it is gone, expired or not an entry's file."""
+        now = time.time()
+        out: dict[str, tuple[str | None, Entry | None, float, Skipped | None]] = {}
+        gone: tuple[str | None, Entry | None, float, Skipped | None] = (None, None, 0.0, None)
+        for name in names:
+            if name.startswith(".") or not name.endswith(".json"):
+                continue
+            before = self._cache.get(name)
+            record, error, renewed, key = self._read(name, name in touched)
+            if before is not None and before[3] is not None and key != before[3]:
+                self._last.pop(before[3], None)
+            if error is not None:
+                out[name] = (None, None, 0.0, Skipped(self._dir + name, error,
+                                                      self._key_of_name(name)))
+                continue
+            if record is None:
+                self._cache.pop(name, None)
+                out[name] = gone
+                continue
+            ttl = _ttl(record)
+            expires_at = max(float(record["expires_at"]), renewed + ttl if ttl else 0.0)
+            entry = record["entry"]
+            if expires_at <= now:
+                self._last.pop(key, None)  # type: ignore[arg-type]
+                out[name] = gone
+                continue
+            self._last[key] = (entry, expires_at)
+            self._held.pop(key, None)
+            out[name] = (key, entry, expires_at, None)
+        return out
 
     def _gc_tmp(self, name: str, now: float) -> None:
         path = self.directory / name
@@ -371,14 +523,23 @@ class FileDiscovery(base.Discovery):
 
     async def _list(self, namespace: str | None, component: str | None,
                     endpoint: str | None) -> base.Listing:
-        live, skipped = await self._io(self._scan)
-        listing = base.Listing.of(((key, entry) for key, (entry, _) in live.items()), skipped,
-                             namespace, component, endpoint)
-        listing.entries = json.loads(json.dumps(listing.entries))  # callers get private copies
-        # ttl 0 (not known: an entry held from a vanished directory): listed again at expiry
-        listing.leases = {key: (expires_at, _ttl_of(self, key) or 0.0)
-                          for key, (_, expires_at) in live.items()}
+        listing = await self._list_shared(namespace, component, endpoint)
+        # callers get private copies (not the parsed records the cache keeps)
+        listing.entries = msgspec.json.decode(msgspec.json.encode(listing.entries))
         return listing
+
+    async def _list_shared(self, namespace: str | None, component: str | None,
+                           endpoint: str | None) -> base.Listing:
+        where = (namespace, component, endpoint)
+        if not any(where):
+            live, skipped = await self._io(self._scan)
+            return base.Listing.of(((key, entry) for key, (entry, _) in live.items()),
+                                   skipped, namespace, component, endpoint)
+        live, skipped = await self._io(self._scan, where)
+        # an entry's key is its namespace, component and endpoint: the filter reads it
+        outside = self._key_outside
+        return base.Listing([live[key][0] for key in sorted(live) if not outside(key, where)],
+                            [s for s in skipped if s.matches(*where)])
 
 
 def _each_op(ops: list[tuple[Any, tuple]]) -> list[Any]:
@@ -397,42 +558,259 @@ def _ttl(record: dict[str, Any]) -> float | None:
     return float(ttl) if isinstance(ttl, int | float) and ttl > 0 else None
 
 
-def _ttl_of(store: FileDiscovery, key: str) -> float | None:
-    cached = store._cache.get(store._path(key).name)
-    return _ttl(cached[1]) if cached is not None and cached[1] is not None else None
+class _FileView(base.ChangeSource):
+    """The entries of the directory, kept by reading only the files that changed.
 
+    Where the kernel says which files changed (inotify on a local filesystem: `_Notify`) a
+    tick drains its events and reads just those files; the directory is listed whole only
+    at the start and when the watch lost track (its queue overflowed; the directory was
+    removed, renamed or replaced). Elsewhere (a network filesystem, where other hosts'
+    writes raise no event here) a tick stats the directory and lists it whole when it
+    changed (or changed within `HOT` seconds: timestamps are coarse). Either way the file of
+    an entry is read again when its lease would have run out (it was renewed, or it ends):
+    the cost follows the changes and the leases, not the fleet."""
 
-class _FileChanges(base.ChangeSource):
-    """Wakes the watch loop when the directory changed or a listed lease ran out; between
-    changes each tick costs one stat (and one per lease that is due)."""
-
-    def __init__(self, owner: FileDiscovery) -> None:
-        self._owner = owner
+    def __init__(self, owner: FileDiscovery,
+                 where: tuple[str | None, str | None, str | None]) -> None:
+        super().__init__(owner, where)
+        self._owner: FileDiscovery = owner
+        self._notify: _Notify | None = None
+        self._whole = True  # list the directory whole at the next step
+        self._dirty: set[str] = set()  # file names changed since the last step
         self._sig: tuple[int, int, int] | None = None  # the directory when last listed
-        self._leases: dict[str, tuple[float, float]] = {}  # key -> (expires_at, ttl)
+        self._leases: dict[str, float] = {}  # key -> when its lease ends, as last read
+        self._ends: list[tuple[float, str]] = []  # heap of (lease end, key); stale ones skipped
+        self._names: dict[str, str] = {}  # file name -> the entry key it holds
+        self._bad: dict[str, Skipped] = {}  # file's path -> why it was skipped
+        self._prefix = f"{owner.directory}{os.sep}"  # of a file's path
+        self._wants: dict[str, bool] = {}  # file name -> `_wanted`
 
-    async def start(self) -> None:
-        self._sig = await self._owner._io(self._owner._dir_sig)
+    async def _list_whole(self) -> base.Change:
+        owner = self._owner
+        # watch first, then list: a change made in between is both listed and told
+        if self._notify is not None:
+            self._notify.close()
+        self._notify = await owner._io(_Notify.open, owner.directory)
+        self._sig = await owner._io(owner._dir_sig)
+        live, skipped = await owner._io(owner._scan)
+        owner.lists += 1
+        self._whole, self._dirty = False, set()
+        names = owner._names_of_last
+        fresh: dict[str, Entry] = {}
+        self._names, self._leases, self._bad = {}, {}, {}
+        for key, (entry, expires_at) in live.items():
+            if base._matches(entry, *self._where):
+                fresh[key] = entry
+                self._leases[key] = expires_at
+                self._names[names.get(key) or owner._name(key)] = key
+        self._ends = [(end, key) for key, end in self._leases.items()]
+        heapq.heapify(self._ends)
+        for s in skipped:
+            if s.matches(*self._where):
+                self._bad[s.where] = s
+        return self._replace(fresh, list(self._bad.values()))
 
-    def listed(self, listing: base.Listing) -> None:
-        self._leases = dict(listing.leases or {})
+    def _wanted(self, name: str) -> bool:
+        """Whether a change of the file `name` may change the view: an entry's file whose
+        name does not tell an entry outside the filter (its file is not read otherwise)."""
+        wanted = self._wants.get(name)
+        if wanted is None:
+            if len(self._wants) > 100_000:
+                self._wants.clear()
+            wanted = self._wants[name] = name.endswith(".json") and not name.startswith(".") \
+                and not self._owner._outside(name, self._where)
+        return wanted
+
+    def _due(self, now: float) -> set[str]:
+        """The keys whose lease ended by `now` (as last read), out of the heap."""
+        due: set[str] = set()
+        while self._ends and self._ends[0][0] <= now:
+            end, key = heapq.heappop(self._ends)
+            if self._leases.get(key) == end:
+                due.add(key)
+        return due
+
+    def _next_due(self) -> float:
+        while self._ends and self._leases.get(self._ends[0][1]) != self._ends[0][0]:
+            heapq.heappop(self._ends)  # replaced or gone since
+        return self._ends[0][0] if self._ends else math.inf
+
+    async def step(self) -> base.Change:
+        if self._whole:
+            return await self._list_whole()
+        names, self._dirty = self._dirty, set()
+        due = self._due(time.time())
+        renew = {self._owner._name(k): k for k in due}
+        # a kernel watch told of every write: a due file it did not name was only touched
+        # (its lease is renewed from a stat: `_renew`); without one, every due file is read
+        quiet = {n: k for n, k in renew.items() if n not in names} \
+            if self._notify is not None else {}
+        names |= renew.keys() - quiet.keys()
+        try:
+            renewed, got = await self._owner._io(self._owner._read_changes, names, quiet)
+        except BaseException:
+            self._dirty |= names | quiet.keys()
+            raise
+        for name, expires_at in renewed.items():
+            key = renew[name]
+            self._leases[key] = expires_at
+            heapq.heappush(self._ends, (expires_at, key))
+        changed: set[str] = set()
+        bad_moved = False
+        outside = self._owner._key_outside  # an entry's key is its namespace, component, endpoint
+        for name, (key, entry, expires_at, bad) in got.items():
+            old = self._names.pop(name, None)
+            if old is not None and old != key and self.entries.pop(old, None) is not None:
+                changed.add(old)
+                self._leases.pop(old, None)
+            if self._bad or bad is not None:
+                where = self._prefix + name
+                if self._bad.pop(where, None) is not None:
+                    bad_moved = True
+                if bad is not None and bad.matches(*self._where):
+                    self._bad[where] = bad
+                    bad_moved = True
+            if entry is None or key is None or outside(key, self._where):
+                if key is not None and self.entries.pop(key, None) is not None:
+                    changed.add(key)  # it moved out of the filter
+                    self._leases.pop(key, None)
+                continue
+            self._names[name] = key
+            if self._leases.get(key) != expires_at or key in due:
+                self._leases[key] = expires_at
+                heapq.heappush(self._ends, (expires_at, key))
+            now = self.entries.get(key)
+            if now is not entry and now != entry:
+                self.entries[key] = entry
+                changed.add(key)
+        for key in due:  # an entry whose file is not (or no longer) where its key says
+            if self._names.get(self._owner._name(key)) == key:
+                continue
+            if self.entries.pop(key, None) is not None:
+                changed.add(key)
+            self._leases.pop(key, None)
+        return self._change(changed, list(self._bad.values()) if bad_moved else self.skipped)
 
     async def wait(self, interval: float, failing: bool) -> None:
         while True:
             await asyncio.sleep(interval)
-            if failing:
+            if failing or self._whole:
                 return
-            now = time.time()
-            due = {k: ttl for k, (expires, ttl) in self._leases.items() if expires <= now}
-            try:
-                changed, sig, renewed = await self._owner._io(self._owner._poll, self._sig, due)
+            if self._next_due() <= time.time():
+                return  # read the files of the leases due again: renewed, or ended
+            if self._notify is not None:
+                try:
+                    names, lost = self._notify.read()
+                except OSError as exc:
+                    log.warning("discovery: the watch of %s failed (%s); listing it again",
+                                self._owner.directory, exc)
+                    names, lost = set(), True
+                if lost:
+                    self._whole = True
+                    return
+                self._dirty |= {n for n in names if self._wanted(n)}
+                if self._dirty:
+                    return
+                continue
+            try:  # no kernel watch: the directory's own time says when to list it again
+                changed, sig, _ = await self._owner._io(self._owner._poll, self._sig, {})
             except DiscoveryError:
                 return  # the listing reports it
-            for key, expires in renewed.items():
-                self._leases[key] = (expires, self._leases[key][1])
             if changed:
-                self._sig = sig  # stat before the listing: a later change differs from it
+                self._whole = True
                 return
+
+    async def aclose(self) -> None:
+        if self._notify is not None:
+            self._notify.close()
+            self._notify = None
+
+
+# inotify(7): what a directory watch asks for, and what it is told
+_IN_CLOSE_WRITE, _IN_MOVED_FROM, _IN_MOVED_TO = 0x8, 0x40, 0x80
+_IN_CREATE, _IN_DELETE, _IN_DELETE_SELF, _IN_MOVE_SELF = 0x100, 0x200, 0x400, 0x800
+_IN_UNMOUNT, _IN_Q_OVERFLOW, _IN_IGNORED, _IN_ONLYDIR = 0x2000, 0x4000, 0x8000, 0x1000000
+_IN_WATCH = (_IN_CLOSE_WRITE | _IN_MOVED_FROM | _IN_MOVED_TO | _IN_CREATE | _IN_DELETE
+             | _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_ONLYDIR)
+_IN_LOST = _IN_DELETE_SELF | _IN_MOVE_SELF | _IN_UNMOUNT | _IN_Q_OVERFLOW | _IN_IGNORED
+_EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
+# statfs(2) f_type of filesystems shared between hosts: another host's writes raise no
+# inotify event here, so a directory on one of them is polled instead
+_SHARED_FS = {0x6969, 0x517B, 0xFF534D42, 0xFE534D42, 0x65735546, 0x00C36400, 0x01021997,
+              0x01161970, 0x7461636F, 0x0BD00BD0, 0x5346414F, 0x47504653, 0x6B414653,
+              0x013111A8, 0x564C}
+
+
+class _Notify:
+    """A non-blocking inotify watch of one directory (Linux, through libc), read by the
+    watch loop at each tick: which file names were created, written, moved or deleted,
+    and whether it lost track (overflow; the directory itself went)."""
+
+    _libc: Any = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls, directory: Path) -> _Notify | None:
+        """A watch of `directory`, or None where there can be none (not Linux, a shared
+        filesystem, no directory yet, no inotify instance left): the caller polls."""
+        libc = cls._load()
+        if libc is None:
+            return None
+        path = os.fsencode(directory)
+        buf = ctypes.create_string_buffer(256)  # struct statfs; f_type comes first
+        if libc.statfs(path, buf) != 0:
+            return None
+        f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+        if f_type in _SHARED_FS:
+            return None
+        fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            return None
+        if libc.inotify_add_watch(fd, path, _IN_WATCH) < 0:
+            os.close(fd)
+            return None
+        return cls(fd)
+
+    @classmethod
+    def _load(cls) -> Any:
+        if cls._libc is None:
+            cls._libc = False
+            if sys.platform.startswith("linux"):
+                with contextlib.suppress(OSError, AttributeError):
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    libc.inotify_init1.argtypes = [ctypes.c_int]
+                    libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p,
+                                                       ctypes.c_uint32]
+                    libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+                    cls._libc = libc
+        return cls._libc or None
+
+    def read(self) -> tuple[set[str], bool]:
+        """The file names changed since the last read, and whether track was lost."""
+        raw: set[bytes] = set()
+        lost = False
+        unpack, head = _EVENT.unpack_from, _EVENT.size
+        while True:
+            try:
+                data = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            at, end = 0, len(data)
+            while at + head <= end:
+                _, mask, _, size = unpack(data, at)
+                at += head
+                if mask & _IN_LOST:
+                    lost = True
+                if size and data[at] != 0x2E:  # not a dot file (a writer's temporary)
+                    raw.add(data[at:at + size])
+                at += size
+        return {os.fsdecode(n.rstrip(b"\0")) for n in raw}, lost
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 def _read_file(path: Path, limit: int) -> tuple[bytes | None, str | None]:

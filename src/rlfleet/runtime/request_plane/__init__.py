@@ -1,5 +1,5 @@
 """The request plane: the frontend's client and the frames both sides speak (the worker's
-side, one core and two transports, is rlfleet.worker.request_plane).
+side, one core and two transports, is rlfleet.worker.stream_server).
 
 Messages and events: rlfleet.protocol.engine. The frontend talks to each worker over one
 persistent TCP connection (the stream plane), every request a numbered stream on it:
@@ -29,13 +29,12 @@ from rlfleet.runtime.request_plane.client import (
     ATTACH_DEADLINE,
     STALL_TIMEOUT,
     Heartbeat,
-    WorkerClient,
+    StreamClient,
     WorkerError,
     WorkerLink,
     WorkerStream,
-    generate_over_http,
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, split_address
 
-__all__ = ["ATTACH_DEADLINE", "STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat", "WorkerClient",
-           "WorkerError", "WorkerLink", "WorkerStream", "generate_over_http", "split_address"]
+__all__ = ["ATTACH_DEADLINE", "STALL_TIMEOUT", "FrameReader", "FrameWriter", "Heartbeat",
+           "StreamClient", "WorkerError", "WorkerLink", "WorkerStream", "split_address"]

@@ -17,6 +17,8 @@ from rlfleet.protocol import engine as wire
 from rlfleet.protocol.engine import (
     Cancelled,
     CancelRequest,
+    Detokenized,
+    DetokenizeRequest,
     Done,
     EngineError,
     Event,
@@ -139,7 +141,7 @@ _error = msgspec.msgpack.Decoder(EngineError)
 
 
 #: seconds a worker has to say whether it keeps a run under a request ID (an attach-only
-#: request, WorkerClient.attach) before it counts as keeping none
+#: request, StreamClient.attach) before it counts as keeping none
 ATTACH_DEADLINE = 1.5
 
 #: seconds a worker with requests in flight may answer nothing at all, not even a PING,
@@ -369,10 +371,11 @@ class WorkerLink(asyncio.Protocol):
 
 
 _tokens = msgspec.msgpack.Decoder(Tokens)
+_detokenized = msgspec.msgpack.Decoder(Detokenized)
 _cancelled = msgspec.msgpack.Decoder(Cancelled)
 
 
-class WorkerClient:
+class StreamClient:
     """The frontend's side of the request plane: one stream-plane connection per worker,
     opened on first use and kept."""
 
@@ -475,58 +478,15 @@ class WorkerClient:
         link = await self.link(address)
         return await link.call(Frame.TOKENIZE, req, _tokens, 30.0)
 
+    async def detokenize(self, address: str, req: DetokenizeRequest) -> Detokenized:
+        link = await self.link(address)
+        return await link.call(Frame.DETOKENIZE, req, _detokenized, 30.0)
+
     async def close(self) -> None:
         for link in self._links.values():
             if link.open:
                 link.close()
         self._links.clear()
-
-
-async def generate_over_http(http: Any, base_url: str, req: GenerateRequest,
-                             timeout: float, admin_token: str | None = None
-                             ) -> list[dict[str, Any]]:
-    """A direct caller's request on a worker's HTTP request plane (`POST /generate`,
-    newline-delimited JSON): every event as a plain dict, the last one `done`. `http` is an
-    httpx.AsyncClient. Raises WorkerError for a refusal, an unreachable worker, a broken or
-    unfinished stream."""
-    import httpx
-
-    events: list[dict[str, Any]] = []
-    try:
-        async with http.stream("POST", f"{base_url}/generate", content=_json.encode(req),
-                               headers={"content-type": "application/json",
-                                        **({"authorization": f"Bearer {admin_token}"}
-                                           if admin_token else {})},
-                               timeout=timeout) as resp:
-            if resp.status_code != 200:
-                raw = await resp.aread()
-                try:
-                    body = msgspec.json.decode(raw)
-                    msg = body["error"]["message"]
-                except (msgspec.DecodeError, KeyError, TypeError):
-                    body, msg = None, raw.decode(errors="replace")[:500]
-                raise WorkerError(msg, resp.status_code, body=body)
-            async for line in resp.aiter_lines():
-                if not line:
-                    continue
-                ev = msgspec.json.decode(line)
-                if "error" in ev:
-                    raise WorkerError(ev["error"].get("message", "worker error"),
-                                      ev["error"].get("code", 502))
-                events.append(ev)
-                if ev.get("done"):
-                    return events
-    except httpx.ConnectError as e:
-        raise WorkerError(f"worker at {base_url} is unreachable: {e!r}", 503,
-                          retryable=True) from e
-    except httpx.HTTPError as e:
-        raise WorkerError(f"worker at {base_url} failed mid-request: {e!r}", 502,
-                          broken=True) from e
-    raise WorkerError(f"worker at {base_url} closed the stream before the request finished",
-                      502, broken=True)
-
-
-_json = msgspec.json.Encoder()
 
 
 def _fail(item, err: WorkerError) -> None:

@@ -1,0 +1,90 @@
+"""The single-server dialects served at one URL for a whole fleet (rlfleet.refresh.fleet_control,
+`rlfleet control`; a frontend started with --fleet-control forwards them there): each route
+of vLLM's and SGLang's server that a single-server client sends to change or ask about "the
+server", and the fleet-lifecycle operation (`Op`) it maps onto. Data only: the service binds
+each route to its handler, a frontend forwards exactly these paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class Op(enum.StrEnum):
+    """The fleet-lifecycle operations a dialect route maps onto."""
+
+    PAUSE = "pause"  # a transaction opens: every worker closed to rollouts and paused
+    RESUME = "resume"  # verify, probe, resume, reopen; the transaction ends
+    IS_PAUSED = "is_paused"
+    RESET_CACHE = "reset_cache"  # every worker
+    WORLD_SIZE = "world_size"  # the sum of the workers'
+    WEIGHT_VERSION = "weight_version"  # the one version every worker serves
+    UPDATE_FROM_DISK = "update_from_disk"  # a whole transaction, or a step of the open one
+    TRANSFER_INIT = "transfer_init"  # each worker its rank offset in the trainer's group
+    TRANSFER_START = "transfer_start"  # opens the transaction unless a pause did
+    TRANSFER_UPDATE = "transfer_update"
+    TRANSFER_FINISH = "transfer_finish"  # every worker on one policy, or rolled back
+    LOAD_ADAPTER = "load_adapter"  # every worker, or none
+    UNLOAD_ADAPTER = "unload_adapter"
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlRoute:
+    dialect: str  # vllm | sglang
+    methods: tuple[str, ...]
+    path: str
+    op: Op
+    mutating: bool = True  # needs the admin token when the service has one
+    # whether a frontend forwards it (False: the frontend answers it itself, from discovery)
+    forwarded: bool = True
+
+    @property
+    def deadline(self) -> float:
+        """Seconds a frontend waits for the service's answer: a read is quick, an update
+        moves every worker's weights."""
+        return READ_DEADLINE if not self.mutating else CHANGE_DEADLINE
+
+
+READ_DEADLINE = 30.0
+CHANGE_DEADLINE = 900.0
+
+_R = ControlRoute
+#: vLLM 0.32 (entrypoints/rl/online/api_router.py, serve/dev/cache/api_router.py,
+#: serve/dev/rpc/api_router.py, serve/lora/api_router.py)
+VLLM_ROUTES = (
+    _R("vllm", ("POST",), "/pause", Op.PAUSE),  # ?mode=abort|wait|keep&clear_cache=
+    _R("vllm", ("POST",), "/resume", Op.RESUME),
+    _R("vllm", ("GET",), "/is_paused", Op.IS_PAUSED, mutating=False),
+    _R("vllm", ("POST",), "/reset_prefix_cache", Op.RESET_CACHE),
+    _R("vllm", ("GET",), "/get_world_size", Op.WORLD_SIZE, mutating=False),
+    _R("vllm", ("GET",), "/weight_info", Op.WEIGHT_VERSION, mutating=False),
+    _R("vllm", ("POST",), "/init_weight_transfer_engine", Op.TRANSFER_INIT),  # {init_info}
+    _R("vllm", ("POST",), "/start_weight_update", Op.TRANSFER_START),
+    _R("vllm", ("POST",), "/update_weights", Op.TRANSFER_UPDATE),  # {update_info}
+    _R("vllm", ("POST",), "/finish_weight_update", Op.TRANSFER_FINISH),  # {weight_version}
+    _R("vllm", ("POST",), "/collective_rpc", Op.UPDATE_FROM_DISK),  # reload_weights only
+    _R("vllm", ("POST",), "/v1/load_lora_adapter", Op.LOAD_ADAPTER),  # {lora_name, lora_path}
+    _R("vllm", ("POST",), "/v1/unload_lora_adapter", Op.UNLOAD_ADAPTER),  # {lora_name}
+    # SkyRL 0.3's server wraps vLLM's load (load_inplace) at this path; its client sends it
+    _R("vllm", ("POST",), "/skyrl/v1/load_lora_adapter", Op.LOAD_ADAPTER),
+)
+#: SGLang 0.5 (srt/entrypoints/http_server.py, managers/io_struct.py)
+SGLANG_ROUTES = (
+    _R("sglang", ("POST",), "/pause_generation", Op.PAUSE),  # {mode: abort|retract|in_place}
+    _R("sglang", ("POST",), "/continue_generation", Op.RESUME),
+    # {model_path, weight_version, flush_cache, abort_all_requests, ...}
+    _R("sglang", ("POST",), "/update_weights_from_disk", Op.UPDATE_FROM_DISK),
+    _R("sglang", ("GET", "POST"), "/flush_cache", Op.RESET_CACHE),
+    # the frontend answers this one itself (rlfleet.frontend.sglang, from discovery)
+    _R("sglang", ("GET",), "/get_weight_version", Op.WEIGHT_VERSION, mutating=False,
+       forwarded=False),
+    _R("sglang", ("POST",), "/load_lora_adapter", Op.LOAD_ADAPTER),  # {lora_name, lora_path}
+    _R("sglang", ("POST",), "/unload_lora_adapter", Op.UNLOAD_ADAPTER),  # {lora_name}
+)
+ROUTES = VLLM_ROUTES + SGLANG_ROUTES
+#: what a frontend started with --fleet-control forwards to the service
+FORWARDED = tuple(r for r in ROUTES if r.forwarded)
+
+#: how SGLang's pause modes map onto the fleet's: retract and in_place keep the requests
+#: (they go on after the resume), abort ends them with their partial output
+SGLANG_PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}

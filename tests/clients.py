@@ -1,0 +1,344 @@
+"""RL frameworks' own client code, installed by scripts/setup.sh into <venv>/clients/<name>
+(pip --no-deps --target: outside site-packages, so no worker or engine ever imports it), and
+loaded here for the compatibility tests (tests/integration/test_clients_*.py):
+
+* `skyrl()`: SkyRL 0.3.0's RemoteInferenceClient module;
+* `areal()`: AReaL 1.0.4's remote engines (RemoteSGLangEngine, RemotevLLMEngine) and the
+  request, config and weight-update types they take;
+* `sglang_router(...)`: sglang-router 0.3.2's router (`python -m sglang_router.launch_router`)
+  as a process on a free 127.0.0.1 port in front of given worker URLs.
+
+A client that is not installed, or fails to import, makes its test skip with the reason (the
+missing folder or the import error), never fail. Each client's folder is on sys.path only while
+its modules are imported; the modules stay usable afterwards. The folders go at the END of
+sys.path: where a client ships a module the venv also has, the venv's copy is used."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import logging
+import os
+import sys
+import time
+import types
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rlfleet.models import make_adapter
+from rlfleet.runtime.launch import Proc, free_port, spawn, stop_all
+from rlfleet.testing.fleet import LocalFleet, http_server
+from tests.fleets import MODEL_NAME, RL_PROBE_ENV, local_fleet, vllm_worker_args, wait_for_workers
+
+CLIENTS_DIR = Path(sys.prefix) / "clients"
+
+#: what scripts/setup.sh installs, by folder: the package and version tested
+VERSIONS = {"skyrl": "skyrl==0.3.0", "areal": "areal==1.0.4",
+            "sglang-router": "sglang-router==0.3.2"}
+
+
+def client_dir(name: str) -> Path:
+    """<venv>/clients/<name>; the test skips when setup did not install it there."""
+    where = CLIENTS_DIR / name
+    if not (where / ".installed").exists():
+        pytest.skip(f"{VERSIONS[name]} is not installed in {where}: run scripts/setup.sh "
+                    f"(pip install --no-deps --target {where} {VERSIONS[name]})")
+    return where
+
+
+@contextlib.contextmanager
+def on_path(name: str) -> Iterator[Path]:
+    """The client's folder on sys.path (at the end) while the block runs."""
+    where = str(client_dir(name))
+    sys.path.append(where)
+    try:
+        yield Path(where)
+    finally:
+        sys.path.remove(where)
+
+
+@contextlib.contextmanager
+def logging_kept() -> Iterator[None]:
+    """This process's logging as it was before the block, whatever the block did to it: the
+    root logger (`logging.root`, `Logger.root`), the manager (`Logger.manager`) and its
+    `disable`, the root's level, handlers and filters, every existing logger's level,
+    propagate, disabled, handlers and filters, the handler registry, the logger class and
+    record factory. A client's import (and AReaL's `getLogger`, which installs a new root
+    and manager on every call, then `dictConfig`s them) must not leave later tests (or
+    rlfleet's own loggers, created before) logging into a root nobody configured."""
+    mod_root, cls_root, manager = logging.root, logging.Logger.root, logging.Logger.manager
+    disable = manager.disable
+    loggers = [(lg, lg.level, lg.propagate, lg.disabled, list(lg.handlers), list(lg.filters))
+               for lg in [mod_root, *list(manager.loggerDict.values())]
+               if isinstance(lg, logging.Logger)]
+    registry = dict(logging._handlers)  # type: ignore[attr-defined]
+    handler_list = list(logging._handlerList)  # type: ignore[attr-defined]
+    logger_class, record_factory = logging.getLoggerClass(), logging.getLogRecordFactory()
+    try:
+        yield
+    finally:
+        with logging._lock:  # type: ignore[attr-defined]
+            logging.root, logging.Logger.root, logging.Logger.manager = \
+                mod_root, cls_root, manager
+            manager.root = cls_root
+            manager.disable = disable
+            for lg, level, propagate, disabled, handlers, filters in loggers:
+                lg.level, lg.propagate, lg.disabled = level, propagate, disabled
+                lg.handlers[:], lg.filters[:] = handlers, filters
+            logging._handlers.clear()  # type: ignore[attr-defined]
+            logging._handlers.update(registry)  # type: ignore[attr-defined]
+            logging._handlerList[:] = handler_list  # type: ignore[attr-defined]
+            logging.setLoggerClass(logger_class)
+            logging.setLogRecordFactory(record_factory)
+            manager._clear_cache()
+
+
+def _import(name: str, modules: Sequence[str]) -> list[types.ModuleType]:
+    with on_path(name) as where, logging_kept():
+        try:
+            return [importlib.import_module(m) for m in modules]
+        except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip
+            pytest.skip(f"{VERSIONS[name]} in {where} cannot be imported here: "
+                        f"{type(e).__name__}: {e}")
+
+
+def _bare_package(dotted: str, where: Path) -> None:
+    """Register package `dotted` (under `where`) without running its __init__.py."""
+    if dotted in sys.modules:
+        return
+    pkg = types.ModuleType(dotted)
+    pkg.__path__ = [str(where / dotted.replace(".", "/"))]
+    pkg.__package__ = dotted
+    sys.modules[dotted] = pkg
+
+
+def skyrl() -> types.ModuleType:
+    """skyrl.backends.skyrl_train.inference_servers.remote_inference_client (SkyRL 0.3.0):
+    RemoteInferenceClient, PauseMode. `skyrl/backends/__init__.py` imports the Tinker backend,
+    whose pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12; the
+    HTTP client needs none of it, so that one package is registered without its __init__."""
+    with on_path("skyrl") as where:
+        _bare_package("skyrl.backends", where)
+    (mod,) = _import("skyrl", ["skyrl.backends.skyrl_train.inference_servers."
+                               "remote_inference_client"])
+    return mod
+
+
+def areal() -> types.SimpleNamespace:
+    """AReaL 1.0.4's remote engines and what they take: RemoteSGLangEngine, RemotevLLMEngine,
+    InferenceEngineConfig, ModelRequest, GenerationHyperparameters, WeightUpdateMeta, and the
+    HTTP call its weight updates are sent with (arequest_with_retry)."""
+    sgl, vll, api, cli, http, alog = _import("areal", [
+        "areal.engine.sglang_remote", "areal.engine.vllm_remote", "areal.api",
+        "areal.api.cli_args", "areal.infra.utils.http", "areal.utils.logging"])
+    _keep_logging_around(alog)
+    return types.SimpleNamespace(
+        RemoteSGLangEngine=sgl.RemoteSGLangEngine, RemotevLLMEngine=vll.RemotevLLMEngine,
+        InferenceEngineConfig=cli.InferenceEngineConfig, ModelRequest=api.ModelRequest,
+        GenerationHyperparameters=cli.GenerationHyperparameters,
+        WeightUpdateMeta=api.WeightUpdateMeta, arequest_with_retry=http.arequest_with_retry)
+
+
+def _keep_logging_around(alog: types.ModuleType) -> None:
+    """AReaL's `areal.utils.logging.getLogger` (called again whenever an engine is made)
+    replaces the process's root logger and manager: run it inside `logging_kept`, so its
+    logger keeps AReaL's handler while this process's logging stays as it was."""
+    original = alog.getLogger
+    if getattr(original, "_logging_kept", False):
+        return
+
+    @functools.wraps(original)
+    def getLogger(*args: Any, **kwargs: Any) -> logging.Logger:  # noqa: N802 - AReaL's name
+        with logging_kept():
+            return original(*args, **kwargs)
+
+    getLogger._logging_kept = True  # type: ignore[attr-defined]
+    alog.getLogger = getLogger
+
+
+ROUTER_START_TIMEOUT = 60.0
+
+
+@contextlib.contextmanager
+def sglang_router(worker_urls: Sequence[str], log_dir: Path, *flags: str,
+                  timeout: float = ROUTER_START_TIMEOUT) -> Iterator[str]:
+    """sglang-router 0.3.2 (its Rust router, `python -m sglang_router.launch_router`) on a
+    free 127.0.0.1 port with `worker_urls` as its workers and `flags` added: its URL once it
+    answers /liveness (registering the workers goes on in the router's background: see
+    `router_workers`). Its output is <log_dir>/sglang-router-<port>.log; it is stopped (its
+    process group) on exit, also when it fails to start."""
+    where = client_dir("sglang-router")
+    port = free_port()
+    argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+            "--port", str(port), "--worker-urls", *worker_urls, "--log-level", "info", *flags]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH"), str(where)) if p)}
+    with http_server(f"sglang-router-{port}", argv, port, "/liveness", log_dir, env, timeout,
+                     stop_timeout=10) as url:
+        yield url
+
+
+def router_workers(url: str, count: int, timeout: float = 30.0) -> list[dict]:
+    """The router's `GET /workers` list once it holds `count` workers; TimeoutError (with
+    the last answer) otherwise."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while True:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            r = httpx.get(f"{url}/workers", timeout=5)
+            last = r.json()
+            workers = last.get("workers", []) if isinstance(last, dict) else []
+            if r.status_code == 200 and len(workers) >= count:
+                return workers
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sglang-router at {url} lists {last!r}, expected {count} workers")
+        time.sleep(0.3)
+
+
+# ---------------------------------------------------------------- the fleet's own answers
+
+
+@dataclasses.dataclass
+class FleetAnswer:
+    """What the fleet itself generates for a prompt (greedy, `/v1/completions` on its
+    frontend): the reference every client's output is compared with."""
+
+    prompt_ids: list[int]
+    ids: list[int]  # nvext.completion_token_ids
+    logprobs: list[float]  # choices[0].logprobs.token_logprobs
+    text: str
+    finish_reason: str
+
+
+def fleet_answer(url: str, model: str, prompt: str | list[int], max_tokens: int,
+                 **extra: Any) -> FleetAnswer:
+    """The fleet's greedy completion of `prompt` (text or token IDs), EOS ignored."""
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": 0, **extra,
+        "nvext": {"extra_fields": ["completion_token_ids", "prompt_token_ids"]}})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choice = out["choices"][0]
+    return FleetAnswer(prompt_ids=out["nvext"]["prompt_token_ids"],
+                       ids=out["nvext"]["completion_token_ids"],
+                       logprobs=choice["logprobs"]["token_logprobs"], text=choice["text"],
+                       finish_reason=choice["finish_reason"])
+
+
+#: logprobs of one engine for one request, compared across two requests: exact on the mocker;
+#: on vLLM's CPU build float32 sums may differ in the last bits with what else is batched
+LOGPROB_TOL = 1e-4
+
+
+def admin_urls(rl_url: str) -> list[str]:
+    """Each worker's `admin_base_url`, as the frontend's RL listener lists them
+    (`GET /v1/rl/workers`): where a framework sends its per-server control calls."""
+    r = httpx.get(f"{rl_url}/v1/rl/workers", timeout=30)
+    assert r.status_code == 200, r.text
+    urls = [w.get("admin_base_url") for w in r.json()["workers"]]
+    assert urls and all(urls), f"a worker without admin_base_url in {r.text}"
+    return sorted(urls)
+
+
+def frontend_in_flight(url: str) -> float:
+    """Requests in flight on the frontend (its rlfleet_frontend_inflight_requests gauge,
+    every route)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rlfleet_frontend_inflight_requests{"))
+
+
+def wait_in_flight(url: str, count: int = 1, timeout: float = 60.0) -> None:
+    """Block until the frontend has `count` requests in flight."""
+    deadline = time.monotonic() + timeout
+    while frontend_in_flight(url) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the frontend at {url} never had {count} requests in flight")
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- one URL for a whole fleet
+
+
+@dataclasses.dataclass
+class OneUrl:
+    """A frontend of its own on a fleet's discovery, forwarding vLLM's and SGLang's control
+    routes (--fleet-control) to a fleet control service (`rlfleet control`): the one URL a
+    single-server client both generates on and controls the fleet through."""
+
+    url: str
+    rl_url: str
+    control_url: str
+
+
+@contextlib.contextmanager
+def one_url(fleet: LocalFleet, model: str, log_dir: Path,
+            timeout: float = 60.0) -> Iterator[OneUrl]:
+    """A frontend (RL listener on) and the control service it forwards to, both on 127.0.0.1,
+    in front of `fleet`'s workers (already running: the frontend routes to all of them before
+    this yields); both stopped on exit. Starting one more frontend is cheap, so a module can
+    put it in front of the session's vLLM fleet without restarting its engines.
+
+    The service starts first on a port of its own choosing (it reads the RL listener only
+    when called), told the RL port the frontend will take; a port picked free can be taken by
+    another process's connection before the frontend binds it, so that start is retried."""
+    procs: list[Proc] = []
+    try:
+        for attempt in range(3):
+            rl_port = free_port()
+            ctl = spawn(f"control-{rl_port}", [
+                sys.executable, "-m", "rlfleet.cli", "control", "--rl-url",
+                f"http://127.0.0.1:{rl_port}", "--model", model, "--journal",
+                str(log_dir / f"journal-{rl_port}.sqlite"), "--port", "0"], log_dir)
+            procs.append(ctl)
+            ctl.wait_ready(timeout)
+            fe = spawn(f"frontend-one-url-{rl_port}", [
+                sys.executable, "-m", "rlfleet.frontend", "--http-port", "0", "--discovery",
+                fleet.discovery, "--namespace", fleet.namespace, "--enable-rl", "--rl-port",
+                str(rl_port), "--fleet-control", ctl.ready["url"],
+                # a request arriving while the fleet is paused waits for the resume (verify,
+                # probe, reopen), which on a loaded small machine can outlast the 60 s default
+                "--gated-hold", "300"], log_dir,
+                env={**os.environ, **RL_PROBE_ENV})
+            procs.append(fe)
+            try:
+                fe.wait_ready(timeout)
+                break
+            except RuntimeError:
+                if attempt == 2 or "in use" not in fe.tail():
+                    raise
+                stop_all(list(reversed(procs)))
+                procs.clear()
+        wait_for_workers(fe.ready["url"], model, len(fleet.workers))
+        yield OneUrl(fe.ready["url"], fe.ready["rl_url"], ctl.ready["url"])
+    finally:
+        stop_all(list(reversed(procs)))
+
+
+# ---------------------------------------------------------------- a vLLM worker with LoRA
+
+LORA_FLAGS = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
+
+
+@pytest.fixture(scope="session")
+def lora_vllm_fleet(tmp_path_factory, tiny_model) -> Iterator[LocalFleet]:
+    """One vLLM worker serving `tiny` with LoRA enabled and adapters allowed from the
+    directory of `fleet.adapter` (an adapter made for `tiny`), behind a frontend with the
+    RL listener: the clients' LoRA calls on a real engine (the session's vLLM fleet runs
+    without LoRA). tests/conftest.py imports it, so that every module shares one."""
+    root = tmp_path_factory.mktemp("clients-adapters")
+    adapter = make_adapter(root / "a1", rank=8, seed=1)
+    args = vllm_worker_args(tiny_model, MODEL_NAME, *LORA_FLAGS, "--allowed-weights-root",
+                            str(root))
+    with local_fleet(tmp_path_factory.mktemp("clients-lora-fleet"), [args], kind="vllm",
+                     model=MODEL_NAME, lease_ttl=3.0, enable_rl=True,
+                     frontend_env=RL_PROBE_ENV) as fleet:
+        fleet.adapter = adapter
+        yield fleet
