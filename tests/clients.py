@@ -34,7 +34,14 @@ import pytest
 from rlfleet.models import make_adapter
 from rlfleet.runtime.launch import Proc, free_port, spawn, stop_all
 from rlfleet.testing.fleet import LocalFleet, http_server
-from tests.fleets import MODEL_NAME, RL_PROBE_ENV, local_fleet, vllm_worker_args, wait_for_workers
+from tests.fleets import (
+    MODEL_NAME,
+    RL_PROBE_ENV,
+    local_fleet,
+    unit_server,
+    vllm_worker_args,
+    wait_for_workers,
+)
 
 CLIENTS_DIR = Path(sys.prefix) / "clients"
 
@@ -328,17 +335,18 @@ LORA_FLAGS = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
 
 
 @pytest.fixture(scope="session")
-def lora_vllm_fleet(tmp_path_factory, tiny_model) -> Iterator[LocalFleet]:
+def session_lora_vllm_fleet(request, tmp_path_factory, tiny_model) -> LocalFleet:
     """One vLLM worker serving `tiny` with LoRA enabled and adapters allowed from the
     directory of `fleet.adapter` (an adapter made for `tiny`), behind a frontend with the
     RL listener: the clients' LoRA calls on a real engine (the session's vLLM fleet runs
-    without LoRA). tests/conftest.py imports it, so that every module shares one."""
+    without LoRA). tests/conftest.py imports it, so that every module shares one; modules
+    reach it as `lora_vllm_fleet`; it stops with the session fleet's other servers."""
     root = tmp_path_factory.mktemp("clients-adapters")
     adapter = make_adapter(root / "a1", rank=8, seed=1)
     args = vllm_worker_args(tiny_model, MODEL_NAME, *LORA_FLAGS, "--allowed-weights-root",
                             str(root))
-    with local_fleet(tmp_path_factory.mktemp("clients-lora-fleet"), [args], kind="vllm",
-                     model=MODEL_NAME, lease_ttl=3.0, enable_rl=True,
-                     frontend_env=RL_PROBE_ENV) as fleet:
-        fleet.adapter = adapter
-        yield fleet
+    fleet = unit_server(request, local_fleet(
+        tmp_path_factory.mktemp("clients-lora-fleet"), [args], kind="vllm", model=MODEL_NAME,
+        lease_ttl=3.0, enable_rl=True, frontend_env=RL_PROBE_ENV))
+    fleet.adapter = adapter
+    return fleet

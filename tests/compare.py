@@ -2,6 +2,10 @@
 
 import os
 
+import pytest
+
+from tests.fleets import unit_server, vllm_serve
+
 TOL = 1e-4  # logprobs from the same engine agree to this much (the float32 tiny model)
 
 
@@ -23,10 +27,21 @@ def close(a, b, path: str = "") -> None:
 
 def reference_and_fleet(request) -> tuple[str, str]:
     """(the real server's URL, rlfleet's frontend's URL) for a module's `servers` fixture:
-    its `vllm_url` fixture and the session vLLM fleet, or RLFLEET_DIFF_URLS="REF_URL,RLFLEET_URL"
+    the `vllm_reference` server and the session vLLM fleet, or RLFLEET_DIFF_URLS="REF_URL,RLFLEET_URL"
     for servers already running (to iterate on a failure without restarts)."""
     given = os.environ.get("RLFLEET_DIFF_URLS")
     if given:
         ref, got = given.split(",")
         return ref, got
-    return request.getfixturevalue("vllm_url"), request.getfixturevalue("vllm_fleet").url
+    return request.getfixturevalue("vllm_reference"), request.getfixturevalue("vllm_fleet").url
+
+
+@pytest.fixture(scope="session")
+def vllm_reference(request, tiny_model, tmp_path_factory) -> str:
+    """vLLM's own server, one for both differential modules, with the engine arguments
+    rlfleet's workers run with (the fleet's flags, plus the two defaults rlfleet.vllm.args
+    sets) and its scale-out routes (/inference/v1/generate): its URL. tests/conftest.py
+    imports it; it stops with the session fleet's other servers (tests.fleets.UNIT_SERVERS)."""
+    return unit_server(request, vllm_serve(
+        tiny_model, tmp_path_factory.mktemp("vllm-serve"), "--logprobs-mode",
+        "processed_logprobs", "--max-logprobs", "20", "--enable-scale-out"))

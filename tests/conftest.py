@@ -28,13 +28,16 @@ from rlfleet.runtime.launch import Proc  # noqa: E402
 from rlfleet.testing.etcd import etcd_clients, run_etcd  # noqa: E402
 from rlfleet.testing.fleet import LocalFleet  # noqa: E402
 from rlfleet.testing.s3 import S3Server  # noqa: E402
-from tests.clients import lora_vllm_fleet  # noqa: E402, F401 - the clients' LoRA vLLM worker
+from tests.clients import session_lora_vllm_fleet  # noqa: E402, F401 - the clients' LoRA worker
+from tests.compare import vllm_reference  # noqa: E402, F401 - the differential tests' vLLM
 from tests.fleets import (  # noqa: E402
     MODEL_NAME,
     RL_PROBE_ENV,
+    UNIT_SERVERS,
     VLLM_FLEET_LEASE,
     local_fleet,
     replace_dead_workers,
+    unit_server,
     vllm_worker_args,
 )
 
@@ -96,30 +99,38 @@ def ray_head():
 
 
 @pytest.fixture(scope="session")
-def _session_vllm_fleet(tmp_path_factory, tiny_model, etcd_url) -> Iterator[LocalFleet]:
-    with local_fleet(tmp_path_factory.mktemp("fleet"), [vllm_worker_args(tiny_model)] * 2,
-                     kind="vllm", model=MODEL_NAME, lease_ttl=VLLM_FLEET_LEASE,
-                     discovery=etcd_url, enable_rl=True, frontend_env=RL_PROBE_ENV) as fleet:
-        yield fleet
+def _session_vllm_fleet(request, tmp_path_factory, tiny_model, etcd_url) -> LocalFleet:
+    return unit_server(request, local_fleet(
+        tmp_path_factory.mktemp("fleet"), [vllm_worker_args(tiny_model)] * 2, kind="vllm",
+        model=MODEL_NAME, lease_ttl=VLLM_FLEET_LEASE, discovery=etcd_url, enable_rl=True,
+        frontend_env=RL_PROBE_ENV))
 
 
 @pytest.fixture(scope="module")
-def vllm_fleet(_session_vllm_fleet, tiny_model) -> LocalFleet:
+def vllm_fleet(request, tiny_model) -> LocalFleet:
     """Frontend (with the RL listener, probing workers with a 2 s timeout) + 2 real vLLM
     workers serving `tiny` with fault injection, over etcd: one per test process, whole
     at the start of every module (a worker a test killed is replaced)."""
-    replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
-    return _session_vllm_fleet
+    fleet = _in_unit(request, "_session_vllm_fleet")
+    replace_dead_workers(fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+    return fleet
+
+
+@pytest.fixture(scope="module")
+def lora_vllm_fleet(request) -> LocalFleet:
+    """The clients' LoRA vLLM worker (tests.clients.session_lora_vllm_fleet)."""
+    return _in_unit(request, "session_lora_vllm_fleet")
 
 
 @pytest.fixture
-def session_vllm_worker(_session_vllm_fleet, tiny_model) -> Proc:
+def session_vllm_worker(request, tiny_model) -> Proc:
     """A live worker of the session vLLM fleet, for a test that kills it: its module is
     marked kills_session_worker, so it runs after the other modules on that fleet."""
-    live = [p for p in _session_vllm_fleet.workers if p.popen.poll() is None]
+    fleet = _in_unit(request, "_session_vllm_fleet")
+    live = [p for p in fleet.workers if p.popen.poll() is None]
     if not live:
-        replace_dead_workers(_session_vllm_fleet, vllm_worker_args(tiny_model), MODEL_NAME)
-        live = list(_session_vllm_fleet.workers)
+        replace_dead_workers(fleet, vllm_worker_args(tiny_model), MODEL_NAME)
+        live = list(fleet.workers)
     return live[-1]
 
 
@@ -172,7 +183,9 @@ def _unit_tests_start_no_process(request, monkeypatch) -> None:
 
 
 SESSION_FLEET_SCOPE = "modules on the session vLLM fleet"
-SESSION_FLEET_FIXTURES = re.compile(r"\b(vllm_fleet|session_vllm_worker)\b")
+#: the names through which a module reaches the session fleet's servers (UNIT_SERVERS)
+SESSION_FLEET_FIXTURES = re.compile(
+    r"\b(vllm_fleet|session_vllm_worker|lora_vllm_fleet|reference_and_fleet)\b")
 
 
 @functools.cache
@@ -201,7 +214,45 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return SessionFleetScheduling(config, log)
 
 
+def _in_unit(request: pytest.FixtureRequest, server: str):
+    """The session fixture `server`, for a module of the session fleet's unit. Fails, before
+    starting anything, a module that reaches it under a name the scheduler does not know:
+    it could run in another process and start the servers all again there."""
+    module = Path(request.path)
+    if not takes_session_fleet(module):
+        pytest.fail(f"{module.name} reaches the session vLLM fleet's servers under a name "
+                    "tests/conftest.py's scheduler does not know, so another test process "
+                    "could start them again: name one of the fixtures of "
+                    f"SESSION_FLEET_FIXTURES ({SESSION_FLEET_FIXTURES.pattern}) in it",
+                    pytrace=False)
+    if _unit_ended:
+        pytest.fail(f"{module.name} runs after the session fleet's modules ended and their "
+                    "servers stopped: tests/conftest.py orders and schedules them together",
+                    pytrace=False)
+    return request.getfixturevalue(server)
+
+
+_unit_ended = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules that kill a worker of the session fleet run after the others that use it (the
-    fleet replaces the worker for the next module: that way it never has to)."""
-    items.sort(key=lambda item: item.get_closest_marker("kills_session_worker") is not None)
+    """The session fleet's modules first and together (so that its servers, started once,
+    stop when the last of them ends); among them, those that kill a worker of the fleet
+    last (the fleet replaces the worker for the next module: that way it never has to)."""
+    items.sort(key=lambda item: (not takes_session_fleet(Path(item.path)),
+                                 item.get_closest_marker("kills_session_worker") is not None))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """Once the last of the session fleet's modules has ended (its module fixtures torn
+    down), stop the servers only those modules use, instead of keeping ~11 GB and ~10
+    processes to the end of the session. Only where the modules run together (one process
+    or `--dist loadfile`); elsewhere at the end of the session."""
+    global _unit_ended
+    yield
+    if (takes_session_fleet(Path(item.path))
+            and (nextitem is None or not takes_session_fleet(Path(nextitem.path)))
+            and getattr(item.config.option, "dist", "no") in ("no", "loadfile")):
+        _unit_ended = True
+        UNIT_SERVERS.close()

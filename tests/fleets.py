@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
@@ -19,6 +20,8 @@ from rlfleet.runtime.launch import Proc
 from rlfleet.testing.fleet import LocalFleet
 from rlfleet.testing.fleet import vllm_serve as launch_vllm_serve
 
+T = TypeVar("T")
+
 # float32 so logprobs can be compared with transformers; eager for a quick start
 VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
 MODEL_NAME = "tiny"  # what the session's vLLM fleet serves tiny_model as
@@ -26,6 +29,17 @@ VLLM_FLEET_LEASE = 3.0  # the session vLLM fleet's lease TTL (seconds)
 # the frontend's timeout for asking a worker on the RL listener's behalf: short, so that a
 # hung worker is listed with an error quickly
 RL_PROBE_ENV = {"DYN_RL_REQUEST_TIMEOUT_SECS": "2"}
+#: the servers only the session vLLM fleet's modules use (the fleet, the clients' LoRA worker,
+#: the differential tests' reference server: ~10 processes, ~11 GB): stopped when the last of
+#: those modules ends (tests/conftest.py), not at the end of the session
+UNIT_SERVERS = contextlib.ExitStack()
+
+
+def unit_server(request, server: contextlib.AbstractContextManager[T]) -> T:
+    """Start `server` for a session fixture of the session fleet's modules: stopped with
+    UNIT_SERVERS, at the latest when the session's fixtures are torn down."""
+    request.addfinalizer(UNIT_SERVERS.close)
+    return UNIT_SERVERS.enter_context(server)
 
 
 def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) -> list[dict]:

@@ -97,10 +97,15 @@ def test_trl_async_grpo_hooks_with_real_steps(af, tiny_model):
     order its trainer calls them, TRL's own RolloutQueueDataset (and its max_staleness
     drop) feeding real Adam steps of the tiny model; the trainer itself needs a CUDA
     flash-attention kernel, so its training loop cannot run here."""
+    from accelerate import PartialState
     from trl.experimental.async_grpo.async_grpo_trainer import (
         RolloutQueueDataset,
         _iter_vllm_named_params,
     )
+
+    # TRL's RolloutQueueDataset logs through accelerate's logger (a long wait, a stale drop),
+    # which raises without the state the trainer's Accelerator sets up: set it up the same way
+    PartialState()
 
     f = af
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)

@@ -27,20 +27,11 @@ import httpx
 import pytest
 
 from tests.compare import close, reference_and_fleet
-from tests.fleets import MODEL_NAME, vllm_serve
+from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
 PROMPT = "Hello world, the answer is"
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tiny_model: Path, tmp_path_factory):
-    """vLLM's OpenAI server with the engine arguments rlfleet's workers run with (the
-    fleet's flags, plus the two defaults rlfleet.vllm.args sets)."""
-    with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-serve"), "--logprobs-mode",
-                    "processed_logprobs", "--max-logprobs", "20") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -20,28 +20,17 @@ Differences that are intended, and so not compared:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.compare import close, reference_and_fleet
-from tests.fleets import MODEL_NAME, vllm_serve
+from tests.fleets import MODEL_NAME
 
 pytestmark = pytest.mark.engine
 
 TEXT = "Hello world, the answer is"
 IGNORED = {"request_id", "created", "weight_versions", "nvext"}
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tiny_model: Path, tmp_path_factory):
-    """vLLM's server with the engine arguments rlfleet's workers run with, serving its
-    scale-out routes (/inference/v1/generate)."""
-    with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-serve-native"),
-                    "--logprobs-mode", "processed_logprobs", "--max-logprobs", "20",
-                    "--enable-scale-out") as url:
-        yield url
 
 
 @pytest.fixture(scope="module")

@@ -169,13 +169,15 @@ def test_a_left_out_worker_that_wakes_with_a_valid_lease_gets_no_request(fleet, 
     assert verdict[oid] == "verified" and verdict.get(lid) != "verified", verdict
     own = httpx.get(f"{left_out.ready['system_url']}/health", timeout=5).json()
     assert own["gated"] is False and own["weight_digest"] != "mock:8"  # open, old weights
-    # once the frontend sees the refreshed worker reopen (it reads the committed policy
-    # before it applies any change of its workers: the record was written before the reopen)
+    # wait for both marks: the refreshed worker usable and the left-out one off-policy. The
+    # refreshed worker alone is not enough: it was usable before the refresh too, and a commit
+    # of a few ms can fall between two discovery reads, so "usable" may still be the old state
     deadline = time.monotonic() + 10
     while True:
         health = {w["instance_id"]: w
                   for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]}
-        if health.get(oid, {}).get("usable") or time.monotonic() > deadline:
+        marked = "committed policy" in (health.get(lid, {}).get("off_policy") or "")
+        if (health.get(oid, {}).get("usable") and marked) or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert lid in health, "its lease lapsed: the test did not stop it briefly enough"

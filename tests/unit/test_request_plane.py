@@ -417,6 +417,23 @@ async def test_a_worker_shutting_down_refuses_new_requests_as_retryable() -> Non
         await client.close()
 
 
+async def test_a_stop_sends_the_frames_queued_in_its_own_turn_before_closing() -> None:
+    """A request that ends in the turn the stop looks for running requests has its last
+    frames queued for the next turn: the stop sends them before it closes the connection."""
+    server = await WorkerPlane(MockEngine()).serve(bind_socket("127.0.0.1", 0))
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(MAGIC + frame(Frame.PING, 0))
+        assert FrameReader().feed(await reader.read(64))[0][0] == Frame.PONG
+        (link,) = server.links
+        link.writer.put(Frame.PONG, 7, None)  # queued in this turn, as a last Done would be
+        await server.stop(grace=0)
+        data = await asyncio.wait_for(reader.read(), 5)  # until the worker closes
+        assert [(kind, sid) for kind, sid, _ in FrameReader().feed(data)] == [(Frame.PONG, 7)]
+    finally:
+        writer.close()
+
+
 async def test_an_event_that_cannot_be_sent_fails_its_stream_only() -> None:
     async with worker() as (engine, addr, client):
         real = engine.generate

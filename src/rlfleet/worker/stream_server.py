@@ -498,6 +498,9 @@ class StreamServer:
         while any(link.tasks for link in self.links) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for link in list(self.links):
+            # a request that ended in this turn has frames queued for the next one: send
+            # them before closing, or the client reads "connection lost" for a finished answer
+            link.writer.flush()
             link.transport.close()
             for task in list(link.tasks.values()):
                 task.cancel()
