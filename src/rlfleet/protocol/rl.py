@@ -227,10 +227,13 @@ class RlWorkerStrict(msgspec.Struct):
     adapters: list[dict[str, Any]] | None = None
 
     def passes(self) -> bool:
-        """RlWorker's checks beyond the types (ValueError: an admin URL urlsplit refuses)."""
+        """RlWorker's checks beyond the types (False for an admin URL urlsplit refuses)."""
         admin = self.admin_base_url
-        return self.instance_id < 2**64 and len(self.transport) == 1 and (
-            admin is None or (self.world_size is not None and admin_url_ok(admin)))
+        try:
+            return self.instance_id < 2**64 and len(self.transport) == 1 and (
+                admin is None or (self.world_size is not None and admin_url_ok(admin)))
+        except ValueError:
+            return False
 
 
 STRICT_MIRRORS = RlWorkerStrict.__struct_fields__ == tuple(RlWorker.model_fields)

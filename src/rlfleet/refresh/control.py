@@ -512,10 +512,7 @@ def _listed(body: bytes) -> _Listing | None:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
     for w in listing.workers:
-        try:
-            if not w.passes():
-                return None
-        except ValueError:
+        if not w.passes():
             return None
         w.routes = sorted(set(w.routes))
     return listing
