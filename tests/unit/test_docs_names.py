@@ -7,10 +7,11 @@ What counts as a name (a clear rule, so that a writer knows what is checked):
 * a module path: `rlfleet/x/y.py`, `src/rlfleet/x/`, or `x/y.py` where `x` is a package of
   rlfleet (all but `vllm`, whose bare paths are vLLM's own files); it must be a file or
   folder under src/rlfleet;
-* a dotted name `rlfleet.x.y[.Name[.attr]]` not preceded by `/`, `.` or a word character: the
-  longest prefix that is a module must exist and the rest must be defined in it (a class,
-  function, assignment or import; read from the source, nothing is imported), or the whole
-  name must be a string the code uses (a logger name such as `rlfleet.ready`);
+* a dotted name `rlfleet.x.y[.Name[.attr]]` (or `tests.x[.Name]`, under tests/) not
+  preceded by `/`, `.` or a word character: the longest prefix that is a module must exist
+  and the rest must be defined in it (a class, function, assignment or import; read from
+  the source, nothing is imported), or the whole name must be a string the code uses (a
+  logger name such as `rlfleet.ready`);
 * a repository file: `tests/...`, `bench/...`, `scripts/...`, `examples/...`, `docs/...`,
   `deploy/...` ending in a file extension (globs allowed), and every relative Markdown link;
 * a route: an inline code span that holds a path (after an optional HTTP method and an
@@ -53,7 +54,7 @@ def doc_id(path: Path) -> str:
 
 
 def _module_file(parts: list[str]) -> Path | None:
-    base = SRC.joinpath(*parts)
+    base = (SRC if parts[0] == "rlfleet" else ROOT).joinpath(*parts)
     for f in (base.with_suffix(".py"), base / "__init__.py"):
         if f.is_file():
             return f
@@ -106,7 +107,7 @@ def _defined(body: list[ast.stmt], name: str) -> ast.AST | str | None:
 
 
 def resolves(dotted: str, depth: int = 0) -> bool:
-    """Whether `rlfleet.x.y.Name.attr` exists (read from the source)."""
+    """Whether `rlfleet.x.y.Name.attr` (or `tests.x.Name`) exists (read from the source)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         f = _module_file(parts[:cut])
@@ -119,7 +120,7 @@ def resolves(dotted: str, depth: int = 0) -> bool:
         return True
     found = _defined(_tree(f).body, rest[0])
     if isinstance(found, str):  # imported: follow it (a re-export), unless outside rlfleet
-        if not found.startswith("rlfleet.") or depth > 8:
+        if not found.startswith(("rlfleet.", "tests.")) or depth > 8:
             return True
         return resolves(".".join([found, *rest[1:]]), depth + 1)
     if found is None:
@@ -150,7 +151,7 @@ def code_strings() -> frozenset[str]:
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir()
                      if p.is_dir() and (p / "__init__.py").exists() and p.name != "vllm")
 _LEAD = r"(?<![\w/.~$-])"
-DOTTED = re.compile(_LEAD + r"rlfleet(?:\.[A-Za-z_]\w*)+")
+DOTTED = re.compile(_LEAD + r"(?:rlfleet|tests)(?:\.[A-Za-z_]\w*)+")
 PATHS = re.compile(_LEAD + r"(?:src/)?rlfleet/(?:[\w]+/)*[\w]*(?:\.py)?")
 BARE_PATHS = re.compile(_LEAD + rf"(?:{'|'.join(SUBPACKAGES)})/(?:\w+/)*\w+\.py\b")
 REPO_PATHS = re.compile(_LEAD + rf"(?:{'|'.join(REPO_DIRS)})/[\w./*-]*?\.(?:{EXTENSIONS})\b")
@@ -364,10 +365,12 @@ def test_the_rules_catch_made_up_names() -> None:
     """The checks above fail on names that do not exist (and pass on ones that do)."""
     text = ("`rlfleet.frontend.router.WorkerPool` `rlfleet.nothing.here` "
             "`rlfleet.protocol.admin.NoSuchRoute` `rlfleet/worker/admin.py` "
-            "`rlfleet/worker/nothing.py` `frontend/nowhere.py` `rlfleet.ready`")
+            "`rlfleet/worker/nothing.py` `frontend/nowhere.py` `rlfleet.ready` "
+            "`tests.clients.one_url` `tests.clients.no_such_fixture`")
     assert sorted(module_names(text)) == ["frontend/nowhere.py", "rlfleet.nothing.here",
                                           "rlfleet.protocol.admin.NoSuchRoute",
-                                          "rlfleet/worker/nothing.py"]
+                                          "rlfleet/worker/nothing.py",
+                                          "tests.clients.no_such_fixture"]
     spans = ("`POST /v1/chat/completions` `{system_url}/engine/pause_generation` "
              "`/engine/<route>` `GET /v1/made_up` `/engine/made_up` `/fanout/<version>/stream` "
              "`http://127.0.0.1:8001/v1/rl/workers` `/tmp/models` `POST /made_up_root`")
