@@ -366,6 +366,72 @@ def test_lora_load_and_unload_on_every_worker(one, service):
     assert r.status_code == 404 and "l1" in r.json()["error"], r.text
 
 
+def adapter_on_each_worker(one, name: str) -> list[tuple[str | None, bool] | None]:
+    """(digest, open) of adapter `name` on each worker (None: not loaded there)."""
+    out = []
+    for p in one.workers:
+        listed = httpx.post(f"{p.ready['system_url']}/engine/list_lora_adapters", json={},
+                            timeout=10).json()["adapters"]
+        a = next((a for a in listed if a["lora_name"] == name), None)
+        out.append(None if a is None else (a["weight_digest"], a["open"]))
+    return out
+
+
+def test_a_lora_load_with_the_fleet_open_is_an_adapter_refresh(one, service):
+    """With the fleet open, a LoRA load at the one URL is the adapter's refresh, journaled
+    under the adapter's own fleet key, every worker verified on the version's digest. A new
+    version of the same name that one worker fails to load rolls every worker back to the
+    previous version, open; one that fails its probe on one worker holds the adapter closed
+    on every worker; each time the client gets the dialect's error naming the worker."""
+    v1 = str(one.ckpts["lora"])
+    v2 = str(make_adapter(one.ckpts["lora"].parent / "lora-v2", rank=4, seed=2))
+    bad = one.workers[1]
+    for _ in range(2):  # the workers' fleet epoch ahead of the adapter's own (which starts
+        # at 1): the adapter's refresh is fenced by its own epochs only
+        assert httpx.post(f"{one.url}/pause?mode=keep", timeout=60).status_code == 200
+        assert httpx.post(f"{one.url}/resume", timeout=120).status_code == 200
+    try:
+        r = httpx.post(f"{one.url}/v1/load_lora_adapter", timeout=120,
+                       json={"lora_name": "rl", "lora_path": v1})
+        assert r.status_code == 200 and "added" in r.text, r.text
+        first = last_record(one)
+        assert first["fleet"].endswith("#lora=rl") and first["decision"] == "reopened", first
+        assert adapter_on_each_worker(one, "rl") == [(first.served.digest, True)] * 2
+        # the load fails on one worker: every worker back on the previous version, open
+        fault(bad, "load_lora_adapter")
+        r = httpx.post(f"{one.url}/load_lora_adapter", timeout=120,  # SGLang's dialect
+                       json={"lora_name": "rl", "lora_path": v2})
+        assert r.status_code == 400 and r.json()["success"] is False, r.text
+        assert bad.ready["instance_id"] in r.json()["error_message"], r.text
+        assert "previous version" in r.json()["error_message"] and r.json()["rolled_back"]
+        rec = last_record(one)
+        assert rec["fleet"].endswith("#lora=rl") and rec["decision"] == "rolled_back", rec
+        assert adapter_on_each_worker(one, "rl") == [(first.served.digest, True)] * 2
+        r = httpx.post(f"{one.url}/v1/completions", timeout=60, json={
+            "model": "rl", "prompt": PROMPT, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        # its probe fails on one worker: held, the adapter closed on every worker
+        fault(bad, "generate")
+        r = httpx.post(f"{one.url}/v1/load_lora_adapter", timeout=120,  # vLLM's dialect
+                       json={"lora_name": "rl", "lora_path": v2})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]
+        assert f"worker {bad.ready['instance_id']}" in message and "closed" in message, message
+        assert last_record(one)["decision"] == "held"
+        assert [a is not None and a[1] for a in adapter_on_each_worker(one, "rl")] == [False] * 2
+        # the same version with every worker well: every worker moves, open
+        r = httpx.post(f"{one.url}/load_lora_adapter", timeout=120,
+                       json={"lora_name": "rl", "lora_path": v2})
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        moved = last_record(one).served.digest
+        assert moved != first.served.digest
+        assert adapter_on_each_worker(one, "rl") == [(moved, True)] * 2
+    finally:
+        fault(bad, "load_lora_adapter", times=0)
+        fault(bad, "generate", times=0)
+        httpx.post(f"{one.url}/v1/unload_lora_adapter", json={"lora_name": "rl"}, timeout=60)
+
+
 def test_sglang_router_flushes_the_fleet_through_the_frontend(one, service, tmp_path):
     """sglang-router 0.3.2 with the frontend registered as its one worker fans /flush_cache
     out to it: every worker of the fleet flushes."""

@@ -1063,7 +1063,7 @@ class AdminRoute:
     reply: type
     mutating: bool = True  # needs the admin token when one is set; advances the fleet epoch
     serialized: bool = True  # runs under the worker's control lock, one call at a time
-    fenced: bool = True  # refused from an older fleet epoch (all but fault injection)
+    fenced: bool = True  # refused from an older fleet epoch (not: fault injection; LoRA: in the body)
     native: bool = False  # an SGLang native method: a bad body raises (HTTP 500)
     listed: bool = True  # in the worker's route listing (GET /engine, discovery's `routes`)
 

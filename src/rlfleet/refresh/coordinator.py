@@ -349,7 +349,10 @@ class PolicyRefresh:
         relay = None if cfg.relay_threshold is None else RelayTree(
             cfg.relay_threshold, cfg.relay_fanout, on_event=self.on_event)
         self.relays = relay  # the last transaction's: how each phase's calls went (hops)
-        return Channel(http, cfg.timeout, cfg.admin_token, epoch, workers, concurrency=cfg.concurrency,
+        # an adapter's epochs are its own, in the LoRA routes' bodies: the worker's fleet
+        # epoch (the base model's coordinators') never fences them, nor they it
+        return Channel(http, cfg.timeout, cfg.admin_token, epoch, workers,
+                       epoch_header=cfg.adapter is None, concurrency=cfg.concurrency,
                        phase_timeout=cfg.phase_timeout, relay=relay)
 
     async def _begin(self, kind: str, target: Policy, recovery_of: int | None,

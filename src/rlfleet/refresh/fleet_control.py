@@ -24,9 +24,15 @@ each to the code that reads it and answers in the dialect's shapes:
 * resume (vLLM `/resume`, SGLang `/continue_generation`): verify (every worker holds one
   policy, its liveness probe and self-check pass), resume, reopen on that policy; the
   transaction ends in the journal with the policy the fleet serves.
+* LoRA loads (vLLM `/v1/load_lora_adapter`, SGLang `/load_lora_adapter`) with the fleet
+  open: the adapter's refresh (rlfleet.refresh.adapter), journaled under the adapter's own
+  fleet key; the base model and the other adapters serve on while the adapter's requests
+  wait at its own gate; every worker moves to the version (verified by its digest, probed),
+  or a failed load rolls every worker back to the adapter's previous version (a failed
+  probe holds the adapter closed on every worker). Inside a client's pause: every worker
+  loads it, or none does.
 * per-worker fan-outs: `/reset_prefix_cache` and `/flush_cache`, `/get_world_size` (the
-  fleet's sum), the weight version, LoRA adapters loaded or unloaded on every worker (or,
-  when one fails, on none: the ones that loaded it unload it again).
+  fleet's sum), the weight version, LoRA adapters unloaded on every worker that has them.
 
 The service is the single owner of fleet transactions: one journal (rlfleet.journal),
 one operation at a time. A service that dies mid-transaction leaves the fleet gated, and
@@ -37,11 +43,13 @@ cannot send one, so the service binds to loopback unless told otherwise."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -66,7 +74,7 @@ from rlfleet.protocol.fleet_control import ROUTES, SGLANG_PAUSE_MODES, ControlRo
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh import committed as committed_policy
 from rlfleet.refresh import recovery
-from rlfleet.refresh.config import RefreshConfig, UpdatePath
+from rlfleet.refresh.config import OnFailure, RefreshConfig, RefreshMode, UpdatePath
 from rlfleet.refresh.control import (
     Channel,
     FleetFenced,
@@ -708,10 +716,20 @@ class FleetControl:
         return failed
 
     async def load_adapter(self, name: str, path: str) -> list[int]:
-        """Op.LOAD_ADAPTER on every worker, or on none (those that loaded it unload it)."""
+        """Op.LOAD_ADAPTER. With the fleet open: an adapter refresh (`_adapter_refresh`).
+        Inside a client's pause (the fleet gated, its workers paused, so nothing could be
+        probed; the resume verifies and reopens): every worker loads it, or none does (those
+        that loaded it unload it again)."""
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise BadRequest("lora_name and lora_path are required (strings)")
         async with self.lock:
+            if self.session is None:
+                digest = await asyncio.to_thread(_adapter_digest, path)
+                if digest is not None:
+                    return await self._adapter_refresh(name, path, digest)
+                self.on_event(f"LoRA adapter {name!r}: {path} cannot be read here, so its "
+                              "digest is unknown and the load cannot be verified as a refresh: "
+                              "every worker loads it, or none does")
             workers = list((self.session.workers if self.session else
                             await self.discover()).values())
             ch = self.channel()
@@ -739,6 +757,35 @@ class FleetControl:
                           f"{len(workers)} worker(s)")
             return sorted(w.instance_id for w in workers)
 
+    async def _adapter_refresh(self, name: str, path: str, digest: str) -> list[int]:
+        """The adapter's refresh (rlfleet.refresh.adapter) to the version at `path`: the
+        base model and the other adapters serve on; the adapter's requests wait at its own
+        gate while every worker switches to the version, verified by its digest and probed;
+        a failure leaves every worker on the adapter's previous version (or without it).
+        Journaled in this service's journal under the adapter's own fleet key, with its own
+        epochs and steps; an unfinished one is recovered by the adapter's next load."""
+        workers = await self.discover()
+        # every worker or none: a worker that fails rolls the others back (the coordinator
+        # shares this service's journal, which the service closes)
+        cfg = dataclasses.replace(self.config, path=UpdatePath.VLLM_ADAPTER, adapter=name,
+                                  mode=RefreshMode.SYNC, on_failure=OnFailure.ROLLBACK,
+                                  min_workers=len(workers))
+        refresh = PolicyRefresh(config=cfg, journal=self.journal, on_event=self.on_event)
+        res = await refresh.refresh(path, f"{name}-{digest.rsplit(':', 1)[-1][:12]}",
+                                    digest=digest)
+        if not res.fleet_moved:
+            failed = [w for w in res.workers if w.get("status") != "verified"]
+            named = "; ".join(f"worker {w['instance_id']}: {w.get('reason')}" for w in failed)
+            rolled_back = res.decision == "rolled_back"
+            raise FleetFailure(
+                f"loading LoRA adapter {name!r} from {path} failed ({res.decision}): "
+                f"{res.reason}" + (f"; {named}" if named else "") + (
+                    "; every worker serves the adapter's previous version again" if rolled_back
+                    else "; the adapter is closed on every worker (its requests wait) until a "
+                    "load moves them all"), 500 if rolled_back else 400, failed,
+                [w["instance_id"] for w in res.workers] if rolled_back else [])
+        return sorted(w["instance_id"] for w in res.workers)
+
     async def unload_adapter(self, name: str) -> list[int]:
         """Op.UNLOAD_ADAPTER on every worker that has it; FleetFailure 404 when none has."""
         if not isinstance(name, str) or not name:
@@ -762,6 +809,17 @@ class FleetControl:
                 raise FleetFailure(f"The lora adapter '{name}' cannot be found: "
                                    + "; ".join(why), 404)
             return sorted(done)
+
+
+def _adapter_digest(path: str) -> str | None:
+    """The content digest of the adapter directory at `path`, or None where this process
+    cannot read it (the workers may see paths the service does not)."""
+    from rlfleet.weights.digest import checkpoint_digest  # torch: only when needed
+
+    try:
+        return checkpoint_digest(Path(path))
+    except (OSError, ValueError):
+        return None
 
 
 # ---------------------------------------------------------------- the dialects

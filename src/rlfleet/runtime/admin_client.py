@@ -136,11 +136,14 @@ class AdminClient:
     admin_token: str | None = None
     epoch: int | None = None
     workers: AdminConnections | None = None  # one client per worker (else `http` for all)
+    #: False: `epoch` is not the workers' fleet epoch but one that fences in request bodies
+    #: (a LoRA adapter's own, rlfleet.refresh.adapter), so no call carries it in the header
+    epoch_header: bool = True
 
     @property
     def headers(self) -> dict[str, str]:
         out = {admin.AUTH_HEADER: admin.bearer(self.admin_token)} if self.admin_token else {}
-        if self.epoch is not None:
+        if self.epoch is not None and self.epoch_header:
             out[admin.EPOCH_HEADER] = str(self.epoch)
         tp = tracing.outgoing()  # the worker's span joins the caller's
         if tp:

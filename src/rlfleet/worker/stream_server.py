@@ -265,8 +265,10 @@ class WorkerPlane:
                 injected = await self.faults.check("generate")
             except InjectedFault as e:
                 raise HttpError(500, str(e)) from e
-            if injected is not None:
-                raise HttpError(500, injected.get("message", "injected failure"))
+            if injected is not None:  # an error reply, or the body armed with mode respond
+                message = (injected.get("message") if isinstance(injected, dict)
+                           else getattr(injected, "message", None))
+                raise HttpError(500, message or "injected failure of generate")
         engine = self.engine
         try:
             ids = await check_prompt(self, req)

@@ -350,7 +350,7 @@ class _Calls:
         control lock for a serialized route)."""
         spec = route.spec
         self.fence.check(epoch, advance=spec.mutating)
-        if self.faults is not None and spec.fenced:
+        if self.faults is not None and spec.name != admin.FAULT_INJECTION.name:
             injected = await self.faults.check(spec.name)
             if injected is not None:
                 return injected
@@ -394,7 +394,7 @@ class _Calls:
         try:
             self.fence.check(epoch, advance=spec.mutating)
             injected = await self.faults.check(spec.name) if (
-                self.faults is not None and spec.fenced) else None
+                self.faults is not None and spec.name != admin.FAULT_INJECTION.name) else None
             if injected is not None:
                 return 200, msgspec.to_builtins(injected)
             req = admin.read_request(spec, body)
