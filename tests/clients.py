@@ -37,6 +37,7 @@ from rlfleet.testing.fleet import LocalFleet, http_server
 from tests.fleets import (
     MODEL_NAME,
     RL_PROBE_ENV,
+    VLLM_FLEET_LEASE,
     local_fleet,
     unit_server,
     vllm_worker_args,
@@ -347,6 +348,6 @@ def session_lora_vllm_fleet(request, tmp_path_factory, tiny_model) -> LocalFleet
                             str(root))
     fleet = unit_server(request, local_fleet(
         tmp_path_factory.mktemp("clients-lora-fleet"), [args], kind="vllm", model=MODEL_NAME,
-        lease_ttl=3.0, enable_rl=True, frontend_env=RL_PROBE_ENV))
+        lease_ttl=VLLM_FLEET_LEASE, enable_rl=True, frontend_env=RL_PROBE_ENV))
     fleet.adapter = adapter
     return fleet

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -506,16 +508,12 @@ async def test_vanishing_directory_keeps_its_entries(tmp_path: Path, ns: str, ho
         if how == "renamed":
             store.rename(aside)
         else:
-            import shutil
-
-            shutil.rmtree(store)
+            remove_while_written(store)
         seen = []
         end = time.monotonic() + 3
         while time.monotonic() < end:
             seen.append(await reader.list(ns))
             if how == "renamed" and store.exists():  # an owner recreated it: the old one goes
-                import shutil
-
                 shutil.rmtree(aside, ignore_errors=True)
             await asyncio.sleep(0.1)
         assert all(s == [entry] for s in seen), [len(s) for s in seen]
@@ -527,6 +525,21 @@ async def test_vanishing_directory_keeps_its_entries(tmp_path: Path, ns: str, ho
     finally:
         await owner.close()
         await reader.close()
+
+
+def remove_while_written(path: Path) -> None:
+    """Remove the directory `path` while workers write into it: a file one adds between
+    rmtree's listing and its rmdir fails it with ENOTEMPTY; go again until it is gone once."""
+    for _ in range(100):
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as e:
+            if e.errno == errno.ENOENT:
+                return
+            if e.errno != errno.ENOTEMPTY:
+                raise
+    raise AssertionError(f"{path} kept being written into: it could not be removed")
 
 
 async def _has(d: Discovery, ns: str, entry: dict[str, Any]) -> bool:
@@ -574,7 +587,6 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
     """A mocker fleet on the file store: garbage in the directory neither freezes the
     frontend's membership nor breaks the RL listing, and the directory gone for 3 s gives
     no model_not_found."""
-    import shutil
     import threading
 
     import httpx
@@ -608,7 +620,7 @@ def test_frontend_survives_bad_entries_and_a_vanishing_directory(tmp_path: Path)
         t.start()
         try:
             time.sleep(0.3)
-            shutil.rmtree(store)  # the workers recreate it at their next keep-alive (≤ 2 s)
+            remove_while_written(store)  # the workers recreate it at their next keep-alive
             time.sleep(3)
         finally:
             stop.set()
