@@ -164,14 +164,18 @@ def fault(proc: Proc, route: str, mode: str = "error", **kw) -> None:
     assert r.json()["status"] == "ok", r.text
 
 
-def routed(fleet: LocalFleet, expected: int | None = None, timeout: float = 5.0) -> set[int]:
-    """Workers the frontend routes to; with `expected`, wait until that many are (discovery
-    reaches the frontend within its poll interval)."""
+def routed(fleet: LocalFleet, expected: int | set[int] | None = None,
+           timeout: float = 5.0) -> set[int]:
+    """Workers the frontend routes to; with `expected` (a count, or the very workers), wait
+    until the frontend agrees (discovery reaches it within its poll interval). Wait for the
+    workers themselves where a count can also be met on the way, by the wrong ones (one of
+    two workers closed before the other during a refresh)."""
     deadline = time.monotonic() + timeout
     while True:
         got = {w["instance_id"] for w in httpx.get(f"{fleet.url}/health").json()["workers"]
                if w["usable"]}
-        if expected is None or len(got) == expected or time.monotonic() > deadline:
+        done = got == expected if isinstance(expected, set) else len(got) == expected
+        if expected is None or done or time.monotonic() > deadline:
             return got
         time.sleep(0.1)
 

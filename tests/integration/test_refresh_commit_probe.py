@@ -62,4 +62,5 @@ def test_a_failing_probe_in_the_commit_keeps_the_worker_out(fleet, ckpts, tmp_pa
     assert [(c["route"], c["http_status"], c["via"]) for c in probe] == \
         [("generate", 500, "commit_policy")], probe
     assert probe[0]["body"]["error"]["message"], probe  # the refusal's body is journaled
-    assert routed(fleet, 1) == {int(fleet.workers[0].ready["instance_id"])}
+    want = {int(fleet.workers[0].ready["instance_id"])}
+    assert routed(fleet, want) == want

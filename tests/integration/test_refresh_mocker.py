@@ -100,7 +100,8 @@ def test_pause_failure_excludes_that_worker(fleet, ckpts, tmp_path):
     assert "pause failed" in by[int(bad.ready["instance_id"])]["reason"]
     v = versions(fleet)
     assert v[int(bad.ready["instance_id"])] == (None, "mock:1")  # no transfer to it
-    assert routed(fleet, 1) == {int(fleet.workers[1].ready["instance_id"])}  # not admitted
+    want = {int(fleet.workers[1].ready["instance_id"])}
+    assert routed(fleet, want) == want  # not admitted
 
 
 def test_transfer_failure_after_a_peer_succeeded_holds(fleet, ckpts, tmp_path):
@@ -201,7 +202,8 @@ def test_cache_reset_failure_excludes(fleet, ckpts, tmp_path):
     assert res.decision == "reopened"
     out = [w for w in res.workers if w["status"] != "verified"]
     assert len(out) == 1 and "cache reset failed" in out[0]["reason"]
-    assert routed(fleet, 1) == {int(fleet.workers[1].ready["instance_id"])}
+    want = {int(fleet.workers[1].ready["instance_id"])}
+    assert routed(fleet, want) == want
 
 
 def test_version_mismatch_keeps_the_fleet_closed(fleet, ckpts, tmp_path):
@@ -222,7 +224,8 @@ def test_post_update_generation_failure_keeps_worker_out(fleet, ckpts, tmp_path)
     w = next(w for w in res.workers if w["instance_id"] == int(bad.ready["instance_id"]))
     assert w["status"] == "excluded" and "post-update generation failed" in w["reason"]
     assert any(c["route"] == "generate" for c in w["calls"])  # diagnostics kept
-    assert routed(fleet, 1) == {int(fleet.workers[0].ready["instance_id"])}
+    want = {int(fleet.workers[0].ready["instance_id"])}
+    assert routed(fleet, want) == want
 
 
 def test_worker_missing_at_transfer_time(fleet, ckpts, tmp_path):
@@ -252,7 +255,8 @@ def test_worker_killed_mid_refresh(fleet, ckpts, tmp_path):
     assert res.decision == "reopened", res.reason
     w = next(w for w in res.workers if w["instance_id"] == int(victim.ready["instance_id"]))
     assert w["status"] == "missing"
-    assert routed(fleet, 1) == {int(fleet.workers[0].ready["instance_id"])}
+    want = {int(fleet.workers[0].ready["instance_id"])}
+    assert routed(fleet, want) == want
 
 
 def test_replacement_worker_is_admitted_only_when_verified(fleet, ckpts, tmp_path):
