@@ -131,12 +131,7 @@ async def ask(session: aiohttp.ClientSession, base_url: str, req: GenerateReques
             async for line in resp.content:
                 if not line.strip():
                     continue
-                ev = msgspec.json.decode(line)
-                if "error" in ev:
-                    raise WorkerError(ev["error"].get("message", "worker error"),
-                                      ev["error"].get("code", 502))
-                events.append(ev)
-                if ev.get("done"):
+                if _taken(msgspec.json.decode(line), events):
                     return events
     except aiohttp.ClientConnectionError as e:
         if not events and isinstance(e, aiohttp.ClientConnectorError):
@@ -151,6 +146,15 @@ async def ask(session: aiohttp.ClientSession, base_url: str, req: GenerateReques
                       502, broken=True)
 
 
+def _taken(ev: dict[str, Any], events: list[dict[str, Any]]) -> bool:
+    """One event of a probe's stream: WorkerError for an error event, else kept in `events`;
+    True once it is the last (`done`)."""
+    if "error" in ev:
+        raise WorkerError(ev["error"].get("message", "worker error"), ev["error"].get("code", 502))
+    events.append(ev)
+    return bool(ev.get("done"))
+
+
 def committed_events(out: Any, instance_id: int) -> list[dict[str, Any]]:
     """The events of a probe a worker ran inside its commit_policy call (`CommitProbe`),
     judged as `ask` judges a direct probe's stream: WorkerError for a refusal, an error
@@ -160,11 +164,7 @@ def committed_events(out: Any, instance_id: int) -> list[dict[str, Any]]:
                           body=out.body)
     events: list[dict[str, Any]] = []
     for ev in out.events:
-        if "error" in ev:
-            raise WorkerError(ev["error"].get("message", "worker error"),
-                              ev["error"].get("code", 502))
-        events.append(ev)
-        if ev.get("done"):
+        if _taken(ev, events):
             return events
     raise WorkerError(f"worker {instance_id} closed the stream before the request finished",
                       502, broken=True)
