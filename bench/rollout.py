@@ -3,9 +3,9 @@ measure the client and the serving path, not an engine).
 
 Bookkeeping (default): samples/s of `RolloutClient.rollout` (ledger on a temp file, every
 admission check on, unary OpenAI route) against raw concurrent httpx POSTs of the same
-requests (same body, an X-Request-Id each, the JSON parsed, nothing checked or recorded),
-through one frontend and two mocker workers with no token delay, at the same concurrency
-and sample count, in one run. Rounds alternate raw and client after a warm-up; prints each
+requests (same body, an X-Request-Id each, the client's transport, the JSON parsed,
+nothing checked or recorded), through one frontend and two mocker workers with no token
+delay, at the same concurrency and sample count, in one run. Rounds alternate raw and client after a warm-up; prints each
 round, the medians, the ratio (client / raw) and this process's CPU time per sample (the
 trainer side only: the servers are other processes), which a busy machine disturbs less
 than the rates.
@@ -62,9 +62,12 @@ def raw_body(r: SampleRequest) -> bytes:
 
 
 async def raw(url: str, reqs: list[SampleRequest], concurrency: int) -> tuple[float, float]:
-    """(samples/s, CPU seconds of this process per sample)"""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0), limits=httpx.Limits(
-            max_connections=1024, max_keepalive_connections=1024)) as http:
+    """(samples/s, CPU seconds of this process per sample), over the transport the client
+    uses (rlfleet.rollout.transport)."""
+    from rlfleet.rollout.transport import ShardedTransport
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0),
+                                 transport=ShardedTransport(1024)) as http:
         queue = iter(reqs)
         ok = 0
 
