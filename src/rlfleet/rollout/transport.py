@@ -62,7 +62,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     `max_connections` connections, kept alive, in pools of at most `per_pool`; `options`
     go to each pool's `httpx.AsyncHTTPTransport`."""
 
-    def __init__(self, max_connections: int, per_pool: int = 8, **options: Any) -> None:
+    def __init__(self, max_connections: int, per_pool: int = 4, **options: Any) -> None:
         if max_connections < 1 or per_pool < 1:
             raise ValueError("max_connections and per_pool must be at least 1")
         self.per_pool = min(per_pool, max_connections)
