@@ -5,10 +5,10 @@ Bookkeeping (default): samples/s of `RolloutClient.rollout` (ledger on a temp fi
 admission check on, unary OpenAI route) against raw concurrent httpx POSTs of the same
 requests (same body, an X-Request-Id each, the client's transport, the JSON parsed,
 nothing checked or recorded), through one frontend and two mocker workers with no token
-delay, at the same concurrency and sample count, in one run. Rounds alternate raw and client after a warm-up; prints each
-round, the medians, the ratio (client / raw) and this process's CPU time per sample (the
-trainer side only: the servers are other processes), which a busy machine disturbs less
-than the rates.
+delay, at the same concurrency and sample count, in one run. Rounds alternate raw and
+client after a warm-up; prints each round, the medians, the ratio (client / raw) and this
+process's CPU time per sample (the trainer side only: the servers are other processes),
+which a busy machine disturbs less than the rates.
 
     python bench/rollout.py [--samples 2000] [--concurrency 64] [--max-tokens 16] [--rounds 3]
 

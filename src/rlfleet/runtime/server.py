@@ -18,7 +18,6 @@ import uvicorn
 
 from rlfleet.runtime.limits import BodyLimit, ServerLimits, guarded_protocol
 
-
 #: the youngest generation's threshold while serving (Python's default: 700 allocations)
 SERVING_GEN0_THRESHOLD = 10_000
 
