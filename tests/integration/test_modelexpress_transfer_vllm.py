@@ -31,7 +31,6 @@ import requests
 
 from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.digest import checkpoint_digest
-from rlfleet.worker import modelexpress as mx
 from tests.fleets import vllm_serve, weight_versions
 from tests.modelexpress_publisher import (
     TRANSFER_BACKEND,
