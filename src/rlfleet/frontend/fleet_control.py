@@ -71,7 +71,7 @@ class ControlForward:
     @staticmethod
     def _failed(route: ControlRoute, status: int, message: str) -> Response:
         log.warning("%s", message)
-        if route.dialect == "sglang":
+        if route.dialect in ("sglang", "areal"):  # AReaL's server answers as SGLang's
             return JSONResponse({"success": False, "message": message}, status_code=status)
         return JSONResponse({"error": message}, status_code=status)
 

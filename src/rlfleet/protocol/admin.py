@@ -24,7 +24,12 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.sglang_admin import SGLANG_PAUSE_MODES, ServerInfoReply
+from rlfleet.protocol.sglang_admin import (
+    SGLANG_PAUSE_MODES,
+    EndSessionRequest,
+    ServerInfoReply,
+    SessionRequest,
+)
 from rlfleet.protocol.vllm_rl import (
     DISK_ENGINE_RPCS,
     RELOAD_KWARGS,
@@ -1209,7 +1214,13 @@ CONTINUE_GENERATION = AdminRoute("continue_generation", NativeContinueRequest, M
 SERVER_INFO = AdminRoute("server_info", NoFields, ServerInfoReply, mutating=False,
                          serialized=False, listed=False)
 GET_SERVER_INFO = dataclasses.replace(SERVER_INFO, name="get_server_info")
-SGLANG_NAMES = (CONTINUE_GENERATION, SERVER_INFO, GET_SERVER_INFO)
+# SGLang 0.5.23's weight-update session (`{"success", "message"}`)
+BEGIN_WEIGHT_UPDATE = AdminRoute("begin_weight_update", SessionRequest, SglangReply,
+                                 listed=False)
+END_WEIGHT_UPDATE = AdminRoute("end_weight_update", EndSessionRequest, SglangReply,
+                               listed=False)
+SGLANG_NAMES = (CONTINUE_GENERATION, SERVER_INFO, GET_SERVER_INFO, BEGIN_WEIGHT_UPDATE,
+                END_WEIGHT_UPDATE)
 
 #: the lifecycle every vLLM-style refresh path needs
 VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,

@@ -11,11 +11,14 @@ Slime appends SGLang's own paths to each control base `http://host:port/engine`:
 `ContinueGenerationReqInput {torch_empty_cache}`, `InitWeightsUpdateGroupReqInput`
 (master_address, master_port, rank_offset, world_size, group_name, backend),
 `UpdateWeightsFromDistributedReqInput` (names, dtypes, shapes, group_name, flush_cache,
-weight_version, load_format), `DestroyWeightsUpdateGroupReqInput {group_name}`."""
+weight_version, load_format), `DestroyWeightsUpdateGroupReqInput {group_name}`; SGLang
+0.5.23's weight-update session (`/begin_weight_update {selector}`, `/end_weight_update`),
+which brackets its distributed and tensor updates: opened twice, or closed while none is
+open, it answers `{"success": false, "message"}`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -49,3 +52,23 @@ class ServerInfoReply(msgspec.Struct, kw_only=True):
     @classmethod
     def failed(cls, message: str, **fields: Any) -> ServerInfoReply:
         return cls(status="error", message=message, **fields)
+
+
+class SessionRequest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True,
+                     omit_defaults=True):
+    """SGLang 0.5.23's `BeginWeightUpdateReqInput`: which runners the session opens
+    (an rlfleet worker runs the target model only: `draft` is refused)."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndSessionRequest(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True,
+                        omit_defaults=True):
+    """SGLang 0.5.23's `EndWeightUpdateReqInput`: no field."""
+
+
+#: SGLang's answers of the session's routes (scheduler_components/weight_updater.py)
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_CLOSED = "no weight-update session is open; call begin_weight_update() first"
+NO_DRAFT = ("selector 'draft': this worker runs no speculative-decoding draft model; open the "
+            "session with selector 'target' or 'all'")

@@ -117,7 +117,8 @@ SKYRL_LOAD_FIELDS = ("lora_name", "lora_path")
 # checker (`{"action": "checksum" | "reset" | "compare", "baseline", "checksums"}`,
 # rlfleet.protocol.vllm_rl.WEIGHT_CHECKER_ACTIONS; weight_checker.py)
 START_DRAFT_WEIGHT_UPDATE = NativeRoute("/start_draft_weight_update", "POST")
-WEIGHT_CHECKER = NativeRoute("/weight_checker", "POST")
+# reads the weights only here (its `reset` is refused): not held back by a refresh
+WEIGHT_CHECKER = NativeRoute("/weight_checker", "POST", mutating=False)
 WEIGHT_CHECKER_ACTIONS = ("checksum", "reset", "compare")
 
 #: vLLM's RL state machine (rl_state_machine.py): a step that would break the order of a

@@ -32,6 +32,17 @@ def split_key(key: str) -> tuple[str, str]:
     return ":".join(parts[:5]) + ":", parts[5]
 
 
+def under_dp(report: dict[str, str], dp: int) -> dict[str, str]:
+    """One server's report as data-parallel rank `dp` of a larger one (its keys' `dp` field
+    replaced; a key without a rank prefix gets one)."""
+    out = {}
+    for key, digest in report.items():
+        prefix, name = split_key(key)
+        rest = prefix.split(":", 1)[1] if prefix else "pp0:pcp0:tp0:ep0:"
+        out[f"dp{dp}:{rest}{name}"] = digest
+    return out
+
+
 def merge(reports: list[dict[str, str]]) -> dict[str, str]:
     """Several reports of disjoint ranks as one; ValueError names a key two of them hold."""
     out: dict[str, str] = {}

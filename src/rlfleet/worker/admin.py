@@ -22,7 +22,7 @@ import msgspec
 from msgspec import UNSET
 
 import rlfleet
-from rlfleet.protocol import admin
+from rlfleet.protocol import admin, sglang_admin
 from rlfleet.protocol.admin import (
     AbortReply,
     AbortRequest,
@@ -49,6 +49,7 @@ from rlfleet.protocol.admin import (
     PauseRequest,
     SetVersionReply,
     SetVersionRequest,
+    SglangReply,
     StagedListReply,
     StagedQuery,
     StageReply,
@@ -58,7 +59,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step, TokenLogprob
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.sglang_admin import ServerInfoReply
+from rlfleet.protocol.sglang_admin import EndSessionRequest, ServerInfoReply, SessionRequest
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
@@ -101,6 +102,7 @@ class EngineAdmin:
         self.fence = fence if fence is not None else FleetFence()  # give it to system_app
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.group: GroupRequest | None = None  # the trainer's group, once joined
+        self.update_session = False  # SGLang's weight-update session is open
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
         self.admission = Admission(identity=self._policy)
         self.check_pending = False  # weights installed since the last self-check
@@ -148,6 +150,8 @@ class EngineAdmin:
             Route(admin.CONTINUE_GENERATION, self.continue_generation),
             Route(admin.SERVER_INFO, self.server_info),
             Route(admin.GET_SERVER_INFO, self.server_info),
+            Route(admin.BEGIN_WEIGHT_UPDATE, self.begin_weight_update),
+            Route(admin.END_WEIGHT_UPDATE, self.end_weight_update),
             *self.transfer.routes(),
             *self.lora.routes(),
         ]
@@ -212,6 +216,22 @@ class EngineAdmin:
             served_model_name=info.served_model_name, context_length=info.max_model_len,
             tp_size=info.world_size, version=rlfleet.__version__,
             weight_version=applied.policy.version if applied.declared else None)
+
+    async def begin_weight_update(self, req: SessionRequest) -> SglangReply:
+        """SGLang 0.5.23's weight-update session opens (its tensors are the engine's own
+        here: nothing to restore); once at a time."""
+        if req.selector == "draft":
+            return SglangReply.failed(sglang_admin.NO_DRAFT)
+        if self.update_session:
+            return SglangReply.failed(sglang_admin.SESSION_OPEN)
+        self.update_session = True
+        return SglangReply(message="Success")
+
+    async def end_weight_update(self, req: EndSessionRequest) -> SglangReply:
+        if not self.update_session:
+            return SglangReply.failed(sglang_admin.SESSION_CLOSED)
+        self.update_session = False
+        return SglangReply(message="Success")
 
     async def is_paused(self, req: NoFields) -> IsPausedReply:
         return IsPausedReply(is_paused=await self.engine.is_paused())
