@@ -80,10 +80,17 @@ client() {
   if $PIP install -q --no-deps --target "$VENV/clients/$name" "$@"; then
     touch "$VENV/clients/$name/.installed"
   else
-    echo "warning: could not install $1 into $VENV/clients/$name; its client tests will skip" >&2
+    echo "warning: could not install $* into $VENV/clients/$name; its client tests will skip" >&2
   fi
 }
 client skyrl skyrl==0.3.0
+# SkyRL 0.4.0 declares Python >= 3.12; its wheel is pure Python and its client runs on 3.11,
+# so pip is told the version the wheel asks for (and takes wheels only); orjson, which its
+# client imports, is a compiled wheel and goes in for this interpreter
+client skyrl04 --python-version 3.12 --only-binary=:all: skyrl==0.4.0
+[ -d "$VENV/clients/skyrl04/orjson" ] || [ ! -e "$VENV/clients/skyrl04/.installed" ] || \
+  $PIP install -q --no-deps --target "$VENV/clients/skyrl04" orjson==3.13.0 || \
+  echo "warning: could not install orjson into $VENV/clients/skyrl04" >&2
 client areal areal==1.0.4 aiofiles==25.1.0 blinker==1.9.0 colorlog==6.12.0 flask==3.1.3 \
   hydra-core==1.4.0.dev1 itsdangerous==2.2.0 omegaconf==2.4.0.dev2 orjson==3.13.0 \
   tenacity==9.2.1 torchdata==0.11.0 werkzeug==3.1.9

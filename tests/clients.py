@@ -2,7 +2,9 @@
 (pip --no-deps --target: outside site-packages, so no worker or engine ever imports it), and
 loaded here for the compatibility tests (tests/integration/test_clients_*.py):
 
-* `skyrl()`: SkyRL 0.3.0's RemoteInferenceClient module;
+* `skyrl()`: SkyRL 0.3.0's RemoteInferenceClient module; `skyrl04()`: SkyRL 0.4.0's, with
+  its trainer-side weight-sync client and its packed-payload codecs (the two versions are
+  the same package, kept apart in sys.modules);
 * `areal()`: AReaL 1.0.4's remote engines (RemoteSGLangEngine, RemotevLLMEngine) and the
   request, config and weight-update types they take;
 * `sglang_router(...)`: sglang-router 0.3.2's router (`python -m sglang_router.launch_router`)
@@ -44,10 +46,11 @@ from tests.fleets import (
     wait_for_workers,
 )
 
-CLIENTS_DIR = Path(sys.prefix) / "clients"
+#: where scripts/setup.sh installs them ($RLFLEET_CLIENTS_DIR: another folder of such folders)
+CLIENTS_DIR = Path(os.environ.get("RLFLEET_CLIENTS_DIR") or Path(sys.prefix) / "clients")
 
 #: what scripts/setup.sh installs, by folder: the package and version tested
-VERSIONS = {"skyrl": "skyrl==0.3.0", "areal": "areal==1.0.4",
+VERSIONS = {"skyrl": "skyrl==0.3.0", "skyrl04": "skyrl==0.4.0", "areal": "areal==1.0.4",
             "sglang-router": "sglang-router==0.3.2"}
 
 
@@ -126,16 +129,55 @@ def _bare_package(dotted: str, where: Path) -> None:
     sys.modules[dotted] = pkg
 
 
+#: each installed version's `skyrl` modules, kept apart (both are the package `skyrl`)
+_SKYRL_MODULES: dict[str, dict[str, types.ModuleType]] = {}
+
+
+@contextlib.contextmanager
+def _skyrl_modules(name: str) -> Iterator[None]:
+    """sys.modules holds the `skyrl` modules of folder `name` (imported ones kept) while the
+    block runs; those of another version are put back after it. Imported modules keep
+    working after: their own imports are done at import time."""
+    def taken() -> dict[str, types.ModuleType]:
+        return {k: sys.modules.pop(k) for k in list(sys.modules)
+                if k == "skyrl" or k.startswith("skyrl.")}
+    before = taken()
+    sys.modules.update(_SKYRL_MODULES.get(name, {}))
+    try:
+        yield
+    finally:
+        _SKYRL_MODULES[name] = taken()
+        sys.modules.update(before)
+
+
+def _skyrl(name: str, modules: list[str]) -> list[types.ModuleType]:
+    """`modules` of SkyRL's folder `name`. `skyrl/backends/__init__.py` imports the Tinker
+    backend, whose pydantic models use typing.TypedDict, which pydantic refuses on Python <
+    3.12; the HTTP clients need none of it, so that one package is registered without its
+    __init__."""
+    with _skyrl_modules(name):
+        with on_path(name) as where:
+            _bare_package("skyrl.backends", where)
+        return _import(name, modules)
+
+
 def skyrl() -> types.ModuleType:
     """skyrl.backends.skyrl_train.inference_servers.remote_inference_client (SkyRL 0.3.0):
-    RemoteInferenceClient, PauseMode. `skyrl/backends/__init__.py` imports the Tinker backend,
-    whose pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12; the
-    HTTP client needs none of it, so that one package is registered without its __init__."""
-    with on_path("skyrl") as where:
-        _bare_package("skyrl.backends", where)
-    (mod,) = _import("skyrl", ["skyrl.backends.skyrl_train.inference_servers."
-                               "remote_inference_client"])
+    RemoteInferenceClient, PauseMode."""
+    (mod,) = _skyrl("skyrl", ["skyrl.backends.skyrl_train.inference_servers."
+                              "remote_inference_client"])
     return mod
+
+
+def skyrl04() -> types.SimpleNamespace:
+    """SkyRL 0.4.0 (its wheel asks for Python >= 3.12; the client runs on 3.11): `client`,
+    the RemoteInferenceClient module (PauseMode too); `control_plane`, the trainer-side
+    SkyrlWeightSyncClient's; `wire`, /skyrl/v1/generate's packed payloads."""
+    base = "skyrl.backends.skyrl_train."
+    client, control_plane, wire = _skyrl("skyrl04", [
+        f"{base}inference_servers.remote_inference_client", f"{base}weight_sync.control_plane",
+        f"{base}inference_servers.generate_wire"])
+    return types.SimpleNamespace(client=client, control_plane=control_plane, wire=wire)
 
 
 def areal() -> types.SimpleNamespace:

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.frontend import sglang, vllm_native
+from rlfleet.frontend import sglang, skyrl, vllm_native
 from rlfleet.frontend.fleet_control import control_routes
 from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
@@ -284,6 +284,7 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
         *openai_routes.router.routes,
         *sglang.router.routes,
         *vllm_native.router.routes,
+        *skyrl.router.routes,
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/live", live, methods=["GET"]),

@@ -29,7 +29,7 @@ class Op(enum.StrEnum):
     ABORT = "abort"  # requests in flight end on every worker (no pause)
     WEIGHT_CHECK = "weight_check"  # every worker's weight checksums, merged and compared
     SET_VERSION = "set_version"  # every worker relabels its weights
-    DRAFT_TRANSFER_START = "draft_transfer_start"  # refused: no worker serves a draft model
+    REFUSED = "refused"  # what no worker does (a draft model, SkyRL's delta format): named
     UPDATE_SESSION = "update_session"  # SGLang's weight-update session, on every worker
 
 
@@ -92,7 +92,9 @@ VLLM_RL_ROUTES = (
     # {action: checksum|compare, baseline, checksums}: reads the weights (reset is refused)
     _R("vllm", ("POST",), "/weight_checker", Op.WEIGHT_CHECK, mutating=False),
     _R("vllm", ("POST",), "/update_weight_version", Op.SET_VERSION),  # {new_version}
-    _R("vllm", ("POST",), "/start_draft_weight_update", Op.DRAFT_TRANSFER_START),
+    _R("vllm", ("POST",), "/start_draft_weight_update", Op.REFUSED),
+    # SkyRL 0.4's server route: a checkpoint delta in its own format
+    _R("vllm", ("POST",), "/fetch_weights", Op.REFUSED),
 )
 #: SGLang 0.5.23's weight-update session (http_server.py begin/end_weight_update)
 SGLANG_SESSION_ROUTES = (

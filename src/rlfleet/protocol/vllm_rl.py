@@ -121,6 +121,10 @@ START_DRAFT_WEIGHT_UPDATE = NativeRoute("/start_draft_weight_update", "POST")
 WEIGHT_CHECKER = NativeRoute("/weight_checker", "POST", mutating=False)
 WEIGHT_CHECKER_ACTIONS = ("checksum", "reset", "compare")
 
+# SkyRL 0.4's own route on its vLLM server (its checkpoint-delta backend), refused by name
+# with what to call instead (rlfleet.protocol.skyrl.FETCH_WEIGHTS_REFUSED)
+SKYRL_FETCH_WEIGHTS = NativeRoute("/fetch_weights", "POST")
+
 #: vLLM's RL state machine (rl_state_machine.py): a step that would break the order of a
 #: weight update (start, update*, finish) is refused with HTTP 409 `{"detail"}` before it
 #: runs, by whether an update is open

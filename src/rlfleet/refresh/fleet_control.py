@@ -59,7 +59,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from rlfleet.journal import RefreshJournal, open_journal
-from rlfleet.protocol import admin, vllm_rl
+from rlfleet.protocol import admin, skyrl, vllm_rl
 from rlfleet.protocol.admin import (
     AdmissionRequest,
     DiskUpdateRequest,
@@ -1133,6 +1133,10 @@ async def _vllm_start_draft(ctl: FleetControl, request: Request) -> Response:
                      "start_weight_update, update_weights and finish_weight_update")
 
 
+async def _skyrl_fetch_weights(ctl: FleetControl, request: Request) -> Response:
+    raise BadRequest(skyrl.FETCH_WEIGHTS_REFUSED)
+
+
 async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
     """SGLang 0.5.23's /begin_weight_update and /end_weight_update on every worker: the
     fleet's session opens (closes) on all of them, or the ones that moved move back."""
@@ -1216,6 +1220,7 @@ HANDLERS: dict[tuple[str, str], Handler] = {
     ("vllm", "/weight_checker"): _vllm_weight_checker,
     ("vllm", "/update_weight_version"): _vllm_update_weight_version,
     ("vllm", "/start_draft_weight_update"): _vllm_start_draft,
+    ("vllm", "/fetch_weights"): _skyrl_fetch_weights,
     ("sglang", "/begin_weight_update"): _sglang_session,
     ("sglang", "/end_weight_update"): _sglang_session,
     ("areal", "/areal_pause_generation"): _areal_pause,

@@ -48,7 +48,7 @@ from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, dynamo_lora, vllm_rl
+from rlfleet.protocol import admin, dynamo_lora, skyrl, vllm_rl
 from rlfleet.protocol.admin import (
     AdminRequestError,
     AdminRoute,
@@ -386,6 +386,12 @@ class NativeRL:
                     "the model's own weights with start_weight_update, update_weights and "
                     "finish_weight_update", 400)
             return await self.call(raw_request, vllm_rl.START_DRAFT_WEIGHT_UPDATE, run)
+
+        @r.post(vllm_rl.SKYRL_FETCH_WEIGHTS.path)
+        async def fetch_weights(raw_request: Request) -> Response:
+            async def run() -> Response:
+                return route_error(skyrl.FETCH_WEIGHTS_REFUSED, 400)
+            return await self.call(raw_request, vllm_rl.SKYRL_FETCH_WEIGHTS, run)
 
         @r.post(vllm_rl.WEIGHT_CHECKER.path)
         async def weight_checker(raw_request: Request) -> Response:
