@@ -7,6 +7,7 @@ loaded here for the compatibility tests (tests/integration/test_clients_*.py):
   the same package, kept apart in sys.modules);
 * `areal()`: AReaL 1.0.4's remote engines (RemoteSGLangEngine, RemotevLLMEngine) and the
   request, config and weight-update types they take;
+* `smg_rl()`: SMG 1.13.0's RL control-plane client (`smg.rl`);
 * `sglang_router(...)`: sglang-router 0.3.2's router (`python -m sglang_router.launch_router`)
   as a process on a free 127.0.0.1 port in front of given worker URLs.
 
@@ -51,7 +52,7 @@ CLIENTS_DIR = Path(os.environ.get("RLFLEET_CLIENTS_DIR") or Path(sys.prefix) / "
 
 #: what scripts/setup.sh installs, by folder: the package and version tested
 VERSIONS = {"skyrl": "skyrl==0.3.0", "skyrl04": "skyrl==0.4.0", "areal": "areal==1.0.4",
-            "sglang-router": "sglang-router==0.3.2"}
+            "sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0"}
 
 
 def client_dir(name: str) -> Path:
@@ -178,6 +179,12 @@ def skyrl04() -> types.SimpleNamespace:
         f"{base}inference_servers.remote_inference_client", f"{base}weight_sync.control_plane",
         f"{base}inference_servers.generate_wire"])
     return types.SimpleNamespace(client=client, control_plane=control_plane, wire=wire)
+
+
+def smg_rl() -> types.ModuleType:
+    """smg.rl (smg 1.13.0): SMG's RL control-plane client (RL, paused, FanoutError)."""
+    (mod,) = _import("smg", ["smg.rl"])
+    return mod
 
 
 def areal() -> types.SimpleNamespace:

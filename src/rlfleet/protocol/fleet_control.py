@@ -31,11 +31,12 @@ class Op(enum.StrEnum):
     SET_VERSION = "set_version"  # every worker relabels its weights
     REFUSED = "refused"  # what no worker does (a draft model, SkyRL's delta format): named
     UPDATE_SESSION = "update_session"  # SGLang's weight-update session, on every worker
+    ENGINE_FANOUT = "engine_fanout"  # one engine route on every matching worker, as it is
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlRoute:
-    dialect: str  # vllm | sglang | areal (AReaL's vLLM server extension)
+    dialect: str  # vllm | sglang | areal (AReaL's vLLM server extension) | smg
     methods: tuple[str, ...]
     path: str
     op: Op
@@ -109,7 +110,14 @@ AREAL_ROUTES = (
     _R("areal", ("POST",), "/areal_continue_generation", Op.RESUME),
     _R("areal", ("POST",), "/areal_update_weights", Op.UPDATE_FROM_DISK),  # {model_path}
 )
-ROUTES = VLLM_ROUTES + SGLANG_ROUTES + VLLM_RL_ROUTES + SGLANG_SESSION_ROUTES + AREAL_ROUTES
+#: SMG's RL control plane (lightseekorg/smg, rlfleet.protocol.smg): `{path}` is the engine
+#: route, called on every worker the `selector` matches; per-worker results (200, or 207
+#: with `failed[]`), no fleet transaction
+SMG_ROUTES = (
+    _R("smg", ("GET", "POST"), "/v1/rl/engine/{path:path}", Op.ENGINE_FANOUT),
+)
+ROUTES = (VLLM_ROUTES + SGLANG_ROUTES + VLLM_RL_ROUTES + SGLANG_SESSION_ROUTES + AREAL_ROUTES
+          + SMG_ROUTES)
 #: what a frontend started with --fleet-control forwards to the service
 FORWARDED = tuple(r for r in ROUTES if r.forwarded)
 
