@@ -95,6 +95,9 @@ client areal areal==1.0.4 aiofiles==25.1.0 blinker==1.9.0 colorlog==6.12.0 flask
   hydra-core==1.4.0.dev1 itsdangerous==2.2.0 omegaconf==2.4.0.dev2 orjson==3.13.0 \
   tenacity==9.2.1 torchdata==0.11.0 werkzeug==3.1.9
 client sglang-router sglang-router==0.3.2 orjson==3.13.0 setproctitle==1.3.8
+# SGLang 0.5.23's generated HTTP API types (sglang/api/v1/api_types.py: msgspec only), the
+# strict reader the frontend's SGLang answers are decoded with (its engine is not imported)
+client sglang sglang==0.5.23
 # SMG's RL control-plane client (smg/rl.py, standard library only; the wheel's router is not run)
 client smg smg==1.13.0
 

@@ -8,6 +8,7 @@ loaded here for the compatibility tests (tests/integration/test_clients_*.py):
 * `areal()`: AReaL 1.0.4's remote engines (RemoteSGLangEngine, RemotevLLMEngine) and the
   request, config and weight-update types they take;
 * `smg_rl()`: SMG 1.13.0's RL control-plane client (`smg.rl`);
+* `sglang_api()`: SGLang 0.5.23's HTTP API types and their strict decoders;
 * `sglang_router(...)`: sglang-router 0.3.2's router (`python -m sglang_router.launch_router`)
   as a process on a free 127.0.0.1 port in front of given worker URLs.
 
@@ -52,7 +53,8 @@ CLIENTS_DIR = Path(os.environ.get("RLFLEET_CLIENTS_DIR") or Path(sys.prefix) / "
 
 #: what scripts/setup.sh installs, by folder: the package and version tested
 VERSIONS = {"skyrl": "skyrl==0.3.0", "skyrl04": "skyrl==0.4.0", "areal": "areal==1.0.4",
-            "sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0"}
+            "sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0",
+            "sglang": "sglang==0.5.23"}
 
 
 def client_dir(name: str) -> Path:
@@ -179,6 +181,16 @@ def skyrl04() -> types.SimpleNamespace:
         f"{base}inference_servers.remote_inference_client", f"{base}weight_sync.control_plane",
         f"{base}inference_servers.generate_wire"])
     return types.SimpleNamespace(client=client, control_plane=control_plane, wire=wire)
+
+
+def sglang_api() -> types.ModuleType:
+    """sglang.api.v1.api_types (SGLang 0.5.23): its HTTP API's msgspec types with the
+    decoders its Rust server uses (`X.from_json_value`, JsonContractError). `sglang/__init__.py`
+    imports the engine (torch, ...): the package is registered without it."""
+    with on_path("sglang") as where:
+        _bare_package("sglang", where)
+    (mod,) = _import("sglang", ["sglang.api.v1.api_types"])
+    return mod
 
 
 def smg_rl() -> types.ModuleType:
