@@ -19,6 +19,7 @@ sys.path: where a client ships a module the venv also has, the venv's copy is us
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -333,6 +334,24 @@ def wait_in_flight(url: str, count: int = 1, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+async def skyrl_pause_keep(client, keep: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A SkyRL client's `generate(body)` in flight at frontend `url`; its pause (`keep`, its
+    PauseMode.KEEP) on every server; whether the request stayed frozen while every server
+    said it was paused; its resume; the request's output. SkyRL 0.3.0's and 0.4.0's clients
+    alike."""
+    task = asyncio.create_task(client.generate(body))
+    await asyncio.to_thread(wait_in_flight, url)
+    paused = await client.pause(mode=keep)
+    try:
+        states = await client._call_all_servers("/is_paused", method="GET")
+        await asyncio.sleep(1.0)  # a frozen request does not finish while paused
+        frozen = not task.done()
+    finally:
+        resumed = await client.resume()
+    return {"paused": paused, "states": states, "frozen": frozen, "resumed": resumed,
+            "out": await asyncio.wait_for(task, 300)}
+
+
 # ---------------------------------------------------------------- one URL for a whole fleet
 
 
@@ -389,6 +408,17 @@ def one_url(fleet: LocalFleet, model: str, log_dir: Path,
         yield OneUrl(fe.ready["url"], fe.ready["rl_url"], ctl.ready["url"])
     finally:
         stop_all(list(reversed(procs)))
+
+
+def mock_one_url(start_module_fleet, tmp_path_factory, name: str, model: str,
+                 worker_args: Sequence[str], workers: int = 2) -> Iterator[OneUrl]:
+    """`workers` mocker workers (`worker_args`, serving `model`) behind the one URL, for a
+    module fixture to yield from; the URL carries the fleet (`.fleet`)."""
+    fleet = start_module_fleet([worker_args] * workers, model=model, enable_rl=True,
+                               frontend_env=RL_PROBE_ENV)
+    with one_url(fleet, model, tmp_path_factory.mktemp(f"{name}-logs")) as u:
+        u.fleet = fleet
+        yield u
 
 
 # ---------------------------------------------------------------- a vLLM worker with LoRA

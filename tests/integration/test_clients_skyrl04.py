@@ -37,7 +37,14 @@ import pytest
 from rlfleet.models import make_adapter
 from rlfleet.protocol.engine import RoutedExperts
 from tests import clients
-from tests.clients import LOGPROB_TOL, LORA_FLAGS, admin_urls, fleet_answer, one_url, wait_in_flight
+from tests.clients import (
+    LOGPROB_TOL,
+    LORA_FLAGS,
+    admin_urls,
+    fleet_answer,
+    one_url,
+    skyrl_pause_keep,
+)
 from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args
 
 PROMPT = "The capital of France is"
@@ -124,26 +131,12 @@ def test_render_chat_completion_is_the_chats_prompt(skyrl04, target: Target) -> 
     assert one["model"] == target.model
 
 
-async def _pause_keep_then_resume(client, target: Target, prompt: list[int]) -> dict:
-    task = asyncio.create_task(client.generate({"prompt_token_ids": [prompt],
-                                                "sampling_params": greedy(target.long)}))
-    await asyncio.to_thread(wait_in_flight, target.url)
-    paused = await client.pause(mode=client.mod.PauseMode.KEEP)
-    try:
-        states = await client._call_all_servers("/is_paused", method="GET")
-        await asyncio.sleep(1.0)  # a frozen request does not finish while paused
-        frozen = not task.done()
-    finally:
-        await client.resume()
-    return {"paused": paused, "states": states, "frozen": frozen,
-            "out": await asyncio.wait_for(task, 300)}
-
-
 def pause_keep_round_trip(skyrl04, target: Target, servers: list[str] | None = None) -> None:
     client = client_of(skyrl04, target, servers)
-    client.mod = skyrl04.client
     prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
-    r = run(client, lambda c: _pause_keep_then_resume(c, target, prompt))
+    r = run(client, lambda c: skyrl_pause_keep(
+        c, skyrl04.client.PauseMode.KEEP, target.url,
+        {"prompt_token_ids": [prompt], "sampling_params": greedy(target.long)}))
     assert all(v["status"] == 200 for v in r["paused"].values())
     assert all(v["body"]["is_paused"] is True for v in r["states"].values()), r["states"]
     assert r["frozen"], "the request finished while every server was paused (keep)"

@@ -25,9 +25,9 @@ import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
 from tests import clients
-from tests.clients import one_url, wait_in_flight
+from tests.clients import mock_one_url, wait_in_flight
 from tests.fleets import RL_MOCK_MODEL as MODEL
-from tests.fleets import RL_PROBE_ENV, mock_args
+from tests.fleets import mock_args
 
 EVERY = "engine=vllm"  # what every rlfleet worker is to a selector
 
@@ -35,11 +35,9 @@ EVERY = "engine=vllm"  # what every rlfleet worker is to a selector
 @pytest.fixture(scope="module")
 def one(start_module_fleet, tmp_path_factory):
     root = tmp_path_factory.mktemp("smg")
-    fleet = start_module_fleet([mock_args(root, "--token-delay", "0.01")] * 2, model=MODEL,
-                               enable_rl=True, frontend_env=RL_PROBE_ENV)
-    with one_url(fleet, MODEL, tmp_path_factory.mktemp("smg-logs")) as u:
-        u.root, u.fleet = root, fleet
-        u.ids = sorted(w.ready["instance_id"] for w in fleet.workers)
+    for u in mock_one_url(start_module_fleet, tmp_path_factory, "smg", MODEL,
+                          mock_args(root, "--token-delay", "0.01")):
+        u.root, u.ids = root, sorted(w.ready["instance_id"] for w in u.fleet.workers)
         yield u
 
 

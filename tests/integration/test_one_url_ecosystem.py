@@ -15,19 +15,16 @@ import threading
 import httpx
 import pytest
 
-from tests.clients import one_url, wait_in_flight
+from tests.clients import mock_one_url, wait_in_flight
 from tests.fleets import RL_MOCK_MODEL as MODEL
-from tests.fleets import RL_PROBE_ENV, mock_args
+from tests.fleets import mock_args
 
 
 @pytest.fixture(scope="module")
 def one(start_module_fleet, tmp_path_factory):
     root = tmp_path_factory.mktemp("one-url-eco")
-    fleet = start_module_fleet([mock_args(root, "--token-delay", "0.01")] * 2, model=MODEL,
-                               enable_rl=True, frontend_env=RL_PROBE_ENV)
-    with one_url(fleet, MODEL, tmp_path_factory.mktemp("one-url-eco-logs")) as u:
-        u.fleet = fleet
-        yield u
+    yield from mock_one_url(start_module_fleet, tmp_path_factory, "one-url-eco", MODEL,
+                            mock_args(root, "--token-delay", "0.01"))
 
 
 def test_abort_requests_ends_the_requests_in_flight_on_every_worker(one) -> None:

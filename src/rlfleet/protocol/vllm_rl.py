@@ -120,6 +120,10 @@ START_DRAFT_WEIGHT_UPDATE = NativeRoute("/start_draft_weight_update", "POST")
 # reads the weights only here (its `reset` is refused): not held back by a refresh
 WEIGHT_CHECKER = NativeRoute("/weight_checker", "POST", mutating=False)
 WEIGHT_CHECKER_ACTIONS = ("checksum", "reset", "compare")
+DRAFT_REFUSED = ("start_draft_weight_update updates a speculative-decoding draft model's "
+                 "weights, and this worker serves none (no --speculative-config): update the "
+                 "model's own weights with start_weight_update, update_weights and "
+                 "finish_weight_update")
 
 # SkyRL 0.4's own route on its vLLM server (its checkpoint-delta backend), refused by name
 # with what to call instead (rlfleet.protocol.skyrl.FETCH_WEIGHTS_REFUSED)

@@ -1138,9 +1138,7 @@ async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Re
 
 
 async def _vllm_start_draft(ctl: FleetControl, request: Request) -> Response:
-    raise BadRequest("start_draft_weight_update updates a speculative-decoding draft model, "
-                     "and no worker of this fleet serves one: update the model's weights with "
-                     "start_weight_update, update_weights and finish_weight_update")
+    raise BadRequest(vllm_rl.DRAFT_REFUSED)
 
 
 async def _skyrl_fetch_weights(ctl: FleetControl, request: Request) -> Response:

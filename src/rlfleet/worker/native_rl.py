@@ -377,21 +377,8 @@ class NativeRL:
                 return JSONResponse({"weight_version": self.weight_version()})
             return await self.call(raw_request, vllm_rl.WEIGHT_INFO, run)
 
-        @r.post(vllm_rl.START_DRAFT_WEIGHT_UPDATE.path)
-        async def start_draft_weight_update(raw_request: Request) -> Response:
-            async def run() -> Response:
-                return route_error(
-                    "start_draft_weight_update updates a speculative-decoding draft model's "
-                    "weights, and this worker serves none (no --speculative-config): update "
-                    "the model's own weights with start_weight_update, update_weights and "
-                    "finish_weight_update", 400)
-            return await self.call(raw_request, vllm_rl.START_DRAFT_WEIGHT_UPDATE, run)
-
-        @r.post(vllm_rl.SKYRL_FETCH_WEIGHTS.path)
-        async def fetch_weights(raw_request: Request) -> Response:
-            async def run() -> Response:
-                return route_error(skyrl.FETCH_WEIGHTS_REFUSED, 400)
-            return await self.call(raw_request, vllm_rl.SKYRL_FETCH_WEIGHTS, run)
+        self._refuse(r, vllm_rl.START_DRAFT_WEIGHT_UPDATE, vllm_rl.DRAFT_REFUSED)
+        self._refuse(r, vllm_rl.SKYRL_FETCH_WEIGHTS, skyrl.FETCH_WEIGHTS_REFUSED)
 
         @r.post(vllm_rl.WEIGHT_CHECKER.path)
         async def weight_checker(raw_request: Request) -> Response:
@@ -538,15 +525,20 @@ class NativeRL:
                 return JSONResponse({"status": "ok"})
             return await self.call(raw_request, vllm_rl.PRIME_RL_LIVENESS, run)
 
-        @r.post(vllm_rl.PRIME_RL_INIT_BROADCASTER.path)
-        async def init_broadcaster(raw_request: Request) -> Response:
+        self._refuse(r, vllm_rl.PRIME_RL_INIT_BROADCASTER,
+                     "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
+                     "extension), which an rlfleet worker does not run: move weights with "
+                     "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
+                     "reload a checkpoint with POST /update_weights {\"weight_dir\"}")
+
+    def _refuse(self, r: APIRouter, route: NativeRoute, why: str) -> None:
+        """Another server's route that asks for what this worker does not do: 400 `why`
+        (what to call instead), under the routes' rules."""
+        @r.post(route.path)
+        async def refused(raw_request: Request) -> Response:
             async def run() -> Response:
-                return route_error(
-                    "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
-                    "extension), which an rlfleet worker does not run: move weights with "
-                    "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
-                    "reload a checkpoint with POST /update_weights {\"weight_dir\"}", 400)
-            return await self.call(raw_request, vllm_rl.PRIME_RL_INIT_BROADCASTER, run)
+                return route_error(why, 400)
+            return await self.call(raw_request, route, run)
 
     def _add_lora_routes(self, r: APIRouter) -> None:
         """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter
