@@ -170,8 +170,7 @@ class PauseRequest(Request, kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         if self.mode not in PAUSE_MODES and self.mode not in SGLANG_PAUSE_MODES:
-            raise AdminRequestError(f"Invalid mode {self.mode!r}; expected keep|wait|abort "
-                                    "(or SGLang's retract|in_place)")
+            raise AdminRequestError(f"Invalid mode {self.mode!r}; expected keep|wait|abort")
 
     @property
     def engine_mode(self) -> str:
