@@ -1081,7 +1081,6 @@ class StagingArea:
                     digest: str | None = None) -> StagedVersion:
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
-        src = parse_source(source, version, self.roots)
         self._open_catalog()
         expected = digest
         entry = None
@@ -1092,6 +1091,14 @@ class StagingArea:
                 entry = await self.catalog.find(version)
             except CatalogError as e:  # staging goes on without it; the digest check stays
                 log.warning("catalog unavailable while staging %s: %s", version, e)
+            if entry is not None and entry.state.value == "EVICTED" and isinstance(source, dict) \
+                    and source.get("kind") in ("disk", "s3"):  # said before the path's checks
+                raise StageRequestError(
+                    f"version {version} is EVICTED in the catalog; only a READY version is "
+                    f"staged from its artifact (its bytes were removed after it was released: "
+                    f"{entry.release_reason or 'deleted'})")
+        src = parse_source(source, version, self.roots)
+        if self.catalog is not None:
             if entry is not None and expected is None:
                 expected = entry.digest
             if entry is not None and expected != entry.digest:
