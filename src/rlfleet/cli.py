@@ -73,7 +73,6 @@ def _publish(args: argparse.Namespace) -> int:
     from rlfleet.weights.artifacts import ArtifactError
     from rlfleet.weights.catalog import CatalogError
     from rlfleet.weights.publish import publish
-
     from rlfleet.weights.retention import Retention
 
     retention = None
