@@ -18,10 +18,10 @@ admitted (its `reason` says why: a sample check's name, "timeout", "http: 503 ..
 ...), `AlreadyAdmitted` when the ledger already holds an admitted attempt of the sample
 (nothing is sent then; `RetryWindowPassed`, one of them, when the sample is older than the
 ledger's retry window, whose records may have been pruned), `ValueError` for a request the
-client cannot send, and `asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed and the
-frontend is asked to abort the request, POST /v1/requests/{id}/cancel, since it keeps a
-request with an X-Request-Id running for a while for retries; the attempt is recorded as
-canceled).
+client cannot send, and `asyncio.CancelledError` when the caller cancels it (the HTTP
+stream is closed and the frontend is asked to abort the request, POST
+/v1/requests/{id}/cancel, since it keeps a request with an X-Request-Id running for a while
+for retries; the attempt is recorded as canceled).
 `rollout` runs many samples with bounded concurrency and returns one `RolloutOutcome`
 per sample, in input order, never raising for a sample that merely failed.
 
