@@ -220,6 +220,7 @@ def _journal(args: argparse.Namespace) -> int:
         return 0
     with journal:
         rows = journal.recent(args.limit)
+        size, history = journal.size(), journal.history()
     for r in rows:
         if args.json:
             print(json.dumps(r))
@@ -229,10 +230,27 @@ def _journal(args: argparse.Namespace) -> int:
         serves = f" serves {r.served.version}" if r.served.version else ""
         kind = f" {r['kind']}" if r.get("kind") not in (None, "refresh") else ""
         state = f" after {r['state']}" if r.get("state") and not r.get("decision") else ""
+        summary = " (summary)" if r.get("compacted") else ""
         print(f"#{r['id']} {when} epoch={r.get('fleet_epoch')} step={r['framework_step']}"
               f"{kind} {r['update_path']} {r.previous.version} -> {r.target.version} "
-              f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s: {r['reason']}")
+              f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s{summary}: "
+              f"{r['reason']}")
+    if not args.json and (size["summaries"] or history):
+        print(_journal_bounds(journal, size, history))
     return 0
+
+
+def _journal_bounds(journal, size: dict, history: list[dict]) -> str:
+    """What `rlfleet journal` says of a journal's compaction (rlfleet.journal.base)."""
+    lines = [f"journal {journal.path}: {size['full']} transaction(s) kept whole (the newest, "
+             f"and any unfinished), {size['summaries']} compacted to summaries "
+             f"(decision, policies, times; workers' calls and steps dropped), "
+             f"{size['folded']} older folded into the history:"]
+    for h in history:
+        counts = ", ".join(f"{d} {n}" for d, n in sorted(h["decisions"].items()))
+        lines.append(f"  fleet {h['fleet']} model {h['model']}: {h['transactions']} "
+                     f"transaction(s) #{h['first_id']}-#{h['last_id']} ({counts})")
+    return "\n".join(lines)
 
 
 def _print_members(members: list[dict]) -> None:
