@@ -424,9 +424,18 @@ class FleetControl:
 
     async def _judge(self, s: Session, failed: list[FleetWorker], what: str) -> Outcome:
         """After an update on every worker: one policy everywhere, or the workers that
-        moved rolled back (FleetFailure names the workers and what was rolled back)."""
+        moved rolled back (FleetFailure names the workers and what was rolled back). An
+        update every worker refused, none of them moved by it, is the client's to fix: a
+        400 naming why, nothing rolled back (the fleet may reopen as it was)."""
         ws = s.participants()
+        before = {w.instance_id: w.holds for w in ws}
         await self._each(ws, lambda w: self.control.inspect(s.ch, w))
+        if failed and len(failed) == len(ws) and all(
+                w.active and w.holds == before[w.instance_id] for w in ws):
+            why = f"{what} was refused by every worker, nothing changed: {self._named(failed)}"
+            s.target, s.rolled_back, s.back_on_previous = None, None, True
+            await self._record(s, reason=why)
+            raise FleetFailure(why, 400, [w.summary() for w in failed])
         holds = {w.holds for w in ws if w.active}
         if not failed and len(holds) == 1 and all(w.active for w in ws):
             policy = holds.pop()
