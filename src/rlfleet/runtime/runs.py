@@ -28,20 +28,25 @@ from rlfleet.runtime.http import HttpError
 
 
 def event_bytes(ev: Any) -> int:
-    """About how much memory one kept request-plane event (Head, Step, Done) holds (Python
-    objects: ~40 bytes a token ID, ~120 a logprob entry)."""
+    """How much memory one kept request-plane event (Head, Step, Done) holds as the Python
+    objects msgspec decodes it into, by tracemalloc's count (tests/unit/test_kept_runs
+    .py keeps the two within a few tens of percent, never below): a Step about 110 bytes, a
+    choice's delta about 180 with its list, each token ID 36, text its length and a str's 49,
+    each token's logprob 300 and each of its top alternatives 180; a Head 37 per prompt token
+    ID; a Done 200 per prompt logprob entry. The allocator's own overhead and fragmentation
+    come on top (BENCHMARKS.md, "Kept runs' memory")."""
     kind = type(ev)
     if kind is Step:
-        n = 64
+        n = 112
         for d in ev.choices:
-            n += 64 + 40 * len(d.token_ids) + len(d.text)
+            n += 176 + 36 * len(d.token_ids) + (len(d.text) + 49 if d.text else 0)
             if d.logprobs:
-                n += sum(120 + 120 * len(lp.top or ()) for lp in d.logprobs)
+                n += sum(300 + 180 * len(lp.top) for lp in d.logprobs)
         return n
     if kind is Head:
-        return 256 + 40 * len(ev.prompt_token_ids)
+        return 400 + 37 * len(ev.prompt_token_ids)
     prompt_logprobs = getattr(ev, "prompt_logprobs", None)
-    return 256 + (200 * sum(len(p or ()) for p in prompt_logprobs) if prompt_logprobs else 0)
+    return 96 + (sum(100 + 200 * len(p) for p in prompt_logprobs if p) if prompt_logprobs else 0)
 
 
 class Run:
