@@ -11,13 +11,15 @@ is never registered. A kept run outlives its followers by `orphan_grace` seconds
 it is aborted), and is remembered for `window` seconds after it ends: at most `max_runs`
 runs and about `max_bytes` of their events (the oldest finished runs are forgotten
 first; while runs still in flight hold more than that, new kept runs are refused with
-429). What a request ID stands for (its body), and which ended runs a retry starts anew,
-are the layers' own."""
+429). `window` is `RLFLEET_KEPT_WINDOW` seconds (600 by default) in every process: how long
+after a run ended a retry of its request ID still finds it. What a request ID stands for
+(its body), and which ended runs a retry starts anew, are the layers' own."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -25,6 +27,9 @@ from typing import Any, Generic, TypeVar
 
 from rlfleet.protocol.engine import Head, Step
 from rlfleet.runtime.http import HttpError
+
+#: seconds an ended run is kept for a retry of its request ID (frontends and workers)
+KEPT_WINDOW = float(os.environ.get("RLFLEET_KEPT_WINDOW", "600"))
 
 
 def event_bytes(ev: Any) -> int:
@@ -123,7 +128,7 @@ class RunRegistry(Generic[R]):
     its end (its last follower left, or the registry closed); `full`: what a kept run
     refused for want of room is told (429)."""
 
-    def __init__(self, orphan_grace: float = 30.0, window: float = 600.0,
+    def __init__(self, orphan_grace: float = 30.0, window: float = KEPT_WINDOW,
                  max_runs: int = 10_000, max_bytes: int = 1 << 30,
                  size: Callable[[Any], int] = lambda ev: 256,
                  abandoned: Callable[[], BaseException] = _abandoned,
