@@ -30,6 +30,9 @@ REQUEST_BYTES = 1 << 20
 KEEP_REVISIONS = 1000
 #: transactions opened between two compactions of etcd's history
 COMPACT_EVERY = 32
+#: transactions opened between two compactions of the journal's records (each costs a few
+#: round trips to etcd whatever it finds to do): the bounds are kept within as many
+COMPACT_RECORDS_EVERY = 8
 
 
 class EtcdJournal(RefreshJournal):
@@ -44,7 +47,9 @@ class EtcdJournal(RefreshJournal):
     - ``workers/<id>/<n>``: those entries, in batches of at most 256 KiB (`workers_batches`
       in the record says how many), so that no value grows with the fleet past etcd's limit
       and a reader that wants the record alone (`last_served(workers=False)`) reads none;
-    - ``bounds``: how far compaction has gone (rlfleet.journal.base.JournalBounds);
+    - ``bounds``: how far compaction has gone (rlfleet.journal.base.JournalBounds; it runs
+      every COMPACT_RECORDS_EVERY transactions this journal opens, so the bounds hold
+      within as many);
     - ``history/<fleet, model>``: the folded transactions' counts.
 
     Every write is one etcd transaction that compares the revisions it read (retried when
@@ -315,6 +320,14 @@ class EtcdJournal(RefreshJournal):
     # ---------------------------------------------------------------- bounds
 
     def _compact(self, bounds: JournalBounds) -> dict[str, int]:
+        out = {"compacted": 0, "folded": 0}
+        if self._opened % COMPACT_RECORDS_EVERY == 0:
+            out = self._compact_records(bounds)
+        if self.keep_revisions is not None and self._opened % self.compact_every == 0:
+            self._compact_revisions()
+        return out
+
+    def _compact_records(self, bounds: JournalBounds) -> dict[str, int]:
         nxt, _ = self._get("next_id")
         newest = (nxt or {"id": 1})["id"] - 1
         meta, meta_rev = self._get("bounds")
@@ -343,8 +356,6 @@ class EtcdJournal(RefreshJournal):
             self._commit({"bounds": meta_rev}, {"bounds": new})  # lost: another did it
         if out["compacted"]:
             self._forget_holdings(whole_from)
-        if self.keep_revisions is not None and self._opened % self.compact_every == 0:
-            self._compact_revisions()
         return out
 
     def _summarize(self, refresh_id: int) -> int:
