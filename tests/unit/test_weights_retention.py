@@ -210,3 +210,22 @@ def test_plan_keeps_a_pinned_version_and_its_chain(store):
     assert sorted(p.release) == ["v3"] and p.evict == ["v3"]
     with pytest.raises(ValueError, match="at least 1"):
         Retention(retain=0)
+
+
+def test_rlfleet_weights_gc_and_list(store, capsys):
+    import json
+
+    from rlfleet.cli import main
+
+    root, url, publish = store
+    publish(4, full_every=1)
+    assert main(["weights", "gc", "--catalog", url, "--retain-versions", "2", "--dry-run"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["dry_run"] and sorted(dry["evict"]) == ["v1", "v2"] and not dry["evicted"]
+    assert main(["weights", "gc", "--catalog", url, "--retain-versions", "2"]) == 0
+    assert sorted(json.loads(capsys.readouterr().out)["evicted"]) == ["v1", "v2"]
+    assert main(["weights", "list", "--catalog", url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["v1", "EVICTED"] and "retention: not kept" in lines[0]
+    assert lines[3].split()[:2] == ["v4", "READY"]
+    assert _on_disk(root) == {"v3", "v4"}
