@@ -18,8 +18,8 @@ import torch
 
 from rlfleet.journal import SqliteJournal
 from rlfleet.refresh.coordinator import PolicyRefresh
-from rlfleet.weights.publish import Publisher
 from rlfleet.weights.catalog import Catalog
+from rlfleet.weights.publish import Publisher
 from rlfleet.weights.retention import Retention, journal_pins, plan
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import fault, mock_args, start_workers, weight_versions
