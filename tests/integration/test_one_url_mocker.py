@@ -437,10 +437,36 @@ def test_a_lora_load_with_the_fleet_open_is_an_adapter_refresh(one, service):
 def test_sglang_router_flushes_the_fleet_through_the_frontend(one, service, tmp_path):
     """sglang-router 0.3.2 with the frontend registered as its one worker fans /flush_cache
     out to it: every worker of the fleet flushes."""
+    cached = list(range(2000, 2032))  # two full blocks of the mocker's 16-token blocks
+    for w in one.workers:
+        direct_generate(w, cached)  # computed and stored
+        hits = cache_hits(w)
+        direct_generate(w, cached)
+        assert cache_hits(w) - hits == len(cached), "the prompt was not cached to begin with"
     with clients.sglang_router([one.url], tmp_path) as router:
         clients.router_workers(router, 1)
         r = httpx.post(f"{router}/flush_cache", timeout=60)
         assert r.status_code == 200, r.text
+    for w in one.workers:  # every worker's cache is empty: the prompt is computed again
+        hits = cache_hits(w)
+        direct_generate(w, cached)
+        assert cache_hits(w) == hits, f"worker {w.ready['instance_id']} did not flush"
+
+
+def direct_generate(worker: Proc, prompt: list[int]) -> None:
+    """One request on the worker's own request plane (`POST /generate`), not through the
+    frontend: it lands on that worker."""
+    r = httpx.post(f"{worker.ready['url']}/generate", timeout=60, json={
+        "request_id": f"direct-{time.monotonic_ns()}", "prompt_token_ids": prompt,
+        "stream": False, "sampling": {"max_tokens": 1}})
+    assert r.status_code == 200, r.text
+
+
+def cache_hits(worker: Proc) -> float:
+    """Prompt tokens the worker's simulated prefix cache held, all requests so far."""
+    text = httpx.get(f"{worker.ready['system_url']}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rlfleet_mocker_prefix_cache_hits_total{"))
 
 
 def test_areals_remote_sglang_engine_drives_the_fleet(one, service, tmp_path):
@@ -556,26 +582,25 @@ BAD_BODIES = [b"{", b"[1, 2]", b'"x"', b"null", b"[" * 2000 + b"]" * 2000,
               b'{"mode": "\\ud800"}', b"\xff\xfe", b'{"a": NaN}']
 
 
-def _bases(one) -> dict[str, tuple[str, dict]]:
-    """Each control route and a body it takes (the mocker has no weight-transfer engine and
-    no adapter at these paths: those calls are refused by every worker)."""
+def _bases(one) -> dict[str, dict]:
+    """A body each control route takes (the mocker has no weight-transfer engine and no
+    adapter at these paths: those calls are refused by every worker); a route not named
+    here (one added since) is fuzzed from an empty body."""
     ckpt = str(one.ckpts["A"])
     lora = {"lora_name": "fuzzed", "lora_path": str(one.ckpts["A"] / "nothing")}
     return {
-        "/init_weight_transfer_engine": ("POST", {"init_info": {
+        "/init_weight_transfer_engine": {"init_info": {
             "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-            "world_size": 3}}),
-        "/start_weight_update": ("POST", {}), "/update_weights": ("POST", {"update_info": {}}),
-        "/finish_weight_update": ("POST", {"weight_version": "v"}),
-        "/collective_rpc": ("POST", {"method": "reload_weights",
-                                     "kwargs": {"weights_path": ckpt}}),
-        "/v1/load_lora_adapter": ("POST", lora), "/skyrl/v1/load_lora_adapter": ("POST", lora),
-        "/v1/unload_lora_adapter": ("POST", {"lora_name": "fuzzed"}),
-        "/load_lora_adapter": ("POST", lora), "/unload_lora_adapter": ("POST", {"lora_name": "x"}),
-        "/pause_generation": ("POST", {"mode": "abort"}),
-        "/update_weights_from_disk": ("POST", {"model_path": ckpt, "weight_version": "A"}),
-        "/continue_generation": ("POST", {}), "/flush_cache": ("POST", {}),
-        "/reset_prefix_cache": ("POST", {}), "/resume": ("POST", {}),
+            "world_size": 3}},
+        "/update_weights": {"update_info": {}}, "/finish_weight_update": {"weight_version": "v"},
+        "/collective_rpc": {"method": "reload_weights", "kwargs": {"weights_path": ckpt}},
+        "/v1/load_lora_adapter": lora, "/skyrl/v1/load_lora_adapter": lora,
+        "/v1/unload_lora_adapter": {"lora_name": "fuzzed"}, "/load_lora_adapter": lora,
+        "/unload_lora_adapter": {"lora_name": "x"}, "/pause_generation": {"mode": "abort"},
+        "/update_weights_from_disk": {"model_path": ckpt, "weight_version": "A"},
+        "/areal_update_weights": {"model_path": ckpt},
+        "/update_weight_version": {"new_version": "A"}, "/abort_requests": {"request_ids": ["x"]},
+        "/weight_checker": {"action": "checksum"},
     }
 
 
@@ -595,14 +620,22 @@ def test_no_control_route_answers_a_mutated_request_with_a_5xx(one, service):
     out of order, a fleet without a weight-transfer engine; each mutated body of each
     control route, through the frontend, is answered below 500 (4xx naming the field,
     409 out of order, 400 for a capability the fleet lacks), and the fleet serves after."""
-    fivexx = []
+    from rlfleet.protocol import smg
+    from rlfleet.protocol.fleet_control import FORWARDED
+
+    bases, fivexx = _bases(one), []
     with httpx.Client(timeout=120) as http:
-        for path, (method, body) in _bases(one).items():
-            for raw in _mutations(body):
-                r = http.request(method, f"{one.url}{path}", content=raw,
-                                 headers={"content-type": "application/json"})
-                if r.status_code >= 500:
-                    fivexx.append((path, raw[:120], r.status_code, r.text[:300]))
+        for route in FORWARDED:
+            path, params = route.path, {}
+            if "{" in path:  # SMG's fan-out: an engine route on the workers a selector names
+                path, params = path.split("{")[0] + "liveness_probe", {
+                    "selector": f"engine={smg.ENGINE}"}
+            for method in route.methods:
+                for raw in _mutations(bases.get(route.path, {})):
+                    r = http.request(method, f"{one.url}{path}", content=raw, params=params,
+                                     headers={"content-type": "application/json"})
+                    if r.status_code >= 500:
+                        fivexx.append((method, path, raw[:120], r.status_code, r.text[:300]))
         for query in ({"mode": "sideways"}, {"mode": ""}, {"clear_cache": "maybe"}):
             r = http.post(f"{one.url}/pause", params=query)
             assert r.status_code == 400, (query, r.text)
