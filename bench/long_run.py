@@ -121,6 +121,16 @@ def rss_mib(pid: int) -> float | None:
     return None
 
 
+def cpu_s(pid: int) -> float | None:
+    """CPU seconds a process has used."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return round((int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK"), 1)
+
+
 def store_bytes(s3) -> dict[str, int]:
     """Bytes under each version's prefix in the store."""
     out: dict[str, int] = {}
@@ -149,6 +159,7 @@ def snapshot(run: Run) -> dict[str, Any]:
         "etcd_revision": status["revision"],
         "journal": run.journal.size(), "ledger": run.ledger.size(),
         "rss_mib": {name: rss_mib(pid) for name, pid in procs.items()},
+        "cpu_s": {name: cpu_s(pid) for name, pid in procs.items()},
         "samples": dict(run.counts),
     }
 
