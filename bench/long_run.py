@@ -23,7 +23,7 @@ RSS of the frontend, the coordinator and each worker; at the end, samples lost a
 twice. Time-based windows are compressed with the run: runs are kept for retries
 RLFLEET_KEPT_WINDOW=30 s (not 600), and the frontend's kept runs are bounded at 16 MiB.
 
-    python bench/long_run.py [--steps 3000] [--workers 3] [--full-every 8]
+    python bench/long_run.py [--steps 2000] [--workers 2] [--full-every 8]
                              [--retain-versions 3] [--ballast-mib 1] [--window-steps 20]
 
 The JSON last line: `store_over_retained` (at 100 %), `etcd_db_growth`, `journal_growth`,
@@ -368,8 +368,8 @@ def main() -> None:
     p.add_argument("--coordinator", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rl-url", help=argparse.SUPPRESS)
     p.add_argument("--journal", help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--workers", type=int, default=2)
     p.add_argument("--full-every", type=int, default=8)
     p.add_argument("--retain-versions", type=int, default=3)
     p.add_argument("--tombstones", type=int, default=64)
@@ -379,8 +379,9 @@ def main() -> None:
     p.add_argument("--journal-keep-full", type=int, default=16)
     p.add_argument("--journal-keep-summaries", type=int, default=64)
     p.add_argument("--kept-window", type=float, default=30.0)
-    p.add_argument("--lanes", type=int, default=2, help="samples in flight at once")
-    p.add_argument("--sample-pause", type=float, default=0.05)
+    p.add_argument("--lanes", type=int, default=1, help="samples in flight at once")
+    p.add_argument("--sample-pause", type=float, default=0.1,
+                   help="seconds between one lane's samples")
     p.add_argument("--kill-at", type=float, default=0.5,
                    help="the fraction of the steps after which a worker is killed and replaced")
     args = p.parse_args()
