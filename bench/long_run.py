@@ -320,7 +320,7 @@ async def soak(run: Run) -> dict[str, Any]:
     from rlfleet.rl import RetryPolicy, RetryWindow, RolloutClient, SampleLedger
     from rlfleet.testing.fleet import LocalFleet
     from rlfleet.weights.publish import Publisher
-    from rlfleet.weights.retention import Retention, journal_pins
+    from rlfleet.weights.retention import Retention, journal_pins, journal_workers
 
     args, tmp = run.args, run.tmp
     env = {**os.environ, **run.s3_env, "RLFLEET_KEPT_WINDOW": str(args.kept_window)}
@@ -341,7 +341,8 @@ async def soak(run: Run) -> dict[str, Any]:
         pub = Publisher(f"s3://weights/{PREFIX}", catalog=run.etcd, model=MODEL,
                         endpoint_url=run.s3_url,
                         retention=Retention(args.retain_versions, tombstones=args.tombstones),
-                        pins=lambda: journal_pins(run.journal, recent=8))
+                        pins=lambda: journal_pins(run.journal, recent=8),
+                        workers=lambda: journal_workers(run.journal, recent=8))
         client = RolloutClient(fleet.url, MODEL, ledger=run.ledger,
                                retry=RetryPolicy(max_attempts=8))
         t0 = time.monotonic()

@@ -85,7 +85,8 @@ def _publish(args: argparse.Namespace) -> int:
         res = publish(Path(args.checkpoint), args.version, to=args.to, base=args.base,
                       catalog=args.catalog, model=args.model, endpoint_url=args.s3_endpoint_url,
                       dtype=getattr(torch, args.dtype) if args.dtype else None,
-                      retention=retention, pins=lambda: _pins(args.journal))
+                      retention=retention, pins=lambda: _in_use(args.journal)[0],
+                      workers=lambda: _in_use(args.journal)[1])
     except (ArtifactError, CatalogError) as e:
         print(f"rlfleet publish: {e}", file=sys.stderr)
         return 2
@@ -94,20 +95,21 @@ def _publish(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pins(journal_url: str | None) -> dict[str, str]:
-    """What the refresh journal at `journal_url` says is in use (rlfleet.weights.retention
-    .journal_pins); nothing without one."""
+def _in_use(journal_url: str | None) -> tuple[dict[str, str], frozenset[str] | None]:
+    """What the refresh journal at `journal_url` says is in use: the versions
+    (rlfleet.weights.retention.journal_pins) and the workers (journal_workers); nothing, and
+    any worker, without one."""
     from rlfleet.journal import JournalMissing, open_journal
-    from rlfleet.weights.retention import journal_pins
+    from rlfleet.weights.retention import journal_pins, journal_workers
 
     if not journal_url:
-        return {}
+        return {}, None
     try:
         journal = open_journal(journal_url, create=False)
     except JournalMissing:
-        return {}
+        return {}, None
     with journal:
-        return journal_pins(journal)
+        return journal_pins(journal), journal_workers(journal)
 
 
 def _weights_gc(args: argparse.Namespace) -> int:
@@ -118,7 +120,8 @@ def _weights_gc(args: argparse.Namespace) -> int:
     from rlfleet.weights.retention import Retention, collect_url
 
     policy = Retention(args.retain_versions, args.tombstones)
-    report = asyncio.run(collect_url(args.catalog, policy, pins=_pins(args.journal),
+    pins, workers = _in_use(args.journal)
+    report = asyncio.run(collect_url(args.catalog, policy, pins=pins, workers=workers,
                                      dry_run=args.dry_run, endpoint_url=args.s3_endpoint_url))
     print(json.dumps(report))
     return 0

@@ -229,3 +229,24 @@ def test_rlfleet_weights_gc_and_list(store, capsys):
     assert lines[0].split()[:2] == ["v1", "EVICTED"] and "retention: not kept" in lines[0]
     assert lines[3].split()[:2] == ["v4", "READY"]
     assert _on_disk(root) == {"v3", "v4"}
+
+
+async def test_a_holder_the_journal_no_longer_sees_keeps_nothing(store, tmp_path):
+    """A worker killed without a clean stop never takes its name off the versions it held;
+    given the workers the journal saw lately, such a holder is not counted."""
+    from rlfleet.weights.retention import journal_workers
+
+    root, url, publish = store
+    publish(4, full_every=1)
+    async with Catalog(url) as cat:
+        await cat.add_holder("v1", "111", system_url="http://127.0.0.1:1")  # killed long ago
+        await cat.add_holder("v2", "222", system_url="http://127.0.0.1:2")  # serving
+        with SqliteJournal(tmp_path / "j.sqlite") as j:
+            rid, _ = j.open_transaction(fleet="f", model="m", update_path="vllm-staged")
+            j.update(rid, ended_at=1.0, decision="reopened",
+                     workers={"222": {"holds": {"version": "v2", "digest": "d2"}}})
+            alive = journal_workers(j)
+        assert alive == {"222"}
+        report = await collect(cat, Retention(retain=1), workers=alive)
+        assert "v1" in report["evicted"] and report["kept"]["v2"].startswith("held applied")
+

@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -428,16 +428,18 @@ class Catalog:
             return v
         return await self._update(version, change)
 
-    async def delete(self, version: str, *, reason: str = "deleted",
-                     if_unused: bool = False) -> WeightVersion:
+    async def delete(self, version: str, *, reason: str = "deleted", if_unused: bool = False,
+                     workers: Collection[str] | None = None) -> WeightVersion:
         """STAGING or READY → RELEASING (idempotent). Leases held stay valid. `reason` is
         recorded with it; `if_unused`: only while no live lease holds it and no worker
-        holds it applied, checked in the same compare-and-swap (a collection planned from
-        an older reading never releases what became used since: it stays as it is)."""
+        holds it applied (among `workers`, when given), checked in the same
+        compare-and-swap (a collection planned from an older reading never releases what
+        became used since: it stays as it is)."""
         def change(v: WeightVersion) -> WeightVersion:
             if v.state in (VersionState.RELEASING, VersionState.EVICTED):
                 return v
-            if if_unused and (v.live_leases() or v.holders):
+            held = [w for w in v.holders if workers is None or w in workers]
+            if if_unused and (v.live_leases() or held):
                 return v
             v.state = check_transition(v.state, VersionState.RELEASING, version)
             v.released_at, v.release_reason = time.time(), reason

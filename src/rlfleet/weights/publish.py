@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +113,17 @@ class Publisher:
                  model: str = "policy", dtype: torch.dtype | None = None,
                  endpoint_url: str | None = None, shard_limit: int = art.SHARD_LIMIT,
                  retention: Retention | None = None,
-                 pins: Callable[[], Mapping[str, str]] | None = None) -> None:
+                 pins: Callable[[], Mapping[str, str]] | None = None,
+                 workers: Callable[[], Collection[str]] | None = None) -> None:
         """`retention`: collect after every publish (needs `catalog`); `pins()`: the versions
-        in use that retention must keep besides those it sees in the catalog, and why."""
+        in use that retention must keep besides those it sees in the catalog, and why;
+        `workers()`: the workers in use (a holder among none of them is not counted)."""
         if retention is not None and catalog is None:
             raise ValueError("retention needs a catalog: it releases and evicts the versions "
                              "the catalog lists")
         self.storage = art.open_storage(to, endpoint_url)
         self.endpoint_url = endpoint_url
-        self.retention, self.pins = retention, pins
+        self.retention, self.pins, self.workers = retention, pins, workers
         if isinstance(self.storage, art.HttpStorage):
             raise ValueError(f"cannot publish to {to}: use file:///dir, s3://bucket/prefix or "
                              "a TrainerServer's uri")
@@ -192,7 +194,8 @@ class Publisher:
             try:
                 return await collect(catalog, self.retention or Retention(),
                                      pins=self.pins() if self.pins else None, dry_run=dry_run,
-                                     endpoint_url=self.endpoint_url)
+                                     endpoint_url=self.endpoint_url,
+                                     workers=self.workers() if self.workers else None)
             finally:
                 await catalog.close()
         try:
@@ -210,7 +213,8 @@ def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, t
             model: str | None = None, dtype: torch.dtype | None = None,
             endpoint_url: str | None = None, idempotency_key: str | None = None,
             retention: Retention | None = None,
-            pins: Callable[[], Mapping[str, str]] | None = None) -> dict[str, Any]:
+            pins: Callable[[], Mapping[str, str]] | None = None,
+            workers: Callable[[], Collection[str]] | None = None) -> dict[str, Any]:
     """Publish a state dict (or a checkpoint directory) as `version` at `to` (full, or a
     delta against `base`, whose bytes are read from `to`); see the module doc."""
     if isinstance(tensors, (str, Path)):
@@ -218,7 +222,8 @@ def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, t
         model = model or path.resolve().name
         tensors = dict(iter_checkpoint_tensors(path))
     pub = Publisher(to, catalog=catalog, model=model or "policy", dtype=dtype,
-                    endpoint_url=endpoint_url, retention=retention, pins=pins)
+                    endpoint_url=endpoint_url, retention=retention, pins=pins,
+                    workers=workers)
     try:
         return pub.publish(tensors, version, base=base, idempotency_key=idempotency_key)
     finally:

@@ -8,7 +8,9 @@ Kept, per model, each with the first reason that applies (`RetentionPlan.kept`):
 2. ``leased``: a live lease holds it (a worker staging it from the store: rlfleet.weights
    .staging takes one for as long as its transfer reads the store's bytes);
 3. ``held``: a worker holds it applied (the catalog's holders: it serves it, and peers
-   stage it from that worker);
+   stage it from that worker); given the workers in use (`workers`: those the refresh
+   journal saw lately, `journal_workers`), a holder among none of them is not counted (a
+   worker killed without a clean stop never took its name off);
 4. pinned by the caller (`pins`): from the refresh journal (`journal_pins`), the fleet's last
    verified policy, which a rollback reinstalls, what each worker was last seen holding, and
    the targets of transactions still unfinished;
@@ -34,7 +36,7 @@ import asyncio
 import logging
 import time
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -96,7 +98,7 @@ def _by_age(versions: Iterable[WeightVersion]) -> list[WeightVersion]:
 
 
 def _keep_reasons(versions: list[WeightVersion], policy: Retention, pins: Mapping[str, str],
-                  now: float) -> dict[str, str]:
+                  now: float, workers: Collection[str] | None) -> dict[str, str]:
     """Every version kept for its own sake (rules 1-5 of the module doc), and why."""
     kept: dict[str, str] = {}
     models: dict[str, list[WeightVersion]] = {}
@@ -112,8 +114,8 @@ def _keep_reasons(versions: list[WeightVersion], policy: Retention, pins: Mappin
         if leases := v.live_leases(now):
             holders = ", ".join(sorted({lease.holder for lease in leases}))
             kept.setdefault(v.version, f"leased by {holders}")
-        elif v.holders:
-            kept.setdefault(v.version, f"held applied by worker(s) {', '.join(sorted(v.holders))}")
+        elif holders := [w for w in v.holders if workers is None or w in workers]:
+            kept.setdefault(v.version, f"held applied by worker(s) {', '.join(sorted(holders))}")
         elif v.version in pins:
             kept.setdefault(v.version, pins[v.version])
         elif v.state is VersionState.STAGING and now - v.created_at < policy.abandon_after:
@@ -122,11 +124,12 @@ def _keep_reasons(versions: list[WeightVersion], policy: Retention, pins: Mappin
 
 
 def plan(versions: list[WeightVersion], policy: Retention = Retention(),
-         pins: Mapping[str, str] | None = None, now: float | None = None) -> RetentionPlan:
+         pins: Mapping[str, str] | None = None, now: float | None = None,
+         workers: Collection[str] | None = None) -> RetentionPlan:
     """What a collection over `versions` (a catalog's listing) keeps and does."""
     now = time.time() if now is None else now
     by_name = {v.version: v for v in versions}
-    out = RetentionPlan(kept=_keep_reasons(versions, policy, pins or {}, now))
+    out = RetentionPlan(kept=_keep_reasons(versions, policy, pins or {}, now, workers))
     for name in list(out.kept):  # the chains of the kept deltas, down to a full version
         v, links = by_name[name], 0
         while v.format is PayloadFormat.XOR_DELTA and v.base_version and links < MAX_CHAIN:
@@ -186,13 +189,14 @@ class ByteRemover:
 
 async def collect(catalog: Catalog, policy: Retention = Retention(), *,
                   pins: Mapping[str, str] | None = None, dry_run: bool = False,
-                  endpoint_url: str | None = None) -> dict[str, Any]:
+                  endpoint_url: str | None = None,
+                  workers: Collection[str] | None = None) -> dict[str, Any]:
     """Plan over the catalog's versions and carry it out (`dry_run`: only plan); a report:
     the plan, and what was released, evicted, finished and forgotten, with the bytes the
     evicted versions held (their tensors' size, the catalog's `size`)."""
     t0 = time.monotonic()
     versions = await catalog.list()
-    p = plan(versions, policy, pins)
+    p = plan(versions, policy, pins, workers=workers)
     done: dict[str, list[str]] = {"released": [], "evicted": [], "finished": [],
                                   "forgotten": []}
     if not dry_run:
@@ -202,7 +206,8 @@ async def collect(catalog: Catalog, policy: Retention = Retention(), *,
             await asyncio.to_thread(remover.remove, v)
         try:
             for name, why in p.release.items():
-                v = await catalog.delete(name, reason=f"retention: {why}", if_unused=True)
+                v = await catalog.delete(name, reason=f"retention: {why}", if_unused=True,
+                                         workers=workers)
                 if v.state is VersionState.RELEASING:
                     done["released"].append(name)
             refused = set(p.release) - set(done["released"])  # became used meanwhile
@@ -251,16 +256,28 @@ def journal_pins(journal: Any, recent: int = 64) -> dict[str, str]:
     return pins
 
 
+def journal_workers(journal: Any, recent: int = 64) -> frozenset[str]:
+    """The workers the refresh journal saw lately (by instance ID, as the catalog names its
+    holders): those in the holdings of every fleet and model among its `recent` newest
+    transactions (the holdings come from the transactions it keeps whole)."""
+    out: set[str] = set()
+    for fleet, model in {(r.get("fleet"), r.get("model")) for r in journal.recent(recent)}:
+        out.update(str(iid) for iid in journal.holdings(fleet, model))
+    return frozenset(out)
+
+
 async def collect_url(catalog_url: str, policy: Retention = Retention(), *,
                       pins: Mapping[str, str] | None = None, dry_run: bool = False,
-                      endpoint_url: str | None = None) -> dict[str, Any]:
+                      endpoint_url: str | None = None,
+                      workers: Collection[str] | None = None) -> dict[str, Any]:
     """`collect` over the catalog at `catalog_url`."""
     cat = Catalog(catalog_url)
     try:
-        return await collect(cat, policy, pins=pins, dry_run=dry_run, endpoint_url=endpoint_url)
+        return await collect(cat, policy, pins=pins, dry_run=dry_run, endpoint_url=endpoint_url,
+                             workers=workers)
     finally:
         await cat.close()
 
 
 __all__ = ["DEFAULT_RETAIN", "ByteRemover", "CatalogError", "Retention", "RetentionPlan",
-           "collect", "collect_url", "journal_pins", "plan"]
+           "collect", "collect_url", "journal_pins", "journal_workers", "plan"]
