@@ -233,6 +233,7 @@ class EtcdJournal(RefreshJournal):
             removes: tuple[tuple[str, str], ...] = ()
             if workers is not None:
                 batches = self._batches(refresh_id, workers)
+                rec.pop("workers", None)  # kept inline by a journal written before batches
                 rec["workers_batches"] = len(batches)
                 writes.update(batches)
                 removes = ((self._workers_key(refresh_id, len(batches)),
@@ -364,6 +365,7 @@ class EtcdJournal(RefreshJournal):
         rec, rev = self._get(key)
         if rec is None or rec.get("compacted") or rec.get("ended_at") is None:
             return 0
+        rec.pop("workers", None)
         rec.update(steps=[], compacted=1, workers_batches=0)
         return int(self._commit({key: rev}, {key: rec}, (
             (self._workers_key(refresh_id, 0), self._workers_key(refresh_id + 1)),)))
