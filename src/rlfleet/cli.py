@@ -223,7 +223,7 @@ def _journal(args: argparse.Namespace) -> int:
         return 0
     with journal:
         rows = journal.recent(args.limit)
-        size, history = journal.size(), journal.history()
+        history = journal.history()
     for r in rows:
         if args.json:
             print(json.dumps(r))
@@ -238,17 +238,17 @@ def _journal(args: argparse.Namespace) -> int:
               f"{kind} {r['update_path']} {r.previous.version} -> {r.target.version} "
               f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s{summary}: "
               f"{r['reason']}")
-    if not args.json and (size["summaries"] or history):
-        print(_journal_bounds(journal, size, history))
+    if not args.json and (any(r.get("compacted") for r in rows) or history):
+        print(_journal_bounds(journal, history))
     return 0
 
 
-def _journal_bounds(journal, size: dict, history: list[dict]) -> str:
+def _journal_bounds(journal, history: list[dict]) -> str:
     """What `rlfleet journal` says of a journal's compaction (rlfleet.journal.base)."""
-    lines = [f"journal {journal.path}: {size['full']} transaction(s) kept whole (the newest, "
-             f"and any unfinished), {size['summaries']} compacted to summaries "
-             f"(decision, policies, times; workers' calls and steps dropped), "
-             f"{size['folded']} older folded into the history:"]
+    folded = sum(h["transactions"] for h in history)
+    lines = [f"journal {journal.path}: the newest transactions (and any unfinished) are kept "
+             "whole, older ones as summaries (decision, policies, times; the workers' calls "
+             f"and steps dropped: marked (summary)); {folded} older folded into the history:"]
     for h in history:
         counts = ", ".join(f"{d} {n}" for d, n in sorted(h["decisions"].items()))
         lines.append(f"  fleet {h['fleet']} model {h['model']}: {h['transactions']} "

@@ -307,6 +307,7 @@ class EtcdJournal(RefreshJournal):
         return out
 
     def size(self) -> dict[str, int]:
+        """Reads every key of the journal (for benchmarks and tests)."""
         r = self._run(self._client.get_prefix(self._key("")), "list the journal")
         records = summaries = nbytes = 0
         for kv in r:
