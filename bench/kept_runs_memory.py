@@ -40,12 +40,17 @@ async def send(url: str, n: int, args: argparse.Namespace, keep: bool) -> None:
     sem = asyncio.Semaphore(args.concurrency)
     async with httpx.AsyncClient(timeout=120) as http:
         async def one(i: int) -> None:
-            async with sem:
-                headers = {"X-Request-Id": uuid.uuid4().hex} if keep else {}
-                r = await http.post(f"{url}/v1/completions", headers=headers, json={
-                    "model": MODEL, "prompt": [1101 + i % 50, 1102, 1103], "seed": i,
-                    "max_tokens": args.tokens, "ignore_eos": True, "logprobs": args.logprobs})
-                r.raise_for_status()
+            headers = {"X-Request-Id": uuid.uuid4().hex} if keep else {}
+            for attempt in range(6):  # a loaded box: the worker may be marked down a while
+                async with sem:
+                    r = await http.post(f"{url}/v1/completions", headers=headers, json={
+                        "model": MODEL, "prompt": [1101 + i % 50, 1102, 1103], "seed": i,
+                        "max_tokens": args.tokens, "ignore_eos": True,
+                        "logprobs": args.logprobs})
+                if r.status_code not in (429, 503) or attempt == 5:
+                    r.raise_for_status()
+                    return
+                await asyncio.sleep(1 + attempt)
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
