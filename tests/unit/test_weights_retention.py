@@ -250,3 +250,33 @@ async def test_a_holder_the_journal_no_longer_sees_keeps_nothing(store, tmp_path
         report = await collect(cat, Retention(retain=1), workers=alive)
         assert "v1" in report["evicted"] and report["kept"]["v2"].startswith("held applied")
 
+
+
+async def test_a_handle_applied_while_its_lease_is_let_go_keeps_its_copy(store, tmp_path):
+    """The soak's four held refreshes: a READY handle applied while its transfer still let go
+    of the catalog lease (an etcd round trip on a loaded box) had its directory, now the
+    resident copy, removed, and the next delta found no base."""
+    root, url, publish = store
+    publish(1)
+    gate = asyncio.Event()
+
+    class SlowRelease(Catalog):
+        async def release_lease(self, version: str, lease_id: str) -> None:
+            await gate.wait()
+            await super().release_lease(version, lease_id)
+
+    async with SlowRelease(url) as cat:
+        area = StagingArea(tmp_path / "staging", catalog=cat, worker_id="w1",
+                           allowed_roots=[str(root)])
+        h = await area.stage("v1", {"kind": "disk", "path": str(root / "v1")},
+                             applied=(None, None))
+        for _ in range(500):
+            if h.state is StageState.READY:
+                break
+            await asyncio.sleep(0.01)
+        assert h.state is StageState.READY and not h.done.is_set()  # the lease still held
+        await area.applied(h.handle)
+        gate.set()
+        await asyncio.wait_for(h.done.wait(), 10)
+        assert (area.resident.dir / art.INDEX).is_file()
+        await area.close()

@@ -1246,6 +1246,9 @@ class StagingArea:
                 log.warning("staging %s failed: %s", h.version, h.error)
         finally:
             h.finished_at = time.time()
+            # how the transfer ended, taken before the lease is let go: a READY handle may be
+            # applied meanwhile (its directory is then the resident copy, not to be removed)
+            ended = h.state
             if renew is not None:
                 renew.cancel()
             if lease is not None:
@@ -1253,7 +1256,7 @@ class StagingArea:
                     await self.catalog.release_lease(h.version, lease.lease_id)
                 except Exception as e:  # noqa: BLE001 - the lease expires anyway
                     log.warning("releasing the lease on %s: %r", h.version, e)
-            if h.state is not StageState.READY:
+            if ended is not StageState.READY:
                 if h.board is not None:  # downstreams pulling from it go elsewhere (410)
                     h.board.close()
                 if h.dir is not None:
