@@ -5,10 +5,11 @@ socket) when the worker is started with `--kv-events-config`.
 
 What it simulates: a request's leading prompt blocks already cached are hits (counted in
 `rlfleet_mocker_prefix_cache_{queries,hits}_total`, in tokens, as vLLM counts its
-`vllm:prefix_cache_*`), the others are "computed" (`--prefill-delay` seconds per token
-before the first one) and stored, and a finished choice's full blocks of prompt and
-completion are stored too. A reset clears it all (AllBlocksCleared). Nothing here says
-how a real engine's cache behaves."""
+`vllm:prefix_cache_*`; the block of the prompt's last token never is: vLLM computes it),
+the others are "computed" (`--prefill-delay` seconds per token before the first one, or in
+the engine's iterations: rlfleet.mocker.steps) and stored, and a finished choice's full
+blocks of prompt and completion are stored too (unless `--uncached-completions`). A reset
+clears it all (AllBlocksCleared). Nothing here says how a real engine's cache behaves."""
 
 from __future__ import annotations
 
@@ -88,19 +89,28 @@ class PrefixCache:
             out.append(parent)
         return out
 
-    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> int:
-        """Count a request's prompt: how many of its tokens were cached (then stores the
-        rest of its full blocks)."""
-        hashes = self._hashes(prompt, salt)
+    def match(self, prompt: Sequence[int], salt: str | None = None,
+              hashes: list[int] | None = None) -> int:
+        """Count a request's prompt: how many of its tokens are cached (as vLLM counts them:
+        leading full blocks, at most all but the last token's block: the last token is
+        always computed)."""
+        hashes = self._hashes(prompt, salt) if hashes is None else hashes
+        limit = (len(prompt) - 1) // self.block_size
         hit = 0
-        for h in hashes:
+        for h in hashes[:limit]:
             if h not in self.blocks:
                 break
             hit += 1
         self.queries.inc(len(prompt))
         self.hits.inc(hit * self.block_size)
-        self.store(prompt, salt, hashes)
         return hit * self.block_size
+
+    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> int:
+        """`match`, then cache the prompt's full blocks (it is computed at once)."""
+        hashes = self._hashes(prompt, salt)
+        hit = self.match(prompt, salt, hashes)
+        self.store(prompt, salt, hashes)
+        return hit
 
     def store(self, tokens: Sequence[int], salt: str | None = None,
               hashes: list[int] | None = None) -> None:
