@@ -22,6 +22,7 @@ from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
+from rlfleet.frontend.sessions import MAX_SESSION_ID
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
 from rlfleet.protocol.sglang import AbortRequest
@@ -33,7 +34,7 @@ log = logging.getLogger("rlfleet.frontend.requests")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
           "/metrics", "/v1/responses/input_tokens",
-          "/inference/v1/generate", "/tokenize", "/detokenize")
+          "/inference/v1/generate", "/tokenize", "/detokenize", "/finish_session")
 
 
 async def models(request: Request) -> Response:
@@ -67,11 +68,29 @@ async def health(request: Request) -> Response:
                 **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
                 **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
+    router = {"kv_router": pool.kv.summary()} if pool.kv is not None else {}
     # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes);
     # no worker: 503 (vLLM's and SGLang's clients read the status code: not ready to serve)
     return json_response({"status": "healthy" if workers else "no_workers",
-                          "process": os.getpid(), "workers": workers},
+                          "process": os.getpid(), "workers": workers, **router},
                          200 if workers else 503)
+
+
+async def finish_session(request: Request) -> Response:
+    """POST /finish_session?session_id=: the session (an episode; its requests carried
+    X-Session-ID) is over, as SkyRL 0.4's client says after a trajectory: in router mode kv
+    its worker binding is released, so that new sessions balance onto that capacity. An
+    unknown session, or another router mode, is no error (there is nothing to release)."""
+    session = request.query_params.get("session_id")
+    if not session:
+        raise HttpError(400, "session_id is required: POST /finish_session?session_id=<id>",
+                        param="session_id")
+    if len(session) > MAX_SESSION_ID:
+        raise HttpError(400, f"session_id must be at most {MAX_SESSION_ID} characters",
+                        param="session_id")
+    kv = frontend_of(request).pool.kv
+    released = kv.finish_session(session) if kv is not None else False
+    return json_response({"session_id": session, "released": released})
 
 
 async def metrics_route(request: Request) -> Response:
@@ -262,6 +281,7 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
         *(control_routes(fleet_control) if fleet_control else ()),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/finish_session", finish_session, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
     app.state.frontend = Frontend(pool, client, runs or GenerationRuns())
     metrics.FLEET.watch(pool)

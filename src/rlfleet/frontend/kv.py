@@ -49,6 +49,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from rlfleet.frontend.rates import Rates
+from rlfleet.frontend.sessions import DEFAULT_TTL, SessionTable
 from rlfleet.protocol import kv_events as kv
 
 log = logging.getLogger("rlfleet.router.kv")
@@ -83,9 +85,18 @@ class Prefix:
 
     tokens: list[int]
     salt: str | None = None
+    _whole: int | None = field(default=None, repr=False, compare=False)
 
     def keys(self, block_size: int) -> list[int]:
         return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None)
+
+    @property
+    def whole(self) -> int:
+        """A key of the whole prompt: the requests that share it are siblings (the samples
+        of one GRPO group)."""
+        if self._whole is None:
+            self._whole = hash((tuple(self.tokens), self.salt))
+        return self._whole
 
 
 @dataclass
@@ -169,30 +180,48 @@ class PrefixView:
 class RouteAttempt:
     """One request sent to one worker, as the router books it: routed (its prompt is
     there, its uncached part is that worker's prefill backlog), first token (the backlog
-    is done), end (its completions are there too)."""
+    is done), end (its completions are there too). Its timing teaches the router's rates
+    (rlfleet.frontend.rates): the time to its first token against the prompt tokens its
+    worker computed meanwhile, the gaps between its tokens against the worker's load."""
 
-    __slots__ = ("router", "iid", "prefix", "load", "made")
+    __slots__ = ("router", "iid", "prefix", "load", "made", "ahead", "since", "first")
 
     def __init__(self, router: KvRouter, iid: int, prefix: Prefix | None) -> None:
         self.router, self.iid, self.prefix = router, iid, prefix
+        self.ahead = router.active.get(iid, 0)  # prompt tokens its worker computes first
         self.load = router.routed(iid, prefix)
         self.made: dict[int, list[int]] = {}  # each choice's tokens
+        self.since = time.monotonic()
+        self.first = True
 
     def head(self, prompt_token_ids: list[int], salt: str | None) -> None:
         """The worker's report of the prompt: a text or chat prompt is booked now."""
         if self.prefix is None:
             self.prefix = Prefix(prompt_token_ids, salt)
-            self.load = self.router.routed(self.iid, self.prefix)
+            self.load = self.router.routed(self.iid, self.prefix, counted=True)
 
     def step(self, deltas: Sequence[Any]) -> None:
+        now = time.monotonic()
+        tokens = 0
+        for d in deltas:
+            self.made.setdefault(d.index, []).extend(d.token_ids)
+            tokens = max(tokens, len(d.token_ids))
+        if tokens:
+            rates = self.router.rates
+            if self.first:
+                rates.prefilled(self.ahead + self.load, now - self.since)
+            else:
+                rates.decoded(self.router.running.get(self.iid, 1), (now - self.since) / tokens)
+            self.first, self.since = False, now
         if self.load:
             self.router.prefilled(self.iid, self.load)
             self.load = 0
-        for d in deltas:
-            self.made.setdefault(d.index, []).extend(d.token_ids)
 
     def end(self) -> None:
-        self.router.finished(self.iid, self.prefix, self.load, list(self.made.values()))
+        made = list(self.made.values())
+        if made:
+            self.router.rates.generated(max(len(m) for m in made))
+        self.router.finished(self.iid, self.prefix, self.load, made)
         self.load = 0
 
 
@@ -205,7 +234,8 @@ class KvRouter:
     """The views of every worker, their event subscriptions, and the choice."""
 
     def __init__(self, overload: float = DEFAULT_OVERLOAD,
-                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+                 session_ttl: float = DEFAULT_TTL) -> None:
         if not overload > 1.0:
             raise ValueError(f"--kv-overload-threshold must be greater than 1, got {overload}")
         if not overlap_weight >= 0:
@@ -214,6 +244,11 @@ class KvRouter:
         # prompt tokens to compute (not cached when routed) of the requests sent there that
         # have no first token yet: its prefill backlog
         self.active: dict[int, int] = {}
+        self.running: dict[int, int] = {}  # requests this router has in flight there
+        # whole-prompt key -> worker -> requests in flight there with that very prompt
+        self.siblings: dict[int, dict[int, int]] = {}
+        self.sessions = SessionTable(session_ttl)
+        self.rates = Rates()
         self.views: dict[int, PrefixView] = {}
         self._subs: dict[int, tuple[str, asyncio.Task]] = {}
         self._policies: dict[int, tuple] = {}
@@ -228,27 +263,63 @@ class KvRouter:
             v = self.views[iid] = PrefixView()
         return v
 
-    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
-        """The worker for a request (see the module doc); `prefix` None: least loaded."""
+    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None,
+               session: str | None = None) -> Candidate:
+        """The worker for a request (see the module doc); `prefix` None: least loaded, or
+        its session's worker."""
         mean = sum(w.inflight for w in candidates) / len(candidates)
-        fit = [w for w in candidates if w.inflight + 1 <= self.overload * (mean + 1)]
+        group = self.siblings.get(prefix.whole) if prefix is not None else None
+
+        def fits(w: Candidate) -> bool:  # its siblings (the same prompt) do not count
+            own = group.get(w.instance_id, 0) if group else 0
+            return w.inflight - own + 1 <= self.overload * (mean + 1)
+        fit = [w for w in candidates if fits(w)]
+        bound = self.sessions.get(session) if session else None
+        if bound is not None:
+            held = next((w for w in candidates if w.instance_id == bound), None)
+            if held is not None and fits(held):
+                self.sessions.bind(session, bound)  # type: ignore[arg-type]
+                return held
+        chosen = self._cheapest(fit or candidates, prefix)
+        if session:
+            if bound is not None and bound != chosen.instance_id:
+                self.sessions.shed += 1
+                log.info("session %s moves from worker %s to %s (%s)", session, bound,
+                         chosen.instance_id, "overloaded" if any(
+                             w.instance_id == bound for w in candidates) else "not usable")
+            self.sessions.bind(session, chosen.instance_id)
+        return chosen
+
+    def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
+        """The candidate of the lowest cost (`cost`), then the fewest requests in flight,
+        then round-robin."""
         keys: dict[int, list[int]] = {}
-
-        def cost(w: Candidate) -> tuple[float, int]:
-            if prefix is None:
-                return 0.0, w.inflight
-            v = self.view(w.instance_id)
-            ks = keys.get(v.block_size)
-            if ks is None:
-                ks = keys[v.block_size] = prefix.keys(v.block_size)
-            uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
-            return self.overlap_weight * uncached + self.active.get(w.instance_id, 0), \
-                w.inflight
-
-        scored = [(cost(w), w) for w in fit or candidates]
+        scored = [((self.cost(w, prefix, keys), w.inflight), w) for w in candidates]
         best = min(c for c, _ in scored)
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
+
+    def cost(self, w: Candidate, prefix: Prefix | None,
+             keys: dict[int, list[int]] | None = None) -> float:
+        """What sending the request to `w` costs the fleet, in seconds once the rates are
+        known (in tokens until then): the prefill queued there before it and its own
+        uncached tokens (weighed by the overlap weight), the stall its prefill puts on the
+        requests running there, and the decode time it adds to them and they to it."""
+        if prefix is None:
+            return 0.0
+        v = self.view(w.instance_id)
+        keys = {} if keys is None else keys
+        ks = keys.get(v.block_size)
+        if ks is None:
+            ks = keys[v.block_size] = prefix.keys(v.block_size)
+        uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
+        running = w.inflight
+        r = self.rates
+        per_token = r.prefill if r.known else 1.0
+        _, per_seq = r.step()
+        prefill = self.active.get(w.instance_id, 0) + self.overlap_weight * uncached \
+            + uncached * running
+        return per_token * prefill + r.output * per_seq * (2 * running + 1)
 
     def holders(self, candidates: Sequence[Candidate], prefix: Prefix, than: Candidate,
                 n: int) -> list[Candidate]:
@@ -273,13 +344,19 @@ class KvRouter:
         many blocks (from events; and recorded)."""
         v = self.view(iid)
         return {"source": "events" if v.has_events else "record", "block_size": v.block_size,
-                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record)}
+                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record),
+                "sessions": self.sessions.count(iid)}
 
-    def routed(self, iid: int, prefix: Prefix | None) -> int:
-        """Record that `prefix` was sent to worker `iid`; returns the tokens it adds to the
-        worker's load until `finished` (the prompt tokens it does not hold yet)."""
+    def routed(self, iid: int, prefix: Prefix | None, counted: bool = False) -> int:
+        """Record that `prefix` was sent to worker `iid` (`counted`: the request was
+        recorded already, without its prompt); returns the tokens it adds to the worker's
+        load until `finished` (the prompt tokens it does not hold yet)."""
+        if not counted:
+            self.running[iid] = self.running.get(iid, 0) + 1
         if prefix is None:
             return 0
+        group = self.siblings.setdefault(prefix.whole, {})
+        group[iid] = group.get(iid, 0) + 1
         v = self.view(iid)
         keys = prefix.keys(v.block_size)
         load = len(prefix.tokens) - v.overlap(keys) * v.block_size  # what it must compute
@@ -298,11 +375,30 @@ class KvRouter:
         taken off; with these completions: what a continuation of it starts with is
         there now)."""
         self.prefilled(iid, load)
+        if iid in self.running:
+            self.running[iid] = max(0, self.running[iid] - 1)
+        if prefix is not None:
+            group = self.siblings.get(prefix.whole)
+            if group is not None and iid in group:
+                group[iid] -= 1
+                if group[iid] <= 0:
+                    del group[iid]
+                if not group:
+                    del self.siblings[prefix.whole]
         v = self.views.get(iid)
         if prefix is None or v is None:
             return
         for c in completions:
             v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
+
+    def finish_session(self, session: str) -> bool:
+        """POST /finish_session: the session is over; whether it was bound."""
+        return self.sessions.finish(session)
+
+    def summary(self) -> dict[str, Any]:
+        """The router's own state for /health: sessions bound, moved, and the rates."""
+        return {"sessions": len(self.sessions), "sessions_shed": self.sessions.shed,
+                **self.rates.describe()}
 
     # ------------------------------------------------------------------ membership
 
@@ -330,6 +426,7 @@ class KvRouter:
                 log.info("worker %s: policy or address changed; forgetting its prefix cache",
                          iid)
                 self.view(iid).clear()
+                self.sessions.drop_worker(iid)
             self._policies[iid] = policy
             v = self.view(iid)
             size = e.get("kv_block_size")
@@ -349,6 +446,8 @@ class KvRouter:
     def forget(self, iid: int) -> None:
         self.views.pop(iid, None)
         self.active.pop(iid, None)
+        self.running.pop(iid, None)
+        self.sessions.drop_worker(iid)
         self._policies.pop(iid, None)
         sub = self._subs.pop(iid, None)
         if sub is not None:
@@ -388,6 +487,8 @@ class KvRouter:
             return
         for ev in batch.events:
             v.apply(ev)
+            if type(ev) is kv.AllBlocksCleared:  # a reset: its sessions' prefixes are gone
+                self.sessions.drop_worker(iid)
 
     async def _follow(self, iid: int, endpoint: str) -> None:
         """Read worker `iid`'s event publisher for as long as it is in the pool."""

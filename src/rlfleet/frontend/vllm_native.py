@@ -51,6 +51,7 @@ from rlfleet.frontend.generation import (
     parse_body,
     request_id,
     served_model,
+    session_of,
     sse,
 )
 from rlfleet.frontend.openai.render import nvext_body, routed_experts
@@ -86,8 +87,6 @@ from rlfleet.protocol.vllm_native import (
 )
 from rlfleet.runtime.http import HttpError, json_response
 
-# vLLM's header naming related requests (a session), passed to the engine as its session_id
-SESSION_ID_HEADER = "X-Session-ID"
 RESPONSE_ID_PREFIX = "generate-tokens-"  # vLLM's: the response's request_id is this + the ID
 LOGPROB_FLOOR = -9999.0  # what -inf and NaN are sent as (vLLM's)
 
@@ -106,9 +105,7 @@ async def generate(request: Request) -> Response:
     rid = request_id(request, "generate", req.request_id or uuid.uuid4().hex)
     stream = bool(req.stream)
     sp = req.sampling_params
-    session = request.headers.get(SESSION_ID_HEADER) or None
-    if session is not None and len(session) > 256:
-        raise HttpError(400, f"{SESSION_ID_HEADER} must be at most 256 characters")
+    session = session_of(request)
     greq = engine_request(lambda: GenerateRequest(
         request_id=rid, prompt_token_ids=req.token_ids, sampling=sp.engine(stream),
         stream=stream, cache_salt=req.cache_salt, priority=req.priority, session_id=session,
