@@ -98,6 +98,10 @@ DYNAMO_VARIANTS = {
 }
 DYNAMO_BEST = {"grpo": "kv", "grpo16": "kv", "agent": "kv+affinity-soft", "mix": "kv"}
 CONCURRENCY = 256
+# the peer-dynamo set-up's tiny model (config and tokenizer, no weights)
+PEER_DYNAMO_MODEL = next((p for p in (Path(__file__).resolve().parents[2] / "shared",
+                                      Path("/work/shared")) if p.is_dir()),
+                         Path("/work/shared")) / "bench" / "peer-dynamo" / "model-tiny"
 
 
 def run(trace: traces.Trace, stack_cm, client: Callable[[str], traces.Client],
@@ -135,9 +139,10 @@ def mocker_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path)
 def dynamo_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path) -> dict:
     names = list(DYNAMO_VARIANTS) if a.dynamo_sweep else \
         list(dict.fromkeys(["round-robin", "kv", DYNAMO_BEST.get(wl, "kv")]))
-    model = work / "dynamo-model"
-    if not (model / "config.json").exists():
-        make_model(model, "tiny")
+    model = Path(a.dynamo_model)
+    if not (model / "tokenizer.json").exists():
+        raise FileNotFoundError(f"{model}: no tokenizer.json (give --dynamo-model a model "
+                                "directory Dynamo's mocker reads: config and tokenizer)")
 
     def client(url: str) -> traces.Client:
         return traces.OpenAIClient(url, DYNAMO_MODEL, "X-Dynamo-Session-ID")
@@ -239,6 +244,9 @@ def main() -> None:
     p.add_argument("--vllm-modes", default="kv,round-robin,least-loaded")
     p.add_argument("--dynamo-venv", default=os.environ.get("DYNAMO_VENV", "/work/wt/dynamo-venv"),
                    help="a venv with ai-dynamo 1.6.1 (../shared/bench/peer-dynamo/setup.sh)")
+    p.add_argument("--dynamo-model", default=os.environ.get("DYNAMO_MODEL_DIR", str(
+        PEER_DYNAMO_MODEL)), help="config and tokenizer for Dynamo's mocker (a 4,096-token "
+                                   "vocabulary: its tokenizer loads in both workers at once)")
     p.add_argument("--dynamo-sweep", action="store_true",
                    help="run every Dynamo router setting (DYNAMO_VARIANTS), not only its "
                         "defaults and its best one for the workload")

@@ -52,8 +52,8 @@ class Timing:
     workers: int = 2
     block_size: int = 16
     kv_blocks: int = 4096  # per worker
-    prefill_ms: float = 0.2  # per uncached prompt token
-    decode_ms: float = 20.0  # per iteration that decodes
+    prefill_ms: float = 0.5  # per uncached prompt token
+    decode_ms: float = 50.0  # per iteration that decodes
     max_seqs: int = 256
     max_batched: int = 8192
     max_model_len: int = 32768

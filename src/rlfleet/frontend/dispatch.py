@@ -193,7 +193,7 @@ class Dispatch:
         if self.stale is not None:
             self.stale.first = head.weight_step
         if self.booked is not None:
-            self.booked.head(head.prompt_token_ids, self.req.cache_salt)
+            self.booked.head(head.prompt_token_ids, self.req.cache_salt, self.req.adapter)
 
     def _retry(self, e: WorkerError, attempt: int) -> bool:
         """Count the worker's failure; whether the request starts again on another."""

@@ -63,39 +63,46 @@ MAX_RECORD_BLOCKS = 200_000  # per worker without events
 
 
 def block_keys(tokens: Sequence[int], block_size: int, first_extra: Any = None,
-               parent: int | None = None) -> list[int]:
+               parent: int | None = None, every: tuple = ()) -> list[int]:
     """The chained key of each full block of `tokens` (a partial last block has none):
-    key_i = hash(key_{i-1}, tokens of block i, what else went into it)."""
+    key_i = hash(key_{i-1}, tokens of block i, what else went into it: `every` (a LoRA
+    adapter's name) then, for the first block of a prompt, `first_extra`'s items (its cache
+    salt)), as vLLM keys blocks and publishes their extra keys."""
     keys = []
+    first = tuple(first_extra) if first_extra else ()
+    rest = every or None
     for i in range(len(tokens) // block_size):
-        extra = first_extra if i == 0 and parent is None else None
+        extra = (every + first or None) if i == 0 and parent is None else rest
         parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
         keys.append(parent)
     return keys
 
 
 def _extra(keys: list[Any] | None) -> Any:
-    """A BlockStored extra_keys entry as part of a key (the request side: (salt,))."""
+    """A BlockStored extra_keys entry as part of a key (the request side: (adapter, salt))."""
     return tuple(keys) if keys else None
 
 
 @dataclass
 class Prefix:
-    """What the router scores a request by: its prompt token IDs and cache salt."""
+    """What the router scores a request by: its prompt token IDs, cache salt, and the LoRA
+    adapter it runs on (its blocks are the adapter's own)."""
 
     tokens: list[int]
     salt: str | None = None
+    adapter: str | None = None
     _whole: int | None = field(default=None, repr=False, compare=False)
 
     def keys(self, block_size: int) -> list[int]:
-        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None)
+        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None,
+                          every=(self.adapter,) if self.adapter else ())
 
     @property
     def whole(self) -> int:
         """A key of the whole prompt: the requests that share it are siblings (the samples
         of one GRPO group)."""
         if self._whole is None:
-            self._whole = hash((tuple(self.tokens), self.salt))
+            self._whole = hash((tuple(self.tokens), self.salt, self.adapter))
         return self._whole
 
 
@@ -194,10 +201,11 @@ class RouteAttempt:
         self.since = time.monotonic()
         self.first = True
 
-    def head(self, prompt_token_ids: list[int], salt: str | None) -> None:
+    def head(self, prompt_token_ids: list[int], salt: str | None,
+             adapter: str | None = None) -> None:
         """The worker's report of the prompt: a text or chat prompt is booked now."""
         if self.prefix is None:
-            self.prefix = Prefix(prompt_token_ids, salt)
+            self.prefix = Prefix(prompt_token_ids, salt, adapter)
             self.load = self.router.routed(self.iid, self.prefix, counted=True)
 
     def step(self, deltas: Sequence[Any]) -> None:
@@ -274,26 +282,28 @@ class KvRouter:
             own = group.get(w.instance_id, 0) if group else 0
             return w.inflight - own + 1 <= self.overload * (mean + 1)
         fit = [w for w in candidates if fits(w)]
+        keys: dict[int, list[int]] = {}
         bound = self.sessions.get(session) if session else None
-        if bound is not None:
-            held = next((w for w in candidates if w.instance_id == bound), None)
-            if held is not None and fits(held):
-                self.sessions.bind(session, bound)  # type: ignore[arg-type]
-                return held
-        chosen = self._cheapest(fit or candidates, prefix)
+        held = next((w for w in candidates if w.instance_id == bound), None) \
+            if bound is not None else None
+        chosen = self._cheapest(fit or candidates, prefix, keys)
+        if held is not None and held is not chosen and (fits(held) or (
+                prefix is not None and self.cost(held, prefix, keys)
+                <= self.cost(chosen, prefix, keys))):
+            chosen = held  # it stays: not overloaded, or moving would cost more
         if session:
             if bound is not None and bound != chosen.instance_id:
                 self.sessions.shed += 1
                 log.info("session %s moves from worker %s to %s (%s)", session, bound,
-                         chosen.instance_id, "overloaded" if any(
-                             w.instance_id == bound for w in candidates) else "not usable")
+                         chosen.instance_id, "overloaded" if held is not None else
+                         "not usable")
             self.sessions.bind(session, chosen.instance_id)
         return chosen
 
-    def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
+    def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
+                  keys: dict[int, list[int]]) -> Candidate:
         """The candidate of the lowest cost (`cost`), then the fewest requests in flight,
         then round-robin."""
-        keys: dict[int, list[int]] = {}
         scored = [((self.cost(w, prefix, keys), w.inflight), w) for w in candidates]
         best = min(c for c, _ in scored)
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
@@ -389,7 +399,8 @@ class KvRouter:
         if prefix is None or v is None:
             return
         for c in completions:
-            v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
+            v.note(Prefix(prefix.tokens + list(c), prefix.salt, prefix.adapter
+                          ).keys(v.block_size))
 
     def finish_session(self, session: str) -> bool:
         """POST /finish_session: the session is over; whether it was bound."""

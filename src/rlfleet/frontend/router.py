@@ -498,6 +498,8 @@ class WorkerPool:
                 raise NoWorker(f"no live worker of {model!r} within nvext.policy "
                                f"({bound.describe()}) is left to try", 503)
         if self.kv is not None and (prefix is not None or session is not None):
+            if prefix is not None and model != ok[0].model:  # a LoRA adapter's request:
+                prefix.adapter = model  # its blocks are the adapter's
             return self.kv.choose(ok, prefix, session)  # type: ignore[return-value]
         if key is not None:
             usable = {w.instance_id for w in ok}

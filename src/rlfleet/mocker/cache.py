@@ -19,6 +19,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from prometheus_client import Counter
@@ -62,6 +64,38 @@ def engine_hash(parent: int | None, tokens: Sequence[int], extra: object) -> int
     return int.from_bytes(d.digest(), "big") >> 1
 
 
+@dataclass(frozen=True)
+class BlockSalt:
+    """What keys a request's blocks besides their tokens, as vLLM keys them: the request's
+    cache salt (its first block) and the LoRA adapter it runs on (every block). vLLM's
+    events name the adapter (`lora_name`, and in each block's `extra_keys` before the salt);
+    `lora_load` (which load of the adapter it is) goes into the hash only: a reloaded
+    adapter's KV is its own."""
+
+    cache_salt: str | None = None
+    lora: str | None = None
+    lora_load: Any = None
+
+    def key(self, i: int) -> tuple | None:
+        """What goes into block i's hash."""
+        parts = ((("lora", self.lora, self.lora_load),) if self.lora else ()) + \
+            ((self.cache_salt,) if self.cache_salt and i == 0 else ())
+        return parts or None
+
+    def published(self, i: int) -> list | None:
+        """Block i's `extra_keys` entry in a BlockStored event (vLLM's untagged form)."""
+        parts = ([self.lora] if self.lora else []) + \
+            ([self.cache_salt] if self.cache_salt and i == 0 else [])
+        return parts or None
+
+
+Salt = BlockSalt | str | None  # a bare string: a cache salt
+
+
+def _salt(salt: Salt) -> BlockSalt:
+    return salt if isinstance(salt, BlockSalt) else BlockSalt(salt)
+
+
 class PrefixCache:
     def __init__(self, model: str, block_size: int = 16, blocks: int = 8192,
                  endpoint: str | None = None) -> None:
@@ -79,17 +113,17 @@ class PrefixCache:
             self._pub.bind(endpoint.replace("tcp://*:", "tcp://0.0.0.0:"))
             self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def _hashes(self, tokens: Sequence[int], salt: str | None) -> list[int]:
+    def _hashes(self, tokens: Sequence[int], salt: Salt) -> list[int]:
         out: list[int] = []
         parent = None
+        key = _salt(salt).key
         for i in range(len(tokens) // self.block_size):
-            extra = (salt,) if salt and i == 0 else None
             parent = engine_hash(parent, tokens[i * self.block_size:(i + 1) * self.block_size],
-                                 extra)
+                                 key(i))
             out.append(parent)
         return out
 
-    def match(self, prompt: Sequence[int], salt: str | None = None,
+    def match(self, prompt: Sequence[int], salt: Salt = None,
               hashes: list[int] | None = None) -> int:
         """Count a request's prompt: how many of its tokens are cached (as vLLM counts them:
         leading full blocks, at most all but the last token's block: the last token is
@@ -105,14 +139,14 @@ class PrefixCache:
         self.hits.inc(hit * self.block_size)
         return hit * self.block_size
 
-    def lookup(self, prompt: Sequence[int], salt: str | None = None) -> int:
+    def lookup(self, prompt: Sequence[int], salt: Salt = None) -> int:
         """`match`, then cache the prompt's full blocks (it is computed at once)."""
         hashes = self._hashes(prompt, salt)
         hit = self.match(prompt, salt, hashes)
         self.store(prompt, salt, hashes)
         return hit
 
-    def store(self, tokens: Sequence[int], salt: str | None = None,
+    def store(self, tokens: Sequence[int], salt: Salt = None,
               hashes: list[int] | None = None) -> None:
         """Cache the full blocks of `tokens` (most recently used); publish what is new and
         what that evicted."""
@@ -124,12 +158,12 @@ class PrefixCache:
         events: list[kv.KvEvent] = []
         if new:
             first = new[0]  # the new blocks follow the cached ones: one chain from `first`
-            bs = self.block_size
+            bs, salted = self.block_size, _salt(salt)
             events.append(kv.BlockStored(
                 block_hashes=hashes[first:], parent_block_hash=hashes[first - 1] if first else None,
                 token_ids=list(tokens[first * bs:len(hashes) * bs]), block_size=bs,
-                medium="GPU", extra_keys=[[salt] if salt and i == 0 else None
-                                          for i in range(first, len(hashes))]))
+                medium="GPU", lora_name=salted.lora,
+                extra_keys=[salted.published(i) for i in range(first, len(hashes))]))
         evicted = []
         while len(self.blocks) > self.capacity:
             evicted.append(self.blocks.popitem(last=False)[0])

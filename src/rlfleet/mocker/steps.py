@@ -23,7 +23,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from rlfleet.mocker.cache import PrefixCache
+from rlfleet.mocker.cache import PrefixCache, Salt
 
 DEFAULT_BATCHED_TOKENS = 8192  # vLLM's (and Dynamo's mocker's) max_num_batched_tokens
 
@@ -33,7 +33,7 @@ class Seq:
 
     __slots__ = ("prompt", "salt", "width", "wake", "todo", "cached", "admitted", "ready")
 
-    def __init__(self, prompt: Sequence[int], salt: str | None, width: int,
+    def __init__(self, prompt: Sequence[int], salt: Salt, width: int,
                  wake: Callable[[], None]) -> None:
         self.prompt, self.salt, self.width = prompt, salt, width  # width: its choices (n)
         self.wake = wake  # called when an iteration computed a token for it
