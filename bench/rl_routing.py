@@ -62,30 +62,32 @@ from rlfleet.testing.fleet import LocalFleet
 # geometry on 2 cores: an uncached prefill of 1,000 tokens takes ~17 s there)
 MOCK_WORKLOADS: dict[str, Callable[[], traces.Trace]] = {
     "grpo": lambda: traces.grpo(1, prompts=16, n=8, families=2, preamble=2048, question=512,
-                                max_tokens=128),
+                                max_tokens=64),
     "grpo16": lambda: traces.grpo(2, prompts=8, n=16, families=2, preamble=2048,
-                                  question=512, max_tokens=128),
-    "agent": lambda: traces.agent(3, episodes=24, turns=8, system=1024, task=512, tool=256,
-                                  max_tokens=64, spread=4.0, think=0.3),
-    "mix": lambda: traces.mix(4, episodes=12, turns=6, groups=8, n=8, system=1024, task=512,
-                              tool=256, preamble=2048, question=512, max_tokens=64,
-                              duration=10.0, think=0.3),
+                                  question=512, max_tokens=64),
+    "agent": lambda: traces.agent(3, episodes=16, turns=6, system=1024, task=512, tool=256,
+                                  max_tokens=48, spread=4.0, think=0.5),
+    "mix": lambda: traces.mix(4, episodes=8, turns=5, groups=6, n=8, system=1024, task=512,
+                              tool=256, preamble=2048, question=512, max_tokens=48,
+                              duration=10.0, think=0.5),
 }
 VLLM_WORKLOADS: dict[str, Callable[[], traces.Trace]] = {
     "grpo": lambda: traces.grpo(1, prompts=4, n=8, families=1, preamble=512, question=384,
                                 max_tokens=48),
     "grpo16": lambda: traces.grpo(2, prompts=2, n=16, families=1, preamble=512, question=384,
                                   max_tokens=48),
-    "agent": lambda: traces.agent(3, episodes=4, turns=5, system=512, task=512, tool=192,
+    "agent": lambda: traces.agent(3, episodes=4, turns=4, system=512, task=512, tool=192,
                                   max_tokens=48, spread=2.0, think=0.2),
     "mix": lambda: traces.mix(4, episodes=2, turns=4, groups=2, n=8, system=512, task=384,
                               tool=192, preamble=512, question=384, max_tokens=48,
                               duration=20.0, think=0.2),
 }
+# (the CPU build's block size must be a multiple of 32)
 VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
-              "--block-size", "16"]
-# Dynamo's router settings tried (--dynamo-sweep: all of them); its best per workload, as
-# the sweep found it (BENCHMARKS.md), is run beside its defaults
+              "--block-size", "32"]
+# Dynamo's router settings tried (--dynamo-sweep: all of them; else round-robin and the two
+# that the sweep found best for every workload here, BENCHMARKS.md: its defaults and soft
+# session affinity); its best kv setting of those run is the one compared
 DYNAMO_VARIANTS = {
     "round-robin": ["--router-mode", "round-robin"],
     "kv": ["--router-mode", "kv"],
@@ -96,7 +98,7 @@ DYNAMO_VARIANTS = {
     "kv+credit-2": ["--router-mode", "kv", "--router-kv-overlap-score-credit", "2"],
     "kv+decode-weight-8": ["--router-mode", "kv", "--router-decode-active-request-weight", "8"],
 }
-DYNAMO_BEST = {"grpo": "kv", "grpo16": "kv", "agent": "kv+affinity-soft", "mix": "kv"}
+DYNAMO_RUN = ("round-robin", "kv", "kv+affinity-soft")
 CONCURRENCY = 256
 # the peer-dynamo set-up's tiny model (config and tokenizer, no weights)
 PEER_DYNAMO_MODEL = next((p for p in (Path(__file__).resolve().parents[2] / "shared",
@@ -137,8 +139,7 @@ def mocker_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path)
 
 
 def dynamo_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path) -> dict:
-    names = list(DYNAMO_VARIANTS) if a.dynamo_sweep else \
-        list(dict.fromkeys(["round-robin", "kv", DYNAMO_BEST.get(wl, "kv")]))
+    names = list(DYNAMO_VARIANTS) if a.dynamo_sweep else list(DYNAMO_RUN)
     model = Path(a.dynamo_model)
     if not (model / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model}: no tokenizer.json (give --dynamo-model a model "
@@ -251,8 +252,10 @@ def main() -> None:
                    help="run every Dynamo router setting (DYNAMO_VARIANTS), not only its "
                         "defaults and its best one for the workload")
     p.add_argument("--model", help="vLLM: a checkpoint of the 0.6B geometry (default: made)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
-                   help="vLLM: VLLM_CPU_KVCACHE_SPACE of each worker")
+    p.add_argument("--kv-cache-gib", type=float, default=1.25,
+                   help="vLLM: VLLM_CPU_KVCACHE_SPACE of each worker (1.25 GiB: ~5,800 tokens "
+                        "of the 0.6B geometry in float32, the agent workload's episodes of one "
+                        "worker under kv, not all four)")
     p.add_argument("--kv-blocks", type=int, default=Timing.kv_blocks,
                    help="mockers: cache blocks per worker")
     p.add_argument("--traces", help="write each trace here as JSONL")

@@ -51,9 +51,9 @@ class Timing:
 
     workers: int = 2
     block_size: int = 16
-    kv_blocks: int = 4096  # per worker
-    prefill_ms: float = 0.5  # per uncached prompt token
-    decode_ms: float = 50.0  # per iteration that decodes
+    kv_blocks: int = 2560  # per worker (40,960 tokens)
+    prefill_ms: float = 1.0  # per uncached prompt token
+    decode_ms: float = 100.0  # per iteration that decodes
     max_seqs: int = 256
     max_batched: int = 8192
     max_model_len: int = 32768

@@ -41,7 +41,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -274,19 +274,24 @@ class KvRouter:
     def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None,
                session: str | None = None) -> Candidate:
         """The worker for a request (see the module doc); `prefix` None: least loaded, or
-        its session's worker."""
-        mean = sum(w.inflight for w in candidates) / len(candidates)
+        its session's worker. A request of a session counts as a worker's load its requests
+        in flight or its sessions bound, whichever is more: an episode between turns (its
+        tool running) comes back soon, and a worker is not overloaded by a passing burst."""
+        def load(w: Candidate) -> int:
+            return max(w.inflight, self.sessions.count(w.instance_id)) if session \
+                else w.inflight
+        mean = sum(load(w) for w in candidates) / len(candidates)
         group = self.siblings.get(prefix.whole) if prefix is not None else None
 
         def fits(w: Candidate) -> bool:  # its siblings (the same prompt) do not count
             own = group.get(w.instance_id, 0) if group else 0
-            return w.inflight - own + 1 <= self.overload * (mean + 1)
+            return load(w) - own + 1 <= self.overload * (mean + 1)
         fit = [w for w in candidates if fits(w)]
         keys: dict[int, list[int]] = {}
         bound = self.sessions.get(session) if session else None
         held = next((w for w in candidates if w.instance_id == bound), None) \
             if bound is not None else None
-        chosen = self._cheapest(fit or candidates, prefix, keys)
+        chosen = self._cheapest(fit or candidates, prefix, keys, load)
         if held is not None and held is not chosen and (fits(held) or (
                 prefix is not None and self.cost(held, prefix, keys)
                 <= self.cost(chosen, prefix, keys))):
@@ -301,20 +306,21 @@ class KvRouter:
         return chosen
 
     def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
-                  keys: dict[int, list[int]]) -> Candidate:
-        """The candidate of the lowest cost (`cost`), then the fewest requests in flight,
-        then round-robin."""
-        scored = [((self.cost(w, prefix, keys), w.inflight), w) for w in candidates]
+                  keys: dict[int, list[int]], load: Callable[[Candidate], int]) -> Candidate:
+        """The candidate of the lowest cost (`cost`, with `load` its running requests), then
+        the least `load`, then round-robin."""
+        scored = [((self.cost(w, prefix, keys, load(w)), load(w)), w) for w in candidates]
         best = min(c for c, _ in scored)
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
 
     def cost(self, w: Candidate, prefix: Prefix | None,
-             keys: dict[int, list[int]] | None = None) -> float:
+             keys: dict[int, list[int]] | None = None, running: int | None = None) -> float:
         """What sending the request to `w` costs the fleet, in seconds once the rates are
         known (in tokens until then): the prefill queued there before it and its own
         uncached tokens (weighed by the overlap weight), the stall its prefill puts on the
-        requests running there, and the decode time it adds to them and they to it."""
+        requests running there (`running`, default its requests in flight), and the decode
+        time it adds to them and they to it."""
         if prefix is None:
             return 0.0
         v = self.view(w.instance_id)
@@ -323,7 +329,7 @@ class KvRouter:
         if ks is None:
             ks = keys[v.block_size] = prefix.keys(v.block_size)
         uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
-        running = w.inflight
+        running = w.inflight if running is None else running
         r = self.rates
         per_token = r.prefill if r.known else 1.0
         _, per_seq = r.step()

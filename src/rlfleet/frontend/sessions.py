@@ -27,6 +27,7 @@ class SessionTable:
             raise ValueError(f"--kv-session-ttl must be positive, got {ttl}")
         self.ttl, self.limit = ttl, limit
         self._bound: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        self._per_worker: dict[int, int] = {}  # sessions bound to each worker
         self.shed = 0  # sessions moved off an overloaded worker (for /health)
 
     def __len__(self) -> int:
@@ -38,29 +39,42 @@ class SessionTable:
         if got is None:
             return None
         if got[1] < time.monotonic() - self.ttl:
-            del self._bound[session]
+            self._drop(session)
             return None
         return got[0]
 
     def bind(self, session: str, iid: int) -> None:
+        old = self._bound.get(session)
+        if old is None or old[0] != iid:
+            if old is not None:
+                self._per_worker[old[0]] -= 1
+            self._per_worker[iid] = self._per_worker.get(iid, 0) + 1
         self._bound[session] = (iid, time.monotonic())
         self._bound.move_to_end(session)
         while len(self._bound) > self.limit:
-            self._bound.popitem(last=False)
+            self._drop(next(iter(self._bound)))
         oldest = time.monotonic() - self.ttl
         while self._bound and next(iter(self._bound.values()))[1] < oldest:
-            self._bound.popitem(last=False)
+            self._drop(next(iter(self._bound)))
+
+    def _drop(self, session: str) -> bool:
+        got = self._bound.pop(session, None)
+        if got is None:
+            return False
+        self._per_worker[got[0]] -= 1
+        return True
 
     def finish(self, session: str) -> bool:
         """The session is over: forget it (whether it was bound)."""
-        return self._bound.pop(session, None) is not None
+        return self._drop(session)
 
     def drop_worker(self, iid: int) -> int:
         """Forget every session bound to worker `iid`; how many."""
         gone = [s for s, (w, _) in self._bound.items() if w == iid]
         for s in gone:
-            del self._bound[s]
+            self._drop(s)
         return len(gone)
 
     def count(self, iid: int) -> int:
-        return sum(1 for w, _ in self._bound.values() if w == iid)
+        """Sessions bound to worker `iid` (some may be idle past the TTL, not yet seen)."""
+        return self._per_worker.get(iid, 0)
