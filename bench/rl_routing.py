@@ -168,10 +168,10 @@ def flush(workers: list) -> None:
 def vllm_runs(a: argparse.Namespace, work: Path) -> dict:
     """One set of vLLM workers; per workload, a frontend per mode in turn, caches flushed
     before each run."""
-    model = Path(a.model) if a.model else work / "small"
+    model = Path(a.model) if a.model else work / a.vllm_size
     if not (model / "config.json").exists():
-        print(f"writing the 0.6B-geometry model to {model} ...", flush=True)
-        make_model(model, "small")
+        print(f"writing a {a.vllm_size} model to {model} ...", flush=True)
+        make_model(model, a.vllm_size)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
     out: dict = {}
     with LocalFleet(work / "vllm", lease_ttl=10) as fleet:
@@ -252,8 +252,10 @@ def main() -> None:
                    help="run every Dynamo router setting (DYNAMO_VARIANTS), not only its "
                         "defaults and its best one for the workload")
     p.add_argument("--model", help="vLLM: a checkpoint of the 0.6B geometry (default: made)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.25,
-                   help="vLLM: VLLM_CPU_KVCACHE_SPACE of each worker (1.25 GiB: ~5,800 tokens "
+    p.add_argument("--vllm-size", default="small", choices=["small", "tiny"],
+                   help="the model made when --model is not given (tiny: to try the set-up)")
+    p.add_argument("--kv-cache-gib", type=int, default=1,
+                   help="vLLM: VLLM_CPU_KVCACHE_SPACE (GiB) of each worker (1: ~4,680 tokens "
                         "of the 0.6B geometry in float32, the agent workload's episodes of one "
                         "worker under kv, not all four)")
     p.add_argument("--kv-blocks", type=int, default=Timing.kv_blocks,

@@ -59,6 +59,7 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a worker's entry (kv_block_size) or e
 DEFAULT_OVERLOAD = 1.5
 DEFAULT_OVERLAP_WEIGHT = 2.0  # bench/prefix_routing.py: 1.0 split GRPO groups across workers
 RECORD_TTL = 30.0  # seconds a routed-record block counts on a worker that sends events
+DECODE_SAMPLE = 8  # tokens between two samples of a request's decode rate
 MAX_RECORD_BLOCKS = 200_000  # per worker without events
 
 
@@ -92,10 +93,27 @@ class Prefix:
     salt: str | None = None
     adapter: str | None = None
     _whole: int | None = field(default=None, repr=False, compare=False)
+    _keys: dict[tuple, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def keys(self, block_size: int) -> list[int]:
-        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None,
-                          every=(self.adapter,) if self.adapter else ())
+        """The key of each full block (computed once per block size and adapter)."""
+        got = self._keys.get((block_size, self.adapter))
+        if got is None:
+            got = self._keys[(block_size, self.adapter)] = block_keys(
+                self.tokens, block_size, (self.salt,) if self.salt else None,
+                every=(self.adapter,) if self.adapter else ())
+        return got
+
+    def continued(self, more: Sequence[int], block_size: int) -> list[int]:
+        """The keys of this prompt followed by `more` tokens (a completion), from its own."""
+        own = self.keys(block_size)
+        start = len(own) * block_size
+        tail = list(self.tokens[start:]) + list(more)
+        every = (self.adapter,) if self.adapter else ()
+        if not own:
+            return block_keys(tail, block_size, (self.salt,) if self.salt else None,
+                              every=every)
+        return own + block_keys(tail, block_size, parent=own[-1], every=every)
 
     @property
     def whole(self) -> int:
@@ -191,7 +209,8 @@ class RouteAttempt:
     (rlfleet.frontend.rates): the time to its first token against the prompt tokens its
     worker computed meanwhile, the gaps between its tokens against the worker's load."""
 
-    __slots__ = ("router", "iid", "prefix", "load", "made", "ahead", "since", "first")
+    __slots__ = ("router", "iid", "prefix", "load", "made", "ahead", "since", "first",
+                 "tokens")
 
     def __init__(self, router: KvRouter, iid: int, prefix: Prefix | None) -> None:
         self.router, self.iid, self.prefix = router, iid, prefix
@@ -200,6 +219,7 @@ class RouteAttempt:
         self.made: dict[int, list[int]] = {}  # each choice's tokens
         self.since = time.monotonic()
         self.first = True
+        self.tokens = 0  # tokens since the last decode sample
 
     def head(self, prompt_token_ids: list[int], salt: str | None,
              adapter: str | None = None) -> None:
@@ -209,21 +229,25 @@ class RouteAttempt:
             self.load = self.router.routed(self.iid, self.prefix, counted=True)
 
     def step(self, deltas: Sequence[Any]) -> None:
-        now = time.monotonic()
         tokens = 0
         for d in deltas:
             self.made.setdefault(d.index, []).extend(d.token_ids)
             tokens = max(tokens, len(d.token_ids))
-        if tokens:
-            rates = self.router.rates
-            if self.first:
-                rates.prefilled(self.ahead + self.load, now - self.since)
-            else:
-                rates.decoded(self.router.running.get(self.iid, 1), (now - self.since) / tokens)
-            self.first, self.since = False, now
+        if tokens:  # the decode rate is sampled every DECODE_SAMPLE tokens (cheaper)
+            self.tokens += tokens
+            if self.first or self.tokens >= DECODE_SAMPLE:
+                self._sample(time.monotonic())
         if self.load:
             self.router.prefilled(self.iid, self.load)
             self.load = 0
+
+    def _sample(self, now: float) -> None:
+        rates = self.router.rates
+        if self.first:
+            rates.prefilled(self.ahead + self.load, now - self.since)
+        else:
+            rates.decoded(self.router.running.get(self.iid, 1), (now - self.since) / self.tokens)
+        self.first, self.since, self.tokens = False, now, 0
 
     def end(self) -> None:
         made = list(self.made.values())
@@ -405,8 +429,7 @@ class KvRouter:
         if prefix is None or v is None:
             return
         for c in completions:
-            v.note(Prefix(prefix.tokens + list(c), prefix.salt, prefix.adapter
-                          ).keys(v.block_size))
+            v.note(prefix.continued(c, v.block_size))
 
     def finish_session(self, session: str) -> bool:
         """POST /finish_session: the session is over; whether it was bound."""
