@@ -1,5 +1,6 @@
-"""KV-aware routing (`--router-mode kv`): send a request to the worker that already holds
-the longest prefix of its token IDs, unless that worker is overloaded.
+"""KV-aware routing (`--router-mode kv`): send a request where it costs least: where its
+prompt's prefix is cached, weighed against the load there; keep a session (an agent
+episode) on its worker and a GRPO group's samples together, unless load demands.
 
 What the frontend knows of each worker's prefix cache (its `PrefixView`):
 - from the engine's own KV events (vLLM's `--kv-events-config` ZMQ publisher, or the
@@ -17,20 +18,25 @@ Block keys: the frontend does not compute vLLM's block hashes (their seed is per
 unless PYTHONHASHSEED is shared). It chains its own key over each full block of token
 IDs (`block_keys`), from the request's token IDs and from the token IDs that every
 `BlockStored` event carries, and maps the engine's hashes to its keys for removals. A
-request's cache salt is part of its first block's key, as in vLLM.
+request's cache salt is part of its first block's key, and a LoRA adapter's name part of
+every block's key, as in vLLM (whose events publish both in `extra_keys`).
 
 A view is cleared when the engine says so (`AllBlocksCleared`, which vLLM publishes when
 its prefix cache is reset: every policy refresh), when the worker's policy changes in
 discovery (weights, version or step: the refresh flushed the cache), when an event
-stream skips a sequence number, and when the worker leaves or comes back elsewhere.
+stream skips a sequence number, and when the worker leaves or comes back elsewhere; the
+first two, and leaving, also release the worker's sessions.
 
-Scoring (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
-within the staleness bound): a worker is overloaded when (in-flight + 1) > threshold x
-(mean in-flight of the candidates + 1); among those that are not, the lowest cost wins,
-cost = overlap_weight x (prompt tokens it does not hold) + (the uncached prompt tokens of
-the requests sent there without a first token yet: its prefill backlog), then the fewest requests in flight,
-then round-robin. So a rollout's continuation stays where its conversation is cached
-unless that worker is overloaded or has more prefill queued than the move would cost.
+The choice (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
+within the staleness bound): a worker is overloaded when (its load - the requests in flight
+there with the very same prompt + 1) > threshold x (mean load + 1), where the load is its
+requests in flight (for a request of a session: or its sessions, whichever is more);
+among those that are not, the lowest `cost` wins (seconds once the rates are measured,
+rlfleet.frontend.rates: the prefill queued there, the request's own uncached prompt, the
+stall its prefill puts on the requests running there, the decode time it adds), then the
+least load, then round-robin. A session (rlfleet.frontend.sessions) goes back to its
+worker unless that one is overloaded and the move costs less. docs/routing.md has the
+formula.
 """
 
 from __future__ import annotations

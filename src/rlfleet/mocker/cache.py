@@ -104,6 +104,8 @@ class PrefixCache:
         self.block_size, self.capacity = block_size, blocks
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.queries, self.hits = QUERIES.labels(model), HITS.labels(model)
+        self.pinned: dict[int, int] = {}  # block hash -> running requests holding it
+        self._occupied = 0
         self._pub: zmq.Socket | None = None
         self.endpoint: str | None = None  # where a frontend connects (bound, port known)
         self._seq = 0
@@ -164,12 +166,50 @@ class PrefixCache:
                 token_ids=list(tokens[first * bs:len(hashes) * bs]), block_size=bs,
                 medium="GPU", lora_name=salted.lora,
                 extra_keys=[salted.published(i) for i in range(first, len(hashes))]))
-        evicted = []
-        while len(self.blocks) > self.capacity:
-            evicted.append(self.blocks.popitem(last=False)[0])
+        self._evict(events)
+
+    def _evict(self, events: list[kv.KvEvent]) -> None:
+        """Drop least-recently-used blocks over the capacity (never a pinned one: a running
+        request holds it; all pinned: the cache stays over, as an engine would preempt)."""
+        evicted, spared = [], 0
+        while len(self.blocks) > self.capacity and spared < len(self.blocks):
+            h = self.blocks.popitem(last=False)[0]
+            if h in self.pinned:
+                self.blocks[h] = None  # held: back to the recent end
+                spared += 1
+                continue
+            evicted.append(h)
         if evicted:
             events.append(kv.BlockRemoved(block_hashes=evicted, medium="GPU"))
         self._publish(events)
+
+    def hashes(self, tokens: Sequence[int], salt: Salt = None) -> list[int]:
+        """The engine hash of each full block of `tokens`."""
+        return self._hashes(tokens, salt)
+
+    def pin(self, hashes: Sequence[int]) -> None:
+        """A running request holds these blocks: they are not evicted until `unpin`."""
+        for h in hashes:
+            self.pinned[h] = self.pinned.get(h, 0) + 1
+
+    def unpin(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            n = self.pinned.get(h, 0) - 1
+            if n > 0:
+                self.pinned[h] = n
+            else:
+                self.pinned.pop(h, None)
+
+    def occupy(self) -> int:
+        """One block of generated tokens no prompt will match (as Dynamo's mocker keeps a
+        running request's decode blocks): it takes a place in the cache, pinned; returns
+        its hash (to `unpin` when the request ends, then it ages out like any block)."""
+        self._occupied += 1
+        h = engine_hash(None, (), ("decode", id(self), self._occupied))
+        self.pin((h,))
+        self.blocks[h] = None
+        self._evict([])
+        return h
 
     def clear(self) -> None:
         self.blocks.clear()

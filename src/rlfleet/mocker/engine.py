@@ -117,7 +117,8 @@ KNOBS: tuple[Flag, ...] = (
          "with --engine-steps: tokens one iteration computes at most (vLLM's)"),
     Flag("--uncached-completions", False,
          "do not cache a finished choice's completion blocks (as Dynamo 1.6.1's mocker: a "
-         "continuation that re-sends the returned tokens finds only its prompt's blocks)"),
+         "continuation that re-sends the returned tokens finds only its prompt's blocks); "
+         "with --engine-steps its generated tokens still take cache blocks while it runs"),
     Flag("--routed-experts", None,
          "LxExK: simulate a MoE engine started with --enable-return-routed-experts: L layers of "
          "E experts, top-K per token (e.g. 2x8x2); the experts it reports are a hash of the "
@@ -300,7 +301,8 @@ class MockEngine(Engine, EngineControl):
         self.prefill_delay = o["prefill_delay"]
         self.cache_completions = not o["uncached_completions"]
         self.steps = EngineSteps(self.cache, o["prefill_delay"], o["token_delay"],
-                                 o["max_batch"], o["max_num_batched_tokens"]) \
+                                 o["max_batch"], o["max_num_batched_tokens"],
+                                 occupy=not self.cache_completions) \
             if o["engine_steps"] else None
         self.moe = _moe_geometry(o["routed_experts"])
         self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",

@@ -12,9 +12,15 @@ prompt admitted together, one computes the prompt and the others find it. An ite
 lasts `--prefill-delay` x its prompt tokens + `--token-delay` when it decodes anything, and
 every request it served gets one token (a request whose prefill it finished, its first).
 
-What it does not simulate: preemption (the cache evicts least-recently-used blocks whether
-a running request holds them or not), and a decode step's cost growing with the batch.
-Nothing here says how a real engine's time is spent."""
+A running request holds its prompt's blocks (the cache evicts others first) and, with
+`--uncached-completions`, a block for every block-size tokens it generates, which no prompt
+matches (as Dynamo's mocker keeps decode blocks); they age out once it ends. Iterations run
+back to back on the event loop's clock: the time this process takes to hand out tokens does
+not stretch the simulated time.
+
+What it does not simulate: preemption (when every block is held the cache grows past its
+capacity), and a decode step's cost growing with the batch. Nothing here says how a real
+engine's time is spent."""
 
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ DEFAULT_BATCHED_TOKENS = 8192  # vLLM's (and Dynamo's mocker's) max_num_batched_
 class Seq:
     """One request's place in the simulated batch."""
 
-    __slots__ = ("prompt", "salt", "width", "wake", "todo", "cached", "admitted", "ready")
+    __slots__ = ("prompt", "salt", "width", "wake", "todo", "cached", "admitted", "ready",
+                 "hashes", "made", "held")
 
     def __init__(self, prompt: Sequence[int], salt: Salt, width: int,
                  wake: Callable[[], None]) -> None:
@@ -41,6 +48,9 @@ class Seq:
         self.cached = 0  # prompt tokens its admission found cached
         self.admitted = False
         self.ready = 0  # tokens computed for it and not yet taken (`take`)
+        self.hashes: list[int] = []  # its prompt's blocks (held while it runs)
+        self.made = 0  # tokens generated (per choice)
+        self.held: list[int] = []  # the blocks its generated tokens take (with `occupy`)
 
     @property
     def decoding(self) -> bool:
@@ -62,11 +72,13 @@ class EngineSteps:
     """The iterations of one simulated engine (see the module doc)."""
 
     def __init__(self, cache: PrefixCache, prefill_delay: float, token_delay: float,
-                 max_seqs: int | None, max_tokens: int = DEFAULT_BATCHED_TOKENS) -> None:
+                 max_seqs: int | None, max_tokens: int = DEFAULT_BATCHED_TOKENS,
+                 occupy: bool = False) -> None:
         if max_tokens < 1:
             raise ValueError("max-num-batched-tokens must be at least 1")
         self.cache, self.prefill_delay, self.token_delay = cache, prefill_delay, token_delay
         self.max_seqs, self.max_tokens = max_seqs, max_tokens
+        self.occupy = occupy  # generated tokens take cache blocks (no prompt matches them)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.held = False
@@ -86,7 +98,10 @@ class EngineSteps:
         self._work.set()
 
     def leave(self, seq: Seq) -> None:
-        """The request ended (or was aborted): it takes no more iterations."""
+        """The request ended (or was aborted): it takes no more iterations, and holds no
+        more blocks."""
+        if seq.admitted:
+            self.cache.unpin(seq.hashes + seq.held)
         with contextlib.suppress(ValueError):
             self.running.remove(seq)
         with contextlib.suppress(ValueError):
@@ -113,7 +128,9 @@ class EngineSteps:
             if self.max_seqs is not None and seqs + s.width > self.max_seqs and self.running:
                 break
             self.waiting.popleft()
-            s.cached = self.cache.match(s.prompt, s.salt)
+            s.hashes = self.cache.hashes(s.prompt, s.salt)
+            self.cache.pin(s.hashes)
+            s.cached = self.cache.match(s.prompt, s.salt, s.hashes)
             s.todo, s.admitted = len(s.prompt) - s.cached, True
             self.running.append(s)
             seqs += s.width
@@ -125,18 +142,25 @@ class EngineSteps:
         allocated (as vLLM does): a request admitted into the same iteration finds them."""
         take = min(s.todo, budget)
         chunks.append((s, take))
-        self.cache.store(s.prompt[:len(s.prompt) - s.todo + take], s.salt)
+        done = len(s.prompt) - s.todo + take
+        self.cache.store(s.prompt[:done], s.salt, s.hashes[:done // self.cache.block_size])
         return take
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time()
         while True:
             while self.held or not (self.running or self.waiting):
                 self._work.clear()
                 await self._work.wait()
+                end = loop.time()  # idle: the next iteration starts now
             decoders, chunks = self._plan()
             prefill = sum(take for _, take in chunks)
-            delay = self.prefill_delay * prefill + (self.token_delay if decoders else 0.0)
-            await asyncio.sleep(delay)  # 0: still lets the requests run between iterations
+            # back to back: an iteration starts when the one before ended, however long this
+            # process took to hand out its tokens (the simulated time does not drift)
+            end = max(end, loop.time() - self.token_delay) + self.prefill_delay * prefill + \
+                (self.token_delay if decoders else 0.0)
+            await asyncio.sleep(max(0.0, end - loop.time()))  # 0: the requests run between
             for s, take in chunks:
                 s.todo -= take
                 if s.todo == 0 and s in self.running:
@@ -144,3 +168,10 @@ class EngineSteps:
             for s in decoders:
                 if s in self.running:
                     s.give()
+                    self._generated(s)
+
+    def _generated(self, s: Seq) -> None:
+        """`s` made one more token per choice: a full block of them takes a cache place."""
+        s.made += 1
+        if self.occupy and s.made % self.cache.block_size == 0:
+            s.held += [self.cache.occupy() for _ in range(s.width)]
