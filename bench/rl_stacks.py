@@ -51,7 +51,7 @@ class Timing:
 
     workers: int = 2
     block_size: int = 16
-    kv_blocks: int = 2560  # per worker (40,960 tokens)
+    kv_blocks: int = 2048  # per worker (32,768 tokens)
     prefill_ms: float = 1.0  # per uncached prompt token
     decode_ms: float = 100.0  # per iteration that decodes
     max_seqs: int = 256

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import pytest
 
 from rlfleet.frontend import sessions as sess
-from rlfleet.frontend.kv import KvRouter, Prefix
+from rlfleet.frontend.kv import KvRouter, Prefix, PrefixView
 from rlfleet.frontend.rates import Rates
 from rlfleet.frontend.sessions import SessionTable
+from rlfleet.mocker.cache import BlockSalt, PrefixCache
+from rlfleet.protocol import kv_events as kv
 
 
 @dataclass(eq=False)
@@ -135,3 +137,39 @@ def test_session_table_ttl_and_limit(monkeypatch) -> None:
     assert t.drop_worker(1) == 1 and len(t) == 0
     with pytest.raises(ValueError, match="positive"):
         SessionTable(ttl=0)
+
+
+def test_an_adapters_blocks_are_matched_for_that_adapter_only() -> None:
+    """vLLM keys every block of a LoRA request by the adapter's name (its events publish it
+    in each block's extra keys, before the cache salt); so does the router's key, and so do
+    the mocker's events."""
+    tokens = _tokens(64)
+    view = PrefixView(block_size=16, has_events=True)
+    view.apply(kv.BlockStored(block_hashes=[11, 12, 13, 14], parent_block_hash=None,
+                              token_ids=tokens, block_size=16, lora_name="math",
+                              extra_keys=[["math", "s"], ["math"], ["math"], ["math"]]))
+    assert view.overlap(Prefix(tokens, "s", "math").keys(16)) == 4
+    assert view.overlap(Prefix(tokens, "s").keys(16)) == 0  # the base model's: not these
+    assert view.overlap(Prefix(tokens, "s", "code").keys(16)) == 0
+    cache = PrefixCache("m", block_size=16, blocks=64)
+    seen: list = []
+    cache._publish = seen.extend  # type: ignore[method-assign]
+    cache.lookup(tokens, BlockSalt(None, "math", 1))
+    mock_view = PrefixView(block_size=16, has_events=True)
+    for ev in seen:
+        mock_view.apply(ev)
+    assert mock_view.overlap(Prefix(tokens, None, "math").keys(16)) == 4
+    assert mock_view.overlap(Prefix(tokens).keys(16)) == 0
+    assert cache.lookup(tokens, BlockSalt(None, "math", 2)) == 0  # a reloaded adapter's own
+
+
+def test_a_running_requests_blocks_are_not_evicted() -> None:
+    cache = PrefixCache("m", block_size=4, blocks=4)
+    held = cache.hashes(_tokens(16))
+    cache.pin(held)
+    cache.store(_tokens(16), None, held)
+    cache.store(_tokens(8, 900))  # over the capacity: the unpinned ones would go first
+    assert all(h in cache.blocks for h in held)
+    cache.unpin(held)
+    extra = cache.occupy()  # a block of generated tokens, held until unpinned
+    assert extra in cache.blocks and not all(h in cache.blocks for h in held)
