@@ -100,6 +100,7 @@ DYNAMO_VARIANTS = {
 }
 DYNAMO_RUN = ("round-robin", "kv", "kv+affinity-soft")
 CONCURRENCY = 256
+OUTCOMES: Path | None = None  # --work DIR: each run's outcomes in DIR/outcomes
 # the peer-dynamo set-up's tiny model (config and tokenizer, no weights)
 PEER_DYNAMO_MODEL = next((p for p in (Path(__file__).resolve().parents[2] / "shared",
                                       Path("/work/shared")) if p.is_dir()),
@@ -116,6 +117,10 @@ def run(trace: traces.Trace, stack_cm, client: Callable[[str], traces.Client],
         c1 = st.counters() if st.counters else None
         busy = {k: v - b0.get(k, 0.0) for k, v in st.busy().items()} if b0 is not None else None
     res = traces.summary(outs, busy)
+    if OUTCOMES is not None:  # each request's outcome, for a closer look
+        OUTCOMES.mkdir(parents=True, exist_ok=True)
+        (OUTCOMES / f"{label.replace(' ', '_')}.json").write_text(json.dumps(
+            [{k: v for k, v in vars(o).items() if k != "output"} for o in outs]))
     if c0 is not None:
         res["hit_rate"] = (c1[0] - c0[0]) / max(c1[1] - c0[1], 1.0)
     else:
@@ -267,9 +272,11 @@ def main() -> None:
     a.timing = Timing(kv_blocks=a.kv_blocks)
     a.vllm_modes = a.vllm_modes.split(",")
     enter_private_network()
+    global OUTCOMES
     with contextlib.ExitStack() as stack:
         work = Path(a.work) if a.work else Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="rl-routing-")))
+        OUTCOMES = work / "outcomes" if a.work else None
         res = measure(a, work)
     print(json.dumps(report(res)))
 
