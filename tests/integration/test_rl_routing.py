@@ -7,8 +7,8 @@ forgets the sessions with the prefix views."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -57,10 +57,12 @@ def test_a_trace_replayed_twice_routes_identically(fleet, tmp_path) -> None:
     assert saved == trace
     routes = []
     main = fleet.frontend
-    for _ in range(2):
-        flush(fleet)  # each replay starts cold, through a frontend of its own
-        fe = fleet.start_frontend("--router-mode", "kv")
-        fleet.frontend = main
+    # each replay starts cold: the module's frontend (this test runs first), then a new one
+    for fe in (main, None):
+        flush(fleet)
+        if fe is None:
+            fe = fleet.start_frontend("--router-mode", "kv")
+            fleet.frontend = main
         try:
             wait_for_workers(fe.ready["url"], MODEL, 2)
             client = traces.OpenAIClient(fe.ready["url"], MODEL, "X-Session-ID",
@@ -68,8 +70,9 @@ def test_a_trace_replayed_twice_routes_identically(fleet, tmp_path) -> None:
             outs = asyncio.run(traces.replay(saved, client, sequential=True))
             assert not any(sessions_of(fe.ready["url"]).values())  # every episode finished
         finally:
-            fe.stop()
-            fleet.procs.remove(fe)
+            if fe is not main:
+                fe.stop()
+                fleet.procs.remove(fe)
         routes.append([o.worker for o in outs])
     assert routes[0] == routes[1]
     by = dict(zip([r.id for r in saved.requests], routes[0], strict=True))
@@ -117,11 +120,16 @@ def test_an_overloaded_worker_sheds_a_session(fleet) -> None:
     url = fleet.url
     home = chat(url, "busy-ep")
     shed0 = health(url)["kv_router"]["sessions_shed"]
-    with ThreadPoolExecutor(4) as pool:
-        # the session's own long requests pile up on its worker: the 4th finds it
-        # overloaded ((3 + 1) > 1.5 x (1.5 + 1)) and moves the session to the other one
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}],
+            "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, contextlib.ExitStack() as held:
+        # the session's own long requests pile up on its worker (held open here, closed at
+        # the end: the frontend aborts them): the 4th finds it overloaded
+        # ((3 + 1) > 1.5 x (1.5 + 1)) and moves the session to the other one
         for n in range(1, 4):
-            pool.submit(chat, url, "busy-ep", "long", 3000, True)
+            r = held.enter_context(http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                                               headers={"X-Session-ID": "busy-ep"}))
+            assert r.status_code == 200
             deadline = time.monotonic() + 10
             while {w["instance_id"]: w["inflight"] for w in health(url)["workers"]}[home] < n:
                 assert time.monotonic() < deadline, "the long requests did not start"
