@@ -173,3 +173,34 @@ def test_a_running_requests_blocks_are_not_evicted() -> None:
     cache.unpin(held)
     extra = cache.occupy()  # a block of generated tokens, held until unpinned
     assert extra in cache.blocks and not all(h in cache.blocks for h in held)
+
+
+def test_a_refresh_clears_every_view_and_its_sessions() -> None:
+    """A policy refresh flushes every worker's prefix cache: each worker's view (its events'
+    blocks and the router's own record) and the sessions bound to it are forgotten, whether
+    the router learns it from discovery (a new policy) or from the engine (AllBlocksCleared)."""
+    tokens = _tokens(64)
+    for how in ("discovery", "events"):
+        r = KvRouter()
+        workers = [W(1), W(2), W(3)]
+        r.sync({w.instance_id: {"weight_version": "v1"} for w in workers})
+        for i, w in enumerate(workers):
+            r.views[w.instance_id].has_events = True
+            r.on_message(w.instance_id, (0).to_bytes(8, "big"), kv.encode_batch(
+                kv.EventBatch(ts=0.0, events=[kv.BlockStored(
+                    block_hashes=[1, 2, 3, 4], parent_block_hash=None, token_ids=tokens,
+                    block_size=16)])))
+            r.routed(w.instance_id, Prefix(_tokens(32, 5000 + 100 * i)))
+            r.sessions.bind(f"ep-{i}", w.instance_id)
+        assert all(r.views[w.instance_id].overlap(Prefix(tokens).keys(16)) == 4
+                   for w in workers)
+        if how == "discovery":
+            r.sync({w.instance_id: {"weight_version": "v2"} for w in workers})
+        else:
+            for w in workers:
+                r.on_message(w.instance_id, (1).to_bytes(8, "big"), kv.encode_batch(
+                    kv.EventBatch(ts=1.0, events=[kv.AllBlocksCleared()])))
+        for w in workers:
+            d = r.describe(w.instance_id)
+            assert (d["cached_blocks"], d["recorded_blocks"], d["sessions"]) == (0, 0, 0), how
+        assert len(r.sessions) == 0
