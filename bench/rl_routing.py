@@ -10,11 +10,13 @@ each stack at the same concurrency:
 - `sglang`: sglang-router 0.3.2 (`cache_aware` and `round_robin`) in front of one rlfleet
   frontend per mocker worker, the same mockers;
 - `vllm`: rlfleet's frontend (`kv`, `round-robin`, `least-loaded`) over 2 vLLM workers of the
-  0.6B geometry (`rlfleet make-model --size small`), the same engine flags for every mode.
+  0.6B geometry (`rlfleet make-model --size small`), the same engine flags for every mode,
+  one core each (OMP_NUM_THREADS=1), each worker's prefix cache flushed before each run.
 
     python bench/rl_routing.py [--stacks mocker,dynamo,sglang,vllm]
         [--workloads grpo,grpo16,agent,mix] [--dynamo-venv /work/wt/dynamo-venv]
-        [--dynamo-sweep] [--quick] [--traces DIR] [--kv-cache-gib 1.5]
+        [--vllm-workloads grpo,agent] [--vllm-modes kv,round-robin,least-loaded]
+        [--dynamo-sweep] [--quick] [--traces DIR] [--work DIR] [--kv-cache-gib 1]
 
 Measured per run: output tok/s over the replay, TTFT p50/p90 (client side), the prefix-cache
 hit rate (cached / prompt tokens, from each engine's own counters: rlfleet's mocker and vLLM
@@ -59,35 +61,48 @@ from rlfleet.testing import traces
 from rlfleet.testing.fleet import LocalFleet
 
 # the workloads: the mocker's (2 workers of Timing) and vLLM's (2 workers of the 0.6B
-# geometry on 2 cores: an uncached prefill of 1,000 tokens takes ~17 s there)
-MOCK_WORKLOADS: dict[str, Callable[[], traces.Trace]] = {
-    "grpo": lambda: traces.grpo(1, prompts=16, n=8, families=2, preamble=2048, question=512,
-                                max_tokens=64),
-    "grpo16": lambda: traces.grpo(2, prompts=8, n=16, families=2, preamble=2048,
-                                  question=512, max_tokens=64),
-    "agent": lambda: traces.agent(3, episodes=16, turns=6, system=1024, task=512, tool=256,
-                                  max_tokens=48, spread=4.0, think=0.5),
-    "mix": lambda: traces.mix(4, episodes=8, turns=5, groups=6, n=8, system=1024, task=512,
-                              tool=256, preamble=2048, question=512, max_tokens=48,
-                              duration=10.0, think=0.5),
+# geometry, one core each: an uncached prefill of 1,000 tokens takes ~30 s there), each
+# (trace maker, its parameters); --quick: 2 prompts or episodes of 2 turns, to try a set-up
+MOCK_WORKLOADS: dict[str, tuple[Callable[..., traces.Trace], dict]] = {
+    "grpo": (traces.grpo, dict(seed=1, prompts=16, n=8, families=2, preamble=2048,
+                               question=512, max_tokens=64)),
+    "grpo16": (traces.grpo, dict(seed=2, prompts=8, n=16, families=2, preamble=2048,
+                                 question=512, max_tokens=64)),
+    "agent": (traces.agent, dict(seed=3, episodes=16, turns=6, system=1024, task=512,
+                                 tool=256, max_tokens=48, spread=4.0, think=0.5)),
+    "mix": (traces.mix, dict(seed=4, episodes=8, turns=5, groups=6, n=8, system=1024,
+                             task=512, tool=256, preamble=2048, question=512, max_tokens=48,
+                             duration=10.0, think=0.5)),
 }
-VLLM_WORKLOADS: dict[str, Callable[[], traces.Trace]] = {
-    "grpo": lambda: traces.grpo(1, prompts=4, n=8, families=1, preamble=512, question=384,
-                                max_tokens=48),
-    "grpo16": lambda: traces.grpo(2, prompts=2, n=16, families=1, preamble=512, question=384,
-                                  max_tokens=48),
-    "agent": lambda: traces.agent(3, episodes=4, turns=4, system=512, task=512, tool=192,
-                                  max_tokens=48, spread=2.0, think=0.2),
-    "mix": lambda: traces.mix(4, episodes=2, turns=4, groups=2, n=8, system=512, task=384,
-                              tool=192, preamble=512, question=384, max_tokens=48,
-                              duration=20.0, think=0.2),
+# vLLM on 2 cores: small enough that kv and round-robin of the agent and GRPO workloads run
+# in ~15 minutes, big enough that reuse matters: an episode's context grows to ~1,500
+# tokens (4 episodes: more than one worker's cache holds, 2 fit), a GRPO prompt is 896
+VLLM_WORKLOADS: dict[str, tuple[Callable[..., traces.Trace], dict]] = {
+    "grpo": (traces.grpo, dict(seed=1, prompts=4, n=8, families=1, preamble=512,
+                               question=384, max_tokens=24)),
+    "grpo16": (traces.grpo, dict(seed=2, prompts=2, n=16, families=1, preamble=512,
+                                 question=384, max_tokens=24)),
+    "agent": (traces.agent, dict(seed=3, episodes=4, turns=4, system=512, task=512, tool=128,
+                                 max_tokens=32, spread=2.0, think=0.2)),
+    "mix": (traces.mix, dict(seed=4, episodes=2, turns=4, groups=2, n=8, system=512,
+                             task=384, tool=128, preamble=512, question=384, max_tokens=32,
+                             duration=20.0, think=0.2)),
 }
+QUICK = {"prompts": 2, "episodes": 2, "groups": 2, "turns": 2}
+
+
+def workload(table: dict, name: str, quick: bool) -> traces.Trace:
+    make, params = table[name]
+    return make(**({**params, **{k: v for k, v in QUICK.items() if k in params}}
+                   if quick else params))
+
+
 # (the CPU build's block size must be a multiple of 32)
 VLLM_FLAGS = ["--dtype", "float32", "--max-model-len", "4096", "--enforce-eager",
               "--block-size", "32"]
-# Dynamo's router settings tried (--dynamo-sweep: all of them; else round-robin and the two
-# that the sweep found best for every workload here, BENCHMARKS.md: its defaults and soft
-# session affinity); its best kv setting of those run is the one compared
+# Dynamo's router settings tried (--dynamo-sweep: all of them; else round-robin and those
+# the sweep found best for the workload, BENCHMARKS.md: its defaults for GRPO groups, which
+# carry no session, soft session affinity for agents); its best of those run is compared
 DYNAMO_VARIANTS = {
     "round-robin": ["--router-mode", "round-robin"],
     "kv": ["--router-mode", "kv"],
@@ -98,7 +113,9 @@ DYNAMO_VARIANTS = {
     "kv+credit-2": ["--router-mode", "kv", "--router-kv-overlap-score-credit", "2"],
     "kv+decode-weight-8": ["--router-mode", "kv", "--router-decode-active-request-weight", "8"],
 }
-DYNAMO_RUN = ("round-robin", "kv", "kv+affinity-soft")
+DYNAMO_RUN = {"grpo": ("round-robin", "kv"), "grpo16": ("round-robin", "kv"),
+              "agent": ("round-robin", "kv+affinity-soft"),
+              "mix": ("round-robin", "kv", "kv+affinity-soft")}
 CONCURRENCY = 256
 OUTCOMES: Path | None = None  # --work DIR: each run's outcomes in DIR/outcomes
 # the peer-dynamo set-up's tiny model (config and tokenizer, no weights)
@@ -144,7 +161,7 @@ def mocker_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path)
 
 
 def dynamo_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path) -> dict:
-    names = list(DYNAMO_VARIANTS) if a.dynamo_sweep else list(DYNAMO_RUN)
+    names = list(DYNAMO_VARIANTS) if a.dynamo_sweep else list(DYNAMO_RUN[wl])
     model = Path(a.dynamo_model)
     if not (model / "tokenizer.json").exists():
         raise FileNotFoundError(f"{model}: no tokenizer.json (give --dynamo-model a model "
@@ -177,13 +194,15 @@ def vllm_runs(a: argparse.Namespace, work: Path) -> dict:
     if not (model / "config.json").exists():
         print(f"writing a {a.vllm_size} model to {model} ...", flush=True)
         make_model(model, a.vllm_size)
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib)}
+    # one core each (two engines' OpenMP threads spinning on both cores slow each other)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_cache_gib), "OMP_NUM_THREADS": "1"}
     out: dict = {}
     with LocalFleet(work / "vllm", lease_ttl=10) as fleet:
         workers = start_workers(fleet, 2, ["--model", str(model), *VLLM_FLAGS], "vllm", env)
         for wl in a.workloads:
-            trace = VLLM_WORKLOADS[wl]()
+            trace = workload(VLLM_WORKLOADS, wl, a.quick)
             save(a, f"vllm-{wl}", trace)
+            print(f"vLLM {wl}: {len(trace.requests)} requests ({trace.params})", flush=True)
             out[wl] = {}
             for mode in a.vllm_modes:
                 flush(workers)
@@ -266,6 +285,8 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=Timing.kv_blocks,
                    help="mockers: cache blocks per worker")
     p.add_argument("--traces", help="write each trace here as JSONL")
+    p.add_argument("--quick", action="store_true",
+                   help="2 prompts or episodes of 2 turns per workload: to try the set-up")
     p.add_argument("--work", help="keep logs here (default: a temporary directory)")
     a = p.parse_args()
     a.stacks = a.stacks.split(",")
@@ -284,8 +305,9 @@ def main() -> None:
 def measure(a: argparse.Namespace, work: Path) -> dict:
     res: dict = {}
     t0 = time.monotonic()
-    for wl in a.workloads.split(","):
-        trace = MOCK_WORKLOADS[wl]()
+    mock_stacks = [n for n in ("mocker", "dynamo", "sglang") if n in a.stacks]
+    for wl in a.workloads.split(",") if mock_stacks else ():
+        trace = workload(MOCK_WORKLOADS, wl, a.quick)
         save(a, f"mock-{wl}", trace)
         print(f"{wl}: {len(trace.requests)} requests ({trace.params})", flush=True)
         for name, fn in (("mocker", mocker_runs), ("dynamo", dynamo_runs),
