@@ -18,8 +18,8 @@ from starlette.routing import Route, Router
 from rlfleet.frontend.generation import parse_body
 from rlfleet.frontend.vllm_native import routes as vllm_native
 from rlfleet.protocol import skyrl
-from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.protocol.vllm_native import TokensGenerateRequest
+from rlfleet.runtime import routed_experts
 from rlfleet.runtime.http import HttpError, json_response
 
 
@@ -31,7 +31,7 @@ class SkyrlGenerateRequest(TokensGenerateRequest):
 
 def packed_routed_experts(npy_b64: str) -> dict:
     """vLLM's encoding of a choice's routed experts as SkyRL's packed envelope."""
-    arr = RoutedExperts.from_npy_b64(npy_b64).array()
+    arr = routed_experts.as_array(routed_experts.from_npy_b64(npy_b64))
     dtype = skyrl.routed_expert_dtype(int(arr.max()) if arr.size else 0)
     data = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
     return skyrl.envelope(base64.b64encode(data.tobytes()).decode("ascii"), list(data.shape),

@@ -80,6 +80,7 @@ from rlfleet.protocol.engine import (
 )
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.flags import Flag, add_flags
+from rlfleet.runtime.routed_experts import from_array
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import (
     BadRequest,
@@ -637,7 +638,7 @@ class MockEngine(Engine, EngineControl):
                 row.append(picks)
             rows.append(row)
         arr = np.array(rows, dtype=np.int64).reshape(len(rows), layers, k)
-        return RoutedExperts.of(arr, first)
+        return from_array(arr, first)
 
     @staticmethod
     def _delta(ch: _Choice, hold: int, want_lp: bool) -> Delta:

@@ -57,6 +57,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
 from rlfleet.runtime import weight_checker
+from rlfleet.worker import dynamo_lora as dynamo_lora_ids
 from rlfleet.worker.admin import NOT_PAUSED, RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.modelexpress import TransferError
 from rlfleet.worker.system_server import Guard
@@ -627,7 +628,7 @@ class NativeRL:
         async def dynamo_list_loras(raw_request: Request) -> Response:
             async def run() -> Response:
                 names = [s.policy.adapter_name for s in self.engine.adapters()]
-                ids = {n: dynamo_lora.lora_name_to_id(n) for n in names if n}
+                ids = {n: dynamo_lora_ids.lora_name_to_id(n) for n in names if n}
                 return JSONResponse(dynamo_lora.LoraResponse(
                     status="success", loras=ids, count=len(ids)).body())
             return await self.call(raw_request, dynamo_lora.LIST_LORAS, run)
@@ -645,20 +646,20 @@ class NativeRL:
                                    lora_name=lora_name)
                 return _dynamo(status="success", lora_name=lora_name,
                                message=f"LoRA adapter '{lora_name}' unloaded successfully",
-                               lora_id=dynamo_lora.lora_name_to_id(lora_name))
+                               lora_id=dynamo_lora_ids.lora_name_to_id(lora_name))
             return await self.call(raw_request, dynamo_lora.UNLOAD_LORA, run)
 
     async def _dynamo_load(self, req: dynamo_lora.LoadLoraRequest) -> Response:
         """Dynamo's load: an adapter already loaded stays as it is unless hot swaps are
         enabled ($DYN_LORA_HOTSWAP_ENABLED), then its new version replaces it."""
-        name, lora_id = req.lora_name, dynamo_lora.lora_name_to_id(req.lora_name)
+        name, lora_id = req.lora_name, dynamo_lora_ids.lora_name_to_id(req.lora_name)
         loaded = any(s.policy.adapter_name == name for s in self.engine.adapters())
-        swap = loaded and dynamo_lora.hotswap_enabled(dict(os.environ))
+        swap = loaded and dynamo_lora_ids.hotswap_enabled(dict(os.environ))
         if loaded and not swap:
             return _dynamo(status="success", message=f"LoRA adapter '{name}' already loaded",
                            lora_name=name, lora_id=lora_id)
         try:
-            path = dynamo_lora.local_path(req.source.uri)
+            path = dynamo_lora_ids.local_path(req.source.uri)
             said = await self.admin.lora.load_lora_adapter(
                 admin.LoraLoadRequest(lora_name=name, lora_path=path))
         except (ValueError, AdminRequestError) as e:
