@@ -12,14 +12,9 @@ import pytest
 
 from rlfleet.models import make_adapter, make_model
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    AdminRequestError,
-    LoraLoadRequest,
-    LoraStagedQuery,
-    LoraStageRequest,
-    LoraVersionRequest,
-    read_request,
-)
+from rlfleet.protocol.admin import read_request
+from rlfleet.protocol.admin_base import AdminRequestError
+from rlfleet.protocol.admin_lora import LoraLoadRequest, LoraStagedQuery, LoraStageRequest, LoraVersionRequest
 from rlfleet.vllm.adapters import LoraAdapters
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.artifacts import ArtifactError

@@ -67,7 +67,7 @@ from rlfleet.mocker.adapters import (
     parse_lora_modules,
 )
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import (
     Delta,
     Done,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import (
     Delta,
     Done,

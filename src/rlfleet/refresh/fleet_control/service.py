@@ -59,13 +59,12 @@ from typing import Any
 import httpx
 
 from rlfleet.journal import RefreshJournal, open_journal
-from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
+from rlfleet.protocol import admin, admin_vllm
+from rlfleet.protocol.admin_base import NoFields
+from rlfleet.protocol.admin_lora import LoraLoadRequest, LoraRequest
+from rlfleet.protocol.admin_vllm import (
     AdmissionRequest,
     DiskUpdateRequest,
-    LoraLoadRequest,
-    LoraRequest,
-    NoFields,
     TransferFinishRequest,
     TransferInitRequest,
     TransferUpdateRequest,
@@ -472,8 +471,8 @@ class FleetControl:
 
     async def pause(self, mode: str) -> bool:
         """Op.PAUSE; whether this call paused the fleet (False: it already was)."""
-        if mode not in admin.PAUSE_MODES:
-            raise BadRequest(f"mode must be one of {', '.join(admin.PAUSE_MODES)}, not {mode!r}")
+        if mode not in admin_vllm.PAUSE_MODES:
+            raise BadRequest(f"mode must be one of {', '.join(admin_vllm.PAUSE_MODES)}, not {mode!r}")
         async with self.lock:
             if self.session is not None:
                 self.session.by_client = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin
+from rlfleet.protocol import admin, admin_base
 from rlfleet.protocol.fleet_control import (
     SGLANG_PAUSE_MODES,
     ControlRoute,
@@ -98,7 +98,7 @@ async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
     route = admin.BEGIN_WEIGHT_UPDATE if begin else admin.END_WEIGHT_UPDATE
     try:
         req = admin.read_request(route, body)
-    except admin.AdminRequestError as e:
+    except admin_base.AdminRequestError as e:
         raise BadRequest(str(e)) from None
     undo_route = admin.END_WEIGHT_UPDATE if begin else admin.BEGIN_WEIGHT_UPDATE
     async with ctl.lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, vllm_rl
+from rlfleet.protocol import admin, admin_vllm, vllm_rl
 from rlfleet.protocol.fleet_control import (
     CollectiveRpcBody,
     LoraBody,
@@ -169,7 +169,7 @@ async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Re
 
         async def relabel(w: FleetWorker) -> None:
             res = await ch.on(w, "set_version", admin.UPDATE_UPDATE_WEIGHT_VERSION,
-                              admin.NewVersionRequest(new_version=version))
+                              admin_vllm.NewVersionRequest(new_version=version))
             if not res.ok:
                 failed.append(w)
         await ctl._each(ws, relabel)
