@@ -212,6 +212,7 @@ GET_STAGED_WEIGHTS = _read("get_staged_weights", StagedQuery, StagedListReply)
 APPLY_STAGED_WEIGHTS = AdminRoute("apply_staged_weights", ApplyStagedRequest, InstallReply)
 RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", HandleRequest, StageReply)
 SET_ADMISSION = AdminRoute("set_admission", AdmissionRequest, AdmissionReply, serialized=False)
+# TEST ONLY (rlfleet.protocol.admin_faults): served only with --enable-fault-injection
 FAULT_INJECTION = AdminRoute("fault_injection", FaultRequest, FaultReply, fenced=False)
 COMMIT_POLICY = AdminRoute("commit_policy", CommitRequest, CommitReply)
 

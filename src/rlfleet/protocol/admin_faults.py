@@ -1,8 +1,8 @@
 """TEST ONLY: the fault injection route's schema (`/engine/fault_injection`), fenced here,
-out of the wire contract: a worker serves the route only when started for tests
-(rlfleet.worker.admin), and no client of the contract sends it. It makes the next calls of a
-named route fail in a chosen way, so the fault tests can drive a refresh through each
-failure."""
+out of the wire contract: a worker serves the route only when started with
+--enable-fault-injection (rlfleet.worker.system_server), and no client of the contract sends
+it. It makes the next calls of a named route fail in a chosen way, so the fault tests can
+drive a refresh through each failure."""
 
 from __future__ import annotations
 
