@@ -20,58 +20,9 @@ from typing import Any, ClassVar
 
 import msgspec
 
-from rlfleet.protocol.admin_base import (
-    AdminRequestError,
-    NoFields,
-    Request,
-    SglangReply,
-    UnsupportedRequest,
-)
+from rlfleet.protocol import admin_lora, admin_vllm
+from rlfleet.protocol.admin_base import AdminRequestError, NoFields, Request, SglangReply, UnsupportedRequest
 from rlfleet.protocol.admin_faults import FaultReply, FaultRequest
-from rlfleet.protocol.admin_lora import (
-    LoraAdapterReply,
-    LoraAdmissionRequest,
-    LoraListReply,
-    LoraLoadRequest,
-    LoraRequest,
-    LoraStagedQuery,
-    LoraStageRequest,
-    LoraVersionRequest,
-)
-from rlfleet.protocol.admin_vllm import (
-    PAUSE_MODES,
-    AbortReply,
-    AbortRequest,
-    AdmissionReply,
-    AdmissionRequest,
-    ApplyStagedRequest,
-    CollectiveRpcReply,
-    CollectiveRpcRequest,
-    CommitReply,
-    DiskUpdateRequest,
-    DistributedRequest,
-    GroupLeaveRequest,
-    GroupRequest,
-    HandleRequest,
-    InstallReply,
-    IsPausedReply,
-    LivenessReply,
-    MessageReply,
-    NewVersionRequest,
-    PauseReply,
-    PauseRequest,
-    SetVersionReply,
-    SetVersionRequest,
-    StagedListReply,
-    StagedQuery,
-    StageReply,
-    StageRequest,
-    TransferFinishRequest,
-    TransferInitRequest,
-    TransferUpdateRequest,
-    VersionReply,
-    WeightVersionReply,
-)
 from rlfleet.protocol.sglang_admin import (
     AnyBody,
     EndSessionRequest,
@@ -133,7 +84,7 @@ class CommitRequest(Request, kw_only=True, frozen=True):
     deadline_s: float = 60.0
     #: the post-update probe (a request-plane generate request, as `POST /generate` takes
     #: it): run after the resume on the worker's own request plane, its events answered in
-    #: the reply (`CommitReply.probe`); a worker without a request plane leaves it unrun
+    #: the reply (`admin_vllm.CommitReply.probe`); a worker without a request plane leaves it unrun
     probe: dict[str, Any] | None = None
     MESSAGES: ClassVar[dict[str, str]] = {
         "install": _COMMIT_INSTALL,
@@ -142,7 +93,7 @@ class CommitRequest(Request, kw_only=True, frozen=True):
         "expect_version": "expect_version is required: the version the worker must report",
         "expect_digest": "expect_digest is required: the weight digest the worker must report",
         "close_reason": "close_reason must be a string (or null: admission left as it is)",
-        "pause_mode": f"pause_mode must be one of {', '.join(PAUSE_MODES)}",
+        "pause_mode": f"pause_mode must be one of {', '.join(admin_vllm.PAUSE_MODES)}",
         "reset_cache": "reset_cache must be a boolean",
         "deadline_s": "deadline_s must be a positive number of seconds"}
     NON_EMPTY: ClassVar[tuple[str, ...]] = ("expect_version", "expect_digest")
@@ -152,7 +103,7 @@ class CommitRequest(Request, kw_only=True, frozen=True):
         if self.install not in COMMIT_INSTALLS:
             raise AdminRequestError(f"install {self.install!r} is not an install route: "
                                     f"{_COMMIT_INSTALL}")
-        if self.pause_mode not in PAUSE_MODES:
+        if self.pause_mode not in admin_vllm.PAUSE_MODES:
             raise AdminRequestError(self.MESSAGES["pause_mode"])
         if isinstance(self.deadline_s, bool) or not self.deadline_s > 0 or \
                 self.deadline_s != self.deadline_s:
@@ -193,47 +144,53 @@ def _read(name: str, request: type, reply: type) -> AdminRoute:
     return AdminRoute(name, request, reply, mutating=False, serialized=False)
 
 
-LIVENESS_PROBE = _read("liveness_probe", NoFields, LivenessReply)
-PAUSE_GENERATION = AdminRoute("pause_generation", PauseRequest, PauseReply)
-RESUME_GENERATION = AdminRoute("resume_generation", NoFields, MessageReply)
-FLUSH_CACHE = AdminRoute("flush_cache", NoFields, MessageReply)
-ABORT_REQUEST = AdminRoute("abort_request", AbortRequest, AbortReply, serialized=False)
-UPDATE_WEIGHTS_FROM_DISK = AdminRoute("update_weights_from_disk", DiskUpdateRequest,
-                                      InstallReply)
-GET_WEIGHT_VERSION = _read("get_weight_version", NoFields, VersionReply)
-SET_WEIGHT_VERSION = AdminRoute("set_weight_version", SetVersionRequest, SetVersionReply)
-INIT_WEIGHTS_UPDATE_GROUP = AdminRoute("init_weights_update_group", GroupRequest, MessageReply)
+LIVENESS_PROBE = _read("liveness_probe", NoFields, admin_vllm.LivenessReply)
+PAUSE_GENERATION = AdminRoute("pause_generation", admin_vllm.PauseRequest, admin_vllm.PauseReply)
+RESUME_GENERATION = AdminRoute("resume_generation", NoFields, admin_vllm.MessageReply)
+FLUSH_CACHE = AdminRoute("flush_cache", NoFields, admin_vllm.MessageReply)
+ABORT_REQUEST = AdminRoute("abort_request", admin_vllm.AbortRequest, admin_vllm.AbortReply, serialized=False)
+UPDATE_WEIGHTS_FROM_DISK = AdminRoute("update_weights_from_disk", admin_vllm.DiskUpdateRequest,
+                                      admin_vllm.InstallReply)
+GET_WEIGHT_VERSION = _read("get_weight_version", NoFields, admin_vllm.VersionReply)
+SET_WEIGHT_VERSION = AdminRoute("set_weight_version",
+                                admin_vllm.SetVersionRequest, admin_vllm.SetVersionReply)
+INIT_WEIGHTS_UPDATE_GROUP = AdminRoute("init_weights_update_group",
+                                       admin_vllm.GroupRequest, admin_vllm.MessageReply)
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = AdminRoute("update_weights_from_distributed",
-                                             DistributedRequest, InstallReply)
-DESTROY_WEIGHTS_UPDATE_GROUP = AdminRoute("destroy_weights_update_group", GroupLeaveRequest,
-                                          MessageReply)
-STAGE_WEIGHTS = AdminRoute("stage_weights", StageRequest, StageReply)
-GET_STAGED_WEIGHTS = _read("get_staged_weights", StagedQuery, StagedListReply)
-APPLY_STAGED_WEIGHTS = AdminRoute("apply_staged_weights", ApplyStagedRequest, InstallReply)
-RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", HandleRequest, StageReply)
-SET_ADMISSION = AdminRoute("set_admission", AdmissionRequest, AdmissionReply, serialized=False)
+                                             admin_vllm.DistributedRequest, admin_vllm.InstallReply)
+DESTROY_WEIGHTS_UPDATE_GROUP = AdminRoute("destroy_weights_update_group", admin_vllm.GroupLeaveRequest,
+                                          admin_vllm.MessageReply)
+STAGE_WEIGHTS = AdminRoute("stage_weights", admin_vllm.StageRequest, admin_vllm.StageReply)
+GET_STAGED_WEIGHTS = _read("get_staged_weights", admin_vllm.StagedQuery, admin_vllm.StagedListReply)
+APPLY_STAGED_WEIGHTS = AdminRoute("apply_staged_weights",
+                                  admin_vllm.ApplyStagedRequest, admin_vllm.InstallReply)
+RELEASE_STAGED_WEIGHTS = AdminRoute("release_staged_weights", admin_vllm.HandleRequest, admin_vllm.StageReply)
+SET_ADMISSION = AdminRoute("set_admission",
+                           admin_vllm.AdmissionRequest, admin_vllm.AdmissionReply, serialized=False)
 # TEST ONLY (rlfleet.protocol.admin_faults): served only with --enable-fault-injection
 FAULT_INJECTION = AdminRoute("fault_injection", FaultRequest, FaultReply, fenced=False)
-COMMIT_POLICY = AdminRoute("commit_policy", CommitRequest, CommitReply)
+COMMIT_POLICY = AdminRoute("commit_policy", CommitRequest, admin_vllm.CommitReply)
 
 # LoRA adapters (not named load_lora / unload_lora: Dynamo's RL route list has none of its
-# LoRA routes); each adapter fences on its own epoch, in the body (LoraRequest)
-LOAD_LORA_ADAPTER = AdminRoute("load_lora_adapter", LoraLoadRequest, LoraAdapterReply,
+# LoRA routes); each adapter fences on its own epoch, in the body (admin_lora.LoraRequest)
+LOAD_LORA_ADAPTER = AdminRoute("load_lora_adapter", admin_lora.LoraLoadRequest, admin_lora.LoraAdapterReply,
                                serialized=False, fenced=False)
-UNLOAD_LORA_ADAPTER = AdminRoute("unload_lora_adapter", LoraRequest, LoraAdapterReply,
+UNLOAD_LORA_ADAPTER = AdminRoute("unload_lora_adapter", admin_lora.LoraRequest, admin_lora.LoraAdapterReply,
                                  serialized=False, fenced=False)
-SET_LORA_ADMISSION = AdminRoute("set_lora_admission", LoraAdmissionRequest, LoraAdapterReply,
+SET_LORA_ADMISSION = AdminRoute("set_lora_admission",
+                                admin_lora.LoraAdmissionRequest, admin_lora.LoraAdapterReply,
                                 serialized=False, fenced=False)
-LIST_LORA_ADAPTERS = _read("list_lora_adapters", NoFields, LoraListReply)
+LIST_LORA_ADAPTERS = _read("list_lora_adapters", NoFields, admin_lora.LoraListReply)
 LORA = (LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, SET_LORA_ADMISSION, LIST_LORA_ADAPTERS)
 # adapter versions staged while serving and loaded beside the serving one (engines that can)
-STAGE_LORA_ADAPTER = AdminRoute("stage_lora_adapter", LoraStageRequest, StageReply,
+STAGE_LORA_ADAPTER = AdminRoute("stage_lora_adapter", admin_lora.LoraStageRequest, admin_vllm.StageReply,
                                 serialized=False, fenced=False)
-GET_STAGED_LORA_ADAPTER = _read("get_staged_lora_adapter", LoraStagedQuery, StagedListReply)
-ACTIVATE_LORA_ADAPTER = AdminRoute("activate_lora_adapter", LoraVersionRequest,
-                                   LoraAdapterReply, serialized=False, fenced=False)
-DISCARD_LORA_ADAPTER = AdminRoute("discard_lora_adapter", LoraVersionRequest,
-                                  LoraAdapterReply, serialized=False, fenced=False)
+GET_STAGED_LORA_ADAPTER = _read("get_staged_lora_adapter",
+                                admin_lora.LoraStagedQuery, admin_vllm.StagedListReply)
+ACTIVATE_LORA_ADAPTER = AdminRoute("activate_lora_adapter", admin_lora.LoraVersionRequest,
+                                   admin_lora.LoraAdapterReply, serialized=False, fenced=False)
+DISCARD_LORA_ADAPTER = AdminRoute("discard_lora_adapter", admin_lora.LoraVersionRequest,
+                                  admin_lora.LoraAdapterReply, serialized=False, fenced=False)
 LORA_STAGED = (STAGE_LORA_ADAPTER, GET_STAGED_LORA_ADAPTER, ACTIVATE_LORA_ADAPTER,
                DISCARD_LORA_ADAPTER)
 
@@ -255,23 +212,23 @@ SGLANG_UPDATE_WEIGHT_VERSION = AdminRoute("control/update_weight_version",
 # worker's admin_base_url).
 CONTROL_PAUSE_GENERATION = PAUSE_GENERATION.at("control/pause_generation")
 CONTROL_RESUME_GENERATION = RESUME_GENERATION.at("control/resume_generation")
-CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, IsPausedReply)
+CONTROL_IS_PAUSED = _read("control/is_paused", NoFields, admin_vllm.IsPausedReply)
 # ... and its flat name, beside 1.6's (RL clients that speak the flat names call it); served,
 # not listed: a worker's listing stays the route list Dynamo 1.7 advertises
 IS_PAUSED = dataclasses.replace(CONTROL_IS_PAUSED, name="is_paused", listed=False)
-CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, WeightVersionReply)
-UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", NewVersionRequest,
-                                          WeightVersionReply)
-COLLECTIVE_RPC = AdminRoute("collective_rpc", CollectiveRpcRequest, CollectiveRpcReply)
+CONTROL_GET_WEIGHT_VERSION = _read("control/get_weight_version", NoFields, admin_vllm.WeightVersionReply)
+UPDATE_UPDATE_WEIGHT_VERSION = AdminRoute("update/update_weight_version", admin_vllm.NewVersionRequest,
+                                          admin_vllm.WeightVersionReply)
+COLLECTIVE_RPC = AdminRoute("collective_rpc", admin_vllm.CollectiveRpcRequest, admin_vllm.CollectiveRpcReply)
 # ... and vLLM's weight-transfer steps (the same code as vLLM's native routes at the
 # worker's admin_base_url: rlfleet.worker.weight_transfer), answered `{"status", "message"}`
 UPDATE_INIT_WEIGHT_TRANSFER_ENGINE = AdminRoute("update/init_weight_transfer_engine",
-                                                TransferInitRequest, MessageReply)
-UPDATE_START_WEIGHT_UPDATE = AdminRoute("update/start_weight_update", NoFields, MessageReply)
-UPDATE_UPDATE_WEIGHTS = AdminRoute("update/update_weights", TransferUpdateRequest,
-                                   MessageReply)
-UPDATE_FINISH_WEIGHT_UPDATE = AdminRoute("update/finish_weight_update", TransferFinishRequest,
-                                         MessageReply)
+                                                admin_vllm.TransferInitRequest, admin_vllm.MessageReply)
+UPDATE_START_WEIGHT_UPDATE = AdminRoute("update/start_weight_update", NoFields, admin_vllm.MessageReply)
+UPDATE_UPDATE_WEIGHTS = AdminRoute("update/update_weights", admin_vllm.TransferUpdateRequest,
+                                   admin_vllm.MessageReply)
+UPDATE_FINISH_WEIGHT_UPDATE = AdminRoute("update/finish_weight_update", admin_vllm.TransferFinishRequest,
+                                         admin_vllm.MessageReply)
 DYNAMO_17_TRANSFER = (UPDATE_INIT_WEIGHT_TRANSFER_ENGINE, UPDATE_START_WEIGHT_UPDATE,
                       UPDATE_UPDATE_WEIGHTS, UPDATE_FINISH_WEIGHT_UPDATE)
 DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAUSED,
@@ -283,7 +240,7 @@ DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAU
 # SGLang's body; server_info (and get_server_info) SGLang's server arguments. The other
 # names slime sends (pause_generation, flush_cache, the group routes) are the table's own,
 # which take SGLang's bodies too. Served, not listed (the listing stays Dynamo's).
-CONTINUE_GENERATION = AdminRoute("continue_generation", NativeContinueRequest, MessageReply,
+CONTINUE_GENERATION = AdminRoute("continue_generation", NativeContinueRequest, admin_vllm.MessageReply,
                                  listed=False)
 SERVER_INFO = AdminRoute("server_info", NoFields, ServerInfoReply, mutating=False,
                          serialized=False, listed=False)

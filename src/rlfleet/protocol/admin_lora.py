@@ -8,15 +8,8 @@ from typing import Any, ClassVar
 
 from msgspec import UNSET, UnsetType
 
-from rlfleet.protocol.admin_base import (
-    STEP_RULE,
-    VERSION_RULE,
-    AdminRequestError,
-    Identified,
-    Reply,
-    Request,
-    check_step,
-)
+from rlfleet.protocol import admin_base
+from rlfleet.protocol.admin_base import AdminRequestError, Identified, Reply, Request
 from rlfleet.protocol.admin_vllm import HANDLE_RULE, SOURCE_RULE, STAGE_VERSION_RULE, check_handle
 from rlfleet.protocol.identity import PolicyIdentity
 
@@ -64,13 +57,13 @@ class LoraLoadRequest(LoraRequest, kw_only=True, frozen=True):
     handle: str | None = None  # a READY staging handle (stage_lora_adapter), not a path
     activate: bool = True  # false: loaded beside the serving version, not yet serving
     MESSAGES: ClassVar[dict[str, str]] = {
-        **LoraRequest.MESSAGES, "lora_path": _LORA_PATH, "weight_version": VERSION_RULE,
-        "step": STEP_RULE, "digest": "digest must be a string (blake3:<hex>)",
+        **LoraRequest.MESSAGES, "lora_path": _LORA_PATH, "weight_version": admin_base.VERSION_RULE,
+        "step": admin_base.STEP_RULE, "digest": "digest must be a string (blake3:<hex>)",
         "handle": HANDLE_RULE, "activate": "activate must be a boolean"}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_step(self.step)
+        admin_base.check_step(self.step)
         check_handle(self.handle)
         if not self.lora_path and self.handle is None:
             raise AdminRequestError(_LORA_PATH + "; or, instead, the handle of a version "

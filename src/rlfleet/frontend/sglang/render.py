@@ -16,12 +16,7 @@ from rlfleet.frontend.result import Result
 from rlfleet.frontend.router import Worker
 from rlfleet.protocol.engine import STALE_POLICY
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.sglang import (
-    UNVERSIONED_LABEL,
-    GenerateResponse,
-    MetaInfo,
-    SglangGenerateRequest,
-)
+from rlfleet.protocol.sglang import UNVERSIONED_LABEL, GenerateResponse, MetaInfo, SglangGenerateRequest
 
 
 def _finish(reason: str | None, stop_reason, token_ids: list[int], length: int,

@@ -292,13 +292,15 @@ async def get_load(request: Request) -> Response:
     return json_response(load_rows(list(fe.pool.workers.values())))
 
 
+#: /generate takes a POST (or PUT, as SGLang), the metadata routes a GET; two names each
+#: for the model and server info, as SGLang serves them
 router = Router(routes=[
     Route("/generate", generate, methods=["POST", "PUT"]),
-    Route("/health_generate", health_generate, methods=["GET"]),
-    Route("/model_info", model_info, methods=["GET"]),
-    Route("/get_model_info", model_info, methods=["GET"]),
-    Route("/server_info", server_info, methods=["GET"]),
-    Route("/get_server_info", server_info, methods=["GET"]),
-    Route("/get_load", get_load, methods=["GET"]),
-    Route("/get_weight_version", get_weight_version, methods=["GET"]),
+    *(Route(path, handler, methods=["GET"]) for path, handler in (
+        ("/health_generate", health_generate),
+        ("/model_info", model_info), ("/get_model_info", model_info),
+        ("/server_info", server_info), ("/get_server_info", server_info),
+        ("/get_load", get_load),
+        ("/get_weight_version", get_weight_version),
+    )),
 ])

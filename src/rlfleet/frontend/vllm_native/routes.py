@@ -225,10 +225,11 @@ def _room(mml: int, prompt_len: int, asked: int | None) -> int:
     return room if asked is None else min(asked, room)
 
 
-router = Router(routes=[
-    Route("/inference/v1/generate", generate, methods=["POST"]),
-    Route("/tokenize", tokenize, methods=["POST"]),
-    Route("/detokenize", detokenize, methods=["POST"]),
-    Route("/v1/chat/completions/render", render_chat, methods=["POST"]),
-    Route("/v1/completions/render", render_completion, methods=["POST"]),
-])
+#: every route here takes a POST
+router = Router(routes=[Route(path, handler, methods=["POST"]) for path, handler in (
+    ("/inference/v1/generate", generate),
+    ("/tokenize", tokenize),
+    ("/detokenize", detokenize),
+    ("/v1/chat/completions/render", render_chat),
+    ("/v1/completions/render", render_completion),
+)])

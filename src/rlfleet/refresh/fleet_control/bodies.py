@@ -17,6 +17,7 @@ from rlfleet.runtime.http import bad_json_message
 
 Handler = Callable[["FleetControl", Request], Awaitable[Response]]
 B = TypeVar("B", bound=Body)
+T = TypeVar("T")
 
 
 async def read_body(request: Request, shape: type[B] | None = None) -> Any:
@@ -57,3 +58,22 @@ def flag(value: str | None, name: str, default: bool) -> bool:
     if value.lower() in ("false", "0", "no"):
         return False
     raise BadRequest(f"{name} must be true or false, not {value!r}")
+
+
+def required(value: T | None, message: str) -> T:
+    """`value`, which the route needs: BadRequest `message` when the body left it out."""
+    if value is None:
+        raise BadRequest(message)
+    return value
+
+
+class Handlers(dict[tuple[str, str], Handler]):
+    """A dialect module's routes, (dialect, path) -> handler, filled by its `route`
+    decorator."""
+
+    def route(self, dialect: str, *paths: str) -> Callable[[Handler], Handler]:
+        def bind(handler: Handler) -> Handler:
+            for path in paths:
+                self[dialect, path] = handler
+            return handler
+        return bind

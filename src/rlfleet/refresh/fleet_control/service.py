@@ -759,24 +759,18 @@ class FleetControl:
                 self.on_event(f"LoRA adapter {name!r}: {path} cannot be read here, so its "
                               "digest is unknown and the load cannot be verified as a refresh: "
                               "every worker loads it, or none does")
-            workers = list((self.session.workers if self.session else
-                            await self.discover()).values())
+            workers = await self._all_workers()
             ch = self.channel()
-            loaded: list[FleetWorker] = []
-            failed: list[FleetWorker] = []
-
-            async def load(w: FleetWorker) -> None:
-                res = await ch.on(w, "load_adapter", admin.LOAD_LORA_ADAPTER,
-                                  LoraLoadRequest(lora_name=name, lora_path=path))
-                (loaded if res.ok else failed).append(w)
+            results = await self._on_all(ch, workers, "load_adapter", admin.LOAD_LORA_ADAPTER,
+                                         LoraLoadRequest(lora_name=name, lora_path=path))
+            loaded = [w for w, res in results if res.ok]
+            failed = [w for w, res in results if not res.ok]
+            for w, res in results:
                 if not res.ok:
                     w.reason = f"load failed: {res.message}"
-            await self._each(workers, load)
             if failed:
-                async def unload(w: FleetWorker) -> None:
-                    await ch.on(w, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
-                                LoraRequest(lora_name=name))
-                await self._each(loaded, unload)
+                await self._on_all(ch, loaded, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
+                                   LoraRequest(lora_name=name))
                 undone = sorted(w.instance_id for w in loaded)
                 raise FleetFailure(
                     f"loading LoRA adapter {name!r} failed on {self._named(failed)}; "
@@ -815,25 +809,31 @@ class FleetControl:
                 [w["instance_id"] for w in res.workers] if rolled_back else [])
         return sorted(w["instance_id"] for w in res.workers)
 
+    async def _on_all(self, ch: Channel, ws: list[FleetWorker], step: str,
+                      route: admin.AdminRoute, request: Any
+                      ) -> list[tuple[FleetWorker, CallResult[Any]]]:
+        """`route` on every worker of `ws`: each worker with its result."""
+        out: list[tuple[FleetWorker, CallResult[Any]]] = []
+
+        async def one(w: FleetWorker) -> None:
+            out.append((w, await ch.on(w, step, route, request)))
+        await self._each(ws, one)
+        return out
+
+    async def _all_workers(self) -> list[FleetWorker]:
+        """The open transaction's workers, else the fleet's as listed now."""
+        return list((self.session.workers if self.session else await self.discover()).values())
+
     async def unload_adapter(self, name: str) -> list[int]:
         """Op.UNLOAD_ADAPTER on every worker that has it; FleetFailure 404 when none has."""
         if not isinstance(name, str) or not name:
             raise BadRequest("lora_name is required (a string)")
         async with self.lock:
-            workers = list((self.session.workers if self.session else
-                            await self.discover()).values())
-            ch = self.channel()
-            done: list[int] = []
-            why: list[str] = []
-
-            async def unload(w: FleetWorker) -> None:
-                res = await ch.on(w, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
-                                  LoraRequest(lora_name=name))
-                if res.ok:
-                    done.append(w.instance_id)
-                else:
-                    why.append(f"worker {w.instance_id}: {res.message}")
-            await self._each(workers, unload)
+            results = await self._on_all(self.channel(), await self._all_workers(),
+                                         "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
+                                         LoraRequest(lora_name=name))
+            done = [w.instance_id for w, res in results if res.ok]
+            why = [f"worker {w.instance_id}: {res.message}" for w, res in results if not res.ok]
             if not done:
                 raise FleetFailure(f"The lora adapter '{name}' cannot be found: "
                                    + "; ".join(why), 404)

@@ -18,8 +18,11 @@ from rlfleet.protocol.fleet_control import (
     PauseBody,
 )
 from rlfleet.refresh.control import FleetWorker
-from rlfleet.refresh.fleet_control.bodies import Handler, read_body
+from rlfleet.refresh.fleet_control.bodies import Handlers, read_body
 from rlfleet.refresh.fleet_control.service import BadRequest, FleetControl, FleetFailure, fleet_now
+
+#: SGLang's routes and their handlers (each bound by `@HANDLERS.route`)
+HANDLERS = Handlers()
 
 
 def sglang_error(e: FleetFailure, route: ControlRoute) -> Response:
@@ -39,6 +42,7 @@ def sglang_error(e: FleetFailure, route: ControlRoute) -> Response:
     return JSONResponse({"error": {"message": str(e)}, **extra}, status_code=e.status)
 
 
+@HANDLERS.route("sglang", "/pause_generation")
 async def _sglang_pause(ctl: FleetControl, request: Request) -> Response:
     mode = (await read_body(request, PauseBody)).mode
     if mode not in SGLANG_PAUSE_MODES:
@@ -47,11 +51,13 @@ async def _sglang_pause(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
+@HANDLERS.route("sglang", "/continue_generation")
 async def _sglang_continue(ctl: FleetControl, request: Request) -> Response:
     await ctl.resume()
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
+@HANDLERS.route("sglang", "/update_weights_from_disk")
 async def _sglang_update(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, DiskUpdateBody)
     mode = "abort" if body.abort_all_requests else None
@@ -63,6 +69,7 @@ async def _sglang_update(ctl: FleetControl, request: Request) -> Response:
                          f"({out.policy.digest})", "num_paused_requests": 0})
 
 
+@HANDLERS.route("sglang", "/flush_cache")
 async def _sglang_flush(ctl: FleetControl, request: Request) -> Response:
     await ctl.reset_cache()
     return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
@@ -70,6 +77,7 @@ async def _sglang_flush(ctl: FleetControl, request: Request) -> Response:
                              "will not be performed.)\n")
 
 
+@HANDLERS.route("sglang", "/get_weight_version")
 async def _sglang_version(ctl: FleetControl, request: Request) -> Response:
     held = await ctl.weight_version()
     if held is None:
@@ -77,6 +85,7 @@ async def _sglang_version(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"weight_version": held.version})
 
 
+@HANDLERS.route("sglang", "/load_lora_adapter")
 async def _sglang_load_lora(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, LoraBody)
     name, path = body.lora_name, body.lora_path
@@ -85,11 +94,13 @@ async def _sglang_load_lora(ctl: FleetControl, request: Request) -> Response:
                          "loaded_adapters": {name: path}})
 
 
+@HANDLERS.route("sglang", "/unload_lora_adapter")
 async def _sglang_unload_lora(ctl: FleetControl, request: Request) -> Response:
     await ctl.unload_adapter((await read_body(request, LoraBody)).lora_name)
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": {}})
 
 
+@HANDLERS.route("sglang", "/begin_weight_update", "/end_weight_update")
 async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
     """SGLang 0.5.23's /begin_weight_update and /end_weight_update on every worker: the
     fleet's session opens (closes) on all of them, or the ones that moved move back."""
@@ -119,17 +130,3 @@ async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
             return JSONResponse({"success": False, "message": "; ".join(refused)},
                                 status_code=400)
     return JSONResponse({"success": True, "message": "Success"})
-
-
-#: SGLang's routes and their handlers
-HANDLERS: dict[tuple[str, str], Handler] = {
-    ("sglang", "/pause_generation"): _sglang_pause,
-    ("sglang", "/continue_generation"): _sglang_continue,
-    ("sglang", "/update_weights_from_disk"): _sglang_update,
-    ("sglang", "/flush_cache"): _sglang_flush,
-    ("sglang", "/get_weight_version"): _sglang_version,
-    ("sglang", "/load_lora_adapter"): _sglang_load_lora,
-    ("sglang", "/unload_lora_adapter"): _sglang_unload_lora,
-    ("sglang", "/begin_weight_update"): _sglang_session,
-    ("sglang", "/end_weight_update"): _sglang_session,
-}

@@ -8,10 +8,14 @@ from starlette.responses import JSONResponse, Response
 
 from rlfleet.protocol import skyrl
 from rlfleet.protocol.fleet_control import LoraBody
-from rlfleet.refresh.fleet_control.bodies import Handler, read_body
+from rlfleet.refresh.fleet_control.bodies import Handlers, read_body
 from rlfleet.refresh.fleet_control.service import BadRequest, FleetControl
 
+#: SkyRL's routes and their handlers (each bound by `@HANDLERS.route`)
+HANDLERS = Handlers()
 
+
+@HANDLERS.route("vllm", "/skyrl/v1/load_lora_adapter")
 async def _skyrl_load_lora(ctl: FleetControl, request: Request) -> Response:
     """SkyRL's own server route: vLLM's load, answered as JSON."""
     body = await read_body(request, LoraBody)
@@ -20,12 +24,6 @@ async def _skyrl_load_lora(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"status": "ok", "lora_name": name})
 
 
+@HANDLERS.route("vllm", "/fetch_weights")
 async def _skyrl_fetch_weights(ctl: FleetControl, request: Request) -> Response:
     raise BadRequest(skyrl.FETCH_WEIGHTS_REFUSED)
-
-
-#: SkyRL's routes and their handlers
-HANDLERS: dict[tuple[str, str], Handler] = {
-    ("vllm", "/skyrl/v1/load_lora_adapter"): _skyrl_load_lora,
-    ("vllm", "/fetch_weights"): _skyrl_fetch_weights,
-}

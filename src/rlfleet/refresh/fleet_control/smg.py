@@ -14,8 +14,11 @@ from starlette.responses import JSONResponse, Response
 
 from rlfleet.protocol import admin, smg
 from rlfleet.refresh.control import FleetWorker
-from rlfleet.refresh.fleet_control.bodies import Handler
+from rlfleet.refresh.fleet_control.bodies import Handlers
 from rlfleet.refresh.fleet_control.service import FleetControl, FleetFailure, fleet_now
+
+#: SMG's route and its handler (each bound by `@HANDLERS.route`)
+HANDLERS = Handlers()
 
 
 def smg_error(e: FleetFailure) -> JSONResponse:
@@ -84,6 +87,7 @@ async def _fanout_one(ctl: FleetControl, w: FleetWorker, request: Request, path:
                                    message=str(said)[:2000], status=r.status_code)
 
 
+@HANDLERS.route("smg", "/v1/rl/engine/{path:path}")
 async def _smg_fanout(ctl: FleetControl, request: Request) -> Response:
     """SMG's `/v1/rl/engine/{path}?selector=`: the engine route on every matching worker, as
     it is (no fleet transaction); SMG's RlFanoutResponse, 207 when any failed."""
@@ -100,9 +104,3 @@ async def _smg_fanout(ctl: FleetControl, request: Request) -> Response:
         succeeded=sum(1 for _, f in done if f is None))
     return Response(msgspec.json.encode(out), status_code=207 if out.failed else 200,
                     media_type="application/json")
-
-
-#: SMG's route and its handler
-HANDLERS: dict[tuple[str, str], Handler] = {
-    ("smg", "/v1/rl/engine/{path:path}"): _smg_fanout,
-}

@@ -5,6 +5,9 @@ run each worker's own route on every worker."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -17,7 +20,7 @@ from rlfleet.protocol.fleet_control import (
     TransferUpdateBody,
 )
 from rlfleet.refresh.control import FleetWorker
-from rlfleet.refresh.fleet_control.bodies import Handler, flag, read_body
+from rlfleet.refresh.fleet_control.bodies import Handler, Handlers, flag, read_body, required
 from rlfleet.refresh.fleet_control.service import (
     BadRequest,
     FleetControl,
@@ -27,6 +30,9 @@ from rlfleet.refresh.fleet_control.service import (
 )
 from rlfleet.runtime import weight_checker
 
+#: vLLM's routes and their handlers (each bound by `@HANDLERS.route`)
+HANDLERS = Handlers()
+
 
 def vllm_error(e: FleetFailure) -> JSONResponse:
     """vLLM's RL routes' error body (`{"error": "..."}`), with the workers and what was
@@ -35,6 +41,20 @@ def vllm_error(e: FleetFailure) -> JSONResponse:
                         status_code=e.status)
 
 
+def _runs(op: Callable[[FleetControl], Awaitable[Any]], answer: dict[str, Any]) -> Handler:
+    """The handler of a route that reads no body: it runs `op`, then answers `answer`."""
+    async def handler(ctl: FleetControl, request: Request) -> Response:
+        await op(ctl)
+        return JSONResponse(answer)
+    return handler
+
+
+HANDLERS.route("vllm", "/resume")(_runs(FleetControl.resume, {"status": "resumed"}))
+HANDLERS.route("vllm", "/start_weight_update")(
+    _runs(FleetControl.transfer_start, {"message": "Weight update started"}))
+
+
+@HANDLERS.route("vllm", "/pause")
 async def _vllm_pause(ctl: FleetControl, request: Request) -> Response:
     mode = request.query_params.get("mode", "abort")
     flag(request.query_params.get("clear_cache"), "clear_cache", True)
@@ -42,15 +62,12 @@ async def _vllm_pause(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"status": "paused"})
 
 
-async def _vllm_resume(ctl: FleetControl, request: Request) -> Response:
-    await ctl.resume()
-    return JSONResponse({"status": "resumed"})
-
-
+@HANDLERS.route("vllm", "/is_paused")
 async def _vllm_is_paused(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"is_paused": ctl.is_paused()})
 
 
+@HANDLERS.route("vllm", "/reset_prefix_cache")
 async def _vllm_reset(ctl: FleetControl, request: Request) -> Response:
     try:
         await ctl.reset_cache()
@@ -61,11 +78,13 @@ async def _vllm_reset(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"success": True})
 
 
+@HANDLERS.route("vllm", "/get_world_size")
 async def _vllm_world_size(ctl: FleetControl, request: Request) -> Response:
     include_dp = flag(request.query_params.get("include_dp"), "include_dp", True)
     return JSONResponse({"world_size": await ctl.world_size(include_dp)})
 
 
+@HANDLERS.route("vllm", "/weight_info")
 async def _vllm_weight_info(ctl: FleetControl, request: Request) -> Response:
     held = await ctl.weight_version()
     if held is None:
@@ -74,32 +93,28 @@ async def _vllm_weight_info(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"weight_version": held.version or "default"})
 
 
+@HANDLERS.route("vllm", "/init_weight_transfer_engine")
 async def _vllm_init(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, TransferInitBody)
-    if body.init_info is None:
-        raise BadRequest("init_info is required (the weight-transfer backend's settings)")
-    await ctl.transfer_init(body.init_info)
+    await ctl.transfer_init(required(body.init_info, "init_info is required (the "
+                                     "weight-transfer backend's settings)"))
     return JSONResponse({"message": "Weight transfer initialized"})
 
 
-async def _vllm_start(ctl: FleetControl, request: Request) -> Response:
-    await ctl.transfer_start()
-    return JSONResponse({"message": "Weight update started"})
-
-
+@HANDLERS.route("vllm", "/update_weights")
 async def _vllm_update(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, TransferUpdateBody)
-    if body.update_info is None:
-        raise BadRequest("update_info is required")
-    await ctl.transfer_update(body.update_info)
+    await ctl.transfer_update(required(body.update_info, "update_info is required"))
     return JSONResponse({"message": "Weights updated"})
 
 
+@HANDLERS.route("vllm", "/finish_weight_update")
 async def _vllm_finish(ctl: FleetControl, request: Request) -> Response:
     await ctl.transfer_finish((await read_body(request, TransferFinishBody)).weight_version)
     return JSONResponse({"message": "Weight update finished"})
 
 
+@HANDLERS.route("vllm", "/collective_rpc")
 async def _vllm_collective_rpc(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, CollectiveRpcBody)
     if body.method != "reload_weights":
@@ -113,6 +128,7 @@ async def _vllm_collective_rpc(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"results": [None] * len(out.workers)})
 
 
+@HANDLERS.route("vllm", "/v1/load_lora_adapter")
 async def _vllm_load_lora(ctl: FleetControl, request: Request) -> Response:
     body = await read_body(request, LoraBody)
     name = body.lora_name
@@ -120,12 +136,14 @@ async def _vllm_load_lora(ctl: FleetControl, request: Request) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
+@HANDLERS.route("vllm", "/v1/unload_lora_adapter")
 async def _vllm_unload_lora(ctl: FleetControl, request: Request) -> Response:
     name = (await read_body(request, LoraBody)).lora_name
     await ctl.unload_adapter(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
+@HANDLERS.route("vllm", "/abort_requests")
 async def _vllm_abort_requests(ctl: FleetControl, request: Request) -> Response:
     """vLLM's /abort_requests on every worker: the IDs named (each worker ends those it
     runs), or every request in flight; the fleet is not paused."""
@@ -139,6 +157,7 @@ async def _vllm_abort_requests(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"status": "aborted", "aborted": aborted})
 
 
+@HANDLERS.route("vllm", "/weight_checker")
 async def _vllm_weight_checker(ctl: FleetControl, request: Request) -> Response:
     """vLLM's weight checker over the fleet: the workers' reports merged, each worker's ranks
     under its own data-parallel rank (in instance order), compared like one server's."""
@@ -158,6 +177,7 @@ async def _vllm_weight_checker(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"match": match, "mismatches": mismatches, "ranks": ranks})
 
 
+@HANDLERS.route("vllm", "/update_weight_version")
 async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Response:
     """vLLM's /update_weight_version {new_version}: every worker relabels its weights."""
     version = (await read_body(request)).get("new_version")
@@ -179,27 +199,6 @@ async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Re
     return JSONResponse({"success": True, "new_version": version})
 
 
+@HANDLERS.route("vllm", "/start_draft_weight_update")
 async def _vllm_start_draft(ctl: FleetControl, request: Request) -> Response:
     raise BadRequest(vllm_rl.DRAFT_REFUSED)
-
-
-#: vLLM's routes and their handlers
-HANDLERS: dict[tuple[str, str], Handler] = {
-    ("vllm", "/pause"): _vllm_pause,
-    ("vllm", "/resume"): _vllm_resume,
-    ("vllm", "/is_paused"): _vllm_is_paused,
-    ("vllm", "/reset_prefix_cache"): _vllm_reset,
-    ("vllm", "/get_world_size"): _vllm_world_size,
-    ("vllm", "/weight_info"): _vllm_weight_info,
-    ("vllm", "/init_weight_transfer_engine"): _vllm_init,
-    ("vllm", "/start_weight_update"): _vllm_start,
-    ("vllm", "/update_weights"): _vllm_update,
-    ("vllm", "/finish_weight_update"): _vllm_finish,
-    ("vllm", "/collective_rpc"): _vllm_collective_rpc,
-    ("vllm", "/v1/load_lora_adapter"): _vllm_load_lora,
-    ("vllm", "/v1/unload_lora_adapter"): _vllm_unload_lora,
-    ("vllm", "/abort_requests"): _vllm_abort_requests,
-    ("vllm", "/weight_checker"): _vllm_weight_checker,
-    ("vllm", "/update_weight_version"): _vllm_update_weight_version,
-    ("vllm", "/start_draft_weight_update"): _vllm_start_draft,
-}
