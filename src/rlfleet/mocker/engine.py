@@ -33,6 +33,9 @@ It has no vLLM weight-transfer engine: its discovery entries say `weight_transfe
 "none"` (so a client that transfers over nccl refuses to bind it at discovery instead of
 failing mid-refresh), and it refuses vLLM's weight-transfer steps, natively and on
 /engine/update/*, saying how to load weights instead.
+
+This module stays whole because it is one simulated engine: its generation, prefix cache,
+policy and control all read and change the same state, as vLLM's engine does.
 """
 
 from __future__ import annotations
