@@ -8,6 +8,7 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from rlfleet.models import make_adapter, make_model
@@ -142,7 +143,7 @@ def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and
         reply = asyncio.run(lora.stage_lora_adapter(
             LoraStageRequest(lora_name="p", version="p-v1", source=source)))
         assert reply.status == "error" and says in reply.message, reply
-        assert reply.handle is admin.UNSET
+        assert reply.handle is msgspec.UNSET
     staged = asyncio.run(lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="p")))
     assert staged.status == "error" and "nothing was staged" in staged.message
 
