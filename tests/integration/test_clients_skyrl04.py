@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from rlfleet.models import make_adapter
-from rlfleet.protocol.engine import RoutedExperts
+from rlfleet.runtime.routed_experts import as_array, from_npy_b64
 from tests import clients
 from tests.clients import (
     LOGPROB_TOL,
@@ -194,7 +194,7 @@ def test_routed_experts_through_skyrls_packed_route(skyrl04, mock_fleet) -> None
         "sampling_params": {**greedy(6), "routed_experts_prompt_start": 0}}).json()
     choice = own["choices"][0]
     assert got.response_ids == choice["token_ids"]
-    expected = RoutedExperts.from_npy_b64(choice["routed_experts"]).array()
+    expected = as_array(from_npy_b64(choice["routed_experts"]))
     assert isinstance(got.routed_experts, np.ndarray) and got.routed_experts.dtype == np.uint8
     assert np.array_equal(got.routed_experts, expected)
     assert got.routed_experts.shape == (len(prompt) + 6 - 1, EXPERTS[0], EXPERTS[2])

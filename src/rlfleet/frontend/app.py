@@ -17,13 +17,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.frontend import sglang, skyrl, vllm_native
+from rlfleet.frontend import skyrl
 from rlfleet.frontend.fleet_control import ControlForward, control_routes
 from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
 from rlfleet.frontend.sessions import MAX_SESSION_ID
+from rlfleet.frontend.sglang import routes as sglang_routes
+from rlfleet.frontend.vllm_native import routes as vllm_native_routes
 from rlfleet.protocol import dynamo_health
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
@@ -150,7 +152,7 @@ async def cancel(request: Request) -> Response:
 
 async def abort_request(request: Request) -> Response:
     """SGLang's POST /abort_request ({"rid"} or {"abort_all": true}): this process's
-    requests (rlfleet.frontend.sglang.abort_runs), else, for a rid, the kept run another
+    requests (rlfleet.frontend.sglang.routes.abort_runs), else, for a rid, the kept run another
     frontend process holds (as the cancel route relays it)."""
     fe = frontend_of(request)
     req: AbortRequest = await parse_body(request, AbortRequest)
@@ -160,7 +162,7 @@ async def abort_request(request: Request) -> Response:
     rid = None if req.abort_all else req.rid
     if rid == "":
         return json_response({"rid": "", "aborted": 0})  # SGLang: nothing named, nothing done
-    found, aborted = await sglang.abort_runs(request, rid, token, admin)
+    found, aborted = await sglang_routes.abort_runs(request, rid, token, admin)
     if rid is not None and not found:
         aborted = int(await _cancel_elsewhere(fe, rid, token, admin))
     return json_response({"rid": rid, "abort_all": req.abort_all, "aborted": aborted})
@@ -301,8 +303,8 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
     may call); its control routes are forwarded there (rlfleet.frontend.fleet_control)."""
     app = Starlette(routes=[
         *openai_routes.router.routes,
-        *sglang.router.routes,
-        *vllm_native.router.routes,
+        *sglang_routes.router.routes,
+        *vllm_native_routes.router.routes,
         *skyrl.router.routes,
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -33,6 +33,9 @@ It has no vLLM weight-transfer engine: its discovery entries say `weight_transfe
 "none"` (so a client that transfers over nccl refuses to bind it at discovery instead of
 failing mid-refresh), and it refuses vLLM's weight-transfer steps, natively and on
 /engine/update/*, saying how to load weights instead.
+
+This module stays whole because it is one simulated engine: its generation, prefix cache,
+policy and control all read and change the same state, as vLLM's engine does.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from rlfleet.mocker.adapters import (
 )
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
 from rlfleet.mocker.steps import DEFAULT_BATCHED_TOKENS, EngineSteps, Seq
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import (
     Delta,
     Done,
@@ -81,6 +84,7 @@ from rlfleet.protocol.engine import (
 )
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.flags import Flag, add_flags
+from rlfleet.runtime.routed_experts import from_array
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import (
     BadRequest,
@@ -666,7 +670,7 @@ class MockEngine(Engine, EngineControl):
                 row.append(picks)
             rows.append(row)
         arr = np.array(rows, dtype=np.int64).reshape(len(rows), layers, k)
-        return RoutedExperts.of(arr, first)
+        return from_array(arr, first)
 
     @staticmethod
     def _delta(ch: _Choice, hold: int, want_lp: bool) -> Delta:
