@@ -23,6 +23,7 @@ from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
+from rlfleet.frontend.sessions import MAX_SESSION_ID
 from rlfleet.frontend.sglang import routes as sglang_routes
 from rlfleet.frontend.vllm_native import routes as vllm_native_routes
 from rlfleet.protocol import dynamo_health
@@ -37,7 +38,7 @@ log = logging.getLogger("rlfleet.frontend.requests")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
           "/metrics", "/v1/responses/input_tokens",
-          "/inference/v1/generate", "/tokenize", "/detokenize")
+          "/inference/v1/generate", "/tokenize", "/detokenize", "/finish_session")
 
 
 async def models(request: Request) -> Response:
@@ -71,6 +72,7 @@ async def health(request: Request) -> Response:
                 **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
                 **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
+    router = {"kv_router": pool.kv.summary()} if pool.kv is not None else {}
     # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes);
     # no worker: 503 (vLLM's and SGLang's clients read the status code: not ready to serve)
     status = "healthy" if workers else "no_workers"
@@ -78,7 +80,7 @@ async def health(request: Request) -> Response:
     return json_response({"status": status, "message": dynamo_health.HEALTH_MESSAGES[status],
                           "process": os.getpid(), "workers": workers,
                           "endpoints": dynamo_health.endpoints_of(instances),
-                          "instances": instances},
+                          "instances": instances, **router},
                          200 if workers else 503)
 
 
@@ -102,6 +104,23 @@ async def _instances(pool: WorkerPool) -> list[dynamo_health.Instance]:
 async def live(request: Request) -> Response:
     """Dynamo's /live: the frontend answers (whatever its workers' state)."""
     return json_response(dynamo_health.Live())
+
+
+async def finish_session(request: Request) -> Response:
+    """POST /finish_session?session_id=: the session (an episode; its requests carried
+    X-Session-ID) is over, as SkyRL 0.4's client says after a trajectory: in router mode kv
+    its worker binding is released, so that new sessions balance onto that capacity. An
+    unknown session, or another router mode, is no error (there is nothing to release)."""
+    session = request.query_params.get("session_id")
+    if not session:
+        raise HttpError(400, "session_id is required: POST /finish_session?session_id=<id>",
+                        param="session_id")
+    if len(session) > MAX_SESSION_ID:
+        raise HttpError(400, f"session_id must be at most {MAX_SESSION_ID} characters",
+                        param="session_id")
+    kv = frontend_of(request).pool.kv
+    released = kv.finish_session(session) if kv is not None else False
+    return json_response({"session_id": session, "released": released})
 
 
 async def metrics_route(request: Request) -> Response:
@@ -294,6 +313,7 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
         *(control_routes(fleet_control) if fleet_control else ()),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/finish_session", finish_session, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
     app.state.frontend = Frontend(pool, client, runs or GenerationRuns())
     metrics.FLEET.watch(pool)

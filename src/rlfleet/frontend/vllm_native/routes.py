@@ -62,10 +62,6 @@ from rlfleet.protocol.vllm_native import (
 )
 from rlfleet.runtime.http import HttpError, json_response
 
-# vLLM's header naming related requests (a session), passed to the engine as its session_id
-SESSION_ID_HEADER = "X-Session-ID"
-
-
 # ------------------------------------------------------------------------ generate
 
 
@@ -76,9 +72,7 @@ async def generate(request: Request) -> Response:
     rid = gen.request_id(request, "generate", req.request_id or uuid.uuid4().hex)
     stream = bool(req.stream)
     sp = req.sampling_params
-    session = request.headers.get(SESSION_ID_HEADER) or None
-    if session is not None and len(session) > 256:
-        raise HttpError(400, f"{SESSION_ID_HEADER} must be at most 256 characters")
+    session = gen.session_of(request)
     greq = gen.engine_request(lambda: GenerateRequest(
         request_id=rid, prompt_token_ids=req.token_ids, sampling=sp.engine(stream),
         stream=stream, cache_salt=req.cache_salt, priority=req.priority, session_id=session,
