@@ -43,7 +43,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from rlfleet.protocol.admin import FanoutOrigin
+from rlfleet.protocol.admin_vllm import FanoutOrigin
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.testing.fleet import LocalFleet
 from rlfleet.testing.netns import Host, Lab, unavailable

@@ -10,7 +10,7 @@ import msgspec
 
 from rlfleet.frontend.openai import render
 from rlfleet.frontend.result import Result
-from rlfleet.frontend.sglang import generate_response
+from rlfleet.frontend.sglang.render import generate_response
 from rlfleet.protocol.engine import Delta, Done, Event, Head, Step
 from rlfleet.protocol.openai import ChatCompletionRequest, CompletionRequest
 from rlfleet.protocol.sglang import SglangGenerateRequest

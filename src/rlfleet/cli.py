@@ -604,7 +604,7 @@ def _control(args: argparse.Namespace) -> int:
     import asyncio
 
     from rlfleet.refresh.config import RefreshConfig
-    from rlfleet.refresh.fleet_control import serve
+    from rlfleet.refresh.fleet_control.app import serve
 
     asyncio.run(serve(RefreshConfig.from_args(args), args.host, args.port, args.log_format))
     return 0

@@ -69,7 +69,7 @@ def target(request, tmp_path_factory) -> Iterator[Target]:
         fleet, model, long = request.getfixturevalue("mock_fleet"), RL_MOCK_MODEL, 400
         adapter, policies = fleet.adapter, fleet.policies
     else:
-        fleet, model, long, adapter = request.getfixturevalue("vllm_fleet"), MODEL_NAME, 1500, None
+        fleet, model, long, adapter = request.getfixturevalue("vllm_fleet"), MODEL_NAME, 600, None
         policies = (request.getfixturevalue("tiny_model_b"), request.getfixturevalue("tiny_model"))
     with one_url(fleet, model, tmp_path_factory.mktemp(f"areal-{request.param}")) as one:
         yield Target(request.param, one.url, model, long, adapter, policies)

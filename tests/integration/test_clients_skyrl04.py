@@ -16,8 +16,9 @@ interpreter by tests/clients.py: its wheel is pure Python) driving an rlfleet fl
   it refused too.
 
 Every token ID and logprob the client returns equals the fleet's own answer to the same
-greedy prompt. `finish_session` (`POST /finish_session?session_id=`) is the routing work's
-(issue 40) and is not called here. Fleets: two mocker workers with LoRA and simulated routed
+greedy prompt. Its sessions (`session_ids`: X-Session-ID) stay on one worker of a frontend in
+router mode kv until its `finish_session` (`POST /finish_session?session_id=`) releases them.
+Fleets: two mocker workers with LoRA and simulated routed
 experts (always), the session's two vLLM workers (marker `engine`; LoRA on the clients' LoRA
 worker)."""
 
@@ -35,7 +36,7 @@ import numpy as np
 import pytest
 
 from rlfleet.models import make_adapter
-from rlfleet.protocol.engine import RoutedExperts
+from rlfleet.runtime.routed_experts import as_array, from_npy_b64
 from tests import clients
 from tests.clients import (
     LOGPROB_TOL,
@@ -45,7 +46,7 @@ from tests.clients import (
     one_url,
     skyrl_pause_keep,
 )
-from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args
+from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args, wait_for_workers
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Say something about Paris."}]
@@ -193,7 +194,7 @@ def test_routed_experts_through_skyrls_packed_route(skyrl04, mock_fleet) -> None
         "sampling_params": {**greedy(6), "routed_experts_prompt_start": 0}}).json()
     choice = own["choices"][0]
     assert got.response_ids == choice["token_ids"]
-    expected = RoutedExperts.from_npy_b64(choice["routed_experts"]).array()
+    expected = as_array(from_npy_b64(choice["routed_experts"]))
     assert isinstance(got.routed_experts, np.ndarray) and got.routed_experts.dtype == np.uint8
     assert np.array_equal(got.routed_experts, expected)
     assert got.routed_experts.shape == (len(prompt) + 6 - 1, EXPERTS[0], EXPERTS[2])
@@ -201,6 +202,40 @@ def test_routed_experts_through_skyrls_packed_route(skyrl04, mock_fleet) -> None
         "model": target.model, "token_ids": prompt, "sampling_params": greedy(2),
         "return_sample_support": True})
     assert refused.status_code == 400 and "return_sample_support" in refused.text
+
+
+def test_sessions_are_kept_then_released_by_finish_session(skyrl04, mock_fleet) -> None:
+    """`generate` with `session_ids` sends X-Session-ID: a frontend in router mode kv binds
+    each session to a worker and keeps it there; SkyRL's `finish_session` releases it."""
+    main = mock_fleet.frontend
+    fe = mock_fleet.start_frontend("--router-mode", "kv")
+    mock_fleet.frontend = main
+    try:
+        url = fe.ready["url"]
+        wait_for_workers(url, RL_MOCK_MODEL, 2)
+
+        def bound() -> dict[int, int]:
+            h = httpx.get(f"{url}/health", timeout=10).json()
+            return {w["instance_id"]: w["kv"]["sessions"] for w in h["workers"]}
+        client = client_of(skyrl04, Target("mocker", url, mock_fleet.rl_url, RL_MOCK_MODEL,
+                                           0, None))
+        prompts = [list(range(1000, 1040)), list(range(2000, 2040))]  # nothing in common
+        batch = {"prompt_token_ids": prompts, "session_ids": ["ep-a", "ep-b"],
+                 "sampling_params": greedy(4)}
+        run(client, lambda c: c.generate(batch))
+        first = bound()
+        assert sorted(first.values()) == [1, 1]  # one session each: spread, and bound
+        for _ in range(3):  # the sessions' next turns keep their workers
+            run(client, lambda c: c.generate(batch))
+            assert bound() == first
+        run(client, lambda c: c.finish_session("ep-a"))
+        assert sum(bound().values()) == 1
+        run(client, lambda c: c.finish_session("ep-b"))
+        run(client, lambda c: c.finish_session("never-seen"))  # no error: nothing to release
+        assert sum(bound().values()) == 0
+    finally:
+        fe.stop()
+        mock_fleet.procs.remove(fe)
 
 
 def test_fetch_weights_is_refused_by_name_with_what_to_call(skyrl04, target: Target) -> None:

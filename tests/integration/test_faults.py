@@ -267,6 +267,12 @@ def frontend_metric(fleet, name: str) -> float:
     return 0.0
 
 
+def inflight(fleet, worker) -> int:
+    """The requests in flight on `worker`, as the frontend counts them."""
+    return sum(w["inflight"] for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
+               if w["url"] == worker.ready["url"])
+
+
 def usable(fleet) -> set[int]:
     return {w["instance_id"] for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
             if w["usable"]}
@@ -288,6 +294,11 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
         when_all_begun(begun, len(stream_ids))
         unary = [pool.submit(completion, fleet, rid, 1000) for rid in unary_ids]
         time.sleep(0.3)
+        # stopped while it carries requests (on a loaded machine its streams' placement and
+        # the unary requests' arrival take a while): else the stop breaks nothing
+        deadline = time.monotonic() + 30
+        while inflight(fleet, stopped) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         stopped.signal(signal.SIGSTOP)
         try:
             t0 = time.monotonic()

@@ -22,7 +22,6 @@ import pytest
 from rlfleet.journal import open_journal
 from rlfleet.models import make_adapter
 from rlfleet.protocol.admin import STALE_EPOCH
-from rlfleet.protocol.dynamo_lora import lora_name_to_id
 from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.refresh.hooks import RefreshHooks
 from rlfleet.rl.fleet import Fleet
@@ -31,6 +30,7 @@ from rlfleet.rollout.retry import RetryPolicy
 from rlfleet.rollout.sample import SampleFailed, SampleRequest, SamplingSpec
 from rlfleet.runtime.discovery import open_discovery
 from rlfleet.weights.digest import checkpoint_digest
+from rlfleet.worker.dynamo_lora import lora_name_to_id
 from tests.fleets import RL_MOCK_MODEL as MODEL
 from tests.fleets import RL_PROBE_ENV, mock_args, routed
 

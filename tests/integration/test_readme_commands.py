@@ -20,14 +20,17 @@ README = ROOT / "README.md"
 DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 PROGRAMS = {"rlfleet.frontend", "rlfleet.vllm", "rlfleet.mocker"}
 SEPARATORS = {"&&", "||", ";", "|", "&"}
+# rlfleet commands whose subcommands have subcommands of their own (`rlfleet weights gc`)
+NESTED = {"weights"}
 FLEET_KEYS = {"discovery", "namespace", "frontend", "workers", "control"}
 
 
 @functools.cache
 def help_text(program: str, sub: str | None = None) -> str:
-    """`python -m <program> [sub] --help`, as a user would run it."""
+    """`python -m <program> [sub] --help`, as a user would run it (`sub` may name a
+    subcommand of a subcommand: "weights gc")."""
     module = "rlfleet.cli" if program == "rlfleet" else program
-    argv = [sys.executable, "-m", module, *([sub] if sub else []), "--help"]
+    argv = [sys.executable, "-m", module, *(sub.split() if sub else []), "--help"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"{' '.join(argv)}: {r.stderr[-2000:]}"
     return r.stdout
@@ -74,6 +77,8 @@ def _program(cmd: list[str]) -> list[tuple[str, str | None, list[str]]]:
     if len(cmd) >= 3 and cmd[0].startswith("python") and cmd[1] == "-m" and cmd[2] in PROGRAMS:
         return [(cmd[2], None, cmd[3:])]
     if cmd and cmd[0] == "rlfleet" and len(cmd) > 1:
+        if cmd[1] in NESTED and len(cmd) > 2 and not cmd[2].startswith("-"):
+            return [("rlfleet", f"{cmd[1]} {cmd[2]}", cmd[3:])]
         return [("rlfleet", cmd[1], cmd[2:])]
     return []
 

@@ -14,9 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.rollout.client import RolloutClient
 from rlfleet.rollout.sample import NextTurn, SamplingSpec
+from rlfleet.runtime.routed_experts import as_array, from_npy_b64
 
 MODEL = "mock-moe"
 LAYERS, TOPK = 3, 2
@@ -64,11 +64,11 @@ def test_unary_and_streamed_completions_carry_one_row_per_token(fleet):
 def test_vllm_prompt_start_and_chat(fleet):
     body = _post(fleet.url, "/v1/completions", prompt=PROMPT, max_tokens=6, seed=1,
                  ignore_eos=True, routed_experts_prompt_start=10).json()
-    r = RoutedExperts.from_npy_b64(body["choices"][0]["routed_experts"], 10)
+    r = from_npy_b64(body["choices"][0]["routed_experts"], 10)
     assert r.tokens == len(PROMPT) + 6 - 1 - 10  # vLLM's rows: forwarded tokens from 10
     chat = _post(fleet.url, "/v1/chat/completions", max_tokens=5, ignore_eos=True,
                  messages=[{"role": "user", "content": "hi"}], **WANT).json()
-    assert RoutedExperts.from_npy_b64(chat["choices"][0]["routed_experts"]).tokens == 5
+    assert from_npy_b64(chat["choices"][0]["routed_experts"]).tokens == 5
     plain = _post(fleet.url, "/v1/completions", prompt=PROMPT, max_tokens=3).json()
     assert "routed_experts" not in plain["choices"][0]  # not asked
     bad = httpx.post(f"{fleet.url}/v1/completions", json={
@@ -90,7 +90,7 @@ def test_rollout_client_keeps_experts_across_turns(fleet, stream):
     first, second = asyncio.run(go())
     c1 = first.completion
     assert c1.routed_experts is not None
-    assert c1.routed_experts.array().shape == (len(c1.token_ids), LAYERS, TOPK)
+    assert as_array(c1.routed_experts).shape == (len(c1.token_ids), LAYERS, TOPK)
     assert c1.routed_experts.start == len(first.prompt_ids) - 1
     assert second.prompt_routed_experts == (c1.routed_experts,)  # the earlier turn's
     c2 = second.completion

@@ -24,7 +24,8 @@ import pytest
 import pytest_asyncio
 from safetensors.torch import save_file
 
-from rlfleet.protocol.admin import ROUTES, AdmissionRequest, read_request
+from rlfleet.protocol.admin import ROUTES, read_request
+from rlfleet.protocol.admin_vllm import AdmissionRequest
 from rlfleet.refresh.probe import reference_probe
 from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args

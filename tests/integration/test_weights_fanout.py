@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from rlfleet.protocol import fanout as wire
-from rlfleet.protocol.admin import FanoutOrigin
+from rlfleet.protocol.admin_vllm import FanoutOrigin
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.fanout import CHUNK_BYTES, fanout_sources

@@ -12,9 +12,11 @@ import pytest
 
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine
-from rlfleet.protocol import admin
-from rlfleet.protocol.admin import AdminRequestError, AnyBody, read_request
+from rlfleet.protocol import admin, admin_vllm, sglang_admin
+from rlfleet.protocol.admin import read_request
+from rlfleet.protocol.admin_base import AdminRequestError
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.sglang_admin import AnyBody
 from rlfleet.runtime.admin_client import AdminClient
 from rlfleet.worker.system_server import FaultInjector, system_app
 
@@ -106,7 +108,7 @@ def test_collective_rpc_takes_vllms_body_for_reload_weights() -> None:
     assert read_request(admin.COLLECTIVE_RPC, {"method": "reload_weights"}).weights_path is None
     assert admin.COLLECTIVE_RPC in admin.DYNAMO_17 and admin.COLLECTIVE_RPC.mutating
     assert admin.COLLECTIVE_RPC.serialized and admin.COLLECTIVE_RPC.fenced
-    assert msgspec.json.decode(msgspec.json.encode(admin.CollectiveRpcReply(
+    assert msgspec.json.decode(msgspec.json.encode(admin_vllm.CollectiveRpcReply(
         results=[None]))) == {"status": "ok", "results": [None]}
 
 
@@ -125,23 +127,23 @@ def test_the_weight_transfer_steps_take_vllms_bodies() -> None:
     for route in admin.DYNAMO_17_TRANSFER:
         assert route in admin.DYNAMO_17 and admin.ROUTES[route.name] is route
         assert route.mutating and route.serialized and route.fenced and not route.native
-        assert route.reply is admin.MessageReply
+        assert route.reply is admin_vllm.MessageReply
 
 
 def test_requests_encode_only_what_the_caller_set() -> None:
-    assert msgspec.json.encode(admin.PauseRequest(mode="wait")) == b'{"mode":"wait"}'
-    assert msgspec.json.encode(admin.NativePauseRequest()) == b"{}"
-    assert msgspec.json.decode(msgspec.json.encode(admin.SetVersionRequest(
+    assert msgspec.json.encode(admin_vllm.PauseRequest(mode="wait")) == b'{"mode":"wait"}'
+    assert msgspec.json.encode(sglang_admin.NativePauseRequest()) == b"{}"
+    assert msgspec.json.decode(msgspec.json.encode(admin_vllm.SetVersionRequest(
         weight_version=None))) == {"weight_version": None}  # an explicit null is a declaration
 
 
 def test_install_replies_carry_the_policy_identity() -> None:
     ident = PolicyIdentity(version="v3", digest="blake3:ab", step=3)
-    reply = admin.InstallReply(**ident.reply_fields(), version_declared=True)
+    reply = admin_vllm.InstallReply(**ident.reply_fields(), version_declared=True)
     assert msgspec.json.decode(msgspec.json.encode(reply)) == {
         "status": "ok", "version": "v3", "weight_digest": "blake3:ab", "step": 3,
         "version_declared": True} and reply.policy() == ident
-    unknown = admin.InstallReply(version="unknown", version_declared=False, weight_digest="d")
+    unknown = admin_vllm.InstallReply(version="unknown", version_declared=False, weight_digest="d")
     assert unknown.policy() == PolicyIdentity(digest="d")
 
 
@@ -178,10 +180,10 @@ async def test_the_client_reads_typed_replies() -> None:
         client = AdminClient(http, timeout=5)
         res = await client.call("http://w", admin.GET_WEIGHT_VERSION)
         assert res.ok and res.http_status == 200
-        assert isinstance(res.reply, admin.VersionReply)
+        assert isinstance(res.reply, admin_vllm.VersionReply)
         assert res.reply.policy() == PolicyIdentity(digest="mock:4") and res.reply.fleet_epoch == 0
         paused = await client.call("http://w", admin.PAUSE_GENERATION,
-                                   admin.PauseRequest(mode="wait"))
+                                   admin_vllm.PauseRequest(mode="wait"))
         assert paused.ok and (paused.reply.mode, paused.reply.clear_cache) == ("wait", False)
         await client.call("http://w", admin.RESUME_GENERATION)
         refused = await client.call("http://w", admin.ABORT_REQUEST)

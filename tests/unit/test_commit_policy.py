@@ -14,8 +14,9 @@ import pytest
 
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
-from rlfleet.protocol import admin
-from rlfleet.protocol.admin import AdminRequestError, read_request
+from rlfleet.protocol import admin, admin_faults
+from rlfleet.protocol.admin import read_request
+from rlfleet.protocol.admin_base import AdminRequestError
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh.control import Channel, FleetFenced, FleetWorker, VllmControl
 from rlfleet.refresh.policy import Policy
@@ -41,7 +42,7 @@ class Worker:
                                  base_url="http://w")
 
     async def arm(self, route: str, mode: str = "error", **kw) -> None:
-        await self.faults.arm(admin.FaultRequest(route=route, mode=mode, **kw))
+        await self.faults.arm(admin_faults.FaultRequest(route=route, mode=mode, **kw))
 
 
 @pytest.fixture

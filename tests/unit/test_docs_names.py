@@ -213,7 +213,7 @@ def served_routes() -> frozenset[str]:
     from rlfleet.frontend.router import WorkerPool
     from rlfleet.mocker.engine import MockEngine
     from rlfleet.protocol import admin, dynamo_lora, fleet_control, relay, vllm_rl
-    from rlfleet.refresh.fleet_control import control_app
+    from rlfleet.refresh.fleet_control.app import control_app
     from rlfleet.runtime.discovery import open_discovery
     from rlfleet.weights.fanout import add_fanout_routes
     from rlfleet.weights.publish import add_weights_route, weights_app

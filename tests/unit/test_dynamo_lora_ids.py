@@ -1,11 +1,11 @@
-"""Dynamo's LoRA route facts (rlfleet.protocol.dynamo_lora): the id of a name, the URIs and
+"""Dynamo's LoRA route facts (rlfleet.worker.dynamo_lora): the id of a name, the URIs and
 the hot-swap switch."""
 
 from __future__ import annotations
 
 import pytest
 
-from rlfleet.protocol.dynamo_lora import hotswap_enabled, local_path, lora_name_to_id
+from rlfleet.worker.dynamo_lora import hotswap_enabled, local_path, lora_name_to_id
 
 
 def test_lora_ids_are_dynamos():

@@ -8,18 +8,14 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from rlfleet.models import make_adapter, make_model
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    AdminRequestError,
-    LoraLoadRequest,
-    LoraStagedQuery,
-    LoraStageRequest,
-    LoraVersionRequest,
-    read_request,
-)
+from rlfleet.protocol.admin import read_request
+from rlfleet.protocol.admin_base import AdminRequestError
+from rlfleet.protocol.admin_lora import LoraLoadRequest, LoraStagedQuery, LoraStageRequest, LoraVersionRequest
 from rlfleet.vllm.adapters import LoraAdapters
 from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.artifacts import ArtifactError
@@ -147,7 +143,7 @@ def test_an_adapter_source_must_name_an_adapter_version_whole(tmp_path, base_and
         reply = asyncio.run(lora.stage_lora_adapter(
             LoraStageRequest(lora_name="p", version="p-v1", source=source)))
         assert reply.status == "error" and says in reply.message, reply
-        assert reply.handle is admin.UNSET
+        assert reply.handle is msgspec.UNSET
     staged = asyncio.run(lora.get_staged_lora_adapter(LoraStagedQuery(lora_name="p")))
     assert staged.status == "error" and "nothing was staged" in staged.message
 

@@ -10,8 +10,8 @@ import pytest
 from rlfleet.frontend.router import NoWorker, Worker, WorkerPool, within
 from rlfleet.journal.record import IDENTITY_FIELDS, stored_columns
 from rlfleet.models import make_adapter, make_model
-from rlfleet.protocol import admin
-from rlfleet.protocol.admin import AdminRequestError
+from rlfleet.protocol import admin, admin_lora
+from rlfleet.protocol.admin_base import AdminRequestError
 from rlfleet.protocol.engine import Head
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
@@ -97,7 +97,7 @@ def test_adapter_admin_bodies_say_what_is_missing():
         admin.read_request(admin.SET_LORA_ADMISSION, {"lora_name": "a", "open": True,
                                                       "fleet_epoch": -1})
     assert {"load_lora", "unload_lora"}.isdisjoint(admin.ROUTES)
-    reply = admin.LoraAdapterReply(lora_name="a", **ADAPTED.reply_fields())
+    reply = admin_lora.LoraAdapterReply(lora_name="a", **ADAPTED.reply_fields())
     assert reply.policy() == ADAPTED
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from rlfleet.frontend import sglang, vllm_native
 from rlfleet.frontend.fleet_control import ControlForward, control_routes
 from rlfleet.frontend.openai import routes as openai_routes
+from rlfleet.frontend.sglang import routes as sglang
+from rlfleet.frontend.vllm_native import routes as vllm_native
 from rlfleet.protocol.fleet_control import FORWARDED, ROUTES, SGLANG_PAUSE_MODES, Op
-from rlfleet.refresh.fleet_control import HANDLERS
+from rlfleet.refresh.fleet_control.app import HANDLERS
 
 
 def test_every_route_has_a_handler_and_every_handler_a_route():

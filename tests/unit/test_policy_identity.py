@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from rlfleet.frontend.result import Result
-from rlfleet.protocol.admin import InstallReply, VersionReply
+from rlfleet.protocol.admin_vllm import InstallReply, VersionReply
 from rlfleet.protocol.engine import Delta, Frame, Head
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.openai import CompletionRequest

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import PauseRequest
+from rlfleet.protocol.admin_vllm import PauseRequest
 from rlfleet.refresh.control import Channel, FleetFenced, FleetWorker, for_each
 from rlfleet.refresh.relay import RelayTree
 

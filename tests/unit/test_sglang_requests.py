@@ -1,5 +1,5 @@
 """SGLang's /generate as the frontend reads and answers it (rlfleet.protocol.sglang,
-rlfleet.frontend.sglang), without a fleet: which prompts and options a request stands
+rlfleet.frontend.sglang.render), without a fleet: which prompts and options a request stands
 for, what the engine is asked, which fields are refused by name, and the answer's
 meta_info, finish reason and logprob entries built from engine events."""
 

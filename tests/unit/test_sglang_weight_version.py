@@ -11,8 +11,8 @@ import httpx
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from rlfleet.frontend import sglang
 from rlfleet.frontend.router import WorkerPool
+from rlfleet.frontend.sglang import routes as sglang
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime.discovery import FileDiscovery
 

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rlfleet.protocol.admin import AdminRoute, Reply
+from rlfleet.protocol.admin import AdminRoute
+from rlfleet.protocol.admin_base import Reply
 from rlfleet.worker.system_server import FaultInjector, FleetFence, system_app
 from rlfleet.worker.system_server import Route as ServedRoute
 

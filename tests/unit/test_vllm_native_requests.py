@@ -278,7 +278,7 @@ def test_detokenize_takes_token_ids() -> None:
 
 
 def test_render_truncates_as_the_engine_would() -> None:
-    from rlfleet.frontend.vllm_native import _truncated
+    from rlfleet.frontend.vllm_native.routes import _truncated
     from rlfleet.runtime.http import HttpError
 
     ids = [1, 2, 3, 4, 5]
@@ -291,7 +291,7 @@ def test_render_truncates_as_the_engine_would() -> None:
 
 
 def test_rendered_request_is_vllms_generate_request() -> None:
-    from rlfleet.frontend.vllm_native import _rendered
+    from rlfleet.frontend.vllm_native.render import rendered_body as _rendered
     from rlfleet.protocol.openai import ChatCompletionRequest
 
     req = ChatCompletionRequest.model_validate({

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlfleet.protocol.admin import FanoutOrigin, PeerFanout
+from rlfleet.protocol.admin_vllm import FanoutOrigin, PeerFanout
 from rlfleet.weights.artifacts import TensorSpec
 from rlfleet.weights.fanout import ChunkBoard, chunk_table, fanout_sources
 from rlfleet.weights.staging import StageRequestError, parse_source

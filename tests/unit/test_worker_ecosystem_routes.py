@@ -12,7 +12,8 @@ import pytest
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import SET_ADMISSION, AdminRequestError, read_request
+from rlfleet.protocol.admin import SET_ADMISSION, read_request
+from rlfleet.protocol.admin_base import AdminRequestError
 from rlfleet.runtime import weight_checker
 from rlfleet.worker.native_rl import NativeRL
 from rlfleet.worker.system_server import Route, system_app

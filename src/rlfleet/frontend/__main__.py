@@ -21,6 +21,7 @@ from rlfleet.frontend.processes import run_group
 from rlfleet.frontend.rl import rl_app
 from rlfleet.frontend.router import DOWN_SECONDS, ROUTER_MODES, WorkerPool
 from rlfleet.frontend.runs import GenerationRuns
+from rlfleet.frontend.sessions import DEFAULT_TTL
 from rlfleet.runtime import tracing
 from rlfleet.runtime.address import advertised_host, discovery_peer, http_url
 from rlfleet.runtime.auth import settle_admin_token
@@ -60,13 +61,18 @@ def frontend_flags() -> tuple[Flag, ...]:
              "events, else from what this frontend sent it), unless overloaded",
              choices=ROUTER_MODES),
         Flag("--kv-overload-threshold", DEFAULT_OVERLOAD,
-             "router mode kv: a worker is overloaded, and a request whose prefix it holds goes "
-             "elsewhere, when (its requests in flight + 1) > this x (the mean over the candidates "
-             "+ 1) (default %(default)s)"),
+             "router mode kv: a worker is overloaded, and a request whose prefix (or session) "
+             "it holds goes elsewhere, when (its requests in flight, less those with the very "
+             "same prompt, + 1) > this x (the mean over the candidates + 1) (default "
+             "%(default)s)"),
         Flag("--kv-overlap-weight", DEFAULT_OVERLAP_WEIGHT,
-             "router mode kv: a worker's cost is this x the prompt tokens it does not hold + the "
-             "uncached prompt tokens of its requests in flight (default %(default)s; higher: "
+             "router mode kv: the weight of a request's own uncached prompt tokens in a "
+             "worker's cost, beside the prefill queued there and the stall its prefill puts on "
+             "the requests running there (docs/routing.md; default %(default)s; higher: "
              "stickier to the prefix)"),
+        Flag("--kv-session-ttl", DEFAULT_TTL,
+             "router mode kv: seconds a session (X-Session-ID) stays bound to its worker after "
+             "its last request, unless POST /finish_session releases it first"),
         Flag("--gated-hold", 60.0,
              "seconds a request waits while every worker of its model is gated or off the "
              "committed policy (a policy refresh), or while none serves a policy within its "
@@ -139,6 +145,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"{args.kv_overload_threshold}")
     if not args.kv_overlap_weight >= 0:
         p.error(f"--kv-overlap-weight must be at least 0, got {args.kv_overlap_weight}")
+    if not args.kv_session_ttl > 0:
+        p.error(f"--kv-session-ttl must be positive, got {args.kv_session_ttl}")
     for flag in ("stall_timeout", "down_seconds"):
         if not getattr(args, flag) >= 0:
             p.error(f"--{flag.replace('_', '-')} must be 0 or more seconds")
@@ -162,7 +170,7 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     discovery = open_discovery(args.discovery)
-    kv = KvRouter(args.kv_overload_threshold, args.kv_overlap_weight) \
+    kv = KvRouter(args.kv_overload_threshold, args.kv_overlap_weight, args.kv_session_ttl) \
         if args.router_mode == "kv" else None
     pool = WorkerPool(discovery, args.namespace, mode=args.router_mode,
                       gated_hold=args.gated_hold, kv=kv, down_seconds=args.down_seconds)

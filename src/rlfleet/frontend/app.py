@@ -17,12 +17,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.frontend import sglang, skyrl, vllm_native
+from rlfleet.frontend import skyrl
 from rlfleet.frontend.fleet_control import ControlForward, control_routes
 from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
+from rlfleet.frontend.sessions import MAX_SESSION_ID
+from rlfleet.frontend.sglang import routes as sglang_routes
+from rlfleet.frontend.vllm_native import routes as vllm_native_routes
 from rlfleet.protocol import dynamo_health
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
@@ -35,7 +38,7 @@ log = logging.getLogger("rlfleet.frontend.requests")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate", "/v1/models", "/health",
           "/metrics", "/v1/responses/input_tokens",
-          "/inference/v1/generate", "/tokenize", "/detokenize")
+          "/inference/v1/generate", "/tokenize", "/detokenize", "/finish_session")
 
 
 async def models(request: Request) -> Response:
@@ -69,6 +72,7 @@ async def health(request: Request) -> Response:
                 **({"kv": pool.kv.describe(w.instance_id)} if pool.kv is not None else {}),
                 **({"off_policy": w.off_policy} if w.off_policy else {})}
                for w in pool.workers.values()]
+    router = {"kv_router": pool.kv.summary()} if pool.kv is not None else {}
     # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes);
     # no worker: 503 (vLLM's and SGLang's clients read the status code: not ready to serve)
     status = "healthy" if workers else "no_workers"
@@ -76,7 +80,7 @@ async def health(request: Request) -> Response:
     return json_response({"status": status, "message": dynamo_health.HEALTH_MESSAGES[status],
                           "process": os.getpid(), "workers": workers,
                           "endpoints": dynamo_health.endpoints_of(instances),
-                          "instances": instances},
+                          "instances": instances, **router},
                          200 if workers else 503)
 
 
@@ -100,6 +104,23 @@ async def _instances(pool: WorkerPool) -> list[dynamo_health.Instance]:
 async def live(request: Request) -> Response:
     """Dynamo's /live: the frontend answers (whatever its workers' state)."""
     return json_response(dynamo_health.Live())
+
+
+async def finish_session(request: Request) -> Response:
+    """POST /finish_session?session_id=: the session (an episode; its requests carried
+    X-Session-ID) is over, as SkyRL 0.4's client says after a trajectory: in router mode kv
+    its worker binding is released, so that new sessions balance onto that capacity. An
+    unknown session, or another router mode, is no error (there is nothing to release)."""
+    session = request.query_params.get("session_id")
+    if not session:
+        raise HttpError(400, "session_id is required: POST /finish_session?session_id=<id>",
+                        param="session_id")
+    if len(session) > MAX_SESSION_ID:
+        raise HttpError(400, f"session_id must be at most {MAX_SESSION_ID} characters",
+                        param="session_id")
+    kv = frontend_of(request).pool.kv
+    released = kv.finish_session(session) if kv is not None else False
+    return json_response({"session_id": session, "released": released})
 
 
 async def metrics_route(request: Request) -> Response:
@@ -131,7 +152,7 @@ async def cancel(request: Request) -> Response:
 
 async def abort_request(request: Request) -> Response:
     """SGLang's POST /abort_request ({"rid"} or {"abort_all": true}): this process's
-    requests (rlfleet.frontend.sglang.abort_runs), else, for a rid, the kept run another
+    requests (rlfleet.frontend.sglang.routes.abort_runs), else, for a rid, the kept run another
     frontend process holds (as the cancel route relays it)."""
     fe = frontend_of(request)
     req: AbortRequest = await parse_body(request, AbortRequest)
@@ -141,7 +162,7 @@ async def abort_request(request: Request) -> Response:
     rid = None if req.abort_all else req.rid
     if rid == "":
         return json_response({"rid": "", "aborted": 0})  # SGLang: nothing named, nothing done
-    found, aborted = await sglang.abort_runs(request, rid, token, admin)
+    found, aborted = await sglang_routes.abort_runs(request, rid, token, admin)
     if rid is not None and not found:
         aborted = int(await _cancel_elsewhere(fe, rid, token, admin))
     return json_response({"rid": rid, "abort_all": req.abort_all, "aborted": aborted})
@@ -282,8 +303,8 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
     may call); its control routes are forwarded there (rlfleet.frontend.fleet_control)."""
     app = Starlette(routes=[
         *openai_routes.router.routes,
-        *sglang.router.routes,
-        *vllm_native.router.routes,
+        *sglang_routes.router.routes,
+        *vllm_native_routes.router.routes,
         *skyrl.router.routes,
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -292,6 +313,7 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
         *(control_routes(fleet_control) if fleet_control else ()),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/finish_session", finish_session, methods=["POST"]),
     ], exception_handlers=ERROR_HANDLERS)
     app.state.frontend = Frontend(pool, client, runs or GenerationRuns())
     metrics.FLEET.watch(pool)

@@ -92,7 +92,8 @@ class Dispatch:
     MAX_ATTEMPTS. The Head carries the instance ID of the worker (`worker_id`). With a
     staleness `bound` (nvext.policy) only a worker within it serves it (held while none
     is, see WorkerPool.acquire) and its final deltas say whether it stayed within (see
-    Staleness). Raises NoWorker or WorkerError.
+    Staleness). `session` (X-Session-ID): the session the KV router keeps on one worker.
+    Raises NoWorker or WorkerError.
 
     The attempt under way is its state: `worker` (the worker trying it now; None before
     the first), `stream` (its stream from that worker), its staleness watch and its KV
@@ -100,11 +101,11 @@ class Dispatch:
     the worker's window (WorkerStream.taken)."""
 
     __slots__ = ("pool", "client", "model", "req", "paced", "bound", "prefix", "tried",
-                 "worker", "stream", "stale", "booked", "head_step", "started")
+                 "worker", "stream", "stale", "booked", "head_step", "started", "session")
 
     def __init__(self, pool: WorkerPool, client: StreamClient, model: str,
                  req: GenerateRequest, paced: bool = False,
-                 bound: PolicyBound | None = None) -> None:
+                 bound: PolicyBound | None = None, session: str | None = None) -> None:
         if bound is not None and bound.on_stale == "abort" and not req.stream:
             # step by step from the worker, so that a worker leaving the bound is seen mid-run
             req = msgspec.structs.replace(req, stream=True)
@@ -112,6 +113,7 @@ class Dispatch:
         self.paced, self.bound = paced, bound
         self.prefix = Prefix(req.prompt_token_ids, req.cache_salt) \
             if pool.kv is not None and req.prompt_token_ids is not None else None
+        self.session = session or req.session_id  # what the KV router keeps together
         self.tried: set[int] = set()
         self.worker: Worker | None = None
         self.stream: WorkerStream | None = None
@@ -164,7 +166,7 @@ class Dispatch:
         # a request its worker keeps (retain) goes where every frontend sends its ID, unless
         # the KV router places it by its prefix (WorkerPool.pick)
         key = req.request_id if req.retain is not None else None
-        w = await pool.acquire(model, self.tried, self.bound, self.prefix, key)
+        w = await pool.acquire(model, self.tried, self.bound, self.prefix, key, self.session)
         if model != w.model:  # it names a LoRA adapter the worker serves beside its model
             req = self.req = msgspec.structs.replace(req, adapter=model)
         self.stream = None
@@ -191,7 +193,7 @@ class Dispatch:
         if self.stale is not None:
             self.stale.first = head.weight_step
         if self.booked is not None:
-            self.booked.head(head.prompt_token_ids, self.req.cache_salt)
+            self.booked.head(head.prompt_token_ids, self.req.cache_salt, self.req.adapter)
 
     def _retry(self, e: WorkerError, attempt: int) -> bool:
         """Count the worker's failure; whether the request starts again on another."""

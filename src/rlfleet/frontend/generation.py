@@ -41,6 +41,9 @@ from rlfleet.runtime.http import (
 from rlfleet.runtime.request_plane import StreamClient
 
 REQUEST_ID_HEADER = "x-request-id"
+# vLLM's and SkyRL's header naming related requests (an episode): the KV router keeps them
+# on one worker (rlfleet.frontend.sessions); vLLM's native route also passes it to the engine
+SESSION_ID_HEADER = "X-Session-ID"
 _json = msgspec.json.Encoder()
 
 
@@ -289,6 +292,7 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
     if isinstance(results, Result):
         results = [results]
     keep = REQUEST_ID_HEADER in request.headers
+    session = session_of(request)
     request.state.model = model  # metrics labels (rlfleet.runtime.metrics)
     traceparent = tracing.outgoing(request.headers.get("traceparent"))
     for greq, res in zip(greqs, results, strict=True):
@@ -308,7 +312,8 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
         for greq, res in zip(greqs, results, strict=True):
             # a run only this caller follows moves at the caller's pace; a kept run is read
             # to its end whoever listens, so that a retry finds it whole
-            source = Dispatch(fe.pool, fe.client, model, greq, paced=not keep, bound=bound)
+            source = Dispatch(fe.pool, fe.client, model, greq, paced=not keep, bound=bound,
+                              session=session)
             try:
                 run, _ = fe.runs.start(greq.request_id, body, keep, source,
                                        route=request.url.path, cancel_token=cancel_token)
@@ -337,6 +342,14 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
             raise HttpError(499, "client closed the request") from None
         raise
     return call
+
+
+def session_of(request: Request) -> str | None:
+    """The request's X-Session-ID (None: not sent); HttpError 400 when too long."""
+    session = request.headers.get(SESSION_ID_HEADER) or None
+    if session is not None and len(session) > 256:
+        raise HttpError(400, f"{SESSION_ID_HEADER} must be at most 256 characters")
+    return session
 
 
 def batch_request_id(rid: str, index: int, count: int) -> str:

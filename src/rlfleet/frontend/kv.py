@@ -1,5 +1,6 @@
-"""KV-aware routing (`--router-mode kv`): send a request to the worker that already holds
-the longest prefix of its token IDs, unless that worker is overloaded.
+"""KV-aware routing (`--router-mode kv`): send a request where it costs least: where its
+prompt's prefix is cached, weighed against the load there; keep a session (an agent
+episode) on its worker and a GRPO group's samples together, unless load demands.
 
 What the frontend knows of each worker's prefix cache (its `PrefixView`):
 - from the engine's own KV events (vLLM's `--kv-events-config` ZMQ publisher, or the
@@ -17,20 +18,25 @@ Block keys: the frontend does not compute vLLM's block hashes (their seed is per
 unless PYTHONHASHSEED is shared). It chains its own key over each full block of token
 IDs (`block_keys`), from the request's token IDs and from the token IDs that every
 `BlockStored` event carries, and maps the engine's hashes to its keys for removals. A
-request's cache salt is part of its first block's key, as in vLLM.
+request's cache salt is part of its first block's key, and a LoRA adapter's name part of
+every block's key, as in vLLM (whose events publish both in `extra_keys`).
 
 A view is cleared when the engine says so (`AllBlocksCleared`, which vLLM publishes when
 its prefix cache is reset: every policy refresh), when the worker's policy changes in
 discovery (weights, version or step: the refresh flushed the cache), when an event
-stream skips a sequence number, and when the worker leaves or comes back elsewhere.
+stream skips a sequence number, and when the worker leaves or comes back elsewhere; the
+first two, and leaving, also release the worker's sessions.
 
-Scoring (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
-within the staleness bound): a worker is overloaded when (in-flight + 1) > threshold x
-(mean in-flight of the candidates + 1); among those that are not, the lowest cost wins,
-cost = overlap_weight x (prompt tokens it does not hold) + (the uncached prompt tokens of
-the requests sent there without a first token yet: its prefill backlog), then the fewest requests in flight,
-then round-robin. So a rollout's continuation stays where its conversation is cached
-unless that worker is overloaded or has more prefill queued than the move would cost.
+The choice (`KvRouter.choose`), among the candidates the pool allows (usable, not excluded,
+within the staleness bound): a worker is overloaded when (its load - the requests in flight
+there with the very same prompt + 1) > threshold x (mean load + 1), where the load is its
+requests in flight (for a request of a session: or its sessions, whichever is more);
+among those that are not, the lowest `cost` wins (seconds once the rates are measured,
+rlfleet.frontend.rates: the prefill queued there, the request's own uncached prompt, the
+stall its prefill puts on the requests running there, the decode time it adds), then the
+least load, then round-robin. A session (rlfleet.frontend.sessions) goes back to its
+worker unless that one is overloaded and the move costs less. docs/routing.md has the
+formula.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -49,6 +55,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from rlfleet.frontend.rates import Rates
+from rlfleet.frontend.sessions import DEFAULT_TTL, SessionTable
 from rlfleet.protocol import kv_events as kv
 
 log = logging.getLogger("rlfleet.router.kv")
@@ -57,35 +65,69 @@ DEFAULT_BLOCK_SIZE = 16  # vLLM's default; a worker's entry (kv_block_size) or e
 DEFAULT_OVERLOAD = 1.5
 DEFAULT_OVERLAP_WEIGHT = 2.0  # bench/prefix_routing.py: 1.0 split GRPO groups across workers
 RECORD_TTL = 30.0  # seconds a routed-record block counts on a worker that sends events
+DECODE_SAMPLE = 8  # tokens between two samples of a request's decode rate
 MAX_RECORD_BLOCKS = 200_000  # per worker without events
 
 
 def block_keys(tokens: Sequence[int], block_size: int, first_extra: Any = None,
-               parent: int | None = None) -> list[int]:
+               parent: int | None = None, every: tuple = ()) -> list[int]:
     """The chained key of each full block of `tokens` (a partial last block has none):
-    key_i = hash(key_{i-1}, tokens of block i, what else went into it)."""
+    key_i = hash(key_{i-1}, tokens of block i, what else went into it: `every` (a LoRA
+    adapter's name) then, for the first block of a prompt, `first_extra`'s items (its cache
+    salt)), as vLLM keys blocks and publishes their extra keys."""
     keys = []
+    first = tuple(first_extra) if first_extra else ()
+    rest = every or None
     for i in range(len(tokens) // block_size):
-        extra = first_extra if i == 0 and parent is None else None
+        extra = (every + first or None) if i == 0 and parent is None else rest
         parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size]), extra))
         keys.append(parent)
     return keys
 
 
 def _extra(keys: list[Any] | None) -> Any:
-    """A BlockStored extra_keys entry as part of a key (the request side: (salt,))."""
+    """A BlockStored extra_keys entry as part of a key (the request side: (adapter, salt))."""
     return tuple(keys) if keys else None
 
 
 @dataclass
 class Prefix:
-    """What the router scores a request by: its prompt token IDs and cache salt."""
+    """What the router scores a request by: its prompt token IDs, cache salt, and the LoRA
+    adapter it runs on (its blocks are the adapter's own)."""
 
     tokens: list[int]
     salt: str | None = None
+    adapter: str | None = None
+    _whole: int | None = field(default=None, repr=False, compare=False)
+    _keys: dict[tuple, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def keys(self, block_size: int) -> list[int]:
-        return block_keys(self.tokens, block_size, (self.salt,) if self.salt else None)
+        """The key of each full block (computed once per block size and adapter)."""
+        got = self._keys.get((block_size, self.adapter))
+        if got is None:
+            got = self._keys[(block_size, self.adapter)] = block_keys(
+                self.tokens, block_size, (self.salt,) if self.salt else None,
+                every=(self.adapter,) if self.adapter else ())
+        return got
+
+    def continued(self, more: Sequence[int], block_size: int) -> list[int]:
+        """The keys of this prompt followed by `more` tokens (a completion), from its own."""
+        own = self.keys(block_size)
+        start = len(own) * block_size
+        tail = list(self.tokens[start:]) + list(more)
+        every = (self.adapter,) if self.adapter else ()
+        if not own:
+            return block_keys(tail, block_size, (self.salt,) if self.salt else None,
+                              every=every)
+        return own + block_keys(tail, block_size, parent=own[-1], every=every)
+
+    @property
+    def whole(self) -> int:
+        """A key of the whole prompt: the requests that share it are siblings (the samples
+        of one GRPO group)."""
+        if self._whole is None:
+            self._whole = hash((tuple(self.tokens), self.salt, self.adapter))
+        return self._whole
 
 
 @dataclass
@@ -169,30 +211,55 @@ class PrefixView:
 class RouteAttempt:
     """One request sent to one worker, as the router books it: routed (its prompt is
     there, its uncached part is that worker's prefill backlog), first token (the backlog
-    is done), end (its completions are there too)."""
+    is done), end (its completions are there too). Its timing teaches the router's rates
+    (rlfleet.frontend.rates): the time to its first token against the prompt tokens its
+    worker computed meanwhile, the gaps between its tokens against the worker's load."""
 
-    __slots__ = ("router", "iid", "prefix", "load", "made")
+    __slots__ = ("router", "iid", "prefix", "load", "made", "ahead", "since", "first",
+                 "tokens")
 
     def __init__(self, router: KvRouter, iid: int, prefix: Prefix | None) -> None:
         self.router, self.iid, self.prefix = router, iid, prefix
+        self.ahead = router.active.get(iid, 0)  # prompt tokens its worker computes first
         self.load = router.routed(iid, prefix)
         self.made: dict[int, list[int]] = {}  # each choice's tokens
+        self.since = time.monotonic()
+        self.first = True
+        self.tokens = 0  # tokens since the last decode sample
 
-    def head(self, prompt_token_ids: list[int], salt: str | None) -> None:
+    def head(self, prompt_token_ids: list[int], salt: str | None,
+             adapter: str | None = None) -> None:
         """The worker's report of the prompt: a text or chat prompt is booked now."""
         if self.prefix is None:
-            self.prefix = Prefix(prompt_token_ids, salt)
-            self.load = self.router.routed(self.iid, self.prefix)
+            self.prefix = Prefix(prompt_token_ids, salt, adapter)
+            self.load = self.router.routed(self.iid, self.prefix, counted=True)
 
     def step(self, deltas: Sequence[Any]) -> None:
+        tokens = 0
+        for d in deltas:
+            self.made.setdefault(d.index, []).extend(d.token_ids)
+            tokens = max(tokens, len(d.token_ids))
+        if tokens:  # the decode rate is sampled every DECODE_SAMPLE tokens (cheaper)
+            self.tokens += tokens
+            if self.first or self.tokens >= DECODE_SAMPLE:
+                self._sample(time.monotonic())
         if self.load:
             self.router.prefilled(self.iid, self.load)
             self.load = 0
-        for d in deltas:
-            self.made.setdefault(d.index, []).extend(d.token_ids)
+
+    def _sample(self, now: float) -> None:
+        rates = self.router.rates
+        if self.first:
+            rates.prefilled(self.ahead + self.load, now - self.since)
+        else:
+            rates.decoded(self.router.running.get(self.iid, 1), (now - self.since) / self.tokens)
+        self.first, self.since, self.tokens = False, now, 0
 
     def end(self) -> None:
-        self.router.finished(self.iid, self.prefix, self.load, list(self.made.values()))
+        made = list(self.made.values())
+        if made:
+            self.router.rates.generated(max(len(m) for m in made))
+        self.router.finished(self.iid, self.prefix, self.load, made)
         self.load = 0
 
 
@@ -205,7 +272,8 @@ class KvRouter:
     """The views of every worker, their event subscriptions, and the choice."""
 
     def __init__(self, overload: float = DEFAULT_OVERLOAD,
-                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT) -> None:
+                 overlap_weight: float = DEFAULT_OVERLAP_WEIGHT,
+                 session_ttl: float = DEFAULT_TTL) -> None:
         if not overload > 1.0:
             raise ValueError(f"--kv-overload-threshold must be greater than 1, got {overload}")
         if not overlap_weight >= 0:
@@ -214,6 +282,11 @@ class KvRouter:
         # prompt tokens to compute (not cached when routed) of the requests sent there that
         # have no first token yet: its prefill backlog
         self.active: dict[int, int] = {}
+        self.running: dict[int, int] = {}  # requests this router has in flight there
+        # whole-prompt key -> worker -> requests in flight there with that very prompt
+        self.siblings: dict[int, dict[int, int]] = {}
+        self.sessions = SessionTable(session_ttl)
+        self.rates = Rates()
         self.views: dict[int, PrefixView] = {}
         self._subs: dict[int, tuple[str, asyncio.Task]] = {}
         self._policies: dict[int, tuple] = {}
@@ -228,27 +301,71 @@ class KvRouter:
             v = self.views[iid] = PrefixView()
         return v
 
-    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None) -> Candidate:
-        """The worker for a request (see the module doc); `prefix` None: least loaded."""
-        mean = sum(w.inflight for w in candidates) / len(candidates)
-        fit = [w for w in candidates if w.inflight + 1 <= self.overload * (mean + 1)]
+    def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None,
+               session: str | None = None) -> Candidate:
+        """The worker for a request (see the module doc); `prefix` None: least loaded, or
+        its session's worker. A request of a session counts as a worker's load its requests
+        in flight or its sessions bound, whichever is more: an episode between turns (its
+        tool running) comes back soon, and a worker is not overloaded by a passing burst."""
+        def load(w: Candidate) -> int:
+            return max(w.inflight, self.sessions.count(w.instance_id)) if session \
+                else w.inflight
+        mean = sum(load(w) for w in candidates) / len(candidates)
+        group = self.siblings.get(prefix.whole) if prefix is not None else None
+
+        def fits(w: Candidate) -> bool:  # its siblings (the same prompt) do not count
+            own = group.get(w.instance_id, 0) if group else 0
+            return load(w) - own + 1 <= self.overload * (mean + 1)
+        fit = [w for w in candidates if fits(w)]
         keys: dict[int, list[int]] = {}
+        bound = self.sessions.get(session) if session else None
+        held = next((w for w in candidates if w.instance_id == bound), None) \
+            if bound is not None else None
+        chosen = self._cheapest(fit or candidates, prefix, keys, load)
+        if held is not None and held is not chosen and (fits(held) or (
+                prefix is not None and self.cost(held, prefix, keys)
+                <= self.cost(chosen, prefix, keys))):
+            chosen = held  # it stays: not overloaded, or moving would cost more
+        if session:
+            if bound is not None and bound != chosen.instance_id:
+                self.sessions.shed += 1
+                log.info("session %s moves from worker %s to %s (%s)", session, bound,
+                         chosen.instance_id, "overloaded" if held is not None else
+                         "not usable")
+            self.sessions.bind(session, chosen.instance_id)
+        return chosen
 
-        def cost(w: Candidate) -> tuple[float, int]:
-            if prefix is None:
-                return 0.0, w.inflight
-            v = self.view(w.instance_id)
-            ks = keys.get(v.block_size)
-            if ks is None:
-                ks = keys[v.block_size] = prefix.keys(v.block_size)
-            uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
-            return self.overlap_weight * uncached + self.active.get(w.instance_id, 0), \
-                w.inflight
-
-        scored = [(cost(w), w) for w in fit or candidates]
+    def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
+                  keys: dict[int, list[int]], load: Callable[[Candidate], int]) -> Candidate:
+        """The candidate of the lowest cost (`cost`, with `load` its running requests), then
+        the least `load`, then round-robin."""
+        scored = [((self.cost(w, prefix, keys, load(w)), load(w)), w) for w in candidates]
         best = min(c for c, _ in scored)
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
+
+    def cost(self, w: Candidate, prefix: Prefix | None,
+             keys: dict[int, list[int]] | None = None, running: int | None = None) -> float:
+        """What sending the request to `w` costs the fleet, in seconds once the rates are
+        known (in tokens until then): the prefill queued there before it and its own
+        uncached tokens (weighed by the overlap weight), the stall its prefill puts on the
+        requests running there (`running`, default its requests in flight), and the decode
+        time it adds to them and they to it."""
+        if prefix is None:
+            return 0.0
+        v = self.view(w.instance_id)
+        keys = {} if keys is None else keys
+        ks = keys.get(v.block_size)
+        if ks is None:
+            ks = keys[v.block_size] = prefix.keys(v.block_size)
+        uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
+        running = w.inflight if running is None else running
+        r = self.rates
+        per_token = r.prefill if r.known else 1.0
+        _, per_seq = r.step()
+        prefill = self.active.get(w.instance_id, 0) + self.overlap_weight * uncached \
+            + uncached * running
+        return per_token * prefill + r.output * per_seq * (2 * running + 1)
 
     def holders(self, candidates: Sequence[Candidate], prefix: Prefix, than: Candidate,
                 n: int) -> list[Candidate]:
@@ -273,13 +390,19 @@ class KvRouter:
         many blocks (from events; and recorded)."""
         v = self.view(iid)
         return {"source": "events" if v.has_events else "record", "block_size": v.block_size,
-                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record)}
+                "cached_blocks": len(v.cached), "recorded_blocks": len(v.record),
+                "sessions": self.sessions.count(iid)}
 
-    def routed(self, iid: int, prefix: Prefix | None) -> int:
-        """Record that `prefix` was sent to worker `iid`; returns the tokens it adds to the
-        worker's load until `finished` (the prompt tokens it does not hold yet)."""
+    def routed(self, iid: int, prefix: Prefix | None, counted: bool = False) -> int:
+        """Record that `prefix` was sent to worker `iid` (`counted`: the request was
+        recorded already, without its prompt); returns the tokens it adds to the worker's
+        load until `finished` (the prompt tokens it does not hold yet)."""
+        if not counted:
+            self.running[iid] = self.running.get(iid, 0) + 1
         if prefix is None:
             return 0
+        group = self.siblings.setdefault(prefix.whole, {})
+        group[iid] = group.get(iid, 0) + 1
         v = self.view(iid)
         keys = prefix.keys(v.block_size)
         load = len(prefix.tokens) - v.overlap(keys) * v.block_size  # what it must compute
@@ -298,11 +421,30 @@ class KvRouter:
         taken off; with these completions: what a continuation of it starts with is
         there now)."""
         self.prefilled(iid, load)
+        if iid in self.running:
+            self.running[iid] = max(0, self.running[iid] - 1)
+        if prefix is not None:
+            group = self.siblings.get(prefix.whole)
+            if group is not None and iid in group:
+                group[iid] -= 1
+                if group[iid] <= 0:
+                    del group[iid]
+                if not group:
+                    del self.siblings[prefix.whole]
         v = self.views.get(iid)
         if prefix is None or v is None:
             return
         for c in completions:
-            v.note(Prefix(prefix.tokens + list(c), prefix.salt).keys(v.block_size))
+            v.note(prefix.continued(c, v.block_size))
+
+    def finish_session(self, session: str) -> bool:
+        """POST /finish_session: the session is over; whether it was bound."""
+        return self.sessions.finish(session)
+
+    def summary(self) -> dict[str, Any]:
+        """The router's own state for /health: sessions bound, moved, and the rates."""
+        return {"sessions": len(self.sessions), "sessions_shed": self.sessions.shed,
+                **self.rates.describe()}
 
     # ------------------------------------------------------------------ membership
 
@@ -330,6 +472,7 @@ class KvRouter:
                 log.info("worker %s: policy or address changed; forgetting its prefix cache",
                          iid)
                 self.view(iid).clear()
+                self.sessions.drop_worker(iid)
             self._policies[iid] = policy
             v = self.view(iid)
             size = e.get("kv_block_size")
@@ -349,6 +492,8 @@ class KvRouter:
     def forget(self, iid: int) -> None:
         self.views.pop(iid, None)
         self.active.pop(iid, None)
+        self.running.pop(iid, None)
+        self.sessions.drop_worker(iid)
         self._policies.pop(iid, None)
         sub = self._subs.pop(iid, None)
         if sub is not None:
@@ -388,6 +533,8 @@ class KvRouter:
             return
         for ev in batch.events:
             v.apply(ev)
+            if type(ev) is kv.AllBlocksCleared:  # a reset: its sessions' prefixes are gone
+                self.sessions.drop_worker(iid)
 
     async def _follow(self, iid: int, endpoint: str) -> None:
         """Read worker `iid`'s event publisher for as long as it is in the pool."""

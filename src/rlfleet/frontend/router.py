@@ -470,7 +470,7 @@ class WorkerPool:
 
     def pick(self, model: str, exclude: set[int] = frozenset(),
              bound: PolicyBound | None = None, prefix: Prefix | None = None,
-             key: str | None = None) -> Worker:
+             key: str | None = None, session: str | None = None) -> Worker:
         """A worker for a request of `model` by the routing mode; with a `key` (the
         X-Request-Id of a request the workers keep), the first usable one in `rank` order
         over all the model's workers, so that every frontend picks the same one. In mode
@@ -497,8 +497,10 @@ class WorkerPool:
             if not ok:
                 raise NoWorker(f"no live worker of {model!r} within nvext.policy "
                                f"({bound.describe()}) is left to try", 503)
-        if self.kv is not None and prefix is not None:
-            return self.kv.choose(ok, prefix)  # type: ignore[return-value]
+        if self.kv is not None and (prefix is not None or session is not None):
+            if prefix is not None and model != ok[0].model:  # a LoRA adapter's request:
+                prefix.adapter = model  # its blocks are the adapter's
+            return self.kv.choose(ok, prefix, session)  # type: ignore[return-value]
         if key is not None:
             usable = {w.instance_id for w in ok}
             return next(w for w in rank(key, all_) if w.instance_id in usable)
@@ -514,7 +516,7 @@ class WorkerPool:
 
     async def acquire(self, model: str, exclude: set[int] = frozenset(),
                       bound: PolicyBound | None = None, prefix: Prefix | None = None,
-                      key: str | None = None) -> Worker:
+                      key: str | None = None, session: str | None = None) -> Worker:
         """pick(), but while the model's only candidates are gated (a policy refresh is
         under way) or off the committed policy (a refresh just ended: the commit and the
         workers' new entries reach this frontend one after the other), or while none serves
@@ -523,7 +525,7 @@ class WorkerPool:
         relisted = False
         while True:
             try:
-                return self.pick(model, exclude, bound, prefix, key)
+                return self.pick(model, exclude, bound, prefix, key, session)
             except NoWorker as e:
                 if e.status == 404 and not relisted:
                     relisted = True

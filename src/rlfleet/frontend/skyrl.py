@@ -1,7 +1,7 @@
 """SkyRL 0.4's generation route on the frontend: POST /skyrl/v1/generate (its
 VLLMServerActor's; rlfleet.protocol.skyrl), which SkyRL's RemoteInferenceClient calls when it
 wants routed experts (rollout router replay): vLLM's /inference/v1/generate request and
-answer (rlfleet.frontend.vllm_native, the same dispatch), whole, with each choice's
+answer (rlfleet.frontend.vllm_native.routes, the same dispatch), whole, with each choice's
 `routed_experts` packed as SkyRL packs side channels (`{data, shape, dtype}`: base64 of the
 C-order array in its canonical integer dtype) instead of vLLM's base64 .npy."""
 
@@ -15,11 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from rlfleet.frontend import vllm_native
 from rlfleet.frontend.generation import parse_body
+from rlfleet.frontend.vllm_native import routes as vllm_native
 from rlfleet.protocol import skyrl
-from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.protocol.vllm_native import TokensGenerateRequest
+from rlfleet.runtime import routed_experts
 from rlfleet.runtime.http import HttpError, json_response
 
 
@@ -31,7 +31,7 @@ class SkyrlGenerateRequest(TokensGenerateRequest):
 
 def packed_routed_experts(npy_b64: str) -> dict:
     """vLLM's encoding of a choice's routed experts as SkyRL's packed envelope."""
-    arr = RoutedExperts.from_npy_b64(npy_b64).array()
+    arr = routed_experts.as_array(routed_experts.from_npy_b64(npy_b64))
     dtype = skyrl.routed_expert_dtype(int(arr.max()) if arr.size else 0)
     data = np.ascontiguousarray(arr, dtype=np.dtype(dtype))
     return skyrl.envelope(base64.b64encode(data.tobytes()).decode("ascii"), list(data.shape),

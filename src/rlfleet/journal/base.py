@@ -167,12 +167,3 @@ class RefreshJournal(abc.ABC):
         """Per worker, the `holds` (PolicyIdentity.to_dict) of the newest record that has
         one for it."""
 
-
-def holdings_of(records: list[JournalRecord]) -> dict[int, dict[str, Any]]:
-    """Per worker, what the newest of `records` (newest first) saw it holding."""
-    out: dict[int, dict[str, Any]] = {}
-    for row in records:
-        for iid, w in (row.get("workers") or {}).items():
-            if w.get("holds") and int(iid) not in out:
-                out[int(iid)] = w["holds"]
-    return out

@@ -163,8 +163,8 @@ class SqliteJournal(RefreshJournal):
         return rows[0] if rows else None
 
     def _holdings(self, fleet: str | None, model: str | None) -> dict[int, dict[str, Any]]:
-        """As base.holdings_of over the newest 1,000 records, reading only each record's
-        workers' `holds` (their calls are skipped, not decoded); kept in memory while no
+        """Per worker, what the newest of the newest 1,000 records saw it holding, reading
+        only each record's workers' `holds` (their calls are skipped, not decoded); kept in memory while no
         other connection writes (see the class)."""
         with self._lock:
             version = self._db.execute("PRAGMA data_version").fetchone()[0]

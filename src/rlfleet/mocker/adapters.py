@@ -21,8 +21,8 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from rlfleet.mocker.cache import BlockSalt
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.weights.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from rlfleet.weights.digest import checkpoint_digest
@@ -177,8 +177,9 @@ class MockAdapters:
         return self.get(name).current
 
 
-def lora_salt(salt: Any, version: Version | None) -> Any:
-    """A request's prefix-cache salt: an adapter version's KV is its own."""
+def lora_salt(salt: str | None, version: Version | None) -> BlockSalt:
+    """What keys a request's prefix-cache blocks: its salt, and the adapter version it runs
+    on (an adapter version's KV is its own; the events name the adapter as vLLM's do)."""
     if version is None:
-        return salt
-    return f"{salt or ''}|lora:{version.policy.adapter}@{version.serial}"
+        return BlockSalt(salt)
+    return BlockSalt(salt, version.policy.adapter, version.serial)

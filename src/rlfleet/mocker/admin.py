@@ -32,13 +32,12 @@ import msgspec
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    AdminRequestError,
-    AdminRoute,
+from rlfleet.protocol.admin import AdminRoute
+from rlfleet.protocol.admin_base import AdminRequestError, SglangReply
+from rlfleet.protocol.sglang_admin import (
     AnyBody,
     SglangDiskReply,
     SglangDiskRequest,
-    SglangReply,
     SglangVersionReply,
     SglangVersionRequest,
 )

@@ -33,6 +33,9 @@ It has no vLLM weight-transfer engine: its discovery entries say `weight_transfe
 "none"` (so a client that transfers over nccl refuses to bind it at discovery instead of
 failing mid-refresh), and it refuses vLLM's weight-transfer steps, natively and on
 /engine/update/*, saying how to load weights instead.
+
+This module stays whole because it is one simulated engine: its generation, prefix cache,
+policy and control all read and change the same state, as vLLM's engine does.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ from rlfleet.mocker.adapters import (
     parse_lora_modules,
 )
 from rlfleet.mocker.cache import PrefixCache, parse_events_config
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.mocker.steps import DEFAULT_BATCHED_TOKENS, EngineSteps, Seq
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import (
     Delta,
     Done,
@@ -80,6 +84,7 @@ from rlfleet.protocol.engine import (
 )
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.flags import Flag, add_flags
+from rlfleet.runtime.routed_experts import from_array
 from rlfleet.worker import engine as contract
 from rlfleet.worker.engine import (
     BadRequest,
@@ -111,6 +116,16 @@ KNOBS: tuple[Flag, ...] = (
     Flag("--kv-blocks", 8192, "blocks the simulated prefix cache holds (least recently used go)"),
     Flag("--prefill-delay", 0.0,
          "seconds per prompt token not in the simulated prefix cache, before the first token"),
+    Flag("--engine-steps", False,
+         "simulate the engine's iterations (rlfleet.mocker.steps): one batch at a time, "
+         "each lasting --prefill-delay x its uncached prompt tokens + --token-delay when it "
+         "decodes; --max-batch caps the requests running (--ttft is not used)"),
+    Flag("--max-num-batched-tokens", DEFAULT_BATCHED_TOKENS,
+         "with --engine-steps: tokens one iteration computes at most (vLLM's)"),
+    Flag("--uncached-completions", False,
+         "do not cache a finished choice's completion blocks (as Dynamo 1.6.1's mocker: a "
+         "continuation that re-sends the returned tokens finds only its prompt's blocks); "
+         "with --engine-steps its generated tokens still take cache blocks while it runs"),
     Flag("--routed-experts", None,
          "LxExK: simulate a MoE engine started with --enable-return-routed-experts: L layers of "
          "E experts, top-K per token (e.g. 2x8x2); the experts it reports are a hash of the "
@@ -295,6 +310,11 @@ class MockEngine(Engine, EngineControl):
         self.cache = PrefixCache(name, o["block_size"], o["kv_blocks"],
                                  parse_events_config(o["kv_events_config"]))
         self.prefill_delay = o["prefill_delay"]
+        self.cache_completions = not o["uncached_completions"]
+        self.steps = EngineSteps(self.cache, o["prefill_delay"], o["token_delay"],
+                                 o["max_batch"], o["max_num_batched_tokens"],
+                                 occupy=not self.cache_completions) \
+            if o["engine_steps"] else None
         self.moe = _moe_geometry(o["routed_experts"])
         self.info = contract.EngineInfo(served_model_name=name, model_path=f"mock://{name}",
                                vocab_size=vocab, max_model_len=o["max_model_len"],
@@ -508,7 +528,8 @@ class MockEngine(Engine, EngineControl):
                 run.admitted = True
                 self._active += 1
                 self._idle.clear()
-                await self._take_slot(run)
+                if self.steps is None:  # the iterations cap the batch themselves
+                    await self._take_slot(run)
             async for event in self._decode(req, prompt_token_ids, run):
                 yield event
         finally:
@@ -540,30 +561,42 @@ class MockEngine(Engine, EngineControl):
             raise BadRequest("structured outputs are not simulated by the mocker")
         choices = [_Choice(c, prev=ids[-1]) for c in range(s.n)]
         live = choices
-        first = True
         salt = lora_salt(req.cache_salt, run.lora)
-        prefill = self.prefill_delay * (len(ids) - self.cache.lookup(ids, salt))
+        seq = Seq(ids, salt, s.n, run.wake) if self.steps is not None else None
+        if seq is None:
+            uncached = len(ids) - self.cache.lookup(ids, salt)
+            prefill: float | None = self.ttft + self.prefill_delay * uncached
+        else:
+            self.steps.join(seq)  # type: ignore[union-attr]
         early = req.echo and req.stream  # prompt logprobs go in the first event
         generated = self.series.generated
-        while live:
-            await self._nap(run, self.ttft + prefill if first else self._token_delay())
-            first = False
-            await self._wait(run, lambda: self._mode != "keep")  # frozen while paused (keep)
-            if run.aborted:
-                break
-            for ch in live:
-                self._advance(ch, s, seed, s.max_tokens or room, run.lora)
-            generated.inc(len(live))
-            if req.stream:
-                ev = Step(choices=[self._out(req, ids, ch, hold, want_lp) for ch in live])
-                if early:
-                    ev.prompt_logprobs, prompt_lps, early = prompt_lps, None, False
-                yield ev
-            live = [ch for ch in live if ch.finish_reason is None]
+        try:
+            while live:
+                if seq is None:
+                    await self._nap(run, self._token_delay() if prefill is None else prefill)
+                    prefill = None
+                else:
+                    await self._wait(run, seq.take)
+                await self._wait(run, lambda: self._mode != "keep")  # frozen while paused
+                if run.aborted:
+                    break
+                for ch in live:
+                    self._advance(ch, s, seed, s.max_tokens or room, run.lora)
+                generated.inc(len(live))
+                if req.stream:
+                    ev = Step(choices=[self._out(req, ids, ch, hold, want_lp) for ch in live])
+                    if early:
+                        ev.prompt_logprobs, prompt_lps, early = prompt_lps, None, False
+                    yield ev
+                live = [ch for ch in live if ch.finish_reason is None]
+        finally:
+            if seq is not None:
+                self.steps.leave(seq)  # type: ignore[union-attr]
         for ch in live:
             ch.finish_reason = "abort"
-        for ch in choices:  # what a continuation of it finds cached
-            self.cache.store(ids + ch.token_ids, salt)
+        if self.cache_completions:
+            for ch in choices:  # what a continuation of it finds cached
+                self.cache.store(ids + ch.token_ids, salt)
         final = choices if not req.stream else live
         if final:
             yield Step(choices=[self._out(req, ids, ch, hold, want_lp) for ch in final])
@@ -637,7 +670,7 @@ class MockEngine(Engine, EngineControl):
                 row.append(picks)
             rows.append(row)
         arr = np.array(rows, dtype=np.int64).reshape(len(rows), layers, k)
-        return RoutedExperts.of(arr, first)
+        return from_array(arr, first)
 
     @staticmethod
     def _delta(ch: _Choice, hold: int, want_lp: bool) -> Delta:
@@ -726,6 +759,8 @@ class MockEngine(Engine, EngineControl):
 
     async def shutdown(self) -> None:
         await self.abort_all()
+        if self.steps is not None:
+            await self.steps.close()
         self.cache.close()
 
     # ------------------------------------------------------------ control (EngineControl)
@@ -741,6 +776,8 @@ class MockEngine(Engine, EngineControl):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, not {mode!r}")
         self._mode = mode
+        if self.steps is not None:
+            self.steps.hold(mode == "keep")
         if mode == "abort":
             for run in self._runs.values():
                 run.aborted = run.aborted or run.admitted
@@ -753,6 +790,8 @@ class MockEngine(Engine, EngineControl):
 
     async def resume(self) -> None:
         self._mode = None
+        if self.steps is not None:
+            self.steps.hold(False)
         self._wake_all()
 
     async def reset_cache(self, running: bool = False) -> bool:

@@ -13,13 +13,13 @@ adapters (--enable-lora) serves them at its system server's root, over the same 
 Every reply is Dynamo's `LoraResponse` (``status`` "success" or "error", then the fields it
 has) with HTTP 200, an error included, as Dynamo answers; a body that is not JSON is HTTP
 400, one without the fields HTTP 422. `lora_id` is Dynamo's id of the name
-(`lora_name_to_id`)."""
+(`lora_name_to_id`). Structs and routes only: the ids, URIs and Dynamo's switches are
+read by rlfleet.worker.dynamo_lora."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import blake3
 import msgspec
 from msgspec import UNSET, UnsetType
 
@@ -30,9 +30,6 @@ LIST_LORAS = NativeRoute("/v1/loras", "GET", mutating=False)
 UNLOAD_LORA = NativeRoute("/v1/loras/{lora_name:path}", "DELETE")
 ROUTES = (LORAS, LIST_LORAS, UNLOAD_LORA)
 
-#: the environment variable that lets a load replace an adapter already loaded (Dynamo's)
-HOTSWAP_ENV = "DYN_LORA_HOTSWAP_ENABLED"
-FILE_SCHEME = "file://"
 
 
 class LoraSource(msgspec.Struct, forbid_unknown_fields=False):
@@ -54,22 +51,3 @@ class LoraResponse(msgspec.Struct, omit_defaults=True):
 
     def body(self) -> dict[str, Any]:
         return msgspec.to_builtins(self)
-
-
-def lora_name_to_id(name: str) -> int:
-    """Dynamo's id of an adapter name: the first 8 bytes of its blake3 hash, big-endian,
-    masked to 31 bits; never 0."""
-    h = int.from_bytes(blake3.blake3(name.encode()).digest()[:8], "big") & 0x7FFFFFFF
-    return h or 1
-
-
-def local_path(uri: str) -> str:
-    """The directory a ``file://`` URI names; ValueError for the schemes not served here."""
-    if not uri.startswith(FILE_SCHEME) or len(uri) == len(FILE_SCHEME):
-        raise ValueError(f"source.uri {uri!r}: this worker loads adapters from file:// URIs "
-                         "only (file:///path/to/adapter)")
-    return uri[len(FILE_SCHEME):]
-
-
-def hotswap_enabled(env: dict[str, str]) -> bool:
-    return env.get(HOTSWAP_ENV, "").strip().lower() in ("1", "true", "yes", "on")

@@ -30,14 +30,11 @@ the Head before the Step is sent.
 
 from __future__ import annotations
 
-import base64
 import enum
-import io
 import math
 from typing import Annotated, Any, Literal
 
 import msgspec
-import numpy as np
 from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
@@ -427,7 +424,8 @@ class RoutedExperts(Struct, kw_only=True, frozen=True):
     position `start + j` of the sequence (prompt, then completion). As a choice's final
     delta carries it for a request's `routed_experts_start` -1, `start` is the last prompt
     position and row i produced completion token i. On the OpenAI routes it is vLLM's
-    encoding: base64 of the array's .npy bytes (`to_npy_b64`)."""
+    encoding: base64 of the array's .npy bytes. The array and both encodings are
+rlfleet.runtime.routed_experts."""
 
     data: bytes
     dtype: Literal["uint8", "uint16", "int32"]
@@ -444,47 +442,6 @@ class RoutedExperts(Struct, kw_only=True, frozen=True):
     @property
     def tokens(self) -> int:
         return self.shape[0]
-
-    def array(self) -> Any:
-        """As a numpy array (tokens, layers, top-k)."""
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")
-                             ).reshape(self.shape)
-
-    @classmethod
-    def of(cls, arr: Any, start: int = 0) -> RoutedExperts:
-        """From a numpy array of expert IDs (tokens, layers, top-k), in the smallest dtype
-        that holds them."""
-        top = int(arr.max()) if arr.size else 0
-        dtype = "uint8" if top < 1 << 8 else "uint16" if top < 1 << 16 else "int32"
-        a = np.ascontiguousarray(arr, dtype=np.dtype(dtype).newbyteorder("<"))
-        return cls(data=a.tobytes(), dtype=dtype, shape=tuple(a.shape), start=start)
-
-    def to_npy_b64(self) -> str:
-        """vLLM's encoding: base64 of the .npy file of the array."""
-
-        buf = io.BytesIO()
-        np.save(buf, self.array(), allow_pickle=False)
-        return base64.b64encode(buf.getvalue()).decode("ascii")
-
-    @classmethod
-    def from_npy_b64(cls, s: str, start: int = 0) -> RoutedExperts:
-        """The inverse of to_npy_b64; ValueError if `s` is not such an array."""
-
-        try:
-            arr = np.load(io.BytesIO(base64.b64decode(s, validate=True)), allow_pickle=False)
-        except Exception as e:
-            raise ValueError(f"routed_experts is not base64 of a .npy array: {e}") from e
-        if arr.ndim != 3 or arr.dtype.kind not in "iu":
-            raise ValueError(f"routed_experts must be an integer array (tokens, layers, "
-                             f"top-k), got {arr.dtype} of shape {arr.shape}")
-        return cls.of(arr, start)
-
-    def concat(self, other: RoutedExperts) -> RoutedExperts:
-        """`other`'s rows after these (it must start where these end, same layers, top-k)."""
-        if other.start != self.start + self.tokens or other.shape[1:] != self.shape[1:]:
-            raise ValueError(f"routed experts from position {other.start} {other.shape} do not "
-                             f"follow {self.tokens} rows from {self.start} {self.shape}")
-        return RoutedExperts.of(np.concatenate([self.array(), other.array()]), self.start)
 
 
 class Delta(Struct, kw_only=True, gc=False):

@@ -1,7 +1,7 @@
 """The chunk plane of a pipelined weight fan-out, on a worker's system server: a worker that
 holds a version, or part of one it is still staging, serves it to other workers chunk by
 chunk (rlfleet.weights.fanout). The stage request that makes a worker a downstream is the
-peer source's `fanout` (rlfleet.protocol.admin.PeerFanout).
+peer source's `fanout` (rlfleet.protocol.admin_vllm.PeerFanout).
 
 ``GET /fanout/<version>``: the manifest (`FanoutManifest`): the tensors in chunk order, the
 chunk size, what the holder has so far and, once it is READY, the version's content digest.

@@ -20,7 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar
 
-from rlfleet.protocol.admin import AdminRequestError, Request, read_struct
+from rlfleet.protocol.admin import read_struct
+from rlfleet.protocol.admin_base import AdminRequestError, Request
 
 #: the backend's name in vLLM's weight-transfer registry (and --weight-transfer-config)
 BACKEND = "modelexpress"

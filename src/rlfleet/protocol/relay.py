@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from rlfleet.protocol.admin import ROUTES, AdminRequestError, AdminRoute, Reply, Request
+from rlfleet.protocol.admin import ROUTES, AdminRoute
+from rlfleet.protocol.admin_base import AdminRequestError, Reply, Request
 
 #: a relay call names at most this many targets
 MAX_TARGETS = 4096

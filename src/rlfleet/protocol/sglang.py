@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from msgspec import UNSET, Struct, UnsetType
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from rlfleet.protocol.engine import MAX_LOGPROBS, SamplingOptions, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
@@ -30,6 +38,15 @@ _NULL_IS_DEFAULT = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty
                     "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
                     "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                     "no_stop_trim")
+
+
+#: set, these are refused with these messages (what the fleet's engines do not run)
+_NOT_RUN = {
+    "stop_regex": "stop_regex is not supported by this fleet's engines (they stop on strings "
+                  "and token IDs): use stop or stop_token_ids",
+    "custom_params": "custom_params go to a custom logit processor, which this fleet does not "
+                     "run: leave it out",
+}
 
 
 class SglangSamplingParams(BaseModel):
@@ -78,20 +95,11 @@ class SglangSamplingParams(BaseModel):
             raise ValueError("sampling_params.n must be 1 on /generate; send one request per sample")
         return v
 
-    @field_validator("stop_regex")
+    @field_validator(*_NOT_RUN)
     @classmethod
-    def _stop_regex(cls, v: Any) -> Any:
+    def _not_run(cls, v: Any, info: ValidationInfo) -> Any:
         if v:
-            raise ValueError("stop_regex is not supported by this fleet's engines (they stop on "
-                             "strings and token IDs): use stop or stop_token_ids")
-        return v
-
-    @field_validator("custom_params")
-    @classmethod
-    def _custom_params(cls, v: Any) -> Any:
-        if v:
-            raise ValueError("custom_params go to a custom logit processor, which this fleet "
-                             "does not run: leave it out")
+            raise ValueError(_NOT_RUN[info.field_name])
         return v
 
     def structured_outputs(self) -> dict[str, Any] | None:

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
+from rlfleet.protocol import admin, admin_lora
+from rlfleet.protocol.admin_lora import (
     LoraAdmissionRequest,
     LoraLoadRequest,
     LoraStagedQuery,
     LoraStageRequest,
     LoraVersionRequest,
-    StagedSummary,
 )
+from rlfleet.protocol.admin_vllm import StagedSummary
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh.control import (
     Beside,
@@ -91,7 +91,7 @@ class VllmAdapterControl(VllmStagedControl):
         found = await gather_all(self._listed(ch, w) for w in ws.values() if w.active)
         return max((a.fleet_epoch or 0 for a in found if a is not None), default=0)
 
-    async def _listed(self, ch: Channel, w: FleetWorker) -> admin.LoraAdapterReply | None:
+    async def _listed(self, ch: Channel, w: FleetWorker) -> admin_lora.LoraAdapterReply | None:
         """The adapter as the worker lists it (None: it does not serve it)."""
         res = await ch.call(w.system_url, admin.LIST_LORA_ADAPTERS)
         if not res.ok:

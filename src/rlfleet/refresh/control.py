@@ -25,20 +25,17 @@ import msgspec
 import pydantic
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    AdminRoute,
+from rlfleet.protocol.admin import AdminRoute, CommitRequest
+from rlfleet.protocol.admin_vllm import (
     AdmissionRequest,
     CommitReply,
-    CommitRequest,
     DiskUpdateRequest,
     InstallReply,
-    NativeContinueRequest,
-    NativePauseRequest,
     PauseRequest,
-    SglangDiskRequest,
 )
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.rl import PROTOCOL_VERSION, STRICT_MIRRORS, RlWorkers, RlWorkerStrict
+from rlfleet.protocol.sglang_admin import NativeContinueRequest, NativePauseRequest, SglangDiskRequest
 from rlfleet.runtime.admin_client import AdminClient, CallResult, answered
 
 if TYPE_CHECKING:

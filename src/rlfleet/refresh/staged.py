@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
+from rlfleet.protocol.admin_vllm import (
     ApplyStagedRequest,
     FanoutOrigin,
     HandleRequest,

@@ -507,9 +507,6 @@ class RolloutStream:
         them; TimeoutError after `timeout` seconds, saying why none came)."""
         return self.fleet._run(self._next_batch(timeout))
 
-    async def anext_batch(self, timeout: float | None = None) -> list[StreamedSample]:
-        return await self.fleet._on_loop(self._next_batch(timeout))
-
     def publish(self, checkpoint: str | Path | None, version: str, *, step: int | None = None,
                 digest: str | None = None, probe: Probe | None = None,
                 tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None) -> None:
@@ -517,13 +514,6 @@ class RolloutStream:
         checkpoint in the background (see `Fleet.refresh` for the arguments). Waits only
         for the previous refresh, if it still runs."""
         self.fleet._run(self._publish(checkpoint, version, step, digest, probe, tensors))
-
-    async def apublish(self, checkpoint: str | Path | None, version: str, *,
-                       step: int | None = None, digest: str | None = None,
-                       probe: Probe | None = None,
-                       tensors: Callable[[], Sequence[tuple[str, Any]]] | None = None) -> None:
-        await self.fleet._on_loop(self._publish(checkpoint, version, step, digest, probe,
-                                                tensors))
 
     def wait_refreshed(self, timeout: float | None = None) -> None:
         """Until the last published step's refresh has ended (however it ended)."""

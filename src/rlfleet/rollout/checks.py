@@ -20,6 +20,7 @@ from rlfleet.protocol.engine import RoutedExperts
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity, WeightSpan
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.rollout.response import GeneratedChoice, Generation
+from rlfleet.runtime.routed_experts import from_npy_b64
 
 LOGPROB_TOLERANCE = 1e-3  # a log-probability is <= 0; allow float rounding above it
 
@@ -333,7 +334,7 @@ def routed_experts(c: GeneratedChoice, start: int) -> RoutedExperts | None:
     if not isinstance(c.routed_experts, str):
         raise RoutedExpertsMisaligned("routed_experts is not a base64 string")
     try:
-        r = RoutedExperts.from_npy_b64(c.routed_experts, start)
+        r = from_npy_b64(c.routed_experts, start)
     except ValueError as e:
         raise RoutedExpertsMisaligned(str(e)) from e
     if r.tokens != len(c.token_ids or ()):

@@ -57,11 +57,6 @@ class Host:
     ip: str
     port_link: str  # its switch port, in the lab's switch namespace
 
-    @property
-    def wrap(self) -> list[str]:
-        """Prefix for a command line that runs inside this host."""
-        return ["ip", "netns", "exec", self.name]
-
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """Run the calling thread inside this host (threads it starts inherit it)."""

@@ -15,19 +15,19 @@ from typing import Any
 
 import numpy as np
 
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import (
     Delta,
     Done,
     GenerateRequest,
     PromptLogprob,
-    RoutedExperts,
     SamplingOptions,
     Step,
     TokenLogprob,
 )
 from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
+from rlfleet.runtime.routed_experts import from_array
 from rlfleet.vllm.adapters import LoraAdapters, Served
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 from rlfleet.worker.engine import (
@@ -406,7 +406,7 @@ class VllmEngine(Engine, EngineControl):
                         choice.weight_versions = [_span(w) for w in c.weight_versions]
                     if experts_from is not None and c.finish_reason is not None \
                             and getattr(c, "routed_experts", None) is not None:
-                        choice.routed_experts = RoutedExperts.of(np.asarray(c.routed_experts),
+                        choice.routed_experts = from_array(np.asarray(c.routed_experts),
                                                                  experts_from)
                     choices.append(choice)
                 if choices:

@@ -19,7 +19,10 @@ Tensors may be of every dtype the safetensors library reads (`ST_DTYPES`, its ow
 Index JSON is written with sorted keys and no spaces, last, so a reader never sees a
 version whose files are not all there. The same layout lives in a local directory
 (``file://``), on S3 (``s3://bucket/prefix``), and is served over HTTP byte ranges by a
-trainer (`rlfleet.weights.publish`) or a peer worker (`/weights/<version>/<file>`)."""
+trainer (`rlfleet.weights.publish`) or a peer worker (`/weights/<version>/<file>`).
+
+This module stays whole because it is one format: the layout, the code that plans and
+reads a version, and the three storages that hold it change together."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import httpx
 import torch
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.runtime.admin_client import AdminClient, CallResult
 
 

@@ -2,7 +2,7 @@
 keeps a `ChunkBoard` of it (which chunks of which tensors it has so far) and serves those
 chunks on its system server while it still receives the rest (`add_fanout_routes`; the wire
 is rlfleet.protocol.fanout). A downstream stages with ``{"kind": "peer", "url": UPSTREAM,
-"fanout": {...}}`` (rlfleet.protocol.admin.PeerFanout) and pulls chunk by chunk
+"fanout": {...}}`` (rlfleet.protocol.admin_vllm.PeerFanout) and pulls chunk by chunk
 (rlfleet.weights.staging), so that a chain (or a tree) of workers moves the version at link
 speed with the origin sending each byte about once. `fanout_sources` lays the chain or tree
 out over the workers a coordinator found in discovery."""
@@ -22,7 +22,7 @@ from fastapi import Request  # resolved at import: FastAPI reads the handler's a
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlfleet.protocol import fanout as wire
-from rlfleet.protocol.admin import FanoutOrigin, FanoutProgress, PeerFanout
+from rlfleet.protocol.admin_vllm import FanoutOrigin, FanoutProgress, PeerFanout
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import TensorSpec
 from rlfleet.weights.publish import unauthorized

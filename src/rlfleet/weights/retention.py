@@ -38,9 +38,8 @@ import time
 import urllib.parse
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import (
     MAX_CHAIN,
     Catalog,
@@ -53,6 +52,10 @@ from rlfleet.weights.catalog import (
 log = logging.getLogger("rlfleet.weights.retention")
 
 #: READY versions kept per model besides those in use (`--retain-versions`)
+if TYPE_CHECKING:  # the stores (and torch with them) load when bytes are removed, not for
+    # `rlfleet --help`
+    from rlfleet.weights import artifacts as art
+
 DEFAULT_RETAIN = 4
 #: EVICTED records kept per model as tombstones (refused by name), the newest first
 DEFAULT_TOMBSTONES = 256
@@ -171,14 +174,16 @@ class ByteRemover:
 
     def _storage(self, root: str) -> art.Storage:
         if root not in self._storages:
-            self._storages[root] = art.open_storage(root, self.endpoint_url)
+            from rlfleet.weights.artifacts import open_storage
+            self._storages[root] = open_storage(root, self.endpoint_url)
         return self._storages[root]
 
     def remove(self, v: WeightVersion) -> None:
         for location in v.locations:
             if urllib.parse.urlsplit(location).scheme in ("http", "https"):
                 continue  # a trainer's or a peer's server: its files are its own
-            root, name = art.split_version_uri(location)
+            from rlfleet.weights.artifacts import split_version_uri
+            root, name = split_version_uri(location)
             self._storage(root).delete_version(name)
 
     def close(self) -> None:

@@ -51,14 +51,10 @@ import msgspec
 import numpy as np
 
 from rlfleet.protocol import fanout as fanout_wire
-from rlfleet.protocol.admin import (
-    AdminRequestError,
-    FanoutOrigin,
-    FanoutProgress,
-    PeerFanout,
-    weights_path,
-)
+from rlfleet.protocol.admin_base import AdminRequestError
+from rlfleet.protocol.admin_vllm import FanoutOrigin, FanoutProgress, PeerFanout
 from rlfleet.protocol.fanout import FanoutManifest, FanoutTensor
+from rlfleet.runtime.paths import weights_path
 from rlfleet.runtime.progress import Progress
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import ArtifactError, Entry, TensorSpec, VersionPlan

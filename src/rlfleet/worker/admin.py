@@ -22,8 +22,10 @@ import msgspec
 from msgspec import UNSET
 
 import rlfleet
-from rlfleet.protocol import admin, sglang_admin
-from rlfleet.protocol.admin import (
+from rlfleet.protocol import admin, admin_base, sglang_admin
+from rlfleet.protocol.admin import CommitRequest
+from rlfleet.protocol.admin_base import NoFields, SglangReply
+from rlfleet.protocol.admin_vllm import (
     AbortReply,
     AbortRequest,
     ApplyStagedRequest,
@@ -31,7 +33,6 @@ from rlfleet.protocol.admin import (
     CollectiveRpcRequest,
     CommitProbe,
     CommitReply,
-    CommitRequest,
     CommitStep,
     DiskUpdateRequest,
     DistributedRequest,
@@ -42,14 +43,11 @@ from rlfleet.protocol.admin import (
     IsPausedReply,
     LivenessReply,
     MessageReply,
-    NativeContinueRequest,
     NewVersionRequest,
-    NoFields,
     PauseReply,
     PauseRequest,
     SetVersionReply,
     SetVersionRequest,
-    SglangReply,
     StagedListReply,
     StagedQuery,
     StageReply,
@@ -59,8 +57,14 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step, TokenLogprob
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.sglang_admin import EndSessionRequest, ServerInfoReply, SessionRequest
+from rlfleet.protocol.sglang_admin import (
+    EndSessionRequest,
+    NativeContinueRequest,
+    ServerInfoReply,
+    SessionRequest,
+)
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
+from rlfleet.runtime.paths import weights_path
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
@@ -523,13 +527,13 @@ class EngineAdmin:
 
     def checkpoint_path(self, raw: Any) -> Path:
         """`model_path` checked: allowed, a directory, and a fit for the served model."""
-        path = admin.weights_path(raw, self.roots)
+        path = weights_path(raw, self.roots)
         try:
             why = self.engine.checkpoint_mismatch(path)
         except ValueError as e:
-            raise admin.AdminRequestError(str(e)) from e
+            raise admin_base.AdminRequestError(str(e)) from e
         if why:
-            raise admin.AdminRequestError(
+            raise admin_base.AdminRequestError(
                 f"checkpoint {raw} does not fit the served model's architecture: {why}")
         return path
 
@@ -587,7 +591,7 @@ class EngineAdmin:
             return await self.transfer.answer("init", req.init_info)
         g = req.resolved(self.engine.group_backend, GROUP_TIMEOUT)
         if g.backend == "nccl" and self.engine.group_backend != "nccl":
-            raise admin.UnsupportedRequest(
+            raise admin_base.UnsupportedRequest(
                 "backend nccl: an NCCL weight-update group needs a GPU, and this worker's "
                 f"engine joins {self.engine.group_backend} groups only; join with backend "
                 f"{self.engine.group_backend!r}, or load a checkpoint with "
@@ -637,7 +641,7 @@ class EngineAdmin:
         reply; after finish, the identity of the weights transferred."""
         step = d.transfer_step
         if step == "update" and d.allow_unpaused and not await self.engine.is_paused():
-            raise admin.UnsupportedRequest(
+            raise admin_base.UnsupportedRequest(
                 "allow_unpaused: an rlfleet worker applies transferred weights only while "
                 "generation is paused (its rule for every install); pause first "
                 "(pause_generation), then send update_weights again: the update stays open")

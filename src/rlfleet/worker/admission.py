@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from rlfleet.protocol.admin import AdmissionReply, AdmissionRequest
+from rlfleet.protocol.admin_vllm import AdmissionReply, AdmissionRequest
 from rlfleet.runtime.discovery import DiscoveryError
 
 log = logging.getLogger("rlfleet.admission")

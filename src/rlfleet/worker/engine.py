@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from rlfleet.protocol.admin import DistributedRequest, GroupRequest
+from rlfleet.protocol.admin_vllm import DistributedRequest, GroupRequest
 from rlfleet.protocol.engine import Done, GenerateRequest, Step
 from rlfleet.protocol.identity import UNKNOWN, PolicyIdentity
 from rlfleet.protocol.vllm_rl import NO_TRANSFER_BACKEND
@@ -231,7 +231,7 @@ class EngineControl(abc.ABC):
 
     @abc.abstractmethod
     async def pause(self, mode: str = "keep", clear_cache: bool = False) -> None:
-        """Stop generating; `mode` keep | wait | abort (protocol.admin.PAUSE_MODES)."""
+        """Stop generating; `mode` keep | wait | abort (protocol.admin_vllm.PAUSE_MODES)."""
 
     @abc.abstractmethod
     async def resume(self) -> None:

@@ -40,8 +40,8 @@ from typing import Any
 from msgspec import UNSET
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    AdminRequestError,
+from rlfleet.protocol.admin_base import AdminRequestError, NoFields
+from rlfleet.protocol.admin_lora import (
     LoraAdapterReply,
     LoraAdmissionRequest,
     LoraListReply,
@@ -50,11 +50,10 @@ from rlfleet.protocol.admin import (
     LoraStagedQuery,
     LoraStageRequest,
     LoraVersionRequest,
-    NoFields,
-    StagedListReply,
-    StageReply,
 )
+from rlfleet.protocol.admin_vllm import StagedListReply, StageReply
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.runtime.paths import weights_path
 from rlfleet.weights.adapters import ADAPTER_CONFIG, is_artifact, materialize_adapter
 from rlfleet.weights.artifacts import ArtifactError
 from rlfleet.weights.staging import (
@@ -119,7 +118,7 @@ class LoraAdmin:
     def lora_path(self, raw: str) -> Path:
         """The adapter directory, inside the worker's allowed roots (as model_path is)."""
         try:
-            return admin.weights_path(raw, self.roots)
+            return weights_path(raw, self.roots)
         except AdminRequestError as e:
             raise AdminRequestError(str(e).replace("model_path", "lora_path")) from None
 

@@ -29,7 +29,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from rlfleet.protocol.admin import AdminRequestError, ApplyStagedRequest, NewVersionRequest
+from rlfleet.protocol.admin_base import AdminRequestError
+from rlfleet.protocol.admin_vllm import ApplyStagedRequest, NewVersionRequest
 from rlfleet.protocol.modelexpress import ModelExpressInitInfo, read_init_info, read_update_info
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.staging import READ_TIMEOUT, StageState

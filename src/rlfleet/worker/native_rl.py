@@ -48,15 +48,13 @@ from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, dynamo_lora, skyrl, vllm_rl
-from rlfleet.protocol.admin import (
-    AdminRequestError,
-    AdminRoute,
-    NoFields,
-    SetVersionRequest,
-)
+from rlfleet.protocol import admin, admin_lora, admin_vllm, dynamo_lora, skyrl, vllm_rl
+from rlfleet.protocol.admin import AdminRoute
+from rlfleet.protocol.admin_base import AdminRequestError, NoFields
+from rlfleet.protocol.admin_vllm import SetVersionRequest
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
 from rlfleet.runtime import weight_checker
+from rlfleet.worker import dynamo_lora as dynamo_lora_ids
 from rlfleet.worker.admin import NOT_PAUSED, RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.modelexpress import TransferError
 from rlfleet.worker.system_server import Guard
@@ -165,7 +163,7 @@ def vllm_request_aliases(rid: str) -> list[str]:
     return out
 
 
-def skyrl_load_request(body: dict[str, Any]) -> admin.LoraLoadRequest:
+def skyrl_load_request(body: dict[str, Any]) -> admin_lora.LoraLoadRequest:
     """SkyRL's /skyrl/v1/load_lora_adapter body as vLLM's load in place; AdminRequestError
     (HTTP 400) names a field it does not take, or the one missing or empty."""
     path = vllm_rl.SKYRL_LOAD_LORA_ADAPTER.path
@@ -627,7 +625,7 @@ class NativeRL:
         async def dynamo_list_loras(raw_request: Request) -> Response:
             async def run() -> Response:
                 names = [s.policy.adapter_name for s in self.engine.adapters()]
-                ids = {n: dynamo_lora.lora_name_to_id(n) for n in names if n}
+                ids = {n: dynamo_lora_ids.lora_name_to_id(n) for n in names if n}
                 return JSONResponse(dynamo_lora.LoraResponse(
                     status="success", loras=ids, count=len(ids)).body())
             return await self.call(raw_request, dynamo_lora.LIST_LORAS, run)
@@ -639,28 +637,28 @@ class NativeRL:
                 if lora_name not in loaded:
                     return _dynamo(status="error", message=f"LoRA adapter '{lora_name}' not "
                                    f"found. Available LoRAs: {loaded}")
-                said = await lora.unload_lora_adapter(admin.LoraRequest(lora_name=lora_name))
+                said = await lora.unload_lora_adapter(admin_lora.LoraRequest(lora_name=lora_name))
                 if said.status != "ok":
                     return _dynamo(status="error", message=str(said.message),
                                    lora_name=lora_name)
                 return _dynamo(status="success", lora_name=lora_name,
                                message=f"LoRA adapter '{lora_name}' unloaded successfully",
-                               lora_id=dynamo_lora.lora_name_to_id(lora_name))
+                               lora_id=dynamo_lora_ids.lora_name_to_id(lora_name))
             return await self.call(raw_request, dynamo_lora.UNLOAD_LORA, run)
 
     async def _dynamo_load(self, req: dynamo_lora.LoadLoraRequest) -> Response:
         """Dynamo's load: an adapter already loaded stays as it is unless hot swaps are
         enabled ($DYN_LORA_HOTSWAP_ENABLED), then its new version replaces it."""
-        name, lora_id = req.lora_name, dynamo_lora.lora_name_to_id(req.lora_name)
+        name, lora_id = req.lora_name, dynamo_lora_ids.lora_name_to_id(req.lora_name)
         loaded = any(s.policy.adapter_name == name for s in self.engine.adapters())
-        swap = loaded and dynamo_lora.hotswap_enabled(dict(os.environ))
+        swap = loaded and dynamo_lora_ids.hotswap_enabled(dict(os.environ))
         if loaded and not swap:
             return _dynamo(status="success", message=f"LoRA adapter '{name}' already loaded",
                            lora_name=name, lora_id=lora_id)
         try:
-            path = dynamo_lora.local_path(req.source.uri)
+            path = dynamo_lora_ids.local_path(req.source.uri)
             said = await self.admin.lora.load_lora_adapter(
-                admin.LoraLoadRequest(lora_name=name, lora_path=path))
+                admin_lora.LoraLoadRequest(lora_name=name, lora_path=path))
         except (ValueError, AdminRequestError) as e:
             return _dynamo(status="error", message=str(e), lora_name=name)
         if said.status != "ok":
@@ -679,7 +677,7 @@ class NativeRL:
             return vllm_error(f"JSON decode error: {e}", 400)
         if not isinstance(body, dict):
             return vllm_error("Request body must be a JSON object", 400)
-        fields = admin.CollectiveRpcRequest.__struct_fields__
+        fields = admin_vllm.CollectiveRpcRequest.__struct_fields__
         req = admin.read_request(admin.COLLECTIVE_RPC, {k: v for k, v in body.items()
                                                         if k in fields})
         said = await self.admin.collective_rpc(req)

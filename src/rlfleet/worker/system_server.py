@@ -36,18 +36,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlfleet.protocol import admin
-from rlfleet.protocol.admin import (
-    EPOCH_HEADER,
-    STALE_EPOCH,
+from rlfleet.protocol.admin import EPOCH_HEADER, STALE_EPOCH, AdminRoute
+from rlfleet.protocol.admin_base import (
     AdminRequestError,
-    AdminRoute,
     ErrorBody,
-    FaultReply,
-    FaultRequest,
     Reply,
     StaleEpochError,
     UnsupportedRequest,
 )
+from rlfleet.protocol.admin_faults import FaultReply, FaultRequest
 from rlfleet.runtime import metrics, tracing
 from rlfleet.runtime.http import bad_json_message
 

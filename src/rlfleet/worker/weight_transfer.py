@@ -15,9 +15,9 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlfleet.protocol import admin, modelexpress
-from rlfleet.protocol.admin import (
+from rlfleet.protocol.admin_base import NoFields
+from rlfleet.protocol.admin_vllm import (
     MessageReply,
-    NoFields,
     TransferFinishRequest,
     TransferInitRequest,
     TransferUpdateRequest,

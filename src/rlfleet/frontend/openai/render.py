@@ -36,6 +36,7 @@ from rlfleet.protocol.openai import (
     NvExtResponse,
     Usage,
 )
+from rlfleet.runtime.routed_experts import to_npy_b64
 
 Req = CompletionRequest | ChatCompletionRequest
 Results = Result | Sequence[Result]
@@ -52,7 +53,7 @@ def _all(res: Results) -> Sequence[Result]:
 def routed_experts(r: Any) -> str | None:
     """A choice's routed experts as vLLM encodes them (base64 of the .npy array; null when
     the engine returned none: None or unset)."""
-    return r.to_npy_b64() if isinstance(r, RoutedExperts) else None
+    return to_npy_b64(r) if isinstance(r, RoutedExperts) else None
 
 
 def system_fingerprint(res: Result) -> str:

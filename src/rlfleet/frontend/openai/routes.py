@@ -16,16 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
 
-from rlfleet.frontend.generation import (
-    batch_request_id,
-    engine_request,
-    follow,
-    frontend_of,
-    parse_body,
-    request_id,
-    served_model,
-    sse,
-)
+from rlfleet.frontend import generation as gen
 from rlfleet.frontend.openai.render import (
     chat_body,
     chat_chunk_body,
@@ -47,10 +38,10 @@ from rlfleet.runtime.http import json_response
 
 
 async def completions(request: Request) -> Response:
-    req: CompletionRequest = await parse_body(request, CompletionRequest)
-    engine_request(req.refusals)
-    model = served_model(request, req.model)
-    rid = request_id(request, "cmpl", req.request_id)
+    req: CompletionRequest = await gen.parse_body(request, CompletionRequest)
+    gen.engine_request(req.refusals)
+    model = gen.served_model(request, req.model)
+    rid = gen.request_id(request, "cmpl", req.request_id)
     prompts = req.prompts
     logprobs = req.engine_logprobs
     echo = bool(req.echo)
@@ -61,15 +52,15 @@ async def completions(request: Request) -> Response:
             sampling = req.sampling(req.max_tokens, logprobs)
             sampling.prompt_logprobs = req.engine_prompt_logprobs
             out.append(GenerateRequest(
-                request_id=batch_request_id(rid, i, len(prompts)),
+                request_id=gen.batch_request_id(rid, i, len(prompts)),
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=None if isinstance(p, str) else p, sampling=sampling,
                 echo=echo, **req.request_options()))
         return out
 
-    greqs = engine_request(build)
+    greqs = gen.engine_request(build)
     results = [Result(rid, req.n, keep_output=keeps_output(req)) for _ in greqs]
-    call = await follow(request, model, greqs, results, req.nvext.policy)
+    call = await gen.follow(request, model, greqs, results, req.nvext.policy)
     if not req.stream:
         return await call.unary(lambda: completion_body(req, results, model))
 
@@ -86,19 +77,19 @@ async def completions(request: Request) -> Response:
                     chunk, offsets[k] = completion_chunk_body(
                         req, res, model, d, offsets[k], index=k, first=not started[k])
                     started[k] = True
-                    out.append(sse(chunk))
+                    out.append(gen.sse(chunk))
                 yield b"".join(out)
         last = final_chunk_body(req, results, model)
         if last is not None:
-            yield sse(last)
+            yield gen.sse(last)
     return call.stream(chunks())
 
 
 async def chat(request: Request) -> Response:
-    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-    engine_request(req.refusals)
-    model = served_model(request, req.model)
-    rid = request_id(request, "chatcmpl", req.request_id)
+    req: ChatCompletionRequest = await gen.parse_body(request, ChatCompletionRequest)
+    gen.engine_request(req.refusals)
+    model = gen.served_model(request, req.model)
+    rid = gen.request_id(request, "chatcmpl", req.request_id)
     ids = req.nvext.token_data
 
     def build() -> GenerateRequest:
@@ -114,29 +105,29 @@ async def chat(request: Request) -> Response:
             chat_template_kwargs=req.template_kwargs(), sampling=sampling,
             echo=bool(req.return_prompt_text), **opts)
 
-    greq = engine_request(build)
+    greq = gen.engine_request(build)
     res = Result(rid, req.n, keep_output=keeps_output(req))
-    call = await follow(request, model, greq, res, req.nvext.policy)
+    call = await gen.follow(request, model, greq, res, req.nvext.policy)
     if not req.stream:
         return await call.unary(lambda: chat_body(req, res, model))
 
     async def chunks() -> AsyncIterator[bytes]:
-        yield b"".join(sse(c) for c in chat_opening_chunks(req, res, model))
+        yield b"".join(gen.sse(c) for c in chat_opening_chunks(req, res, model))
         async for _, deltas, _ in call.batches():
             if deltas:
-                yield b"".join(sse(chat_chunk_body(req, res, model, d)) for d in deltas)
+                yield b"".join(gen.sse(chat_chunk_body(req, res, model, d)) for d in deltas)
         last = final_chunk_body(req, res, model)
         if last is not None:
-            yield sse(last)
+            yield gen.sse(last)
     return call.stream(chunks())
 
 
 async def input_tokens(request: Request) -> Response:
     """An estimate for preflight: the chat rendering of `input` (and the tools as JSON)
     counted by a worker's tokenizer."""
-    req: InputTokensRequest = await parse_body(request, InputTokensRequest)
-    fe = frontend_of(request)
-    w = await fe.pool.acquire(served_model(request, req.model))
+    req: InputTokensRequest = await gen.parse_body(request, InputTokensRequest)
+    fe = gen.frontend_of(request)
+    w = await fe.pool.acquire(gen.served_model(request, req.model))
     n = (await fe.client.tokenize(w.address, TokenizeRequest(messages=req.messages()))).count
     if req.tools:
         n += (await fe.client.tokenize(w.address,

@@ -17,6 +17,9 @@ on a filesystem shared between hosts it stats the directory once a tick and list
 when it changed (or changed within the last `HOT` seconds: timestamps are coarse). Either
 way it reads the file of an entry again only when that entry's lease would have run out:
 its cost follows the changes and the leases, not the listing.
+
+This module stays whole because the store, its watch and its wake-ups share one on-disk
+layout and one lease arithmetic.
 """
 
 from __future__ import annotations

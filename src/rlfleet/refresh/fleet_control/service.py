@@ -38,9 +38,14 @@ The service is the single owner of fleet transactions: one journal (rlfleet.jour
 one operation at a time. A service that dies mid-transaction leaves the fleet gated, and
 its restart (or `rlfleet recover`) recovers it from the journal (PolicyRefresh.recover).
 Routes that change the fleet require the admin token when one is set; several clients
-cannot send one, so the service binds to loopback unless told otherwise."""
+cannot send one, so the service binds to loopback unless told otherwise.
 
-from __future__ import annotations
+The HTTP layer is beside it: one route module per dialect (rlfleet.refresh.fleet_control.vllm,
+.sglang, .areal, .smg, .skyrl) and the app (rlfleet.refresh.fleet_control.app). This module
+stays whole because FleetControl is the single owner of a fleet transaction's state (its
+session, lock, channel and journal), which every operation here reads and changes."""
+
+
 
 import asyncio
 import dataclasses
@@ -49,63 +54,31 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
-import msgspec
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
 
 from rlfleet.journal import RefreshJournal, open_journal
-from rlfleet.protocol import admin, skyrl, smg, vllm_rl
-from rlfleet.protocol.admin import (
+from rlfleet.protocol import admin, admin_vllm
+from rlfleet.protocol.admin_base import NoFields
+from rlfleet.protocol.admin_lora import LoraLoadRequest, LoraRequest
+from rlfleet.protocol.admin_vllm import (
     AdmissionRequest,
     DiskUpdateRequest,
-    LoraLoadRequest,
-    LoraRequest,
-    NoFields,
     TransferFinishRequest,
     TransferInitRequest,
     TransferUpdateRequest,
-)
-from rlfleet.protocol.fleet_control import (
-    ROUTES,
-    SGLANG_PAUSE_MODES,
-    Body,
-    CollectiveRpcBody,
-    ControlRoute,
-    DiskUpdateBody,
-    LoraBody,
-    Op,
-    PauseBody,
-    TransferFinishBody,
-    TransferInitBody,
-    TransferUpdateBody,
 )
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh import committed as committed_policy
 from rlfleet.refresh import recovery
 from rlfleet.refresh.config import OnFailure, RefreshConfig, RefreshMode, UpdatePath
-from rlfleet.refresh.control import (
-    Channel,
-    FleetFenced,
-    FleetWorker,
-    RefreshHeld,
-    VllmControl,
-    for_each,
-)
+from rlfleet.refresh.control import Channel, FleetWorker, RefreshHeld, VllmControl, for_each
 from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.refresh.policy import Policy
-from rlfleet.runtime import weight_checker
 from rlfleet.runtime.admin_client import AdminConnections, CallResult
-from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.fleet_control")
-
-Handler = Callable[["FleetControl", Request], Awaitable[Response]]
-B = TypeVar("B", bound=Body)
 
 #: what the journal records as the update path of a transaction this service drives
 UPDATE_PATH = "fleet-control"
@@ -498,8 +471,8 @@ class FleetControl:
 
     async def pause(self, mode: str) -> bool:
         """Op.PAUSE; whether this call paused the fleet (False: it already was)."""
-        if mode not in admin.PAUSE_MODES:
-            raise BadRequest(f"mode must be one of {', '.join(admin.PAUSE_MODES)}, not {mode!r}")
+        if mode not in admin_vllm.PAUSE_MODES:
+            raise BadRequest(f"mode must be one of {', '.join(admin_vllm.PAUSE_MODES)}, not {mode!r}")
         async with self.lock:
             if self.session is not None:
                 self.session.by_client = True
@@ -786,24 +759,18 @@ class FleetControl:
                 self.on_event(f"LoRA adapter {name!r}: {path} cannot be read here, so its "
                               "digest is unknown and the load cannot be verified as a refresh: "
                               "every worker loads it, or none does")
-            workers = list((self.session.workers if self.session else
-                            await self.discover()).values())
+            workers = await self._all_workers()
             ch = self.channel()
-            loaded: list[FleetWorker] = []
-            failed: list[FleetWorker] = []
-
-            async def load(w: FleetWorker) -> None:
-                res = await ch.on(w, "load_adapter", admin.LOAD_LORA_ADAPTER,
-                                  LoraLoadRequest(lora_name=name, lora_path=path))
-                (loaded if res.ok else failed).append(w)
+            results = await self._on_all(ch, workers, "load_adapter", admin.LOAD_LORA_ADAPTER,
+                                         LoraLoadRequest(lora_name=name, lora_path=path))
+            loaded = [w for w, res in results if res.ok]
+            failed = [w for w, res in results if not res.ok]
+            for w, res in results:
                 if not res.ok:
                     w.reason = f"load failed: {res.message}"
-            await self._each(workers, load)
             if failed:
-                async def unload(w: FleetWorker) -> None:
-                    await ch.on(w, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
-                                LoraRequest(lora_name=name))
-                await self._each(loaded, unload)
+                await self._on_all(ch, loaded, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
+                                   LoraRequest(lora_name=name))
                 undone = sorted(w.instance_id for w in loaded)
                 raise FleetFailure(
                     f"loading LoRA adapter {name!r} failed on {self._named(failed)}; "
@@ -842,25 +809,31 @@ class FleetControl:
                 [w["instance_id"] for w in res.workers] if rolled_back else [])
         return sorted(w["instance_id"] for w in res.workers)
 
+    async def _on_all(self, ch: Channel, ws: list[FleetWorker], step: str,
+                      route: admin.AdminRoute, request: Any
+                      ) -> list[tuple[FleetWorker, CallResult[Any]]]:
+        """`route` on every worker of `ws`: each worker with its result."""
+        out: list[tuple[FleetWorker, CallResult[Any]]] = []
+
+        async def one(w: FleetWorker) -> None:
+            out.append((w, await ch.on(w, step, route, request)))
+        await self._each(ws, one)
+        return out
+
+    async def _all_workers(self) -> list[FleetWorker]:
+        """The open transaction's workers, else the fleet's as listed now."""
+        return list((self.session.workers if self.session else await self.discover()).values())
+
     async def unload_adapter(self, name: str) -> list[int]:
         """Op.UNLOAD_ADAPTER on every worker that has it; FleetFailure 404 when none has."""
         if not isinstance(name, str) or not name:
             raise BadRequest("lora_name is required (a string)")
         async with self.lock:
-            workers = list((self.session.workers if self.session else
-                            await self.discover()).values())
-            ch = self.channel()
-            done: list[int] = []
-            why: list[str] = []
-
-            async def unload(w: FleetWorker) -> None:
-                res = await ch.on(w, "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
-                                  LoraRequest(lora_name=name))
-                if res.ok:
-                    done.append(w.instance_id)
-                else:
-                    why.append(f"worker {w.instance_id}: {res.message}")
-            await self._each(workers, unload)
+            results = await self._on_all(self.channel(), await self._all_workers(),
+                                         "unload_adapter", admin.UNLOAD_LORA_ADAPTER,
+                                         LoraRequest(lora_name=name))
+            done = [w.instance_id for w, res in results if res.ok]
+            why = [f"worker {w.instance_id}: {res.message}" for w, res in results if not res.ok]
             if not done:
                 raise FleetFailure(f"The lora adapter '{name}' cannot be found: "
                                    + "; ".join(why), 404)
@@ -878,238 +851,8 @@ def _adapter_digest(path: str) -> str | None:
         return None
 
 
-# ---------------------------------------------------------------- the dialects
 
-
-async def _body(request: Request, shape: type[B] | None = None) -> Any:
-    """The request's JSON body as `shape` (rlfleet.protocol.fleet_control: the fields the
-    route reads; without one, a JSON object as a dict); an empty body is all defaults. Every
-    way a body can be wrong is a BadRequest that says how: not JSON, nested past what is
-    decoded, not an object, a field of the wrong type (named). Every route reads its body
-    here."""
-    raw = await request.body()
-    if not raw.strip():
-        return shape() if shape is not None else {}
-    try:
-        return msgspec.json.decode(raw, type=shape or dict[str, Any])
-    except RecursionError as e:
-        raise BadRequest(f"the body is not JSON rlfleet can read: {bad_json_message(e)}") \
-            from None
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"the body does not fit {request.url.path}: {_named(e)}") from None
-    except (msgspec.DecodeError, UnicodeError) as e:
-        raise BadRequest(f"the body is not JSON: {bad_json_message(e, raw)}") from None
-
-
-def _named(e: msgspec.ValidationError) -> str:
-    """msgspec's "Expected `str`, got `object` - at `$.mode`" as "field mode: expected str,
-    got object"."""
-    text = str(e).replace("`", "")
-    what, _, where = text.partition(" - at $.")
-    if not where:
-        return f"the body must be a JSON object ({text[0].lower()}{text[1:]})"
-    return f"field {where}: {what[0].lower()}{what[1:]}"
-
-
-def _flag(value: str | None, name: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise BadRequest(f"{name} must be true or false, not {value!r}")
-
-
-def vllm_error(e: FleetFailure) -> JSONResponse:
-    """vLLM's RL routes' error body (`{"error": "..."}`), with the workers and what was
-    rolled back beside it."""
-    return JSONResponse({"error": str(e), "workers": e.workers, "rolled_back": e.rolled_back},
-                        status_code=e.status)
-
-
-async def _vllm_pause(ctl: FleetControl, request: Request) -> Response:
-    mode = request.query_params.get("mode", "abort")
-    _flag(request.query_params.get("clear_cache"), "clear_cache", True)
-    await ctl.pause(mode)
-    return JSONResponse({"status": "paused"})
-
-
-async def _vllm_resume(ctl: FleetControl, request: Request) -> Response:
-    await ctl.resume()
-    return JSONResponse({"status": "resumed"})
-
-
-async def _vllm_is_paused(ctl: FleetControl, request: Request) -> Response:
-    return JSONResponse({"is_paused": ctl.is_paused()})
-
-
-async def _vllm_reset(ctl: FleetControl, request: Request) -> Response:
-    try:
-        await ctl.reset_cache()
-    except FleetFailure as e:
-        if e.status == 500:  # vLLM: the reset did not happen (blocks still held)
-            return JSONResponse({"success": False, "error": str(e)})
-        raise
-    return JSONResponse({"success": True})
-
-
-async def _vllm_world_size(ctl: FleetControl, request: Request) -> Response:
-    include_dp = _flag(request.query_params.get("include_dp"), "include_dp", True)
-    return JSONResponse({"world_size": await ctl.world_size(include_dp)})
-
-
-async def _vllm_weight_info(ctl: FleetControl, request: Request) -> Response:
-    held = await ctl.weight_version()
-    if held is None:
-        raise FleetFailure("the workers do not hold one policy (a refresh is under way, or "
-                           "the fleet needs `rlfleet recover`)", 409)
-    return JSONResponse({"weight_version": held.version or "default"})
-
-
-async def _vllm_init(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, TransferInitBody)
-    if body.init_info is None:
-        raise BadRequest("init_info is required (the weight-transfer backend's settings)")
-    await ctl.transfer_init(body.init_info)
-    return JSONResponse({"message": "Weight transfer initialized"})
-
-
-async def _vllm_start(ctl: FleetControl, request: Request) -> Response:
-    await ctl.transfer_start()
-    return JSONResponse({"message": "Weight update started"})
-
-
-async def _vllm_update(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, TransferUpdateBody)
-    if body.update_info is None:
-        raise BadRequest("update_info is required")
-    await ctl.transfer_update(body.update_info)
-    return JSONResponse({"message": "Weights updated"})
-
-
-async def _vllm_finish(ctl: FleetControl, request: Request) -> Response:
-    await ctl.transfer_finish((await _body(request, TransferFinishBody)).weight_version)
-    return JSONResponse({"message": "Weight update finished"})
-
-
-async def _vllm_collective_rpc(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, CollectiveRpcBody)
-    if body.method != "reload_weights":
-        raise BadRequest(f"collective_rpc runs reload_weights only on a fleet (a reload from "
-                         f"disk on every worker, as one transaction), not {body.method!r}")
-    path = (body.kwargs or {}).get("weights_path")
-    if not isinstance(path, str) or not path:
-        raise BadRequest("reload_weights needs kwargs.weights_path: a checkpoint directory "
-                         "every worker can read (a string)")
-    out = await ctl.update_from_disk(path, None)
-    return JSONResponse({"results": [None] * len(out.workers)})
-
-
-async def _vllm_load_lora(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, LoraBody)
-    name = body.lora_name
-    await ctl.load_adapter(name, body.lora_path)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-
-async def _vllm_unload_lora(ctl: FleetControl, request: Request) -> Response:
-    name = (await _body(request, LoraBody)).lora_name
-    await ctl.unload_adapter(name)
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
-
-
-async def _skyrl_load_lora(ctl: FleetControl, request: Request) -> Response:
-    """SkyRL's own server route: vLLM's load, answered as JSON."""
-    body = await _body(request, LoraBody)
-    name = body.lora_name
-    await ctl.load_adapter(name, body.lora_path)
-    return JSONResponse({"status": "ok", "lora_name": name})
-
-
-def smg_error(e: FleetFailure) -> JSONResponse:
-    """SMG's error body: `{"error": <code>, "message"}` (the code leads the message, or is
-    `upstream_error`)."""
-    code, sep, rest = str(e).partition(": ")
-    if not sep or " " in code:
-        code, rest = smg.UPSTREAM_ERROR, str(e)
-    return JSONResponse(smg.error(code, rest), status_code=e.status)
-
-
-def sglang_error(e: FleetFailure, route: ControlRoute) -> Response:
-    """SGLang's failure bodies: `{"success": false, "message"}` for its update and LoRA
-    routes (HTTP 400), a plain text for /flush_cache, `{"error"}` otherwise."""
-    extra = {"workers": e.workers, "rolled_back": e.rolled_back}
-    if route.dialect == "areal":  # AReaL's server: `{"success": false, "message"}`, 400
-        return JSONResponse({"success": False, "message": str(e), **extra}, status_code=400)
-    if route.op is Op.UPDATE_FROM_DISK:
-        return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0,
-                             **extra}, status_code=400)
-    if route.op in (Op.LOAD_ADAPTER, Op.UNLOAD_ADAPTER):
-        return JSONResponse({"success": False, "error_message": str(e),
-                             "loaded_adapters": None, **extra}, status_code=400)
-    if route.op is Op.RESET_CACHE:
-        return PlainTextResponse(f"Cache flush failed: {e}\n", status_code=400)
-    return JSONResponse({"error": {"message": str(e)}, **extra}, status_code=e.status)
-
-
-async def _sglang_pause(ctl: FleetControl, request: Request) -> Response:
-    mode = (await _body(request, PauseBody)).mode
-    if mode not in SGLANG_PAUSE_MODES:
-        raise BadRequest(f"mode must be one of {', '.join(SGLANG_PAUSE_MODES)}, not {mode!r}")
-    await ctl.pause(SGLANG_PAUSE_MODES[mode])
-    return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
-
-
-async def _sglang_continue(ctl: FleetControl, request: Request) -> Response:
-    await ctl.resume()
-    return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
-
-
-async def _sglang_update(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, DiskUpdateBody)
-    mode = "abort" if body.abort_all_requests else None
-    out = await ctl.update_from_disk(body.model_path, body.weight_version, mode)
-    if body.flush_cache and ctl.is_paused():
-        await ctl.reset_cache()
-    return JSONResponse({"success": True, "message": f"Succeeded to update model weights: "
-                         f"{len(out.workers)} worker(s) serve {out.policy.version} "
-                         f"({out.policy.digest})", "num_paused_requests": 0})
-
-
-async def _sglang_flush(ctl: FleetControl, request: Request) -> Response:
-    await ctl.reset_cache()
-    return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                             "(When there are running or waiting requests, the operation "
-                             "will not be performed.)\n")
-
-
-async def _sglang_version(ctl: FleetControl, request: Request) -> Response:
-    held = await ctl.weight_version()
-    if held is None:
-        raise FleetFailure("the workers do not hold one policy", 409)
-    return JSONResponse({"weight_version": held.version})
-
-
-async def _sglang_load_lora(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request, LoraBody)
-    name, path = body.lora_name, body.lora_path
-    await ctl.load_adapter(name, path)
-    return JSONResponse({"success": True, "error_message": "",
-                         "loaded_adapters": {name: path}})
-
-
-async def _sglang_unload_lora(ctl: FleetControl, request: Request) -> Response:
-    await ctl.unload_adapter((await _body(request, LoraBody)).lora_name)
-    return JSONResponse({"success": True, "error_message": "", "loaded_adapters": {}})
-
-
-# ---------------------------------------------------------------- vLLM's newest RL routes,
-# SGLang 0.5.23's weight-update session, AReaL's vLLM routes (each worker's own route, on
-# every worker of the fleet)
-
-
-async def _fleet_now(ctl: FleetControl) -> tuple[Channel, list[FleetWorker]]:
+async def fleet_now(ctl: FleetControl) -> tuple[Channel, list[FleetWorker]]:
     """The channel and workers of the open transaction, else of the fleet as listed now."""
     s = ctl.session
     if s is not None:
@@ -1117,11 +860,11 @@ async def _fleet_now(ctl: FleetControl) -> tuple[Channel, list[FleetWorker]]:
     return ctl.channel(), sorted((await ctl.discover()).values(), key=lambda w: w.instance_id)
 
 
-async def _on_each_native(ctl: FleetControl, path: str, body: dict[str, Any]
+async def on_each_native(ctl: FleetControl, path: str, body: dict[str, Any]
                           ) -> list[dict[str, Any]]:
     """POST `body` to vLLM's native `path` on every worker (its admin_base_url): their
     answers, in instance order; FleetFailure names the workers that refused or failed."""
-    _, ws = await _fleet_now(ctl)
+    _, ws = await fleet_now(ctl)
     answers: dict[int, dict[str, Any]] = {}
     failed: list[dict[str, Any]] = []
     token = ctl.config.admin_token
@@ -1147,313 +890,3 @@ async def _on_each_native(ctl: FleetControl, path: str, body: dict[str, Any]
                            f"{', '.join(str(f['instance_id']) for f in failed)}: {failed}",
                            status, failed)
     return [answers[w.instance_id] for w in ws]
-
-
-async def _vllm_abort_requests(ctl: FleetControl, request: Request) -> Response:
-    """vLLM's /abort_requests on every worker: the IDs named (each worker ends those it
-    runs), or every request in flight; the fleet is not paused."""
-    ids = (await _body(request)).get("request_ids")
-    if ids is not None and (not isinstance(ids, list) or
-                            not all(isinstance(i, str) for i in ids)):
-        raise BadRequest("request_ids must be a list of request IDs (none: every request)")
-    said = await _on_each_native(ctl, vllm_rl.ABORT_REQUESTS.path,
-                                 {"request_ids": ids} if ids else {})
-    aborted = len(ids) if ids else sum(int(a.get("aborted", 0)) for a in said)
-    return JSONResponse({"status": "aborted", "aborted": aborted})
-
-
-async def _vllm_weight_checker(ctl: FleetControl, request: Request) -> Response:
-    """vLLM's weight checker over the fleet: the workers' reports merged, each worker's ranks
-    under its own data-parallel rank (in instance order), compared like one server's."""
-    body = await _body(request)
-    try:
-        action, baseline, others = weight_checker.read_reports(body)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    if action == "reset":
-        raise BadRequest(weight_checker.RESET_REFUSED)
-    reports = await _on_each_native(ctl, vllm_rl.WEIGHT_CHECKER.path, {"action": "checksum"})
-    merged = weight_checker.merge([weight_checker.under_dp(r.get("checksums") or {}, dp)
-                                   for dp, r in enumerate(reports)])
-    if baseline is None:
-        return JSONResponse({"checksums": merged})
-    match, mismatches, ranks = weight_checker.compare([baseline, merged, *others])
-    return JSONResponse({"match": match, "mismatches": mismatches, "ranks": ranks})
-
-
-async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Response:
-    """vLLM's /update_weight_version {new_version}: every worker relabels its weights."""
-    version = (await _body(request)).get("new_version")
-    if not isinstance(version, str) or not version:
-        raise BadRequest("new_version is required (a non-empty string)")
-    async with ctl.lock:
-        ch, ws = await _fleet_now(ctl)
-        failed: list[FleetWorker] = []
-
-        async def relabel(w: FleetWorker) -> None:
-            res = await ch.on(w, "set_version", admin.UPDATE_UPDATE_WEIGHT_VERSION,
-                              admin.NewVersionRequest(new_version=version))
-            if not res.ok:
-                failed.append(w)
-        await ctl._each(ws, relabel)
-    if failed:
-        raise FleetFailure(f"the weight version was not set on {ctl._named(failed)}", 500,
-                           [w.summary() for w in failed])
-    return JSONResponse({"success": True, "new_version": version})
-
-
-async def _vllm_start_draft(ctl: FleetControl, request: Request) -> Response:
-    raise BadRequest(vllm_rl.DRAFT_REFUSED)
-
-
-async def _skyrl_fetch_weights(ctl: FleetControl, request: Request) -> Response:
-    raise BadRequest(skyrl.FETCH_WEIGHTS_REFUSED)
-
-
-def _selected(selector: str | None, ws: list[FleetWorker]) -> list[FleetWorker]:
-    """The workers an SMG selector (`key=value[,key=value...]`: engine, model, id) matches;
-    FleetFailure 400 in SMG's codes for a missing or malformed one, or none matching."""
-    if not selector:
-        raise FleetFailure(f"{smg.SELECTOR_REQUIRED}: send ?selector=key=value (keys: "
-                           f"{', '.join(smg.SELECTOR_KEYS)})", 400)
-    terms = [t.partition("=") for t in selector.split(",")]
-    bad = [k + eq + v for k, eq, v in terms if not eq or not v or k not in smg.SELECTOR_KEYS]
-    if bad:
-        raise FleetFailure(f"{smg.INVALID_SELECTOR}: {bad[0]!r} (keys: "
-                           f"{', '.join(smg.SELECTOR_KEYS)}; engine={smg.ENGINE} is every "
-                           "worker)", 400)
-    have = {"engine": lambda w: smg.ENGINE, "model": lambda w: w.model or "",
-            "id": lambda w: str(w.instance_id)}
-    chosen = [w for w in ws if all(have[k](w) == v for k, _, v in terms)]
-    if not chosen:
-        raise FleetFailure(f"{smg.NO_WORKERS_MATCH}: no worker matches {selector!r}", 400)
-    return chosen
-
-
-async def _fanout_one(ctl: FleetControl, w: FleetWorker, request: Request, path: str,
-                      body: bytes) -> tuple[smg.CallOutcome | None, smg.FailedCall | None]:
-    """One worker's call of an engine route: its /engine/<path> when the path is a route of
-    the admin table, else its native route at /<path>."""
-    where = f"{admin.ROUTE_PREFIX}/{path}" if path in admin.ROUTES else f"/{path}"
-    url, wid = f"{w.system_url}{where}", str(w.instance_id)
-    headers = {"content-type": "application/json"}
-    if ctl.config.admin_token:
-        headers["Authorization"] = f"Bearer {ctl.config.admin_token}"
-    t0 = time.monotonic()
-    try:
-        r = await ctl.clients.get(w.system_url).request(
-            request.method, url, content=body or None, headers=headers,
-            params={k: v for k, v in request.query_params.items() if k != "selector"},
-            timeout=ctl.config.timeout)
-    except httpx.TimeoutException as e:
-        return None, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_TIMEOUT,
-                                    message=repr(e))
-    except httpx.HTTPError as e:
-        return None, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_UNREACHABLE,
-                                    message=repr(e))
-    try:
-        said: Any = r.json()
-    except ValueError:
-        said = r.text
-    outcome = smg.CallOutcome(worker_id=wid, url=url, status=r.status_code, body=said,
-                              latency_ms=int((time.monotonic() - t0) * 1000))
-    # an /engine route answers a refusal 200 with "status": "error" (or SGLang's
-    # "success": false): a failure too
-    refused = isinstance(said, dict) and (said.get("status") == "error"
-                                          or said.get("success") is False)
-    if r.is_success and not refused:
-        return outcome, None
-    return outcome, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_ERROR,
-                                   message=str(said)[:2000], status=r.status_code)
-
-
-async def _smg_fanout(ctl: FleetControl, request: Request) -> Response:
-    """SMG's `/v1/rl/engine/{path}?selector=`: the engine route on every matching worker, as
-    it is (no fleet transaction); SMG's RlFanoutResponse, 207 when any failed."""
-    path = request.path_params["path"].strip("/")
-    if not path or ".." in path.split("/"):
-        raise FleetFailure(f"{smg.INVALID_ENGINE_PATH}: {path!r}", 400)
-    body = await request.body()
-    _, ws = await _fleet_now(ctl)
-    chosen = _selected(request.query_params.get("selector"), ws)
-    done = await asyncio.gather(*(_fanout_one(ctl, w, request, path, body) for w in chosen))
-    out = smg.FanoutResponse(
-        results={o.worker_id: o for o, _ in done if o is not None},
-        failed=[f for _, f in done if f is not None], total=len(chosen),
-        succeeded=sum(1 for _, f in done if f is None))
-    return Response(msgspec.json.encode(out), status_code=207 if out.failed else 200,
-                    media_type="application/json")
-
-
-async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
-    """SGLang 0.5.23's /begin_weight_update and /end_weight_update on every worker: the
-    fleet's session opens (closes) on all of them, or the ones that moved move back."""
-    begin = request.url.path == "/begin_weight_update"
-    body = await _body(request)
-    route = admin.BEGIN_WEIGHT_UPDATE if begin else admin.END_WEIGHT_UPDATE
-    try:
-        req = admin.read_request(route, body)
-    except admin.AdminRequestError as e:
-        raise BadRequest(str(e)) from None
-    undo_route = admin.END_WEIGHT_UPDATE if begin else admin.BEGIN_WEIGHT_UPDATE
-    async with ctl.lock:
-        ch, ws = await _fleet_now(ctl)
-        moved: list[FleetWorker] = []
-        refused: list[str] = []
-
-        async def one(w: FleetWorker) -> None:
-            res = await ch.on(w, route.name, route, req)
-            if res.ok:
-                moved.append(w)
-            else:
-                refused.append(f"worker {w.instance_id}: {res.message}")
-        await ctl._each(ws, one)
-        if refused:
-            undo = admin.read_request(undo_route, {})
-            await ctl._each(moved, lambda w: ch.on(w, undo_route.name, undo_route, undo))
-            return JSONResponse({"success": False, "message": "; ".join(refused)},
-                                status_code=400)
-    return JSONResponse({"success": True, "message": "Success"})
-
-
-async def _areal_pause(ctl: FleetControl, request: Request) -> Response:
-    """AReaL's pause: the requests in flight are aborted (their partial output returned)."""
-    await ctl.pause("abort")
-    return JSONResponse({"success": True, "message": "Generation paused and all requests "
-                                                     "aborted"})
-
-
-async def _areal_continue(ctl: FleetControl, request: Request) -> Response:
-    await ctl.resume()
-    return JSONResponse({"success": True, "message": "Generation continued"})
-
-
-async def _areal_update(ctl: FleetControl, request: Request) -> Response:
-    """AReaL's update from disk: inside a pause a step of it, else a transaction of its own
-    that aborts the requests in flight, as AReaL's server pauses for it."""
-    body = await _body(request)
-    load_format = body.get("load_format", "auto")
-    if load_format not in (None, "auto"):
-        raise BadRequest(f"load_format {load_format!r}: the workers load the checkpoint's own "
-                         "format only (auto)")
-    out = await ctl.update_from_disk(body.get("model_path"), None, "abort")
-    return JSONResponse({"success": True, "message": "".join(
-        f"TP rank: {rank} success\n" for rank in range(len(out.workers)))})
-
-
-#: each route of the tables (rlfleet.protocol.fleet_control) and its handler
-HANDLERS: dict[tuple[str, str], Handler] = {
-    ("vllm", "/pause"): _vllm_pause,
-    ("vllm", "/resume"): _vllm_resume,
-    ("vllm", "/is_paused"): _vllm_is_paused,
-    ("vllm", "/reset_prefix_cache"): _vllm_reset,
-    ("vllm", "/get_world_size"): _vllm_world_size,
-    ("vllm", "/weight_info"): _vllm_weight_info,
-    ("vllm", "/init_weight_transfer_engine"): _vllm_init,
-    ("vllm", "/start_weight_update"): _vllm_start,
-    ("vllm", "/update_weights"): _vllm_update,
-    ("vllm", "/finish_weight_update"): _vllm_finish,
-    ("vllm", "/collective_rpc"): _vllm_collective_rpc,
-    ("vllm", "/v1/load_lora_adapter"): _vllm_load_lora,
-    ("vllm", "/v1/unload_lora_adapter"): _vllm_unload_lora,
-    ("vllm", "/skyrl/v1/load_lora_adapter"): _skyrl_load_lora,
-    ("sglang", "/pause_generation"): _sglang_pause,
-    ("sglang", "/continue_generation"): _sglang_continue,
-    ("sglang", "/update_weights_from_disk"): _sglang_update,
-    ("sglang", "/flush_cache"): _sglang_flush,
-    ("sglang", "/get_weight_version"): _sglang_version,
-    ("sglang", "/load_lora_adapter"): _sglang_load_lora,
-    ("sglang", "/unload_lora_adapter"): _sglang_unload_lora,
-    ("vllm", "/abort_requests"): _vllm_abort_requests,
-    ("vllm", "/weight_checker"): _vllm_weight_checker,
-    ("vllm", "/update_weight_version"): _vllm_update_weight_version,
-    ("vllm", "/start_draft_weight_update"): _vllm_start_draft,
-    ("vllm", "/fetch_weights"): _skyrl_fetch_weights,
-    ("sglang", "/begin_weight_update"): _sglang_session,
-    ("sglang", "/end_weight_update"): _sglang_session,
-    ("areal", "/areal_pause_generation"): _areal_pause,
-    ("areal", "/areal_continue_generation"): _areal_continue,
-    ("areal", "/areal_update_weights"): _areal_update,
-    ("smg", "/v1/rl/engine/{path:path}"): _smg_fanout,
-}
-
-
-def _authorized(request: Request, token: str | None) -> bool:
-    if not token:
-        return True
-    auth = request.headers.get("authorization", "")
-    return auth[:7].lower() == "bearer " and auth[7:] == token
-
-
-def _endpoint(ctl: FleetControl, route: ControlRoute) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
-        if route.mutating and not _authorized(request, ctl.config.admin_token):
-            e = FleetFailure("this route changes the fleet: send the admin token as "
-                             "Authorization: Bearer <token>", 401)
-            return vllm_error(e) if route.dialect == "vllm" else sglang_error(e, route)
-        try:
-            return await HANDLERS[route.dialect, route.path](ctl, request)
-        except FleetFenced as fenced:  # a newer coordinator (`rlfleet recover`, ...) took over
-            ctl.dropped(str(fenced))
-            e = FleetFailure(f"another coordinator took the fleet over ({fenced}); this "
-                             "service's transaction is dropped: check `rlfleet journal`", 409)
-            return vllm_error(e) if route.dialect == "vllm" else sglang_error(e, route)
-        except FleetFailure as e:
-            log.warning("%s %s: %s", request.method, route.path, e)
-            if route.dialect == "smg":
-                return smg_error(e)
-            return vllm_error(e) if route.dialect == "vllm" else sglang_error(e, route)
-        except Exception as e:
-            log.exception("%s %s failed", request.method, route.path)
-            failure = FleetFailure(f"{route.path} failed: {e!r}", 500)
-            return vllm_error(failure) if route.dialect == "vllm" else sglang_error(failure, route)
-    return endpoint
-
-
-async def _health(request: Request) -> Response:
-    ctl: FleetControl = request.app.state.control
-    s = ctl.session
-    return JSONResponse({"status": "ok", "paused": s is not None,
-                         "refresh_id": s.id if s else None,
-                         "journal": ctl.journal.path, "rl_url": ctl.control.rl_url})
-
-
-def control_app(ctl: FleetControl) -> Starlette:
-    """The service's HTTP app: every dialect route of ROUTES, and GET /control/health."""
-    app = Starlette(routes=[Route("/control/health", _health, methods=["GET"]),
-                            *(Route(r.path, _endpoint(ctl, r), methods=list(r.methods))
-                              for r in ROUTES)])
-    app.state.control = ctl
-    return app
-
-
-async def serve(config: RefreshConfig, host: str, port: int, log_format: str | None = None,
-                stop: asyncio.Event | None = None) -> None:
-    """Run the service until `stop` (default: SIGINT / SIGTERM): recover the fleet's
-    unfinished transactions from the journal first, then answer on host:port and print
-    the ready line (`RLFLEET_CONTROL_READY url=...`)."""
-    import signal
-
-    from rlfleet.runtime.logs import announce_ready
-    from rlfleet.runtime.server import AppServer, bind_socket
-
-    if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-    ctl = FleetControl(config, on_event=lambda msg: log.info("%s", msg))
-    try:
-        recovered = await ctl.recover()
-        if recovered:
-            log.info("recovered from the journal %s: %s", ctl.journal.path, recovered)
-        server = AppServer(control_app(ctl), bind_socket(host, port))
-        await server.start()
-        announce_ready("control", {"url": server.url, "journal": ctl.journal.path,
-                                   "recovered": "yes" if recovered else "no"}, log_format)
-        try:
-            await stop.wait()
-        finally:
-            await server.stop()
-    finally:
-        await ctl.aclose()
