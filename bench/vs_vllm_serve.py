@@ -3,17 +3,23 @@
 one rlfleet vLLM worker, against plain `vllm serve`, on the same tiny model (made with
 `rlfleet make-model`), the same engine flags and the same cores, stacks alternated.
 
-    python bench/vs_vllm_serve.py [--rounds 2] [--model DIR] [--prompts 160]
+    python bench/vs_vllm_serve.py [--rounds 2] [--repeats 1] [--model DIR] [--prompts 160]
 
-Prints each run's output tok/s and mean TPOT, then the ratio of the best output tok/s
-(rlfleet / vllm serve); the last line is one JSON object: {"rlfleet_tok_s": [...],
-"vllm_tok_s": [...], "ratio": r, "rlfleet_tpot_ms": [...], "vllm_tpot_ms": [...]}."""
+A round starts `vllm serve`, runs the client `--repeats` times, stops it, then does the same
+with the rlfleet stack. Prints each run's output tok/s, mean TPOT and the CPU seconds each
+serving process spent in it (the engine core apart: on these cores whatever the processes
+around it spend is taken from it), then the ratio of the best output tok/s (rlfleet / vllm
+serve) and of the medians; the last line is one JSON object: {"rlfleet_tok_s": [...],
+"vllm_tok_s": [...], "ratio": r, "ratio_median": r, "rlfleet_tpot_ms": [...],
+"vllm_tpot_ms": [...], "rlfleet_cpu_s": {...}, "vllm_cpu_s": {...}} (the CPU seconds
+medians, per process)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from rlfleet.runtime.launch import engine_env
 from rlfleet.testing.fleet import LocalFleet, vllm_serve
@@ -58,8 +65,32 @@ def wait_serving(url: str, timeout: float = 600) -> None:
         time.sleep(0.5)
 
 
+def _role(p: psutil.Process) -> str:
+    """What a serving process is: the engine core (vLLM names its process), or the module
+    the process runs (rlfleet.frontend, rlfleet.vllm, vllm's API server)."""
+    argv = p.cmdline()
+    if "EngineCore" in p.name() or any("EngineCore" in a for a in argv[:1]):
+        return "engine_core"
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    return p.name()
+
+
+def serving_cpu() -> dict[int, tuple[str, float]]:
+    """CPU seconds so far of each process this one started (and theirs), by pid."""
+    out = {}
+    for p in psutil.Process().children(recursive=True):
+        try:
+            t = p.cpu_times()
+            out[p.pid] = (_role(p), t.user + t.system)
+        except psutil.Error:
+            continue
+    return out
+
+
 def bench_client(args: argparse.Namespace, url: str, work: Path, tag: str) -> dict:
-    """vLLM's benchmark client against `url`; its result JSON."""
+    """vLLM's benchmark client against `url`; its result JSON, with the CPU seconds each
+    serving process spent meanwhile (by role)."""
     name = f"{tag}-{time.monotonic_ns()}.json"
     argv = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm",
             "--base-url", url, "--endpoint", "/v1/completions", "--model", SERVED,
@@ -68,30 +99,35 @@ def bench_client(args: argparse.Namespace, url: str, work: Path, tag: str) -> di
             "--num-prompts", str(args.prompts), "--max-concurrency", str(args.concurrency),
             "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", str(work),
             "--result-filename", name]
+    before = serving_cpu()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=900,
                          env=engine_env())
+    cpu: dict[str, float] = {}
+    for pid, (role, t) in serving_cpu().items():
+        cpu[role] = round(cpu.get(role, 0.0) + t - before.get(pid, (role, 0.0))[1], 2)
     if out.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
     d = json.loads((work / name).read_text())
     res = {"stack": tag, "output_tok_s": round(d["output_throughput"], 1),
-           "mean_tpot_ms": round(d["mean_tpot_ms"], 2), "completed": d["completed"]}
+           "mean_tpot_ms": round(d["mean_tpot_ms"], 2), "completed": d["completed"],
+           "cpu_s": cpu}
     print(json.dumps(res), flush=True)
     return res
 
 
-def run_vllm_serve(args: argparse.Namespace, work: Path) -> dict:
+def run_vllm_serve(args: argparse.Namespace, work: Path) -> list[dict]:
     with vllm_serve(args.model, SERVED, work, *ENGINE_FLAGS) as url:
         wait_serving(url)
-        return bench_client(args, url, work, "vllm-serve")
+        return [bench_client(args, url, work, "vllm-serve") for _ in range(args.repeats)]
 
 
-def run_rlfleet(args: argparse.Namespace, work: Path) -> dict:
+def run_rlfleet(args: argparse.Namespace, work: Path) -> list[dict]:
     with LocalFleet(Path(tempfile.mkdtemp(dir=work, prefix="fleet-"))) as fleet:
         fleet.start_frontend(*args.frontend_flag)
         fleet.start_worker("--model", str(args.model), "--served-model-name", SERVED,
                            *ENGINE_FLAGS, kind="vllm")
         wait_serving(fleet.url)
-        return bench_client(args, fleet.url, work, "rlfleet")
+        return [bench_client(args, fleet.url, work, "rlfleet") for _ in range(args.repeats)]
 
 
 def main() -> None:
@@ -99,6 +135,8 @@ def main() -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="a model directory (default: a tiny one made with rlfleet make-model)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="client runs per server start, back to back")
     p.add_argument("--prompts", type=int, default=160)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--frontend-flag", action="append", default=[],
@@ -111,17 +149,27 @@ def main() -> None:
                        check=True, capture_output=True)
     runs: dict[str, list[dict]] = {"rlfleet": [], "vllm": []}
     for _ in range(args.rounds):
-        runs["vllm"].append(run_vllm_serve(args, work))
-        runs["rlfleet"].append(run_rlfleet(args, work))
+        runs["vllm"] += run_vllm_serve(args, work)
+        runs["rlfleet"] += run_rlfleet(args, work)
+    report(runs)
+
+
+def report(runs: dict[str, list[dict]]) -> None:
     tok = {k: [r["output_tok_s"] for r in v] for k, v in runs.items()}
     tpot = {k: [r["mean_tpot_ms"] for r in v] for k, v in runs.items()}
+    cpu = {k: {role: statistics.median(r["cpu_s"].get(role, 0.0) for r in v)
+               for role in {role for r in v for role in r["cpu_s"]}} for k, v in runs.items()}
     ratio = max(tok["rlfleet"]) / max(tok["vllm"])
+    ratio_median = statistics.median(tok["rlfleet"]) / statistics.median(tok["vllm"])
     print(f"output tok/s: rlfleet {tok['rlfleet']} vs vllm serve {tok['vllm']}: "
-          f"ratio {ratio:.2f} (best of {args.rounds}); mean TPOT ms: rlfleet "
-          f"{tpot['rlfleet']} vs {tpot['vllm']}")
+          f"ratio {ratio:.3f} (best of {len(tok['vllm'])}), {ratio_median:.3f} (medians); "
+          f"mean TPOT ms: rlfleet {tpot['rlfleet']} vs {tpot['vllm']}; CPU s per run "
+          f"(medians): rlfleet {cpu['rlfleet']} vs {cpu['vllm']}")
     print(json.dumps({"rlfleet_tok_s": tok["rlfleet"], "vllm_tok_s": tok["vllm"],
-                      "ratio": round(ratio, 3), "rlfleet_tpot_ms": tpot["rlfleet"],
-                      "vllm_tpot_ms": tpot["vllm"], "cores": os.cpu_count()}))
+                      "ratio": round(ratio, 3), "ratio_median": round(ratio_median, 3),
+                      "rlfleet_tpot_ms": tpot["rlfleet"], "vllm_tpot_ms": tpot["vllm"],
+                      "rlfleet_cpu_s": cpu["rlfleet"], "vllm_cpu_s": cpu["vllm"],
+                      "cores": os.cpu_count()}))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The frontend's request-ID runs: replay, conflicts, orphan grace, bounded memory."""
+"""The frontend's request-ID runs: replay, conflicts, orphan grace, bounded memory; and the
+shared registry's runs handing events to a follower in the pump (Run.pour)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import pytest
 
 from rlfleet.frontend.runs import GenerationRuns, RequestIdConflict
+from rlfleet.runtime.runs import Run, RunRegistry
 from tests.scripted import Scripted
 
 
@@ -62,3 +64,63 @@ async def test_memory_is_bounded():
         await run.task
     reg.start("last", b"", True, Scripted(events(1)))
     assert len(reg.runs) <= 3
+
+
+# ---------------------------------------------------------------- Run.pour (rlfleet.runtime.runs)
+
+async def _ticks(n: int, error: BaseException | None = None):
+    for i in range(n):
+        await asyncio.sleep(0.001)
+        yield i
+    if error is not None:
+        raise error
+
+
+async def test_pour_hands_events_on_in_the_pump_until_the_sink_refuses_one():
+    reg = RunRegistry()
+    run = reg.start(Run("p"), lambda run: _ticks(10))
+    await run.wait_past(1)  # two are there before the follower comes
+    got, tasks = [], []
+
+    def sink(ev) -> bool:
+        if ev == 6:
+            return False  # say, the stream's window is shut
+        got.append(ev)
+        tasks.append(asyncio.current_task())
+        return True
+
+    i = await run.pour(0, sink)
+    assert i == 6 and got == [0, 1, 2, 3, 4, 5]
+    me = asyncio.current_task()
+    assert tasks[:2] == [me, me] and set(tasks[3:]) == {run.task}  # the live ones: the pump's
+    assert await run.pour(7, lambda ev: got.append(ev) or True) == 10
+    assert got[6:] == [7, 8, 9] and run.done and not run._taps
+
+
+async def test_pour_ends_with_the_run_and_a_sink_that_fails_is_only_stopped():
+    reg = RunRegistry()
+    run = reg.start(Run("e"), lambda run: _ticks(5, ValueError("engine failed")))
+    calls = []
+
+    def failing(ev) -> bool:
+        calls.append(ev)
+        raise RuntimeError("cannot encode")
+
+    other = []
+    pours = asyncio.gather(run.pour(0, failing), run.pour(0, lambda ev: other.append(ev) or True))
+    assert await pours == [0, 5]  # the failing one gets its first event back, on its own task
+    assert calls == [0] and other == [0, 1, 2, 3, 4]
+    assert isinstance(run.error, ValueError)
+
+
+async def test_a_follower_that_leaves_takes_its_tap_away():
+    reg = RunRegistry()
+    run = reg.start(Run("c"), lambda run: _ticks(1000))
+    follower = asyncio.ensure_future(run.pour(0, lambda ev: True))
+    await asyncio.sleep(0.01)
+    assert len(run._taps) == 1
+    follower.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await follower
+    assert not run._taps
+    run.task.cancel()

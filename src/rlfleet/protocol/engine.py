@@ -372,7 +372,13 @@ class Cancelled(Struct, kw_only=True):
 
 # ---------------------------------------------------------------------------- events
 
-class Head(Struct, kw_only=True, omit_defaults=True):
+# The events (Head, Step, Delta, TokenLogprob, PromptLogprob, Done) are made with gc=False:
+# the garbage collector does not track them (their lists still are). One is made per token
+# on both sides of the stream plane and a run kept for retries holds its events for
+# minutes; none of them ever refers back to what holds it, so they can never be part of a
+# reference cycle, which is all the collector is for.
+
+class Head(Struct, kw_only=True, omit_defaults=True, gc=False):
     """The first event: what the engine was given, and the weights that produced the
     first token (a pause may have swapped them since the request arrived)."""
 
@@ -399,7 +405,7 @@ class Head(Struct, kw_only=True, omit_defaults=True):
         return PolicyIdentity.from_stamped(msgspec.structs.asdict(self))
 
 
-class TokenLogprob(Struct, kw_only=True):
+class TokenLogprob(Struct, kw_only=True, gc=False):
     """Logprob of one generated token, with the top alternatives."""
 
     token_id: int
@@ -438,7 +444,7 @@ rlfleet.runtime.routed_experts."""
         return self.shape[0]
 
 
-class Delta(Struct, kw_only=True):
+class Delta(Struct, kw_only=True, gc=False):
     """What one choice added in one step."""
 
     index: int
@@ -459,20 +465,20 @@ class Delta(Struct, kw_only=True):
     routed_experts: RoutedExperts | None | UnsetType = UNSET
 
 
-class Step(Struct, kw_only=True):
+class Step(Struct, kw_only=True, gc=False):
     choices: list[Delta]
     # from an engine to its worker only, on the first Step of a request with echo and
     # stream: the prompt logprobs, which the worker moves into the Head (never sent)
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None | UnsetType = UNSET
 
 
-class PromptLogprob(Struct, kw_only=True):
+class PromptLogprob(Struct, kw_only=True, gc=False):
     logprob: float
     rank: int | None = None
     decoded_token: str = ""
 
 
-class Done(Struct, kw_only=True):
+class Done(Struct, kw_only=True, gc=False):
     """The last event. prompt_logprobs: one entry per prompt position, position 0 null,
     others {"<token_id>": PromptLogprob} (the prompt token and the top alternatives)."""
 

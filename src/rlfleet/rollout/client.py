@@ -90,6 +90,7 @@ from rlfleet.rollout.sample import (
     SamplingSpec,
     prompt_kind,
 )
+from rlfleet.rollout.transport import ShardedTransport, env_proxies
 from rlfleet.runtime import tracing
 
 if TYPE_CHECKING:
@@ -227,6 +228,9 @@ class RolloutClient:
         # sent with every request: the frontend lets only its holder cancel those runs
         self._cancel_token = secrets.token_urlsafe(24)
         self._frames: dict[str, tuple[list[int], list[int]]] = {}  # see _turn_frame
+        if transport is None and not env_proxies():
+            # httpx's own transport in pools of a few connections (rlfleet.rollout.transport)
+            transport = ShardedTransport(max_connections)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=connect_timeout, read=None, write=30.0, pool=None),
             limits=httpx.Limits(max_connections=max_connections,

@@ -173,9 +173,11 @@ class StreamResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            body = scope.get(DIRECT_SEND, send)
-            async for chunk in self.chunks:
-                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+            # the chunks are written by a task of their own, right under the event loop (as
+            # Starlette's StreamingResponse does): a chunk then resumes that task's few frames,
+            # not the middleware stack this request runs under. Cancelling this task (the
+            # watch) cancels it too.
+            await asyncio.ensure_future(self._write(scope.get(DIRECT_SEND, send)))
             self.watch.finish()
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except BaseException as e:
@@ -187,3 +189,7 @@ class StreamResponse(Response):
                 await self.chunks.aclose()  # type: ignore[attr-defined]
             if self.on_end is not None:
                 self.on_end()
+
+    async def _write(self, send: Send) -> None:
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -54,11 +54,20 @@ def event_bytes(ev: Any) -> int:
     return 96 + (sum(100 + 200 * len(p) for p in prompt_logprobs if p) if prompt_logprobs else 0)
 
 
+class _Tap:
+    """A follower handed each new event by the run's pump (Run.pour)."""
+
+    __slots__ = ("sink", "next", "over")
+
+    def __init__(self, sink: Callable[[Any], bool], next_: int, over: asyncio.Future) -> None:
+        self.sink, self.next, self.over = sink, next_, over
+
+
 class Run:
     """One run: its events from number `base` on, how it ended, who follows it."""
 
     __slots__ = ("request_id", "keep", "events", "base", "error", "done", "ended_at",
-                 "followers", "bytes", "task", "_waiters", "_orphan")
+                 "followers", "bytes", "task", "_waiters", "_orphan", "_taps")
 
     def __init__(self, request_id: str, keep: bool = True) -> None:
         self.request_id = request_id
@@ -73,6 +82,7 @@ class Run:
         self.task: asyncio.Task | None = None
         self._waiters: list[asyncio.Future] = []
         self._orphan: asyncio.TimerHandle | None = None
+        self._taps: list[_Tap] = []
 
     def publish(self) -> None:
         """Wake every follower waiting for news (each waits on its own future, so that a
@@ -99,6 +109,50 @@ class Run:
             w = asyncio.get_running_loop().create_future()
             self._waiters.append(w)
             await w
+
+    async def pour(self, i: int, sink: Callable[[Any], bool]) -> int:
+        """Hand `sink` the run's events from number `i` on: those there now, then each new
+        one as the run's pump appends it (in the pump's task: no task switch per event),
+        until `sink` returns False for one (it could not take it now) or the run ends.
+        Returns the number of the first event `sink` did not take."""
+        while True:
+            while i < self.base + len(self.events):
+                if not sink(self.events[i - self.base]):
+                    return i
+                i += 1
+            if self.done:
+                return i
+            tap = _Tap(sink, i, asyncio.get_running_loop().create_future())
+            self._taps.append(tap)
+            try:
+                refused = await tap.over
+            finally:
+                if tap in self._taps:
+                    self._taps.remove(tap)
+            i = tap.next
+            if refused:
+                return i
+
+    def _feed(self, ev: Any) -> None:
+        """The pump appended `ev`: hand it to each tap (one that refuses it stops)."""
+        for tap in list(self._taps):
+            try:
+                took = tap.sink(ev)
+            except Exception:  # noqa: BLE001 - its follower meets it again, on its own task
+                took = False
+            if took:
+                tap.next += 1
+            else:
+                self._taps.remove(tap)
+                if not tap.over.done():
+                    tap.over.set_result(True)
+
+    def _untap(self) -> None:
+        """The run ended: its taps' followers take it from here."""
+        taps, self._taps = self._taps, []
+        for tap in taps:
+            if not tap.over.done():
+                tap.over.set_result(False)
 
     async def follow(self) -> AsyncIterator[Any]:
         """Every event of the run from the start, then new ones as they come; then the
@@ -191,6 +245,8 @@ class RunRegistry(Generic[R]):
                     run.bytes += n
                     if self.runs.get(run.request_id) is run:
                         self.kept_bytes += n
+                if run._taps:
+                    run._feed(ev)
                 if run._waiters:
                     run.publish()
         except asyncio.CancelledError:
@@ -203,6 +259,7 @@ class RunRegistry(Generic[R]):
             run.done = True
             run.ended_at = time.monotonic()
             self.ended(run)
+            run._untap()
             run.publish()
 
     def ended(self, run: R) -> None:

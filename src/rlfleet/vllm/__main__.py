@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
 
 def main(argv: list[str] | None = None) -> None:
+    import uvloop
+
     from rlfleet.runtime.logs import quiet_engine_logging
 
     # before vLLM is imported: its level (WARNING unless debug), and in json format its
@@ -25,9 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     engine = VllmEngine(args)
     staging = staging_area(args, engine)
     admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
-    asyncio.run(serve_worker(engine, args, admin.routes, staging=staging,
-                             admission=admin.admission, fence=admin.fence,
-                             mounted=NativeRL(admin)))
+    # on uvloop, as `vllm serve` runs its engine's client: every token of every request
+    # crosses this event loop (vLLM's output handler, the stream plane)
+    uvloop.run(serve_worker(engine, args, admin.routes, staging=staging,
+                            admission=admin.admission, fence=admin.fence,
+                            mounted=NativeRL(admin)))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from rlfleet.runtime.request_plane import (
 )
 from rlfleet.runtime.request_plane.frames import FrameReader, FrameWriter, keep_alive
 from rlfleet.worker.engine import BadRequest, Engine, UnknownAdapter
-from rlfleet.worker.kept import KeptRuns
+from rlfleet.worker.kept import KeptRun, KeptRuns
 from rlfleet.worker.system_server import FaultInjector, InjectedFault
 
 log = logging.getLogger("rlfleet.request_plane")
@@ -759,6 +759,31 @@ class _FrontendLink(asyncio.Protocol):
             await self._writable()
         self.writer.put(kind, sid, ev)
 
+    async def _stream_run(self, sid: int, window: _Window, run: KeptRun) -> None:
+        """Every event of a kept run on stream `sid`, from its Head; raises the HttpError
+        that refused it. While the stream's window is open and the frontend reads, the
+        run's pump sends each event as it comes (Run.pour); this task waits only when one
+        cannot go at once."""
+        put = self.writer.put
+
+        def send_now(item: tuple[Frame, Any]) -> bool:
+            if window.credit <= 0 or self._paused:
+                return False
+            put(item[0], sid, item[1])
+            window.credit -= 1
+            return True
+
+        i = 0
+        while True:
+            i = await run.pour(i, send_now)
+            if i == run.produced:  # the run ended and all of it is sent
+                if run.error is not None:
+                    raise run.error
+                return
+            kind, ev = run.events[i - run.base]
+            await self._send(sid, window, kind, ev, counted=True)
+            i += 1
+
     async def _follow_kept(self, sid: int, req: GenerateRequest) -> None:
         """A request the worker keeps by its ID (rlfleet.worker.kept): start its run, or
         follow the one already kept, from its Head. Leaving (CLOSE, a lost connection)
@@ -773,8 +798,7 @@ class _FrontendLink(asyncio.Protocol):
                 return
             kept.attach(run)
             try:
-                async for kind, ev in kept.follow(run):
-                    await self._send(sid, window, kind, ev, counted=True)
+                await self._stream_run(sid, window, run)
             except HttpError as e:
                 self._error(sid, e.status, e.message)
             finally:
