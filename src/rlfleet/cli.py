@@ -327,7 +327,8 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     """`make-model`, `digest`, `publish`."""
     mm = sub.add_parser("make-model", help="write a random Qwen3-architecture test checkpoint")
     mm.add_argument("out", help="output directory")
-    mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    mm.add_argument("--size", choices=["tiny", "small", "medium"], default="tiny",
+                    help="tiny; small: the Qwen3-0.6B geometry; medium: Qwen3-1.7B's")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     mm.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3",

@@ -33,18 +33,31 @@ import torch
 
 log = logging.getLogger("rlfleet.vllm.shadow")
 
+
+class BadWeights(ValueError):
+    """The version's tensors cannot be installed (non-finite values, a wrong checksum)."""
+
 _OWN = ("_parameters", "_buffers", "_modules", "_do_torchao_reload", "_original_do_torchao_reload")
 
 
 class Shadow:
-    """A version reloaded into a shadow tree of `model`, built in a background thread."""
+    """A version reloaded into a shadow tree of `model`, built in a background thread.
 
-    def __init__(self, model: torch.nn.Module, vllm_config, path: str, digest: str,
-                 tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    `digest`: the content digest of `tensors` when the caller computed it over the same
+    bytes (a staged directory); None: each tensor is checked as the loader takes it (its
+    digest, finite values, and its Adler-32 where `checksums` names one), in the same pass
+    as the load, and `digest` is their root once built."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config, path: str, digest: str | None,
+                 tensors: Iterator[tuple[str, torch.Tensor]],
+                 checksums: dict[str, str] | None = None) -> None:
         self.model, self.path, self.digest = model, path, digest
         self.error: str | None = None
+        self.bad_weights = False  # the error is about the weights, not this engine's room
         self.seconds = 0.0
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        if digest is None:
+            tensors = self._checked(tensors, checksums or {})
         self._thread = threading.Thread(target=self._build, args=(vllm_config, tensors),
                                         name="rlfleet-shadow", daemon=True)
         self._thread.start()
@@ -59,6 +72,27 @@ class Shadow:
         """Until the build has finished (ready or failed)."""
         self._thread.join()
 
+    def _checked(self, tensors: Iterator[tuple[str, torch.Tensor]], checksums: dict[str, str]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tensors`, each one hashed, checked finite and against its Adler-32 (when given)
+        as the loader takes it: one read of the checkpoint for all of it."""
+        from rlfleet.weights.artifacts import adler32_hex
+        from rlfleet.weights.digest import DigestBuilder, non_finite
+
+        digests = DigestBuilder()
+        for name, t in tensors:
+            why = non_finite([(name, t)], digests)
+            want = checksums.get(name)
+            if why is None and want is not None:
+                got = adler32_hex(t.contiguous().view(-1).view(torch.uint8).numpy())
+                if got != want:
+                    why = (f"tensor {name}: Adler-32 {got} does not match the artifact's {want} "
+                           "(corrupt or changed since it was written)")
+            if why is not None:
+                raise BadWeights(why)
+            yield name, t
+        self.digest = digests.root()
+
     def _build(self, vllm_config, tensors) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -69,11 +103,14 @@ class Shadow:
                 reload_weights(vllm_config, shadow, weights_iterator=tensors, weights_path=None,
                                is_checkpoint_format=True)
                 refresh_tied_output(shadow)
-        except Exception as e:  # noqa: BLE001 - the apply falls back to an in-place reload
+            if self.digest is None:
+                raise BadWeights("the loader did not take every tensor of the version")
+        except Exception as e:  # noqa: BLE001 - the caller says what happens instead
             self.error = f"{type(e).__name__}: {e}"
+            self.bad_weights = isinstance(e, BadWeights)
             self._pairs = []
-            log.warning("preparing %s in the engine's format failed (%s); applying it will "
-                        "reload in place", self.digest, self.error)
+            log.warning("preparing %s in the engine's format failed (%s)",
+                        self.digest or self.path, self.error)
         self.seconds = time.perf_counter() - t0
 
     def _tree(self) -> torch.nn.Module:

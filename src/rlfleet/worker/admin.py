@@ -57,6 +57,7 @@ from rlfleet.protocol.admin import (
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step, TokenLogprob
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
+from rlfleet.weights.staging import CannotStage
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
@@ -447,8 +448,14 @@ class EngineAdmin:
         with the handle (STAGING). Bad sources and wrong bases are refused here when they can
         be seen without the transfer, else the handle ends FAILED with the reason."""
         policy = self.engine.applied().policy
-        h = await self.staging.stage(req.version, req.source, digest=req.digest,
-                                     applied=(policy.version, policy.digest))
+        try:
+            h = await self.staging.stage(req.version, req.source, digest=req.digest,
+                                         applied=(policy.version, policy.digest),
+                                         require_swap=req.require_swap)
+        except CannotStage as e:
+            return StageReply.failed(f"cannot stage {req.version} to swap it in: {e}; install "
+                                     "it from disk instead (update_weights_from_disk)",
+                                     cannot_stage=str(e), version=req.version)
         return StageReply(handle=h.handle, state=h.state.value, version=h.version)
 
     async def get_staged_weights(self, req: StagedQuery) -> StagedListReply:
