@@ -567,8 +567,12 @@ class ApplyStagedRequest(Request, kw_only=True, frozen=True):
     handle: str
     weight_version: str | None = None  # default: the staged version's name
     step: int | None = None
+    #: the served label stays what it is (as vLLM's reload_weights keeps it), whatever the
+    #: staged version's name: an update that names no version (rlfleet.refresh.fleet_control)
+    keep_label: bool = False
     MESSAGES: ClassVar[dict[str, str]] = {"handle": _HANDLE, "weight_version": _VERSION,
-                                          "step": _STEP}
+                                          "step": _STEP,
+                                          "keep_label": "keep_label must be a boolean"}
 
     def __post_init__(self) -> None:
         _check_handle(self.handle)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+import uuid
+from typing import Any
 
 import msgspec
 
@@ -25,6 +26,7 @@ from rlfleet.protocol.admin import (
     StagedSummary,
     StageRequest,
 )
+from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh.control import (
     LIFECYCLE_ROUTES,
     Channel,
@@ -34,10 +36,8 @@ from rlfleet.refresh.control import (
     applied,
     gather_all,
 )
+from rlfleet.refresh.policy import Policy
 from rlfleet.weights.fanout import fanout_sources
-
-if TYPE_CHECKING:
-    from rlfleet.refresh.policy import Policy
 
 STAGED_ROUTES = admin.route_names(admin.STAGED)
 
@@ -107,6 +107,7 @@ class VllmStagedControl(VllmControl):
         self.staged: dict[int, StagedSummary] = {}  # worker -> its last staging summary
         self.fallback: dict[int, str] = {}  # worker -> why it installs from disk
         self.staging: list[FleetWorker] = []  # the workers the last `prepare` staged on
+        self.staging_path: str | None = None  # ... and the checkpoint it staged
         self.holders: dict[str, list[str]] = {}  # version -> system URLs that applied it
 
     def _sources(self, target: Policy, w: FleetWorker) -> list[dict[str, Any]]:
@@ -205,6 +206,7 @@ class VllmStagedControl(VllmControl):
         failure refuses the refresh (RefreshHeld) with nothing gated: the handles that were
         READY are released."""
         self.staged, self.fallback = {}, {}
+        self.staging_path = target.path
         found = await self.discover(ch)
         ws = [w for i, w in found.items() if w.active and i not in skip]
         for w in ws:
@@ -329,8 +331,39 @@ class VllmStagedControl(VllmControl):
             self._holds(w, target)
         return out
 
+    def install(self, w: FleetWorker, step: int | None, version: str | None
+                ) -> tuple[admin.AdminRoute, Any]:
+        """How `w` installs the checkpoint `stage_checkpoint` staged, journaled on it: its
+        READY handle (labelled `version`, or keeping its label when None), else from disk."""
+        summary = self.staged.pop(w.instance_id, None)
+        why = self.fallback.get(w.instance_id)
+        path = self.staging_path
+        if summary is not None and summary.state == "READY":
+            w.record("stage", "staged", 200, msgspec.to_builtins(summary))
+            return admin.APPLY_STAGED_WEIGHTS, ApplyStagedRequest(
+                handle=summary.handle, weight_version=version, step=step,
+                keep_label=version is None)
+        w.record("stage", "fallback", None, {"install": admin.UPDATE_WEIGHTS_FROM_DISK.name,
+                                             "why": why or "it was not staged"})
+        return admin.UPDATE_WEIGHTS_FROM_DISK, DiskUpdateRequest(
+            model_path=path, weight_version=version, step=step)
+
     async def reset_cache(self, ch: Channel, w: FleetWorker) -> None:
         """apply_staged_weights already reset the prefix cache (its reply says so); a worker
         that installed from disk resets it."""
         if w.instance_id in self.fallback:
             await super().reset_cache(ch, w)
+
+
+async def stage_checkpoint(rl_url: str, model: str | None, ch: Channel, path: str,
+                           version: str | None) -> VllmStagedControl:
+    """Stage the checkpoint at `path` on every worker the RL listener lists (of `model`)
+    while the fleet serves, each read once into its engine's shadow: for an update that
+    installs it next (rlfleet.refresh.fleet_control). A worker that cannot stage it falls
+    back to disk (`fallback`); a staging failure raises RefreshHeld with nothing gated and
+    the staged handles released. `install(w)` then says how each worker takes it."""
+    control = VllmStagedControl(rl_url, model)
+    name = version or f"update-{uuid.uuid4().hex[:12]}"
+    await control.prepare(ch, Policy(PolicyIdentity(version=name), path=path,
+                                     source={"kind": "disk", "path": path}), set())
+    return control

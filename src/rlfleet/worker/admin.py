@@ -473,6 +473,9 @@ class EngineAdmin:
         if not await self.engine.is_paused():
             return InstallReply.failed(NOT_PAUSED)
         version = h.version if req.weight_version is None else req.weight_version
+        if req.keep_label:
+            applied = self.engine.applied()
+            version = applied.policy.version if applied.declared else None
         reply = await self._install(lambda: self.engine.load_staged(staged.dir, staged.digest),
                                     version, what=f"applying staged {h.version}", step=req.step,
                                     staged=True)
