@@ -445,6 +445,9 @@ REFRESH_FLAGS = (
          "s3://bucket/prefix/VERSION, a version directory, or a trainer publisher's "
          "http://host:port"),
     Flag("--s3-endpoint-url", None, "S3 endpoint of --source (default: boto3's own)"),
+    Flag("--probe-before-reopen", False,
+         "probe every worker before the fleet reopens (default: the verified workers reopen, "
+         "then the probe runs; a worker that fails it is closed again: docs/refresh.md)"),
     Flag("--stage-fanout", 0,
          "with --staged and an S3, directory or trainer --source: 0 (default), every worker "
          "pulls from the source; 1, a pipelined chain over the workers in discovery (only the "

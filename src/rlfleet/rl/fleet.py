@@ -93,7 +93,8 @@ class Fleet:
     (a `RefreshConfig`), with the other keyword arguments (RefreshConfig's fields:
     on_failure, pause_mode, min_workers, probe_tolerance, timeout, admin_token, path, mode,
     max_lag, ...; or PolicyRefresh's on_event, hooks) set in it; without `refresh`, `path`
-    is `vllm-staged` unless given (`DEFAULT_PATH`: stage first, pause only for the swap). A
+    is `vllm-staged` unless given (`DEFAULT_PATH`: stage first, pause only for the swap) and
+    the post-update probe runs once the fleet reopened (`probe_after_reopen`). A
     fleet that refreshes a LoRA adapter (`path="vllm-adapter", adapter=NAME`) whose model is
     NAME admits only that adapter's samples (a model that is not NAME: only the base
     model's)."""
@@ -125,6 +126,7 @@ class Fleet:
                                     stream=stream, gate=self.rollout_gate, transport=transport)
         if refresh is None:  # stage first, pause only for the swap (RefreshConfig.path)
             refresh_options.setdefault("path", DEFAULT_PATH)
+            refresh_options.setdefault("probe_after_reopen", True)
         self.coordinator = PolicyRefresh(
             rl_url, config=refresh, model=model, journal=journal,
             rollout_gate=self.rollout_gate, **refresh_options) if rl_url else None

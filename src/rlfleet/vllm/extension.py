@@ -108,15 +108,17 @@ class WorkerExtension:
         """A staged version (rlfleet.weights.staging): read-only files whose digest was
         computed when they were staged (or while they were prepared, below). Swapped in when
         it was prepared, else reloaded in place."""
-        shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
+        shadow = getattr(self, "_rlfleet_shadow", None)
         if shadow is not None and (shadow.path, shadow.digest) == (path, digest):
             shadow.wait()
             if shadow.state == "ready":
+                self._rlfleet_shadow = None
                 t0 = time.perf_counter()
                 shadow.swap()
                 log.info("swapped in staged %s in %.3f s (prepared in %.2f s while serving)",
                          digest, time.perf_counter() - t0, shadow.seconds)
                 return {"digest": digest, "swapped": True}
+        self._rlfleet_discard()
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
 
     def rlfleet_prepare_staged(self, path: str, digest: str | None,
@@ -125,10 +127,16 @@ class WorkerExtension:
         serves (rlfleet.vllm.shadow); one at a time, a newer one replaces it. `digest` None:
         the files are read once, each tensor hashed and checked as it is loaded (Adler-32 where
         `checksums` names one), and the digest is reported when it is built."""
-        self._rlfleet_shadow = None
+        self._rlfleet_discard()
         self._rlfleet_shadow = Shadow(self.model_runner.get_model(), self.vllm_config, path,
                                       digest, iter_checkpoint_tensors(path), checksums)
         return True
+
+    def _rlfleet_discard(self) -> None:
+        """Drop the shadow held (a build under way drops it when it ends)."""
+        shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
+        if shadow is not None:
+            shadow.discard()
 
     def rlfleet_prepared(self, path: str) -> dict:
         shadow = getattr(self, "_rlfleet_shadow", None)
@@ -137,14 +145,14 @@ class WorkerExtension:
         out = {"state": shadow.state, "error": shadow.error, "seconds": shadow.seconds,
                "digest": shadow.digest, "bad_weights": shadow.bad_weights}
         if shadow.state == "failed":
-            self._rlfleet_shadow = None
+            self._rlfleet_discard()
         return out
 
     def rlfleet_discard_staged(self, path: str) -> bool:
         shadow = getattr(self, "_rlfleet_shadow", None)
         if shadow is None or shadow.path != path:
             return False
-        self._rlfleet_shadow = None
+        self._rlfleet_discard()
         return True
 
     def rlfleet_shadow_room(self, nbytes: int) -> str | None:

@@ -55,6 +55,7 @@ class Shadow:
         self.error: str | None = None
         self.bad_weights = False  # the error is about the weights, not this engine's room
         self.seconds = 0.0
+        self._discarded = False
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         if digest is None:
             tensors = self._checked(tensors, checksums or {})
@@ -108,7 +109,7 @@ class Shadow:
         except Exception as e:  # noqa: BLE001 - the caller says what happens instead
             self.error = f"{type(e).__name__}: {e}"
             self.bad_weights = isinstance(e, BadWeights)
-            self._pairs = []
+            self.discard()
             log.warning("preparing %s in the engine's format failed (%s)",
                         self.digest or self.path, self.error)
         self.seconds = time.perf_counter() - t0
@@ -185,6 +186,23 @@ class Shadow:
                 for k, v in s.__dict__.items():
                     if k not in _OWN and live.__dict__.get(k, _OWN) is not v:
                         live.__dict__[k] = v
+        self.discard()
+
+    def discard(self) -> None:
+        """Let the shadow's tensors go (after the swap, or unused; a build under way lets
+        them go when it ends). vLLM's reload keeps each layer's reload metadata in a
+        weak-keyed table whose values refer back to the layer (bound weight loaders), so a
+        shadow layer would outlive its tree, and every shadow its second copy of the
+        weights: its tables are emptied and its entry dropped."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        self._discarded = True
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            return  # the build discards it when it ends
+        for _, s in self._pairs:
+            layerwise.LAYERWISE_INFO.pop(s, None)
+            for table in _OWN[:3]:
+                s.__dict__[table] = {}
         self._pairs = []
 
 

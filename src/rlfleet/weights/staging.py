@@ -288,6 +288,7 @@ class StagedVersion:
     prepare_seconds: float | None = None  # how long the engine took to prepare it
     #: the caller wants it only swapped in (prepared while serving), else installed from disk
     require_swap: bool = False
+    prepare: bool = True  # the engine prepares it while serving (False: installed at once)
     cannot: str | None = None  # why this worker cannot stage it so (FAILED): install from disk
     base: DeltaBase = DeltaBase()  # a delta's base: the request's, completed from the catalog
     board: ChunkBoard | None = None  # what of it this worker holds and serves to downstreams
@@ -1125,11 +1126,14 @@ class StagingArea:
         return self.startup is not None and await asyncio.to_thread(self.startup.digest) == digest
 
     async def stage(self, version: str, source: Any, *, applied: tuple[str | None, str | None],
-                    digest: str | None = None, require_swap: bool = False) -> StagedVersion:
+                    digest: str | None = None, require_swap: bool = False,
+                    prepare: bool = True) -> StagedVersion:
         """Start staging `version` from `source` (a handle, STAGING). `require_swap`: only
         where the engine prepares it while serving, so that installing it is a swap; a
         worker that cannot (CannotStage, raised at once: no room for a shadow of the model,
-        an engine that does not prepare versions) is installed from disk instead."""
+        an engine that does not prepare versions) is installed from disk instead.
+        `prepare` False: the caller installs it at once, inside a pause (vLLM's weight
+        transfer): the engine does not prepare a shadow of it, it reloads it in place."""
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
         src = parse_source(source, version, self.roots)
@@ -1176,7 +1180,7 @@ class StagingArea:
                                     "catalog" + ("" if self.catalog else
                                                  " (this worker has no catalog)"))
         h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event(),
-                          base=base, require_swap=require_swap)
+                          base=base, require_swap=require_swap, prepare=prepare)
         self._forget_old()
         self.handles[h.handle] = h
         task = asyncio.get_running_loop().create_task(self._run(h, applied))
@@ -1328,7 +1332,7 @@ class StagingArea:
         """The plan of a version the engine can read in place (a full version or plain
         checkpoint from a disk source, an engine that prepares versions while it serves);
         None: it is staged into this area's buffers."""
-        if h.source.kind != "disk" or self.engine is None or not isinstance(
+        if h.source.kind != "disk" or self.engine is None or not h.prepare or not isinstance(
                 storage, art.FileStorage):
             return None
         plan = await asyncio.to_thread(art.plan_version, storage.read, h.source.key,
@@ -1366,7 +1370,7 @@ class StagingArea:
         installing them is a swap); a handle that asked for a swap and got none fails as
         `cannot` (its caller installs from disk instead), any other is installed by an
         in-place reload."""
-        if self.engine is None:
+        if self.engine is None or not h.prepare:
             return
         try:
             prepared = await self.engine.prepare_staged(result.dir, result.digest)

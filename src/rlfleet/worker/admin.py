@@ -253,12 +253,21 @@ class EngineAdmin:
             probe = next(s for s in steps[-2:] if s.route == admin.LIVENESS_PROBE.name)
             return CommitReply.failed(f"verify failed: {_said(probe)}", steps=steps,
                                       failed_step="verify", **identity)
-        if await step("resume", admin.RESUME_GENERATION, {}) is None:
-            return CommitReply.failed(f"resume failed: {_said(steps[-1])}", steps=steps,
-                                      failed_step="resume", **identity)
-        if req.probe is not None and self.plane is not None:
-            identity["probe"] = await self._commit_probe(
-                self.plane, req.probe, max(deadline - loop.time(), 0.0) + req.deadline_s)
+        # the probe goes in now, ahead of the resume: the engine runs it in the same steps as
+        # the self-check the resume runs (one round of generation after the swap, not two)
+        probe = None if req.probe is None or self.plane is None else asyncio.create_task(
+            self._commit_probe(self.plane, req.probe,
+                               max(deadline - loop.time(), 0.0) + req.deadline_s))
+        try:
+            if await step("resume", admin.RESUME_GENERATION, {}) is None:
+                return CommitReply.failed(f"resume failed: {_said(steps[-1])}", steps=steps,
+                                          failed_step="resume", **identity)
+            if probe is not None:
+                identity["probe"] = await probe
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
         return CommitReply(message=f"committed {req.expect_version}", steps=steps, **identity)
 
     @staticmethod
