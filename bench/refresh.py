@@ -205,6 +205,7 @@ class Bench:
         self.systems = [w.ready["system_url"] for w in fleet.workers]
         self.journal = work / "journal.sqlite"
         self.events: list[tuple[float, str]] = []
+        self.on_events: list[Any] = []  # called with each event (the serving-gap phase)
         self.out: dict[str, Any] = {}
 
     def coordinator(self, path: str, **kw: Any) -> PolicyRefresh:
@@ -214,6 +215,8 @@ class Bench:
     def _event(self, msg: str) -> None:
         self.events.append((time.monotonic(), msg))
         print(f"  {msg}", flush=True)
+        for hook in self.on_events:
+            hook(msg)
 
     def refresh(self, path: str, version: str, ckpt: Path | None = None, **kw: Any):
         coord = self.coordinator(path, pause_mode=kw.pop("pause_mode", "wait"))
@@ -331,21 +334,31 @@ class Bench:
 
     def serving_gap(self) -> None:
         """Streams on every worker across a keep-mode refresh to A (stage first, then the
-        commit): per worker the longest interval without a token, beside its swap."""
-        n = self.args.streams
-        rate = max(self.out.get("stream_tok_s", 1.0), 0.05)
-        tokens = int(rate * (self.out.get("stage_under_load_s", 30.0) + 30)) + 16
-        tokens = min(tokens, self.args.max_model_len - len(PROMPT) - 1)
-        streams = {u: [Stream(u, f"gap-{i}-{j}", tokens) for j in range(n)]
-                   for i, u in enumerate(self.urls)}
-        for ss in streams.values():
-            for s in ss:
-                s.wait_tokens(2)
-        self.events = []
+        commit): per worker the longest interval without a token, beside its swap. The
+        streams start once the workers staged A (the coordinator waits for them to have
+        `--gap-tokens` tokens each before its commit), so that what the swap costs them is
+        measured on a known prefix: the prompt and those tokens, whose KV the engine
+        computes again under the new weights before their next token."""
+        n, k = self.args.streams, self.args.gap_tokens
+        tokens = min(k + 64, self.args.max_model_len - len(PROMPT) - 1)
+        streams: dict[str, list[Stream]] = {}
+
+        def start_streams(msg: str) -> None:
+            if streams or " stage done in " not in msg:
+                return
+            for i, u in enumerate(self.urls):
+                streams[u] = [Stream(u, f"gap-{i}-{j}", tokens) for j in range(n)]
+            for ss in streams.values():  # the coordinator's loop waits here: no commit yet
+                for s in ss:
+                    s.wait_tokens(k)
+        self.events, self.on_events = [], [start_streams]
         old = post(self.systems[0], "/engine/get_weight_version")["version"]
         r0 = time.monotonic()
-        result, secs = self.refresh("vllm-staged", "keep-A", self.ckpts["A"],
-                                    pause_mode="keep")
+        try:
+            result, secs = self.refresh("vllm-staged", "keep-A", self.ckpts["A"],
+                                        pause_mode="keep")
+        finally:
+            self.on_events = []
         r1 = time.monotonic()
         for ss in streams.values():
             for s in ss:
@@ -360,6 +373,7 @@ class Bench:
         worst = max(gaps, key=gaps.get)
         self.out.update({
             "gap_streams": n * len(self.urls), "gap_stream_tokens": tokens,
+            "gap_tokens_before_swap": k,
             "serving_gap_s": {system_of[u]: round(g, 3) for u, g in gaps.items()},
             "swap_apply_s": {u: round(a, 3) for u, a in applies.items()},
             "serving_gap_worst_s": gaps[worst], "swap_apply_worst_s": applies[system_of[worst]],
@@ -420,6 +434,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--streams", type=int, default=2, help="streams per worker")
+    p.add_argument("--gap-tokens", type=int, default=16,
+                   help="tokens each serving-gap stream has generated when the commit pauses it")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--skip", default="", help="comma-separated: delta,four-phase")
     args = p.parse_args()

@@ -278,11 +278,12 @@ class PolicyRefresh:
                       source: dict[str, Any] | None = None) -> Policy:
         path = str(Path(checkpoint).resolve()) if checkpoint is not None else None
         cfg = self.config
-        if cfg.path is UpdatePath.VLLM_STAGED and source is None:
-            if path is None:
-                raise ValueError("the staged path needs a source (or a checkpoint path)")
-            source = {"kind": "disk", "path": path}
         staged = cfg.path is UpdatePath.VLLM_STAGED
+        if staged and source is None and path is not None:
+            source = {"kind": "disk", "path": path}
+        if staged and source is None and digest is None:
+            raise ValueError("the staged path needs a checkpoint directory, a source, or the "
+                             "version's digest (workers that hold it are its peers)")
         if digest is None and path is None and source is not None and not staged:
             digest = await asyncio.to_thread(source_digest, source, version)
         if digest is None and not staged:  # staged: the workers' digest (`_staged_identity`)
