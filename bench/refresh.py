@@ -7,12 +7,13 @@ figure side by side in one run:
   no token while it has streams in flight, beside the engine's own swap (the commit's apply
   step). Each stream must finish whole, its per-token spans naming both policies
   (`inflight_kept`).
-- **the disk path's whole refresh** (gate, pause, reload from disk, verify, resume, probe,
-  reopen) beside the **bare reload** of the same checkpoint (both paused workers'
-  update_weights_from_disk at once).
-- **publish → every worker serving it**, per path: from disk; staged (the default: the
-  checkpoint read once, straight into each engine's shadow, while it serves); staged from a
-  published XOR delta; vLLM's four-phase weight transfer through the fleet's one URL (the
+- **the disk path's whole refresh** (gate, pause, reload from disk, verify, resume and
+  self-check, reopen, probe) beside the **bare reload** of the same checkpoint (both paused
+  workers' update_weights_from_disk at once).
+- **publish → every worker serving it** (reopened, its self-check passed; every refresh runs
+  as `Fleet.refresh` runs it, the probe after the reopen), per path: from disk; staged (the
+  default: the checkpoint read once, straight into each engine's shadow, while it serves);
+  staged from a published XOR delta; vLLM's four-phase weight transfer through the fleet's one URL (the
   `modelexpress` backend, versions in S3). Publishing a checkpoint is the same trainer-side
   write for the first two (measured once); the delta and the S3 version are published by
   rlfleet's publisher in a process of their own.
@@ -127,6 +128,49 @@ def serving_gap(streams: list[Stream], t0: float, t1: float) -> float:
 
 # ------------------------------------------------------------------ helpers
 
+class MemoryWatch:
+    """Samples, in a thread, the resident memory of the workers' processes (each worker and
+    its engine, anonymous and shared) and the host's MemAvailable: the peaks, per phase."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.phase = pids, "start"
+        self.peaks: dict[str, dict[str, float]] = {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _status(pid: int) -> int:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return sum(int(line.split()[1]) for line in f
+                           if line.startswith(("RssAnon:", "RssShmem:"))) * 1024
+        except OSError:
+            return 0
+
+    def _tree(self) -> list[int]:
+        out = []
+        for pid in self.pids:
+            kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+            out += [pid, *map(int, kids.stdout.split())]
+        return out
+
+    def _run(self) -> None:
+        tree = self._tree()
+        while not self.stopped.wait(0.5):
+            used = sum(map(self._status, tree)) / 2**30
+            with open("/proc/meminfo") as f:
+                avail = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
+            peak = self.peaks.setdefault(self.phase, {"workers_gib": 0.0, "min_available_gib": 1e9})
+            peak["workers_gib"] = round(max(peak["workers_gib"], used), 2)
+            peak["min_available_gib"] = round(min(peak["min_available_gib"], avail / 2**20), 2)
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        self.stopped.set()
+        self.thread.join(5)
+        return self.peaks
+
+
 def post(url: str, path: str, body: Any = None, **kw: Any) -> dict[str, Any]:
     r = httpx.post(f"{url}{path}", json=body if body is not None else {}, timeout=1800, **kw)
     r.raise_for_status()
@@ -206,11 +250,13 @@ class Bench:
         self.journal = work / "journal.sqlite"
         self.events: list[tuple[float, str]] = []
         self.on_events: list[Any] = []  # called with each event (the serving-gap phase)
+        self.serving: dict[str, float] = {}  # version -> seconds until every worker served it
         self.out: dict[str, Any] = {}
 
     def coordinator(self, path: str, **kw: Any) -> PolicyRefresh:
+        """As `Fleet.refresh` and `rlfleet refresh` refresh (the probe after the reopen)."""
         return PolicyRefresh(self.fleet.rl_url, model=MODEL, path=path, journal=self.journal,
-                             timeout=1200, on_event=self._event, **kw)
+                             timeout=1200, on_event=self._event, probe_after_reopen=True, **kw)
 
     def _event(self, msg: str) -> None:
         self.events.append((time.monotonic(), msg))
@@ -221,13 +267,17 @@ class Bench:
     def refresh(self, path: str, version: str, ckpt: Path | None = None, **kw: Any):
         coord = self.coordinator(path, pause_mode=kw.pop("pause_mode", "wait"))
         try:
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             result = asyncio.run(coord.refresh(ckpt, version, **kw))
-            secs = time.perf_counter() - t0
+            secs = time.monotonic() - t0
         finally:
             coord.close()
         ok(result)
-        print(f"{path} refresh to {version}: {secs:.3f} s "
+        # serving: every worker reopened on it (its self-check passed); the probe follows
+        reopened = [t for t, m in self.events if t >= t0 and " reopen done in " in m]
+        self.serving[version] = (reopened[-1] if reopened else t0 + secs) - t0
+        print(f"{path} refresh to {version}: {secs:.3f} s (serving after "
+              f"{self.serving[version]:.3f} s) "
               f"{ {k: round(v, 3) for k, v in result.step_seconds().items()} }", flush=True)
         return result, secs
 
@@ -240,6 +290,7 @@ class Bench:
         bare_reload(self.systems, a, "bare-A")
         result, secs = self.refresh("vllm-disk", "disk-B", b, digest=checkpoint_digest(b))
         self.out["disk_refresh_s"] = secs
+        self.out["disk_serving_s"] = self.serving["disk-B"]
         self.out["disk_steps_s"] = {k: round(v, 3) for k, v in result.step_seconds().items()}
         self.out["disk_apply_s"] = max(commit_applies(result).values())
 
@@ -247,6 +298,7 @@ class Bench:
         """The default path (stage first, from the checkpoint, digest from the workers) to C."""
         result, secs = self.refresh("vllm-staged", "staged-C", self.ckpts["C"])
         self.out["staged_refresh_s"] = secs
+        self.out["staged_serving_s"] = self.serving["staged-C"]
         self.out["staged_steps_s"] = {k: round(v, 3) for k, v in result.step_seconds().items()}
         self.out["staged_apply_s"] = max(commit_applies(result).values())
         self.out["staged_how"] = sorted({c["body"].get("prepared") or "fallback"
@@ -264,7 +316,7 @@ class Bench:
             key = "delta" if base else "full_artifact"
             self.out[f"{key}_publish_s"] = pub["seconds"]
             self.out[f"{key}_refresh_s"] = secs
-            self.out[f"{key}_end_to_end_s"] = pub["seconds"] + secs
+            self.out[f"{key}_end_to_end_s"] = pub["seconds"] + self.serving[version]
             self.out[f"{key}_how"] = sorted({c["body"].get("prepared") or "reload"
                                              for w in result.workers for c in w["calls"]
                                              if c["step"] == "stage" and c["route"] == "staged"})
@@ -418,8 +470,11 @@ def _start(fleet: LocalFleet, work: Path, ckpts: dict[str, Path], args: argparse
 
 
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
-    disk_e2e = out["save_s"] + out["disk_refresh_s"]
-    staged_e2e = out["save_s"] + out["staged_refresh_s"]
+    """The five ratios. Publish to serving: the checkpoint's write, then the refresh until
+    every worker serves the new policy (reopened, its self-check passed; the probe after
+    it). The disk path's refresh against the bare reload: the whole refresh, probe included."""
+    disk_e2e = out["save_s"] + out["disk_serving_s"]
+    staged_e2e = out["save_s"] + out["staged_serving_s"]
     out.update({
         "disk_end_to_end_s": disk_e2e, "staged_end_to_end_s": staged_e2e,
         "refresh_over_bare_reload": out["disk_refresh_s"] / out["bare_reload_s"],
@@ -450,14 +505,17 @@ def main() -> None:
         with S3Server() as s3, started_fleet(work, ckpts, args, s3) as fleet:
             b = Bench(args, work, fleet, ckpts, s3)
             b.out = out
-            b.disk_and_bare()
-            b.staged()
-            if "delta" not in skip:
-                b.delta()
-            if "four-phase" not in skip:
-                b.four_phase()
-            b.tokens_per_s_while_staging()
-            b.serving_gap()
+            watch = MemoryWatch([w.popen.pid for w in fleet.workers])
+            try:
+                for name, phase in (("disk", b.disk_and_bare), ("staged", b.staged),
+                                    ("delta", b.delta), ("four-phase", b.four_phase),
+                                    ("tok/s", b.tokens_per_s_while_staging),
+                                    ("gap", b.serving_gap)):
+                    if name not in skip:
+                        watch.phase = name
+                        phase()
+            finally:
+                out["memory_peaks"] = watch.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out = ratios(out)

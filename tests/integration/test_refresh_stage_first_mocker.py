@@ -14,13 +14,10 @@ from tests.fleets import RL_MOCK_MODEL, fault, mock_policies, routed, two_rl_moc
 
 
 @pytest.fixture
-def ckpts(tmp_path) -> dict[str, Path]:
-    return mock_policies(tmp_path / "weights")
-
-
-@pytest.fixture
-def fleet(start_fleet, ckpts):
-    return two_rl_mockers(start_fleet, ckpts)
+def setup(start_fleet, tmp_path) -> tuple[object, dict[str, Path]]:
+    """Two RL mockers and their checkpoints (A, B)."""
+    ckpts = mock_policies(tmp_path / "weights")
+    return two_rl_mockers(start_fleet, ckpts), ckpts
 
 
 def trainer(fleet, tmp_path) -> Fleet:
@@ -28,8 +25,8 @@ def trainer(fleet, tmp_path) -> Fleet:
                  journal=tmp_path / "journal.sqlite")
 
 
-def test_workers_that_cannot_stage_install_from_disk_and_the_journal_says_why(fleet, ckpts,
-                                                                              tmp_path):
+def test_workers_that_cannot_stage_install_from_disk_and_the_journal_says_why(setup, tmp_path):
+    fleet, ckpts = setup
     with trainer(fleet, tmp_path) as t:
         res = t.refresh(ckpts["B"], "B", digest="mock:2")
         assert res.ok and res.fleet_moved, res.reason
@@ -45,7 +42,8 @@ def test_workers_that_cannot_stage_install_from_disk_and_the_journal_says_why(fl
         assert w["holds"]["digest"] == "mock:2"
 
 
-def test_a_worker_failing_its_probe_after_the_reopen_is_closed_again(fleet, ckpts, tmp_path):
+def test_a_worker_failing_its_probe_after_the_reopen_is_closed_again(setup, tmp_path):
+    fleet, ckpts = setup
     bad, good = fleet.workers[1], fleet.workers[0]
     fault(bad, "generate", "http500")
     with trainer(fleet, tmp_path) as t:

@@ -36,8 +36,8 @@ TOKENS = 240  # long enough that the refresh lands mid-stream
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, start_module_fleet, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("staged-keep")
-    shutil.copytree(tiny_model, root / "A")
-    shutil.copytree(tiny_model_b, root / "B")
+    for name, model in (("A", tiny_model), ("B", tiny_model_b)):
+        shutil.copytree(model, root / name)
     args = vllm_worker_args(root / "A", MODEL, "--allowed-weights-root", str(root))
     fleet = start_module_fleet([args, (*args, "--staged-apply", "reload")],
                                name="staged-keep", kind="vllm", model=MODEL, lease_ttl=3,

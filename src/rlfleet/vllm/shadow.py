@@ -22,6 +22,7 @@ Cost: a second copy of the model's weights on the engine's device from prepare t
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
 import threading
@@ -32,6 +33,13 @@ from types import MethodType
 import torch
 
 log = logging.getLogger("rlfleet.vllm.shadow")
+
+
+#: every shadow is built in the same long-lived thread: the allocator (jemalloc on the CPU
+#: build) keeps the memory a thread's arena freed for that arena, so a new thread per build
+#: would leave the previous shadow's memory resident, a model's size per refresh
+_BUILDER_NAME = "rlfleet-shadow"
+_BUILDER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
 
 
 class BadWeights(ValueError):
@@ -59,19 +67,17 @@ class Shadow:
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         if digest is None:
             tensors = self._checked(tensors, checksums or {})
-        self._thread = threading.Thread(target=self._build, args=(vllm_config, tensors),
-                                        name="rlfleet-shadow", daemon=True)
-        self._thread.start()
+        self._built = _BUILDER.submit(self._build, vllm_config, tensors)
 
     @property
     def state(self) -> str:
-        if self._thread.is_alive():
+        if not self._built.done():
             return "building"
         return "failed" if self.error else "ready"
 
     def wait(self) -> None:
         """Until the build has finished (ready or failed)."""
-        self._thread.join()
+        self._built.result()
 
     def _checked(self, tensors: Iterator[tuple[str, torch.Tensor]], checksums: dict[str, str]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -197,7 +203,8 @@ class Shadow:
         from vllm.model_executor.model_loader.reload import layerwise
 
         self._discarded = True
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        if not self._built.done() and not threading.current_thread().name.startswith(
+                _BUILDER_NAME):
             return  # the build discards it when it ends
         for _, s in self._pairs:
             layerwise.LAYERWISE_INFO.pop(s, None)
