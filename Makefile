@@ -8,7 +8,7 @@ RUN := set -a; . ./$(ENVFILE); set +a;
 # once), and every module on the session vLLM fleet in one (tests/conftest.py's scheduler)
 TEST_PROCESSES ?= 2
 
-.PHONY: setup demo demo-async test lint bench clean
+.PHONY: setup demo demo-async test test-python lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -24,6 +24,12 @@ demo-async: setup
 test: setup
 	$(RUN) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_PROCESSES) --dist loadfile \
 		tests
+
+# rlfleet's own unit tests on Python 3.12 and 3.13, in venvs of their own without the engine
+# (which has wheels for 3.11 only): PYTHONS="3.12" make test-python for one
+PYTHONS ?= 3.12 3.13
+test-python:
+	bash scripts/test-python.sh $(PYTHONS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

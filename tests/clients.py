@@ -2,9 +2,13 @@
 (pip --no-deps --target: outside site-packages, so no worker or engine ever imports it), and
 loaded here for the compatibility tests (tests/integration/test_clients_*.py):
 
-* `skyrl()`: SkyRL 0.3.0's RemoteInferenceClient module;
+* `skyrl()`: SkyRL 0.3.0's RemoteInferenceClient module; `skyrl04()`: SkyRL 0.4.0's, with
+  its trainer-side weight-sync client and its packed-payload codecs (the two versions are
+  the same package, kept apart in sys.modules);
 * `areal()`: AReaL 1.0.4's remote engines (RemoteSGLangEngine, RemotevLLMEngine) and the
   request, config and weight-update types they take;
+* `smg_rl()`: SMG 1.13.0's RL control-plane client (`smg.rl`);
+* `sglang_api()`: SGLang 0.5.23's HTTP API types and their strict decoders;
 * `sglang_router(...)`: sglang-router 0.3.2's router (`python -m sglang_router.launch_router`)
   as a process on a free 127.0.0.1 port in front of given worker URLs.
 
@@ -15,6 +19,7 @@ sys.path: where a client ships a module the venv also has, the venv's copy is us
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -44,11 +49,13 @@ from tests.fleets import (
     wait_for_workers,
 )
 
-CLIENTS_DIR = Path(sys.prefix) / "clients"
+#: where scripts/setup.sh installs them ($RLFLEET_CLIENTS_DIR: another folder of such folders)
+CLIENTS_DIR = Path(os.environ.get("RLFLEET_CLIENTS_DIR") or Path(sys.prefix) / "clients")
 
 #: what scripts/setup.sh installs, by folder: the package and version tested
-VERSIONS = {"skyrl": "skyrl==0.3.0", "areal": "areal==1.0.4",
-            "sglang-router": "sglang-router==0.3.2"}
+VERSIONS = {"skyrl": "skyrl==0.3.0", "skyrl04": "skyrl==0.4.0", "areal": "areal==1.0.4",
+            "sglang-router": "sglang-router==0.3.2", "smg": "smg==1.13.0",
+            "sglang": "sglang==0.5.23"}
 
 
 def client_dir(name: str) -> Path:
@@ -126,15 +133,70 @@ def _bare_package(dotted: str, where: Path) -> None:
     sys.modules[dotted] = pkg
 
 
+#: each installed version's `skyrl` modules, kept apart (both are the package `skyrl`)
+_SKYRL_MODULES: dict[str, dict[str, types.ModuleType]] = {}
+
+
+@contextlib.contextmanager
+def _skyrl_modules(name: str) -> Iterator[None]:
+    """sys.modules holds the `skyrl` modules of folder `name` (imported ones kept) while the
+    block runs; those of another version are put back after it. Imported modules keep
+    working after: their own imports are done at import time."""
+    def taken() -> dict[str, types.ModuleType]:
+        return {k: sys.modules.pop(k) for k in list(sys.modules)
+                if k == "skyrl" or k.startswith("skyrl.")}
+    before = taken()
+    sys.modules.update(_SKYRL_MODULES.get(name, {}))
+    try:
+        yield
+    finally:
+        _SKYRL_MODULES[name] = taken()
+        sys.modules.update(before)
+
+
+def _skyrl(name: str, modules: list[str]) -> list[types.ModuleType]:
+    """`modules` of SkyRL's folder `name`. `skyrl/backends/__init__.py` imports the Tinker
+    backend, whose pydantic models use typing.TypedDict, which pydantic refuses on Python <
+    3.12; the HTTP clients need none of it, so that one package is registered without its
+    __init__."""
+    with _skyrl_modules(name):
+        with on_path(name) as where:
+            _bare_package("skyrl.backends", where)
+        return _import(name, modules)
+
+
 def skyrl() -> types.ModuleType:
     """skyrl.backends.skyrl_train.inference_servers.remote_inference_client (SkyRL 0.3.0):
-    RemoteInferenceClient, PauseMode. `skyrl/backends/__init__.py` imports the Tinker backend,
-    whose pydantic models use typing.TypedDict, which pydantic refuses on Python < 3.12; the
-    HTTP client needs none of it, so that one package is registered without its __init__."""
-    with on_path("skyrl") as where:
-        _bare_package("skyrl.backends", where)
-    (mod,) = _import("skyrl", ["skyrl.backends.skyrl_train.inference_servers."
-                               "remote_inference_client"])
+    RemoteInferenceClient, PauseMode."""
+    (mod,) = _skyrl("skyrl", ["skyrl.backends.skyrl_train.inference_servers."
+                              "remote_inference_client"])
+    return mod
+
+
+def skyrl04() -> types.SimpleNamespace:
+    """SkyRL 0.4.0 (its wheel asks for Python >= 3.12; the client runs on 3.11): `client`,
+    the RemoteInferenceClient module (PauseMode too); `control_plane`, the trainer-side
+    SkyrlWeightSyncClient's; `wire`, /skyrl/v1/generate's packed payloads."""
+    base = "skyrl.backends.skyrl_train."
+    client, control_plane, wire = _skyrl("skyrl04", [
+        f"{base}inference_servers.remote_inference_client", f"{base}weight_sync.control_plane",
+        f"{base}inference_servers.generate_wire"])
+    return types.SimpleNamespace(client=client, control_plane=control_plane, wire=wire)
+
+
+def sglang_api() -> types.ModuleType:
+    """sglang.api.v1.api_types (SGLang 0.5.23): its HTTP API's msgspec types with the
+    decoders its Rust server uses (`X.from_json_value`, JsonContractError). `sglang/__init__.py`
+    imports the engine (torch, ...): the package is registered without it."""
+    with on_path("sglang") as where:
+        _bare_package("sglang", where)
+    (mod,) = _import("sglang", ["sglang.api.v1.api_types"])
+    return mod
+
+
+def smg_rl() -> types.ModuleType:
+    """smg.rl (smg 1.13.0): SMG's RL control-plane client (RL, paused, FanoutError)."""
+    (mod,) = _import("smg", ["smg.rl"])
     return mod
 
 
@@ -272,6 +334,24 @@ def wait_in_flight(url: str, count: int = 1, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+async def skyrl_pause_keep(client, keep: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A SkyRL client's `generate(body)` in flight at frontend `url`; its pause (`keep`, its
+    PauseMode.KEEP) on every server; whether the request stayed frozen while every server
+    said it was paused; its resume; the request's output. SkyRL 0.3.0's and 0.4.0's clients
+    alike."""
+    task = asyncio.create_task(client.generate(body))
+    await asyncio.to_thread(wait_in_flight, url)
+    paused = await client.pause(mode=keep)
+    try:
+        states = await client._call_all_servers("/is_paused", method="GET")
+        await asyncio.sleep(1.0)  # a frozen request does not finish while paused
+        frozen = not task.done()
+    finally:
+        resumed = await client.resume()
+    return {"paused": paused, "states": states, "frozen": frozen, "resumed": resumed,
+            "out": await asyncio.wait_for(task, 300)}
+
+
 # ---------------------------------------------------------------- one URL for a whole fleet
 
 
@@ -328,6 +408,17 @@ def one_url(fleet: LocalFleet, model: str, log_dir: Path,
         yield OneUrl(fe.ready["url"], fe.ready["rl_url"], ctl.ready["url"])
     finally:
         stop_all(list(reversed(procs)))
+
+
+def mock_one_url(start_module_fleet, tmp_path_factory, name: str, model: str,
+                 worker_args: Sequence[str], workers: int = 2) -> Iterator[OneUrl]:
+    """`workers` mocker workers (`worker_args`, serving `model`) behind the one URL, for a
+    module fixture to yield from; the URL carries the fleet (`.fleet`)."""
+    fleet = start_module_fleet([worker_args] * workers, model=model, enable_rl=True,
+                               frontend_env=RL_PROBE_ENV)
+    with one_url(fleet, model, tmp_path_factory.mktemp(f"{name}-logs")) as u:
+        u.fleet = fleet
+        yield u
 
 
 # ---------------------------------------------------------------- a vLLM worker with LoRA

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.models import make_adapter
 from tests import clients
 from tests.clients import LOGPROB_TOL, LORA_FLAGS, fleet_answer, one_url, wait_in_flight
@@ -48,6 +49,7 @@ class Target:
     model: str
     long: int  # max_new_tokens of a request that is surely in flight when the abort lands
     adapter: Path | None
+    policies: tuple[Path, Path] | None = None  # another policy, and the one it starts on
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,8 @@ def mock_fleet(tmp_path_factory, start_module_fleet):
     fleet = start_module_fleet([mock_args(root, *LORA_FLAGS, "--token-delay", "0.01")] * 2,
                                model=RL_MOCK_MODEL, enable_rl=True, frontend_env=RL_PROBE_ENV)
     fleet.adapter = make_adapter(root / "a1", rank=4, seed=1)
+    fleet.policies = (write_mock_checkpoint(root / "seed-2", 2),
+                      write_mock_checkpoint(root / "seed-1", 1))  # the policy it starts on
     return fleet
 
 
@@ -63,11 +67,12 @@ def mock_fleet(tmp_path_factory, start_module_fleet):
 def target(request, tmp_path_factory) -> Iterator[Target]:
     if request.param == "mocker":
         fleet, model, long = request.getfixturevalue("mock_fleet"), RL_MOCK_MODEL, 400
-        adapter = fleet.adapter
+        adapter, policies = fleet.adapter, fleet.policies
     else:
         fleet, model, long, adapter = request.getfixturevalue("vllm_fleet"), MODEL_NAME, 1500, None
+        policies = (request.getfixturevalue("tiny_model_b"), request.getfixturevalue("tiny_model"))
     with one_url(fleet, model, tmp_path_factory.mktemp(f"areal-{request.param}")) as one:
-        yield Target(request.param, one.url, model, long, adapter)
+        yield Target(request.param, one.url, model, long, adapter, policies)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +161,7 @@ def abort_vllm(target: Target, task: asyncio.Task, seen: list) -> None:
     """vLLM's way to end the requests in flight with their partial output: POST
     /pause?mode=abort (at the one URL: the whole fleet), then /resume once AReaL has seen
     the abort (its resubmission waits at the closed gate meanwhile). AReaL's own vLLM server
-    extension (/areal_pause_generation) is not vLLM's and is not served."""
+    extension's pause: test_vllm_engines_own_pause_aborts_and_its_continue_resumes."""
     r = httpx.post(f"{target.url}/pause", params={"mode": "abort"}, timeout=120)
     assert r.status_code == 200, r.text
     try:
@@ -192,6 +197,13 @@ def test_abort_then_resubmit_ends_whole(areal, target: Target, backend: str) -> 
         out = asyncio.run(_aborted_midway(eng, areal, target, ids, backend, seen))
     finally:
         eng.destroy()
+    ends_whole(target, ids, seen, out)
+
+
+def ends_whole(target: Target, ids: list[int], seen: list, out) -> None:
+    """The first answer AReaL got was aborted, the last ran to its length; each is the
+    fleet's own answer to its prompt (the prompt and the tokens before it), and AReaL's
+    result is their concatenation."""
     reasons = [a.stop_reason for a in seen]
     assert reasons[0] == "abort" and reasons[-1] == "length", reasons
     assert len(out.output_tokens) == target.long and out.stop_reason == "length"
@@ -240,3 +252,66 @@ def test_lora_load_from_disk_then_generate(areal, lora_target: Target, backend: 
         assert out.output_logprobs == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
     finally:
         eng.destroy()
+
+
+def _wait_seen(seen: list) -> None:
+    deadline = time.monotonic() + 60
+    while not seen:
+        assert time.monotonic() < deadline, "AReaL never saw the aborted answer"
+        time.sleep(0.05)
+
+
+async def _paused_by_areal(eng, areal, target: Target, ids: list[int], seen: list):
+    """AReaL's own pause (its vLLM backend's /areal_pause_generation: at the one URL the
+    fleet's pause, aborting the requests in flight) while a request runs, then its continue
+    (/areal_continue_generation) once it has seen the abort."""
+    task = asyncio.create_task(eng.agenerate(request(areal, ids, target.long)))
+    await asyncio.to_thread(wait_in_flight, target.url)
+    await asyncio.to_thread(eng.pause_generation)
+    try:
+        await asyncio.to_thread(_wait_seen, seen)
+        assert httpx.get(f"{target.url}/is_paused", timeout=30).json()["is_paused"] is True
+    finally:
+        await asyncio.to_thread(eng.continue_generation)
+    return await asyncio.wait_for(task, 600)
+
+
+def test_vllm_engines_own_pause_aborts_and_its_continue_resumes(areal, target: Target) -> None:
+    eng = engine(areal, target, "vllm")
+    seen = spy(eng)
+    try:
+        ids = fleet_answer(target.url, target.model, PROMPTS[0], 1).prompt_ids
+        out = asyncio.run(_paused_by_areal(eng, areal, target, ids, seen))
+    finally:
+        eng.destroy()
+    ends_whole(target, ids, seen, out)
+    assert httpx.get(f"{target.url}/is_paused", timeout=30).json()["is_paused"] is False
+
+
+def test_vllm_engines_update_from_disk_moves_the_whole_fleet(areal, target: Target) -> None:
+    """AReaL's full-weight update from disk on its vLLM backend (`/areal_update_weights
+    {model_path}`, built by its backend, sent by its `arequest_with_retry`): every worker
+    moves to the checkpoint, and the fleet's answers follow it; then back."""
+    assert target.policies is not None
+    other, start = target.policies
+    eng = engine(areal, target, "vllm")
+    try:
+        ids = fleet_answer(target.url, target.model, PROMPTS[1], 1).prompt_ids
+        before = fleet_answer(target.url, target.model, ids, 8)
+        backend = eng._engine.backend
+        for path in (other, start):
+            meta = areal.WeightUpdateMeta(type="disk", path=str(path), use_lora=False)
+            reqs = backend.build_disk_weight_update_requests(meta)
+            assert [r.endpoint for r in reqs.requests] == ["/areal_update_weights"]
+            [said] = asyncio.run(_send_all(areal, target, reqs))
+            assert said["success"] is True, said
+            out = asyncio.run(eng.agenerate(request(areal, ids, 8)))
+            ref = fleet_answer(target.url, target.model, ids, 8)
+            assert out.output_tokens == ref.ids
+            assert out.output_logprobs == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
+            assert (ref.ids != before.ids) == (path == other)
+    finally:
+        eng.destroy()
+    bad = httpx.post(f"{target.url}/areal_update_weights", json={"model_path": "/no/such"},
+                     timeout=120)
+    assert bad.status_code == 400 and bad.json()["success"] is False

@@ -33,7 +33,7 @@ from tests.clients import (
     LORA_FLAGS,
     admin_urls,
     fleet_answer,
-    wait_in_flight,
+    skyrl_pause_keep,
 )
 from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args
 
@@ -188,19 +188,10 @@ async def _pause_keep_then_resume(client, target: Target, prompt: list[int]) -> 
     """A generate in flight; SkyRL's pause (keep) on every server; the request is frozen,
     the servers say they are paused; resume; the request finishes whole."""
     try:
-        task = asyncio.create_task(client.generate({"prompt_token_ids": [prompt], "sampling_params": {
-            "max_tokens": target.long, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}}))
-        await asyncio.to_thread(wait_in_flight, target.url)
-        paused = await client.pause(mode=client.mod.PauseMode.KEEP)
-        try:
-            states = await client._call_all_servers("/is_paused", method="GET")
-            await asyncio.sleep(1.0)  # a frozen request does not finish while paused
-            frozen = not task.done()
-        finally:
-            resumed = await client.resume()
-        out = await asyncio.wait_for(task, 300)
-        return {"paused": paused, "states": states, "frozen": frozen, "resumed": resumed,
-                "out": out}
+        return await skyrl_pause_keep(client, client.mod.PauseMode.KEEP, target.url, {
+            "prompt_token_ids": [prompt], "sampling_params": {
+                "max_tokens": target.long, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": 0}})
     finally:
         await client.teardown()
 

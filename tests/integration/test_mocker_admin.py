@@ -210,9 +210,11 @@ def test_vllm_route_table(vw) -> None:
     assert call(vw, "liveness_probe") == {"status": "ok", "alive": True}
     assert call(vw, "flush_cache") == {"status": "ok", "message": "Cache flushed"}
     assert call(vw, "liveness_probe", method="GET")["alive"] is True
-    for route in ("control/update_weights_from_disk", "continue_generation"):
+    for route in ("control/update_weights_from_disk", "control/continue_generation"):
         resp = raw_call(vw, route)
         assert resp.status_code == 404 and resp.json() == not_found(route)
+    # SGLang's names slime sends under /engine (issue 42): served, not listed
+    assert call(vw, "continue_generation")["status"] == "ok"
 
 
 def test_vllm_lifecycle_from_disk(vw, weights) -> None:

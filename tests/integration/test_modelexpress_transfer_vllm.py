@@ -15,7 +15,10 @@ ModelExpress's receiver asks a ModelExpress server where a version is, and there
 Intended differences, not compared as equal: its engine process wraps the worker's errors
 (`Call to collective_rpc method failed: ...`, and a bad init_info is a 500 there, a 400
 here, as vLLM answers a ValueError); it takes start_weight_update before any init (its
-ModelExpress engine then ignores the update), the worker refuses it."""
+ModelExpress engine then ignores the update), the worker refuses it; a step out of the
+update's order (update or finish before start, start twice) is refused by vLLM 0.32's engine
+(500) and by the worker as vLLM's newer RL state machine refuses it, before it runs
+(`vllm/entrypoints/serve/dev/rlhf/rl_state_machine.py`: 409 `{"detail"}`)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,6 @@ import requests
 
 from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.digest import checkpoint_digest
-from rlfleet.worker import modelexpress as mx
 from tests.fleets import vllm_serve, weight_versions
 from tests.modelexpress_publisher import (
     TRANSFER_BACKEND,
@@ -101,9 +103,9 @@ def test_refusals_leave_the_old_weights_serving(fleet, published, s3_server):
     client = HTTPVLLMWeightSyncClient(url, timeout=300)
     before = weight_versions(fleet)
     with pytest.raises(requests.HTTPError) as e:
-        client.update_weights({"version_id": "mx-1"})  # no start: vLLM's refusal
-    assert e.value.response.status_code == 500
-    assert e.value.response.json()["error"]["message"] == mx.NOT_STARTED
+        client.update_weights({"version_id": "mx-1"})  # no start: vLLM's RL state machine
+    assert e.value.response.status_code == 409
+    assert "preceding start_weight_update" in e.value.response.json()["detail"]
     client.init_weight_transfer_engine(transfer_init_info(published, s3_server, PREFIX))
     client.start_weight_update()
     with pytest.raises(requests.HTTPError) as e:  # not paused: rlfleet's rule, still open
@@ -150,17 +152,22 @@ def test_steps_out_of_order_are_refused_as_vllm_refuses_them(fleet, vllm_mx_url,
         for r in (ref, got):
             assert named in r.json()["error"]["message"], r.text
     post(url, "/init_weight_transfer_engine", json={"init_info": ours})
-    # (path, body, whether both take it) in the same order on both
-    calls = [("/update_weights", {"update_info": {"version_id": "mx-1"}}, False),
-             ("/finish_weight_update", None, False),
+    # (path, body, whether both take it) in the same order on both; None: out of the
+    # update's order (vLLM 0.32's engine: 500; the worker: the newer state machine's 409)
+    calls = [("/update_weights", {"update_info": {"version_id": "mx-1"}}, None),
+             ("/finish_weight_update", None, None),
              ("/start_weight_update", None, True),
-             ("/start_weight_update", None, False),
+             ("/start_weight_update", None, None),
              ("/shutdown_weight_transfer_engine", None, False),
              ("/finish_weight_update", None, True),
              ("/shutdown_weight_transfer_engine", None, True)]
     for path, body, ok in calls:
         ref, got = post(vllm_mx_url, path, json=body), post(url, path, json=body)
         where = f"{path}: vLLM {ref.status_code} {ref.text} / rlfleet {got.status_code} {got.text}"
+        if ok is None:
+            assert (ref.status_code, got.status_code) == (500, 409), where
+            assert "start_weight_update" in got.json()["detail"], where
+            continue
         assert got.status_code == ref.status_code == (200 if ok else 500), where
         if ok:
             assert got.json() == ref.json(), where

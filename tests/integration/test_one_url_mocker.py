@@ -435,10 +435,36 @@ def test_a_lora_load_with_the_fleet_open_is_an_adapter_refresh(one, service):
 def test_sglang_router_flushes_the_fleet_through_the_frontend(one, service, tmp_path):
     """sglang-router 0.3.2 with the frontend registered as its one worker fans /flush_cache
     out to it: every worker of the fleet flushes."""
+    cached = list(range(2000, 2032))  # two full blocks of the mocker's 16-token blocks
+    for w in one.workers:
+        direct_generate(w, cached)  # computed and stored
+        hits = cache_hits(w)
+        direct_generate(w, cached)
+        assert cache_hits(w) - hits == len(cached), "the prompt was not cached to begin with"
     with clients.sglang_router([one.url], tmp_path) as router:
         clients.router_workers(router, 1)
         r = httpx.post(f"{router}/flush_cache", timeout=60)
         assert r.status_code == 200, r.text
+    for w in one.workers:  # every worker's cache is empty: the prompt is computed again
+        hits = cache_hits(w)
+        direct_generate(w, cached)
+        assert cache_hits(w) == hits, f"worker {w.ready['instance_id']} did not flush"
+
+
+def direct_generate(worker: Proc, prompt: list[int]) -> None:
+    """One request on the worker's own request plane (`POST /generate`), not through the
+    frontend: it lands on that worker."""
+    r = httpx.post(f"{worker.ready['url']}/generate", timeout=60, json={
+        "request_id": f"direct-{time.monotonic_ns()}", "prompt_token_ids": prompt,
+        "stream": False, "sampling": {"max_tokens": 1}})
+    assert r.status_code == 200, r.text
+
+
+def cache_hits(worker: Proc) -> float:
+    """Prompt tokens the worker's simulated prefix cache held, all requests so far."""
+    text = httpx.get(f"{worker.ready['system_url']}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("rlfleet_mocker_prefix_cache_hits_total{"))
 
 
 def test_areals_remote_sglang_engine_drives_the_fleet(one, service, tmp_path):

@@ -287,3 +287,32 @@ def test_without_workers(start_fleet):
     assert httpx.get(f"{f.url}/health_generate", timeout=10).status_code == 503
     assert httpx.get(f"{f.url}/server_info", timeout=10).status_code == 503
     assert httpx.get(f"{f.url}/get_load", timeout=10).json() == []
+
+
+def test_sglang_0_5_23s_own_decoders_read_the_answers(fleet):
+    """SGLang 0.5.23's API types (installed by scripts/setup.sh, decoded as its server
+    decodes): /generate, unary and each streamed event, its per-token
+    `meta_info.weight_versions` spans covering the output with the answer's `weight_version`
+    last (SGLang's `default` for unversioned weights); /model_info with the weight version;
+    /server_info."""
+    from tests import clients
+
+    api = clients.sglang_api()
+    body = {"input_ids": [1, 2, 3], "sampling_params": params(6), "return_logprob": True}
+    unary = api.GenerateResponse.from_json_value(post(fleet, "/generate", body).json())
+    events = [api.GenerateResponse.from_json_value(e) for e in stream(fleet, body)]
+    for out in (unary, events[-1]):
+        meta = out.meta_info
+        assert meta.completion_tokens == len(out.output_ids) == 6
+        spans = meta.weight_versions
+        assert spans and spans[0].start == 0 and spans[-1].end == 6
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))
+        # an unversioned policy's spans carry SGLang's label for it; meta_info's own
+        # weight_version stays null (SGLang's decoder takes both)
+        assert spans[-1].version == (meta.weight_version or "default")
+        assert [e.token_id for e in meta.output_token_logprobs] == list(out.output_ids)
+    info = api.GetModelInfoResponse.from_json_value(httpx.get(f"{fleet.url}/model_info").json())
+    assert info.served_model_name == MODEL and info.weight_version == unary.meta_info.weight_version
+    server = api.GetServerInfoResponse.from_json_value(
+        httpx.get(f"{fleet.url}/server_info").json())
+    assert server.served_model_name == MODEL

@@ -140,9 +140,17 @@ def test_x_request_id_names_the_run(url: str) -> None:
 
 
 def test_unknown_fields_are_ignored_as_vllm_ignores_them(url: str) -> None:
-    r = generate(url, {"not_a_sampler": 1, "output_kind": 1, "skip_reading_prefix_cache": True},
+    """Fields vLLM's models drop (unknown ones, and the engine-internal `output_kind`) change
+    nothing: the same tokens and logprobs as the request without them, nothing echoed."""
+    plain = generate(url, {"logprobs": 1})
+    r = generate(url, {"logprobs": 1, "not_a_sampler": 1, "output_kind": 1,
+                       "skip_reading_prefix_cache": True},
                  some_future_field={"x": 1}, reasoning_ended=True)
     assert r.status_code == 200, r.text
+    assert set(r.json()) == set(plain.json())
+    (c,), (ref,) = r.json()["choices"], plain.json()["choices"]
+    assert c["token_ids"] == ref["token_ids"] and len(c["token_ids"]) == 6
+    assert c["logprobs"] == ref["logprobs"] and c["finish_reason"] == ref["finish_reason"]
 
 
 @pytest.mark.parametrize(("kw", "param"), [

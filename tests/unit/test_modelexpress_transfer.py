@@ -14,7 +14,7 @@ import pytest
 
 from rlfleet.mocker.admin import MockAdmin
 from rlfleet.mocker.engine import MockEngine, write_mock_checkpoint
-from rlfleet.protocol import modelexpress
+from rlfleet.protocol import modelexpress, vllm_rl
 from rlfleet.weights.staging import StagingArea
 from rlfleet.worker import modelexpress as mx
 from rlfleet.worker.native_rl import NativeRL
@@ -85,11 +85,13 @@ async def test_steps_in_vllms_order_with_vllms_refusals(tmp_path: Path) -> None:
     async with http:
         start = await http.post("/start_weight_update")
         assert start.status_code == 500 and error(start) == mx.NOT_INITIALIZED
+        # out of the update's order: vLLM's RL state machine answers 409 before the step runs
         update = await http.post("/update_weights", json={"update_info": {"version_id": "v1"}})
-        assert update.status_code == 500 and error(update) == mx.NOT_STARTED
-        assert update.json()["error"]["type"] == "InternalServerError"
+        assert update.status_code == 409 and update.json()["detail"] == \
+            vllm_rl.out_of_order("update", False)
         finish = await http.post("/finish_weight_update")
-        assert finish.status_code == 500 and error(finish) == mx.NO_START
+        assert finish.status_code == 409 and "preceding start_weight_update" in \
+            finish.json()["detail"]
         unauthorized = await http.post("/init_weight_transfer_engine", headers={"Authorization": ""},
                                        json={"init_info": init_info(tmp_path)})
         assert unauthorized.status_code == 401
@@ -99,7 +101,7 @@ async def test_steps_in_vllms_order_with_vllms_refusals(tmp_path: Path) -> None:
         assert (await http.post("/start_weight_update")).json() == \
             {"message": "Weight update started"}
         again = await http.post("/start_weight_update")
-        assert again.status_code == 500 and error(again) == mx.ALREADY_ACTIVE
+        assert again.status_code == 409 and "already in progress" in again.json()["detail"]
         # rlfleet applies weights only while paused: refused, the update stays open
         unpaused = await http.post("/update_weights", json={"update_info": {"version_id": "v1"}})
         assert unpaused.status_code == 409 and "pause" in error(unpaused)
@@ -110,7 +112,7 @@ async def test_steps_in_vllms_order_with_vllms_refusals(tmp_path: Path) -> None:
         assert bad.status_code == 400 and "version" in error(bad)
         # as in vLLM, a failed update ends it
         assert native.admin.transfer.modelexpress.state is mx.TransferState.READY
-        assert (await http.post("/finish_weight_update")).status_code == 500
+        assert (await http.post("/finish_weight_update")).status_code == 409
         await http.post("/resume")
         assert (await http.post("/shutdown_weight_transfer_engine")).json() == \
             {"message": "Weight transfer shut down"}

@@ -138,8 +138,47 @@ def test_request_fields_rlfleet_cannot_honour_are_refused_by_name(name: str) -> 
     assert e.value.param == name
 
 
-def test_empty_refused_fields_are_not_refused() -> None:
-    gen({"extra_args": {}, "logprob_token_ids": None}, kv_transfer_params=None).refusals()
+def _refused_cases() -> list[tuple[str, str, object, object]]:
+    """(where, field, an empty value, a set value) for every field refused when set; the
+    values follow each field's type."""
+    def values(model: type, name: str) -> tuple[list[object], object]:
+        kind = str(model.model_fields[name].annotation)
+        if kind.startswith("dict"):
+            return [None, {}], {"k": 1}
+        if kind.startswith("list[list"):
+            return [None, []], [[1]]
+        if kind.startswith("list[dict"):
+            return [None, []], [{"type": "text", "text": "x"}]
+        if kind.startswith("list"):
+            return [None, []], [1]
+        return [None], 1
+    cases = []
+    for where, model, names in (("sampling", SamplingParamsIn, SAMPLING_REFUSED),
+                                ("request", TokensGenerateRequest, GENERATE_REFUSED)):
+        for name in names:
+            empties, value = values(model, name)
+            cases += [(where, name, e, value) for e in empties]
+    return cases
+
+
+def _with(where: str, name: str, value: object) -> TokensGenerateRequest:
+    if where == "sampling":
+        return gen({"max_tokens": 4, name: value})
+    return gen({"max_tokens": 4}, **{name: value})
+
+
+@pytest.mark.parametrize(("where", "name", "empty", "value"), _refused_cases())
+def test_empty_refused_fields_are_not_refused(where: str, name: str, empty: object,
+                                              value: object) -> None:
+    """A refused field sent empty (as clients serialise their defaults) is not refused, and
+    the engine runs what it would without it; the same field with a value is refused."""
+    plain = gen({"max_tokens": 4})
+    req = _with(where, name, empty)
+    req.refusals()
+    assert req.sampling_params.engine(False) == plain.sampling_params.engine(False)
+    with pytest.raises(InvalidParam) as e:
+        _with(where, name, value).refusals()
+    assert e.value.param in (name, f"sampling_params.{name}")
 
 
 @pytest.mark.parametrize("body", [

@@ -4,6 +4,7 @@ per-request accounting."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -16,12 +17,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlfleet.frontend import sglang, vllm_native
+from rlfleet.frontend import sglang, skyrl, vllm_native
 from rlfleet.frontend.fleet_control import control_routes
 from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
 from rlfleet.frontend.runs import CANCEL_TOKEN_HEADER, GenerationRuns, token_hash
+from rlfleet.protocol import dynamo_health
 from rlfleet.protocol.engine import CANCEL_FORBIDDEN, CANCEL_OK, CANCEL_UNKNOWN
 from rlfleet.protocol.openai import ModelCard, ModelList, ModelPermission
 from rlfleet.protocol.sglang import AbortRequest
@@ -69,9 +71,35 @@ async def health(request: Request) -> Response:
                for w in pool.workers.values()]
     # `process`: which process of the frontend answered (python -m rlfleet.frontend --processes);
     # no worker: 503 (vLLM's and SGLang's clients read the status code: not ready to serve)
-    return json_response({"status": "healthy" if workers else "no_workers",
-                          "process": os.getpid(), "workers": workers},
+    status = "healthy" if workers else "no_workers"
+    instances = await _instances(pool)
+    return json_response({"status": status, "message": dynamo_health.HEALTH_MESSAGES[status],
+                          "process": os.getpid(), "workers": workers,
+                          "endpoints": dynamo_health.endpoints_of(instances),
+                          "instances": instances},
                          200 if workers else 503)
+
+
+#: seconds /health waits for the discovery store's listing (then it lists no instance)
+HEALTH_LISTING_DEADLINE = 2.0
+
+
+async def _instances(pool: WorkerPool) -> list[dynamo_health.Instance]:
+    """Every endpoint the workers of this frontend's namespace registered (`generate`, `rl`,
+    ...), read from discovery now, as Dynamo's /health lists them; none while the store
+    cannot be read (as Dynamo: the rest of the answer stands)."""
+    try:
+        async with asyncio.timeout(HEALTH_LISTING_DEADLINE):
+            entries = await pool.discovery.list(pool.namespace)
+    except Exception as e:  # the store is down or slow: the workers the pool knows stand
+        log.warning("/health: discovery could not be listed: %r", e)
+        return []
+    return dynamo_health.instances_of(entries)
+
+
+async def live(request: Request) -> Response:
+    """Dynamo's /live: the frontend answers (whatever its workers' state)."""
+    return json_response(dynamo_health.Live())
 
 
 async def metrics_route(request: Request) -> Response:
@@ -256,8 +284,10 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
         *openai_routes.router.routes,
         *sglang.router.routes,
         *vllm_native.router.routes,
+        *skyrl.router.routes,
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/live", live, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         Route("/v1/requests/{rid}/cancel", cancel, methods=["POST"]),
         *(control_routes(fleet_control) if fleet_control else ()),
@@ -271,4 +301,4 @@ def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | Non
 
 
 def _traced(path: str) -> bool:
-    return path not in ("/metrics", "/health")
+    return path not in ("/metrics", "/health", "/live")

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rlfleet.protocol import smg
 from rlfleet.protocol.fleet_control import FORWARDED, ControlRoute
 
 log = logging.getLogger("rlfleet.frontend.fleet_control")
@@ -53,7 +54,7 @@ class ControlForward:
         headers = {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
         try:
             r = await self.http().request(
-                request.method, f"{self.url}{route.path}", params=request.query_params,
+                request.method, f"{self.url}{request.url.path}", params=request.query_params,
                 content=await request.body(), headers=headers,
                 timeout=httpx.Timeout(route.deadline, connect=CONNECT_DEADLINE))
         except httpx.TimeoutException as e:
@@ -71,7 +72,10 @@ class ControlForward:
     @staticmethod
     def _failed(route: ControlRoute, status: int, message: str) -> Response:
         log.warning("%s", message)
-        if route.dialect == "sglang":
+        if route.dialect == "smg":
+            code = smg.UPSTREAM_TIMEOUT if status == 504 else smg.UPSTREAM_UNREACHABLE
+            return JSONResponse(smg.error(code, message), status_code=status)
+        if route.dialect in ("sglang", "areal"):  # AReaL's server answers as SGLang's
             return JSONResponse({"success": False, "message": message}, status_code=status)
         return JSONResponse({"error": message}, status_code=status)
 

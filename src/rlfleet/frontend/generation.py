@@ -16,6 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from rlfleet.frontend import smg
 from rlfleet.frontend.dispatch import Dispatch
 from rlfleet.frontend.result import Result, merge_deltas
 from rlfleet.frontend.router import WorkerPool
@@ -247,7 +248,7 @@ class Call:
         try:
             await self.to_end()
             self.end()
-            return json_response(render())
+            return json_response(render(), headers=smg.response_headers(self.results, True))
         except BaseException as e:
             if self.watch.gone_on(e):
                 raise HttpError(499, "client closed the request") from None
@@ -268,7 +269,8 @@ class Call:
             yield b"data: [DONE]\n\n"
 
         return StreamResponse(body(), self.watch, "text/event-stream",
-                              {"Cache-Control": "no-cache"}, on_end=self.end)
+                              {"Cache-Control": "no-cache",
+                               **smg.response_headers(self.results, False)}, on_end=self.end)
 
 
 async def follow(request: Request, model: str, greqs: GenerateRequest | list[GenerateRequest],
@@ -281,6 +283,7 @@ async def follow(request: Request, model: str, greqs: GenerateRequest | list[Gen
     are started, before their first event (a unary run's worker may send none before its
     end), e.g. so that they can be aborted meanwhile."""
     fe = frontend_of(request)
+    bound = smg.request_bound(request.headers, bound)  # or SMG's x-smg-version-policy
     if isinstance(greqs, GenerateRequest):
         greqs = [greqs]
     if isinstance(results, Result):

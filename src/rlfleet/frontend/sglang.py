@@ -32,6 +32,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route, Router
@@ -54,7 +55,12 @@ from rlfleet.frontend.router import RELIST_DEADLINE, Worker
 from rlfleet.frontend.runs import GenerationRun
 from rlfleet.protocol.engine import STALE_POLICY, GenerateRequest, SamplingOptions
 from rlfleet.protocol.identity import PolicyIdentity
-from rlfleet.protocol.sglang import GenerateResponse, MetaInfo, SglangGenerateRequest
+from rlfleet.protocol.sglang import (
+    UNVERSIONED_LABEL,
+    GenerateResponse,
+    MetaInfo,
+    SglangGenerateRequest,
+)
 from rlfleet.runtime.http import HttpError, json_response
 
 log = logging.getLogger("rlfleet.frontend.sglang")
@@ -93,7 +99,11 @@ def generate_response(req: SglangGenerateRequest, res: Result, index: int = 0
                     prompt_tokens=len(res.prompt_token_ids), completion_tokens=len(c.token_ids),
                     cached_tokens=res.cached_tokens or 0, **res.policy.stamped())
     if c.finish_reason is not None:
-        meta.weight_versions = res.spans(c)
+        # SGLang's spans always name a version (its unversioned weights: "default"; 0.5.23's
+        # decoder refuses a null one)
+        meta.weight_versions = [s if s.version is not None else
+                                msgspec.structs.replace(s, version=UNVERSIONED_LABEL)
+                                for s in res.spans(c)]
         if c.stale_policy:
             meta.stale_policy = True
         # (a stream renders the last token before the run's end event may have come)

@@ -24,6 +24,12 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.sglang_admin import (
+    SGLANG_PAUSE_MODES,
+    EndSessionRequest,
+    ServerInfoReply,
+    SessionRequest,
+)
 from rlfleet.protocol.vllm_rl import (
     DISK_ENGINE_RPCS,
     RELOAD_KWARGS,
@@ -156,13 +162,20 @@ def _check_step(step: int | None) -> None:
 
 
 class PauseRequest(Request, kw_only=True, frozen=True):
-    mode: str = "keep"  # keep | wait | abort (PAUSE_MODES)
+    # keep | wait | abort (PAUSE_MODES), or SGLang's retract | in_place (slime's body through
+    # Dynamo's SGLang facade: SGLANG_PAUSE_MODES, both keep)
+    mode: str = "keep"
     clear_cache: bool = False
     MESSAGES: ClassVar[dict[str, str]] = {"clear_cache": "clear_cache must be a boolean"}
 
     def __post_init__(self) -> None:
-        if self.mode not in PAUSE_MODES:
+        if self.mode not in PAUSE_MODES and self.mode not in SGLANG_PAUSE_MODES:
             raise AdminRequestError(f"Invalid mode {self.mode!r}; expected keep|wait|abort")
+
+    @property
+    def engine_mode(self) -> str:
+        """The engine's pause mode (keep | wait | abort) the request names."""
+        return SGLANG_PAUSE_MODES.get(self.mode, self.mode)
 
 
 class AbortRequest(Request, kw_only=True, frozen=True):
@@ -284,8 +297,10 @@ class GroupLeaveRequest(Request, kw_only=True, frozen=True):
 
     ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = ("shutdown_weight_transfer_engine",)
     engine_rpc: str | None = None
+    group_name: str | None = None  # SGLang's: the group joined (slime names it)
     MESSAGES: ClassVar[dict[str, str]] = {
-        "engine_rpc": "engine_rpc must be a string: shutdown_weight_transfer_engine"}
+        "engine_rpc": "engine_rpc must be a string: shutdown_weight_transfer_engine",
+        "group_name": "group_name must be a string (the group joined)"}
 
 
 _GROUP = "master_address (string), master_port (int) and world_size (int) are required"
@@ -387,6 +402,11 @@ class DistributedRequest(Request, kw_only=True, frozen=True):
     weight_dir: str | None = None  # ... prime-rl's NCCL worker's (refused: UnsupportedRequest)
     update_info: dict[str, Any] | list[dict[str, Any]] | None = None  # update_weights' keyword
     is_checkpoint_format: bool | None = None  # start_weight_update's (true only)
+    # SGLang's body (slime): the group joined, its cache flag (reset_prefix_cache's meaning
+    # and default), the loader (the model's own only)
+    group_name: str | None = None
+    flush_cache: bool | None = None
+    load_format: str | None = None
     MESSAGES: ClassVar[dict[str, str]] = {
         "names": _TENSORS, "dtypes": _TENSORS, "shapes": _TENSORS, "weight_version": _VERSION,
         "step": _STEP,
@@ -396,10 +416,14 @@ class DistributedRequest(Request, kw_only=True, frozen=True):
         **{k: f"{k} must be a string (a checkpoint directory on this worker's disk)"
            for k in ("weights_path", "weight_path", "weight_dir")},
         "update_info": _UPDATE_INFO,
-        "is_checkpoint_format": "is_checkpoint_format must be a boolean"}
+        "is_checkpoint_format": "is_checkpoint_format must be a boolean",
+        "group_name": "group_name must be a string (the group joined)",
+        "flush_cache": "flush_cache must be a boolean",
+        "load_format": "load_format must be a string (SGLang's loader name)"}
     ENGINE_RPCS: ClassVar[tuple[str, ...] | None] = (*DISK_ENGINE_RPCS, *_STEP_RPCS)
 
     def __post_init__(self) -> None:
+        self._check_sglang_fields()
         if self.engine_rpc is not None:
             self._check_engine_rpc()
         elif not (len(self.names) == len(self.dtypes) == len(self.shapes) and self.names):
@@ -409,10 +433,25 @@ class DistributedRequest(Request, kw_only=True, frozen=True):
             if given:
                 raise AdminRequestError(f"{given[0]} is an engine method's keyword: send it with "
                                         f"engine_rpc (one of {', '.join(DISK_ENGINE_RPCS)})")
-        if self.allow_unpaused and self.reset_prefix_cache:
+        if self.allow_unpaused and self.reset_cache:
             raise AdminRequestError("allow_unpaused cannot be combined with reset_prefix_cache; "
                                     "send reset_prefix_cache: false, or pause first")
         _check_step(self.step)
+
+    def _check_sglang_fields(self) -> None:
+        if self.load_format is not None:
+            raise UnsupportedRequest(f"load_format {self.load_format!r}: an rlfleet worker "
+                                     "loads received tensors with the model's own loader only; "
+                                     "leave load_format out")
+        if self.flush_cache is not None and self.engine_rpc is not None:
+            raise AdminRequestError("flush_cache is SGLang's field for names, dtypes and "
+                                    "shapes; with engine_rpc send reset_prefix_cache")
+
+    @property
+    def reset_cache(self) -> bool:
+        """Whether the install resets the prefix cache: SGLang's flush_cache when sent, else
+        reset_prefix_cache."""
+        return self.reset_prefix_cache if self.flush_cache is None else self.flush_cache
 
     def _check_engine_rpc(self) -> None:
         if self.names or self.dtypes or self.shapes or self.mock_seed is not None:
@@ -1177,6 +1216,24 @@ DYNAMO_17 = (CONTROL_PAUSE_GENERATION, CONTROL_RESUME_GENERATION, CONTROL_IS_PAU
              CONTROL_GET_WEIGHT_VERSION, UPDATE_UPDATE_WEIGHT_VERSION, COLLECTIVE_RPC,
              *DYNAMO_17_TRANSFER)
 
+# SGLang's names under the vLLM-style /engine (slime's control calls through Dynamo's SGLang
+# facade: rlfleet.protocol.sglang_admin): continue_generation is resume_generation with
+# SGLang's body; server_info (and get_server_info) SGLang's server arguments. The other
+# names slime sends (pause_generation, flush_cache, the group routes) are the table's own,
+# which take SGLang's bodies too. Served, not listed (the listing stays Dynamo's).
+CONTINUE_GENERATION = AdminRoute("continue_generation", NativeContinueRequest, MessageReply,
+                                 listed=False)
+SERVER_INFO = AdminRoute("server_info", NoFields, ServerInfoReply, mutating=False,
+                         serialized=False, listed=False)
+GET_SERVER_INFO = dataclasses.replace(SERVER_INFO, name="get_server_info")
+# SGLang 0.5.23's weight-update session (`{"success", "message"}`)
+BEGIN_WEIGHT_UPDATE = AdminRoute("begin_weight_update", SessionRequest, SglangReply,
+                                 listed=False)
+END_WEIGHT_UPDATE = AdminRoute("end_weight_update", EndSessionRequest, SglangReply,
+                               listed=False)
+SGLANG_NAMES = (CONTINUE_GENERATION, SERVER_INFO, GET_SERVER_INFO, BEGIN_WEIGHT_UPDATE,
+                END_WEIGHT_UPDATE)
+
 #: the lifecycle every vLLM-style refresh path needs
 VLLM_LIFECYCLE = (PAUSE_GENERATION, RESUME_GENERATION, GET_WEIGHT_VERSION, LIVENESS_PROBE,
                   FLUSH_CACHE)
@@ -1206,7 +1263,7 @@ ROUTES = {r.name: r for r in (
     LIVENESS_PROBE, PAUSE_GENERATION, RESUME_GENERATION, FLUSH_CACHE, ABORT_REQUEST,
     UPDATE_WEIGHTS_FROM_DISK, GET_WEIGHT_VERSION, SET_WEIGHT_VERSION, *VLLM_GROUP, *STAGED,
     SET_ADMISSION, FAULT_INJECTION, COMMIT_POLICY, *SGLANG_FIXED, *DYNAMO_17, IS_PAUSED, *LORA,
-    *LORA_STAGED)}
+    *LORA_STAGED, *SGLANG_NAMES)}
 
 # ---------------------------------------------------------------- whose schema each route follows
 
@@ -1238,6 +1295,8 @@ FOLLOWS: dict[str, str] = {
     **dict.fromkeys(("update/init_weight_transfer_engine", "update/start_weight_update",
                      "update/update_weights", "update/finish_weight_update"), _VLLM_RL),
     **dict.fromkeys((r.name for r in SGLANG_FIXED), _SGLANG),
+    **dict.fromkeys((r.name for r in SGLANG_NAMES), f"{_SGLANG}: the names slime sends to "
+                    "Dynamo's SGLang /engine facade (examples/rl/slime/)"),
     "load_lora_adapter": "vLLM vllm/entrypoints/serve/lora/api_router.py "
                          "(/v1/load_lora_adapter's body, with rlfleet's identity fields)",
     "unload_lora_adapter": "vLLM vllm/entrypoints/serve/lora/api_router.py "

@@ -26,11 +26,17 @@ class Op(enum.StrEnum):
     TRANSFER_FINISH = "transfer_finish"  # every worker on one policy, or rolled back
     LOAD_ADAPTER = "load_adapter"  # every worker, or none
     UNLOAD_ADAPTER = "unload_adapter"
+    ABORT = "abort"  # requests in flight end on every worker (no pause)
+    WEIGHT_CHECK = "weight_check"  # every worker's weight checksums, merged and compared
+    SET_VERSION = "set_version"  # every worker relabels its weights
+    REFUSED = "refused"  # what no worker does (a draft model, SkyRL's delta format): named
+    UPDATE_SESSION = "update_session"  # SGLang's weight-update session, on every worker
+    ENGINE_FANOUT = "engine_fanout"  # one engine route on every matching worker, as it is
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlRoute:
-    dialect: str  # vllm | sglang
+    dialect: str  # vllm | sglang | areal (AReaL's vLLM server extension) | smg
     methods: tuple[str, ...]
     path: str
     op: Op
@@ -81,7 +87,37 @@ SGLANG_ROUTES = (
     _R("sglang", ("POST",), "/load_lora_adapter", Op.LOAD_ADAPTER),  # {lora_name, lora_path}
     _R("sglang", ("POST",), "/unload_lora_adapter", Op.UNLOAD_ADAPTER),  # {lora_name}
 )
-ROUTES = VLLM_ROUTES + SGLANG_ROUTES
+#: vLLM's newest dev-mode RL routes (vllm/entrypoints/serve/dev/rlhf/api_router.py)
+VLLM_RL_ROUTES = (
+    _R("vllm", ("POST",), "/abort_requests", Op.ABORT),  # {request_ids} (none: all)
+    # {action: checksum|compare, baseline, checksums}: reads the weights (reset is refused)
+    _R("vllm", ("POST",), "/weight_checker", Op.WEIGHT_CHECK, mutating=False),
+    _R("vllm", ("POST",), "/update_weight_version", Op.SET_VERSION),  # {new_version}
+    _R("vllm", ("POST",), "/start_draft_weight_update", Op.REFUSED),
+    # SkyRL 0.4's server route: a checkpoint delta in its own format
+    _R("vllm", ("POST",), "/fetch_weights", Op.REFUSED),
+)
+#: SGLang 0.5.23's weight-update session (http_server.py begin/end_weight_update)
+SGLANG_SESSION_ROUTES = (
+    _R("sglang", ("POST",), "/begin_weight_update", Op.UPDATE_SESSION),  # {selector}
+    _R("sglang", ("POST",), "/end_weight_update", Op.UPDATE_SESSION),
+)
+#: AReaL's vLLM server extension (areal/engine/vllm_ext/areal_vllm_server.py), which its
+#: RemotevLLMEngine calls: its pause aborts the requests in flight (and clears the cache),
+#: its update from disk is a whole pause, load and resume
+AREAL_ROUTES = (
+    _R("areal", ("POST",), "/areal_pause_generation", Op.PAUSE),
+    _R("areal", ("POST",), "/areal_continue_generation", Op.RESUME),
+    _R("areal", ("POST",), "/areal_update_weights", Op.UPDATE_FROM_DISK),  # {model_path}
+)
+#: SMG's RL control plane (lightseekorg/smg, rlfleet.protocol.smg): `{path}` is the engine
+#: route, called on every worker the `selector` matches; per-worker results (200, or 207
+#: with `failed[]`), no fleet transaction
+SMG_ROUTES = (
+    _R("smg", ("GET", "POST"), "/v1/rl/engine/{path:path}", Op.ENGINE_FANOUT),
+)
+ROUTES = (VLLM_ROUTES + SGLANG_ROUTES + VLLM_RL_ROUTES + SGLANG_SESSION_ROUTES + AREAL_ROUTES
+          + SMG_ROUTES)
 #: what a frontend started with --fleet-control forwards to the service
 FORWARDED = tuple(r for r in ROUTES if r.forwarded)
 

@@ -351,6 +351,11 @@ LogprobEntry = list[float | int | str | None]  # [logprob, token_id, text (with
 # return_text_in_logprobs) | null]
 
 
+#: the version SGLang labels weights that were never given one with (its `weight_version`
+#: server argument's default), in `meta_info.weight_versions` spans
+UNVERSIONED_LABEL = "default"
+
+
 class MetaInfo(Struct, kw_only=True):
     """SGLang's meta_info (tokenizer_manager.py), then rlfleet's policy stamp and spans."""
 

@@ -112,6 +112,43 @@ PRIME_RL_LOAD_LORA_ADAPTER = NativeRoute("/load_lora_adapter", "POST")
 SKYRL_LOAD_LORA_ADAPTER = NativeRoute("/skyrl/v1/load_lora_adapter", "POST")
 SKYRL_LOAD_FIELDS = ("lora_name", "lora_path")
 
+# vLLM's newest dev-mode RL routes (vllm/entrypoints/serve/dev/rlhf/api_router.py): a draft
+# model's weight update (speculative decoding; an rlfleet worker serves none) and the weight
+# checker (`{"action": "checksum" | "reset" | "compare", "baseline", "checksums"}`,
+# rlfleet.protocol.vllm_rl.WEIGHT_CHECKER_ACTIONS; weight_checker.py)
+START_DRAFT_WEIGHT_UPDATE = NativeRoute("/start_draft_weight_update", "POST")
+# reads the weights only here (its `reset` is refused): not held back by a refresh
+WEIGHT_CHECKER = NativeRoute("/weight_checker", "POST", mutating=False)
+WEIGHT_CHECKER_ACTIONS = ("checksum", "reset", "compare")
+DRAFT_REFUSED = ("start_draft_weight_update updates a speculative-decoding draft model's "
+                 "weights, and this worker serves none (no --speculative-config): update the "
+                 "model's own weights with start_weight_update, update_weights and "
+                 "finish_weight_update")
+
+# SkyRL 0.4's own route on its vLLM server (its checkpoint-delta backend), refused by name
+# with what to call instead (rlfleet.protocol.skyrl.FETCH_WEIGHTS_REFUSED)
+SKYRL_FETCH_WEIGHTS = NativeRoute("/fetch_weights", "POST")
+
+#: vLLM's RL state machine (rl_state_machine.py): a step that would break the order of a
+#: weight update (start, update*, finish) is refused with HTTP 409 `{"detail"}` before it
+#: runs, by whether an update is open
+_ORDER = {
+    "start": (True, "start_weight_update called while a weight update is already in "
+                    "progress.  Call POST /finish_weight_update first."),
+    "update": (False, "update_weights requires a preceding start_weight_update. Call POST "
+                      "/start_weight_update first."),
+    "finish": (False, "finish_weight_update called without a preceding start_weight_update. "
+                      "Call POST /start_weight_update first."),
+}
+
+
+def out_of_order(step: str, updating: bool) -> str | None:
+    """Why vLLM's RL state machine refuses `step` (HTTP 409) while an update is, or is
+    not, open (`updating`); None: in order (init and shutdown are not ordered by it)."""
+    refused_when, why = _ORDER.get(step, (None, ""))
+    return why if refused_when is updating else None
+
+
 #: the weight-transfer steps, by route: what the engine is asked to do (EngineControl)
 TRANSFER_STEPS = {INIT_WEIGHT_TRANSFER_ENGINE: "init", SHUTDOWN_WEIGHT_TRANSFER_ENGINE: "shutdown",
                   START_WEIGHT_UPDATE: "start", UPDATE_WEIGHTS: "update",

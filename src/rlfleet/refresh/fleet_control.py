@@ -53,13 +53,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from rlfleet.journal import RefreshJournal, open_journal
-from rlfleet.protocol import admin
+from rlfleet.protocol import admin, skyrl, smg, vllm_rl
 from rlfleet.protocol.admin import (
     AdmissionRequest,
     DiskUpdateRequest,
@@ -86,6 +87,7 @@ from rlfleet.refresh.control import (
 from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.refresh.policy import Policy
 from rlfleet.refresh.staged import VllmStagedControl, stage_checkpoint
+from rlfleet.runtime import weight_checker
 from rlfleet.runtime.admin_client import AdminConnections, CallResult
 
 log = logging.getLogger("rlfleet.fleet_control")
@@ -993,10 +995,21 @@ async def _skyrl_load_lora(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"status": "ok", "lora_name": name})
 
 
+def smg_error(e: FleetFailure) -> JSONResponse:
+    """SMG's error body: `{"error": <code>, "message"}` (the code leads the message, or is
+    `upstream_error`)."""
+    code, sep, rest = str(e).partition(": ")
+    if not sep or " " in code:
+        code, rest = smg.UPSTREAM_ERROR, str(e)
+    return JSONResponse(smg.error(code, rest), status_code=e.status)
+
+
 def sglang_error(e: FleetFailure, route: ControlRoute) -> Response:
     """SGLang's failure bodies: `{"success": false, "message"}` for its update and LoRA
     routes (HTTP 400), a plain text for /flush_cache, `{"error"}` otherwise."""
     extra = {"workers": e.workers, "rolled_back": e.rolled_back}
+    if route.dialect == "areal":  # AReaL's server: `{"success": false, "message"}`, 400
+        return JSONResponse({"success": False, "message": str(e), **extra}, status_code=400)
     if route.op is Op.UPDATE_FROM_DISK:
         return JSONResponse({"success": False, "message": str(e), "num_paused_requests": 0,
                              **extra}, status_code=400)
@@ -1062,6 +1075,243 @@ async def _sglang_unload_lora(ctl: FleetControl, request: Request) -> Response:
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": {}})
 
 
+# ---------------------------------------------------------------- vLLM's newest RL routes,
+# SGLang 0.5.23's weight-update session, AReaL's vLLM routes (each worker's own route, on
+# every worker of the fleet)
+
+
+async def _fleet_now(ctl: FleetControl) -> tuple[Channel, list[FleetWorker]]:
+    """The channel and workers of the open transaction, else of the fleet as listed now."""
+    s = ctl.session
+    if s is not None:
+        return s.ch, s.active()
+    return ctl.channel(), sorted((await ctl.discover()).values(), key=lambda w: w.instance_id)
+
+
+async def _on_each_native(ctl: FleetControl, path: str, body: dict[str, Any]
+                          ) -> list[dict[str, Any]]:
+    """POST `body` to vLLM's native `path` on every worker (its admin_base_url): their
+    answers, in instance order; FleetFailure names the workers that refused or failed."""
+    _, ws = await _fleet_now(ctl)
+    answers: dict[int, dict[str, Any]] = {}
+    failed: list[dict[str, Any]] = []
+    token = ctl.config.admin_token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def one(w: FleetWorker) -> None:
+        try:
+            r = await ctl.clients.get(w.system_url).post(
+                f"{w.system_url}{path}", json=body, headers=headers,
+                timeout=ctl.config.timeout)
+            said = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            failed.append({"instance_id": w.instance_id, "error": repr(e)})
+            return
+        if r.status_code != 200 or not isinstance(said, dict):
+            failed.append({"instance_id": w.instance_id, "status": r.status_code, "body": said})
+        else:
+            answers[w.instance_id] = said
+    await ctl._each(ws, one)
+    if failed:
+        status = 409 if all(f.get("status") == 409 for f in failed) else 500
+        raise FleetFailure(f"{path} failed on worker(s) "
+                           f"{', '.join(str(f['instance_id']) for f in failed)}: {failed}",
+                           status, failed)
+    return [answers[w.instance_id] for w in ws]
+
+
+async def _vllm_abort_requests(ctl: FleetControl, request: Request) -> Response:
+    """vLLM's /abort_requests on every worker: the IDs named (each worker ends those it
+    runs), or every request in flight; the fleet is not paused."""
+    ids = (await _body(request)).get("request_ids")
+    if ids is not None and (not isinstance(ids, list) or
+                            not all(isinstance(i, str) for i in ids)):
+        raise BadRequest("request_ids must be a list of request IDs (none: every request)")
+    said = await _on_each_native(ctl, vllm_rl.ABORT_REQUESTS.path,
+                                 {"request_ids": ids} if ids else {})
+    aborted = len(ids) if ids else sum(int(a.get("aborted", 0)) for a in said)
+    return JSONResponse({"status": "aborted", "aborted": aborted})
+
+
+async def _vllm_weight_checker(ctl: FleetControl, request: Request) -> Response:
+    """vLLM's weight checker over the fleet: the workers' reports merged, each worker's ranks
+    under its own data-parallel rank (in instance order), compared like one server's."""
+    body = await _body(request)
+    try:
+        action, baseline, others = weight_checker.read_reports(body)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    if action == "reset":
+        raise BadRequest(weight_checker.RESET_REFUSED)
+    reports = await _on_each_native(ctl, vllm_rl.WEIGHT_CHECKER.path, {"action": "checksum"})
+    merged = weight_checker.merge([weight_checker.under_dp(r.get("checksums") or {}, dp)
+                                   for dp, r in enumerate(reports)])
+    if baseline is None:
+        return JSONResponse({"checksums": merged})
+    match, mismatches, ranks = weight_checker.compare([baseline, merged, *others])
+    return JSONResponse({"match": match, "mismatches": mismatches, "ranks": ranks})
+
+
+async def _vllm_update_weight_version(ctl: FleetControl, request: Request) -> Response:
+    """vLLM's /update_weight_version {new_version}: every worker relabels its weights."""
+    version = (await _body(request)).get("new_version")
+    if not isinstance(version, str) or not version:
+        raise BadRequest("new_version is required (a non-empty string)")
+    async with ctl.lock:
+        ch, ws = await _fleet_now(ctl)
+        failed: list[FleetWorker] = []
+
+        async def relabel(w: FleetWorker) -> None:
+            res = await ch.on(w, "set_version", admin.UPDATE_UPDATE_WEIGHT_VERSION,
+                              admin.NewVersionRequest(new_version=version))
+            if not res.ok:
+                failed.append(w)
+        await ctl._each(ws, relabel)
+    if failed:
+        raise FleetFailure(f"the weight version was not set on {ctl._named(failed)}", 500,
+                           [w.summary() for w in failed])
+    return JSONResponse({"success": True, "new_version": version})
+
+
+async def _vllm_start_draft(ctl: FleetControl, request: Request) -> Response:
+    raise BadRequest(vllm_rl.DRAFT_REFUSED)
+
+
+async def _skyrl_fetch_weights(ctl: FleetControl, request: Request) -> Response:
+    raise BadRequest(skyrl.FETCH_WEIGHTS_REFUSED)
+
+
+def _selected(selector: str | None, ws: list[FleetWorker]) -> list[FleetWorker]:
+    """The workers an SMG selector (`key=value[,key=value...]`: engine, model, id) matches;
+    FleetFailure 400 in SMG's codes for a missing or malformed one, or none matching."""
+    if not selector:
+        raise FleetFailure(f"{smg.SELECTOR_REQUIRED}: send ?selector=key=value (keys: "
+                           f"{', '.join(smg.SELECTOR_KEYS)})", 400)
+    terms = [t.partition("=") for t in selector.split(",")]
+    bad = [k + eq + v for k, eq, v in terms if not eq or not v or k not in smg.SELECTOR_KEYS]
+    if bad:
+        raise FleetFailure(f"{smg.INVALID_SELECTOR}: {bad[0]!r} (keys: "
+                           f"{', '.join(smg.SELECTOR_KEYS)}; engine={smg.ENGINE} is every "
+                           "worker)", 400)
+    have = {"engine": lambda w: smg.ENGINE, "model": lambda w: w.model or "",
+            "id": lambda w: str(w.instance_id)}
+    chosen = [w for w in ws if all(have[k](w) == v for k, _, v in terms)]
+    if not chosen:
+        raise FleetFailure(f"{smg.NO_WORKERS_MATCH}: no worker matches {selector!r}", 400)
+    return chosen
+
+
+async def _fanout_one(ctl: FleetControl, w: FleetWorker, request: Request, path: str,
+                      body: bytes) -> tuple[smg.CallOutcome | None, smg.FailedCall | None]:
+    """One worker's call of an engine route: its /engine/<path> when the path is a route of
+    the admin table, else its native route at /<path>."""
+    where = f"{admin.ROUTE_PREFIX}/{path}" if path in admin.ROUTES else f"/{path}"
+    url, wid = f"{w.system_url}{where}", str(w.instance_id)
+    headers = {"content-type": "application/json"}
+    if ctl.config.admin_token:
+        headers["Authorization"] = f"Bearer {ctl.config.admin_token}"
+    t0 = time.monotonic()
+    try:
+        r = await ctl.clients.get(w.system_url).request(
+            request.method, url, content=body or None, headers=headers,
+            params={k: v for k, v in request.query_params.items() if k != "selector"},
+            timeout=ctl.config.timeout)
+    except httpx.TimeoutException as e:
+        return None, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_TIMEOUT,
+                                    message=repr(e))
+    except httpx.HTTPError as e:
+        return None, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_UNREACHABLE,
+                                    message=repr(e))
+    try:
+        said: Any = r.json()
+    except ValueError:
+        said = r.text
+    outcome = smg.CallOutcome(worker_id=wid, url=url, status=r.status_code, body=said,
+                              latency_ms=int((time.monotonic() - t0) * 1000))
+    # an /engine route answers a refusal 200 with "status": "error" (or SGLang's
+    # "success": false): a failure too
+    refused = isinstance(said, dict) and (said.get("status") == "error"
+                                          or said.get("success") is False)
+    if r.is_success and not refused:
+        return outcome, None
+    return outcome, smg.FailedCall(worker_id=wid, url=url, error=smg.UPSTREAM_ERROR,
+                                   message=str(said)[:2000], status=r.status_code)
+
+
+async def _smg_fanout(ctl: FleetControl, request: Request) -> Response:
+    """SMG's `/v1/rl/engine/{path}?selector=`: the engine route on every matching worker, as
+    it is (no fleet transaction); SMG's RlFanoutResponse, 207 when any failed."""
+    path = request.path_params["path"].strip("/")
+    if not path or ".." in path.split("/"):
+        raise FleetFailure(f"{smg.INVALID_ENGINE_PATH}: {path!r}", 400)
+    body = await request.body()
+    _, ws = await _fleet_now(ctl)
+    chosen = _selected(request.query_params.get("selector"), ws)
+    done = await asyncio.gather(*(_fanout_one(ctl, w, request, path, body) for w in chosen))
+    out = smg.FanoutResponse(
+        results={o.worker_id: o for o, _ in done if o is not None},
+        failed=[f for _, f in done if f is not None], total=len(chosen),
+        succeeded=sum(1 for _, f in done if f is None))
+    return Response(msgspec.json.encode(out), status_code=207 if out.failed else 200,
+                    media_type="application/json")
+
+
+async def _sglang_session(ctl: FleetControl, request: Request) -> Response:
+    """SGLang 0.5.23's /begin_weight_update and /end_weight_update on every worker: the
+    fleet's session opens (closes) on all of them, or the ones that moved move back."""
+    begin = request.url.path == "/begin_weight_update"
+    body = await _body(request)
+    route = admin.BEGIN_WEIGHT_UPDATE if begin else admin.END_WEIGHT_UPDATE
+    try:
+        req = admin.read_request(route, body)
+    except admin.AdminRequestError as e:
+        raise BadRequest(str(e)) from None
+    undo_route = admin.END_WEIGHT_UPDATE if begin else admin.BEGIN_WEIGHT_UPDATE
+    async with ctl.lock:
+        ch, ws = await _fleet_now(ctl)
+        moved: list[FleetWorker] = []
+        refused: list[str] = []
+
+        async def one(w: FleetWorker) -> None:
+            res = await ch.on(w, route.name, route, req)
+            if res.ok:
+                moved.append(w)
+            else:
+                refused.append(f"worker {w.instance_id}: {res.message}")
+        await ctl._each(ws, one)
+        if refused:
+            undo = admin.read_request(undo_route, {})
+            await ctl._each(moved, lambda w: ch.on(w, undo_route.name, undo_route, undo))
+            return JSONResponse({"success": False, "message": "; ".join(refused)},
+                                status_code=400)
+    return JSONResponse({"success": True, "message": "Success"})
+
+
+async def _areal_pause(ctl: FleetControl, request: Request) -> Response:
+    """AReaL's pause: the requests in flight are aborted (their partial output returned)."""
+    await ctl.pause("abort")
+    return JSONResponse({"success": True, "message": "Generation paused and all requests "
+                                                     "aborted"})
+
+
+async def _areal_continue(ctl: FleetControl, request: Request) -> Response:
+    await ctl.resume()
+    return JSONResponse({"success": True, "message": "Generation continued"})
+
+
+async def _areal_update(ctl: FleetControl, request: Request) -> Response:
+    """AReaL's update from disk: inside a pause a step of it, else a transaction of its own
+    that aborts the requests in flight, as AReaL's server pauses for it."""
+    body = await _body(request)
+    load_format = body.get("load_format", "auto")
+    if load_format not in (None, "auto"):
+        raise BadRequest(f"load_format {load_format!r}: the workers load the checkpoint's own "
+                         "format only (auto)")
+    out = await ctl.update_from_disk(body.get("model_path"), None, "abort")
+    return JSONResponse({"success": True, "message": "".join(
+        f"TP rank: {rank} success\n" for rank in range(len(out.workers)))})
+
+
 #: each route of the tables (rlfleet.protocol.fleet_control) and its handler
 HANDLERS: dict[tuple[str, str], Handler] = {
     ("vllm", "/pause"): _vllm_pause,
@@ -1085,6 +1335,17 @@ HANDLERS: dict[tuple[str, str], Handler] = {
     ("sglang", "/get_weight_version"): _sglang_version,
     ("sglang", "/load_lora_adapter"): _sglang_load_lora,
     ("sglang", "/unload_lora_adapter"): _sglang_unload_lora,
+    ("vllm", "/abort_requests"): _vllm_abort_requests,
+    ("vllm", "/weight_checker"): _vllm_weight_checker,
+    ("vllm", "/update_weight_version"): _vllm_update_weight_version,
+    ("vllm", "/start_draft_weight_update"): _vllm_start_draft,
+    ("vllm", "/fetch_weights"): _skyrl_fetch_weights,
+    ("sglang", "/begin_weight_update"): _sglang_session,
+    ("sglang", "/end_weight_update"): _sglang_session,
+    ("areal", "/areal_pause_generation"): _areal_pause,
+    ("areal", "/areal_continue_generation"): _areal_continue,
+    ("areal", "/areal_update_weights"): _areal_update,
+    ("smg", "/v1/rl/engine/{path:path}"): _smg_fanout,
 }
 
 
@@ -1110,6 +1371,8 @@ def _endpoint(ctl: FleetControl, route: ControlRoute) -> Callable[[Request], Awa
             return vllm_error(e) if route.dialect == "vllm" else sglang_error(e, route)
         except FleetFailure as e:
             log.warning("%s %s: %s", request.method, route.path, e)
+            if route.dialect == "smg":
+                return smg_error(e)
             return vllm_error(e) if route.dialect == "vllm" else sglang_error(e, route)
         except Exception as e:
             log.exception("%s %s failed", request.method, route.path)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from msgspec import UNSET
 
-from rlfleet.protocol import admin
+import rlfleet
+from rlfleet.protocol import admin, sglang_admin
 from rlfleet.protocol.admin import (
     AbortReply,
     AbortRequest,
@@ -41,12 +42,14 @@ from rlfleet.protocol.admin import (
     IsPausedReply,
     LivenessReply,
     MessageReply,
+    NativeContinueRequest,
     NewVersionRequest,
     NoFields,
     PauseReply,
     PauseRequest,
     SetVersionReply,
     SetVersionRequest,
+    SglangReply,
     StagedListReply,
     StagedQuery,
     StageReply,
@@ -56,6 +59,7 @@ from rlfleet.protocol.admin import (
 )
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions, Step, TokenLogprob
 from rlfleet.protocol.identity import PolicyIdentity
+from rlfleet.protocol.sglang_admin import EndSessionRequest, ServerInfoReply, SessionRequest
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.weights.staging import CannotStage
 from rlfleet.worker.admission import Admission
@@ -99,6 +103,7 @@ class EngineAdmin:
         self.fence = fence if fence is not None else FleetFence()  # give it to system_app
         self.roots = [Path(r).resolve() for r in allowed_roots or []]
         self.group: GroupRequest | None = None  # the trainer's group, once joined
+        self.update_session = False  # SGLang's weight-update session is open
         self.staging = staging  # versions pulled while serving (stage_weights, ...)
         self.admission = Admission(identity=self._policy)
         self.check_pending = False  # weights installed since the last self-check
@@ -142,6 +147,12 @@ class EngineAdmin:
             Route(admin.CONTROL_GET_WEIGHT_VERSION, self.weight_version),
             Route(admin.UPDATE_UPDATE_WEIGHT_VERSION, self.update_weight_version),
             Route(admin.COLLECTIVE_RPC, self.collective_rpc),
+            # SGLang's names (slime through Dynamo's facade: rlfleet.protocol.sglang_admin)
+            Route(admin.CONTINUE_GENERATION, self.continue_generation),
+            Route(admin.SERVER_INFO, self.server_info),
+            Route(admin.GET_SERVER_INFO, self.server_info),
+            Route(admin.BEGIN_WEIGHT_UPDATE, self.begin_weight_update),
+            Route(admin.END_WEIGHT_UPDATE, self.end_weight_update),
             *self.transfer.routes(),
             *self.lora.routes(),
         ]
@@ -179,7 +190,7 @@ class EngineAdmin:
         return said
 
     async def pause_generation(self, req: PauseRequest) -> PauseReply:
-        await self.engine.pause(req.mode, clear_cache=req.clear_cache)
+        await self.engine.pause(req.engine_mode, clear_cache=req.clear_cache)
         return PauseReply(message="Engine paused", mode=req.mode, clear_cache=req.clear_cache)
 
     async def resume_generation(self, req: NoFields) -> MessageReply:
@@ -192,6 +203,36 @@ class EngineAdmin:
                     "rollouts until weights that pass are installed",
                     weights_uncertain=self.admission.hold_reason)
         return MessageReply(message="Engine resumed")
+
+    async def continue_generation(self, req: NativeContinueRequest) -> MessageReply:
+        """SGLang's continue_generation: the resume (its cache release is a GPU allocator's,
+        nothing to do here)."""
+        return await self.resume_generation(NoFields())
+
+    async def server_info(self, req: NoFields) -> ServerInfoReply:
+        """SGLang's get_server_info for this worker (its engine's ranks as tp_size)."""
+        info, applied = self.engine.info, self.engine.applied()
+        return ServerInfoReply(
+            model_path=info.model_path, tokenizer_path=info.tokenizer or info.model_path,
+            served_model_name=info.served_model_name, context_length=info.max_model_len,
+            tp_size=info.world_size, version=rlfleet.__version__,
+            weight_version=applied.policy.version if applied.declared else None)
+
+    async def begin_weight_update(self, req: SessionRequest) -> SglangReply:
+        """SGLang 0.5.23's weight-update session opens (its tensors are the engine's own
+        here: nothing to restore); once at a time."""
+        if req.selector == "draft":
+            return SglangReply.failed(sglang_admin.NO_DRAFT)
+        if self.update_session:
+            return SglangReply.failed(sglang_admin.SESSION_OPEN)
+        self.update_session = True
+        return SglangReply(message="Success")
+
+    async def end_weight_update(self, req: EndSessionRequest) -> SglangReply:
+        if not self.update_session:
+            return SglangReply.failed(sglang_admin.SESSION_CLOSED)
+        self.update_session = False
+        return SglangReply(message="Success")
 
     async def is_paused(self, req: NoFields) -> IsPausedReply:
         return IsPausedReply(is_paused=await self.engine.is_paused())
@@ -566,6 +607,12 @@ class EngineAdmin:
         if req.engine_rpc is not None:  # vLLM's init_weight_transfer_engine (Dynamo's field)
             return await self.transfer.answer("init", req.init_info)
         g = req.resolved(self.engine.group_backend, GROUP_TIMEOUT)
+        if g.backend == "nccl" and self.engine.group_backend != "nccl":
+            raise admin.UnsupportedRequest(
+                "backend nccl: an NCCL weight-update group needs a GPU, and this worker's "
+                f"engine joins {self.engine.group_backend} groups only; join with backend "
+                f"{self.engine.group_backend!r}, or load a checkpoint with "
+                "update_weights_from_disk")
         try:
             await self.engine.join_group(g)
         except Exception as e:
@@ -583,13 +630,16 @@ class EngineAdmin:
             path = self.checkpoint_path(d.checkpoint or self.engine.info.model_path)
             return await self._install(lambda: self.engine.load_path(path), d.version,
                                        what=f"{d.engine_rpc} of {path}", step=d.step,
-                                       reset_cache=d.reset_prefix_cache)
+                                       reset_cache=d.reset_cache)
         why = self.engine.announced_mismatch(d)
         if why:
             return InstallReply.failed(why)
         if self.group is None:
             return InstallReply.failed("no weight update group: call init_weights_update_group "
                                        "first")
+        if not _same_group(self.group, d.group_name):
+            return InstallReply.failed(f"group_name {d.group_name!r} is not the group this "
+                                       f"worker joined ({self.group.group_name!r})")
         if not d.allow_unpaused and not await self.engine.is_paused():
             return InstallReply.failed(f"{NOT_PAUSED} (or allow_unpaused with "
                                        "reset_prefix_cache: false)")
@@ -601,7 +651,7 @@ class EngineAdmin:
         log.info("received %d tensors (%d bytes) from the trainer", len(d.names), received)
         return await self._install(self.engine.apply_received, d.version,
                                    what="applying received weights", step=d.step,
-                                   reset_cache=d.reset_prefix_cache)
+                                   reset_cache=d.reset_cache)
 
     async def transfer_step(self, d: DistributedRequest) -> InstallReply:
         """vLLM's start, update or finish step named by Dynamo's `engine_rpc`, in this route's
@@ -624,8 +674,16 @@ class EngineAdmin:
     async def destroy_weights_update_group(self, req: GroupLeaveRequest) -> MessageReply:
         if req.engine_rpc is not None:  # vLLM's shutdown_weight_transfer_engine
             return await self.transfer.answer("shutdown")
+        if self.group is not None and not _same_group(self.group, req.group_name):
+            return MessageReply.failed(f"group_name {req.group_name!r} is not the group this "
+                                       f"worker joined ({self.group.group_name!r})")
         try:
             await self.engine.leave_group()
         finally:
             self.group = None
         return MessageReply(message="Weight update group destroyed")
+
+
+def _same_group(joined: GroupRequest, name: str | None) -> bool:
+    """Whether a call naming `name` (None: unnamed) means the group joined."""
+    return name is None or joined.group_name is None or name == joined.group_name

@@ -107,6 +107,11 @@ class ModelExpressTransfer:
         self.seed: Path | None = None  # the seed checkpoint, checked
         self.applied_version: str | None = None  # what this update applied
 
+    @property
+    def updating(self) -> bool:
+        """An update started and not finished."""
+        return self.state in (_T.OPEN, _T.APPLIED)
+
     def move(self, new: TransferState) -> None:
         if new not in TRANSITIONS[self.state]:
             raise AssertionError(f"weight transfer {self.state} -> {new} is not a transition")

@@ -48,7 +48,7 @@ from fastapi import APIRouter, Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from rlfleet.protocol import admin, dynamo_lora, vllm_rl
+from rlfleet.protocol import admin, dynamo_lora, skyrl, vllm_rl
 from rlfleet.protocol.admin import (
     AdminRequestError,
     AdminRoute,
@@ -56,6 +56,7 @@ from rlfleet.protocol.admin import (
     SetVersionRequest,
 )
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
+from rlfleet.runtime import weight_checker
 from rlfleet.worker.admin import NOT_PAUSED, RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.modelexpress import TransferError
 from rlfleet.worker.system_server import Guard
@@ -291,7 +292,13 @@ class NativeRL:
     async def transfer(self, step: str, payload: Any = None,
                        weight_version: str | None = None) -> Response:
         """One step (rlfleet.worker.weight_transfer, the same code as Dynamo 1.7's
-        /engine/update/* routes) in vLLM's replies."""
+        /engine/update/* routes) in vLLM's replies; a step out of the update's order is
+        refused first, as vLLM's RL state machine refuses it (409 `{"detail"}`), on a worker
+        that can run the steps at all."""
+        steps = self.admin.transfer
+        why = vllm_rl.out_of_order(step, steps.updating) if steps.available else None
+        if why:
+            return JSONResponse({"detail": why}, status_code=409)
         try:  # refusals as vLLM's exception handlers answer a worker's exceptions
             await self.admin.transfer.run(step, payload, weight_version)
         except TransferUnavailable as e:
@@ -370,6 +377,14 @@ class NativeRL:
                 return JSONResponse({"weight_version": self.weight_version()})
             return await self.call(raw_request, vllm_rl.WEIGHT_INFO, run)
 
+        self._refuse(r, vllm_rl.START_DRAFT_WEIGHT_UPDATE, vllm_rl.DRAFT_REFUSED)
+        self._refuse(r, vllm_rl.SKYRL_FETCH_WEIGHTS, skyrl.FETCH_WEIGHTS_REFUSED)
+
+        @r.post(vllm_rl.WEIGHT_CHECKER.path)
+        async def weight_checker(raw_request: Request) -> Response:
+            return await self.call(raw_request, vllm_rl.WEIGHT_CHECKER,
+                                   lambda: self.weight_checker(raw_request))
+
         @r.get(vllm_rl.GET_WORLD_SIZE.path)
         async def get_world_size(raw_request: Request,
                                  include_dp: bool = Query(True)) -> Response:  # noqa: B008
@@ -381,6 +396,35 @@ class NativeRL:
         async def collective_rpc(raw_request: Request) -> Response:
             return await self.call(raw_request, vllm_rl.COLLECTIVE_RPC,
                                    lambda: self.collective_rpc(raw_request))
+
+    def weight_checksums(self) -> dict[str, str]:
+        """This worker's weight-checker report: one key per engine rank, the content digest
+        of the weights it serves (rlfleet.runtime.weight_checker)."""
+        digest = self.engine.applied().policy.digest or ""
+        return {f"{weight_checker.rank_prefix(tp=rank)}{weight_checker.WEIGHTS_KEY}": digest
+                for rank in range(self.engine.world_size(False))}
+
+    async def weight_checker(self, raw_request: Request) -> Response:
+        """vLLM's weight checker: `checksum` this worker's report, `compare` a baseline (and
+        the caller's other reports) with it; `reset` is refused by name (random weights
+        would serve rollouts: an rlfleet worker serves only weights it vouches for)."""
+        try:
+            body = await raw_request.json()
+        except json.JSONDecodeError:
+            return JSONResponse({"detail": "Invalid JSON"}, status_code=400)
+        if not isinstance(body, dict):
+            return JSONResponse({"detail": "Expected a JSON object"}, status_code=400)
+        try:
+            action, baseline, others = weight_checker.read_reports(body)
+        except ValueError as e:
+            return JSONResponse({"detail": str(e)}, status_code=400)
+        if action == "reset":
+            return JSONResponse({"detail": weight_checker.RESET_REFUSED}, status_code=400)
+        mine = self.weight_checksums()
+        if baseline is None:
+            return JSONResponse({"checksums": mine})
+        match, mismatches, ranks = weight_checker.compare([baseline, mine, *others])
+        return JSONResponse({"match": match, "mismatches": mismatches, "ranks": ranks})
 
     # ---------------------------------------------------------------- cache and sleep
 
@@ -481,15 +525,20 @@ class NativeRL:
                 return JSONResponse({"status": "ok"})
             return await self.call(raw_request, vllm_rl.PRIME_RL_LIVENESS, run)
 
-        @r.post(vllm_rl.PRIME_RL_INIT_BROADCASTER.path)
-        async def init_broadcaster(raw_request: Request) -> Response:
+        self._refuse(r, vllm_rl.PRIME_RL_INIT_BROADCASTER,
+                     "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
+                     "extension), which an rlfleet worker does not run: move weights with "
+                     "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
+                     "reload a checkpoint with POST /update_weights {\"weight_dir\"}")
+
+    def _refuse(self, r: APIRouter, route: NativeRoute, why: str) -> None:
+        """Another server's route that asks for what this worker does not do: 400 `why`
+        (what to call instead), under the routes' rules."""
+        @r.post(route.path)
+        async def refused(raw_request: Request) -> Response:
             async def run() -> Response:
-                return route_error(
-                    "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
-                    "extension), which an rlfleet worker does not run: move weights with "
-                    "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
-                    "reload a checkpoint with POST /update_weights {\"weight_dir\"}", 400)
-            return await self.call(raw_request, vllm_rl.PRIME_RL_INIT_BROADCASTER, run)
+                return route_error(why, 400)
+            return await self.call(raw_request, route, run)
 
     def _add_lora_routes(self, r: APIRouter) -> None:
         """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter

@@ -58,6 +58,20 @@ class WeightTransfer:
         #: the backend the worker runs itself (vLLM's CPU build), if any
         self.modelexpress = ModelExpressTransfer(engine_admin) \
             if self.engine.own_transfer_backend() == modelexpress.BACKEND else None
+        self._updating = False  # an engine's own backend: a start succeeded, no finish yet
+
+    @property
+    def available(self) -> bool:
+        """Whether this worker can run the steps at all (else each is refused: 400)."""
+        return self.modelexpress is not None or self.engine.weight_transfer_refusal() is None
+
+    @property
+    def updating(self) -> bool:
+        """Whether a weight update is open (started, not finished): what vLLM's RL state
+        machine orders the steps by (rlfleet.protocol.vllm_rl.out_of_order)."""
+        if self.modelexpress is not None:
+            return self.modelexpress.updating
+        return self._updating
 
     async def run(self, step: str, payload: Any = None,
                   weight_version: str | None = None) -> str | None:
@@ -73,6 +87,8 @@ class WeightTransfer:
         if why:
             raise TransferUnavailable(why)
         await self.engine.transfer_weights(step, payload)
+        if step in ("start", "finish"):
+            self._updating = step == "start"
         if step != "finish":
             return None
         failed = await self.admin.weights_transferred(weight_version)
