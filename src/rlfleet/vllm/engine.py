@@ -608,7 +608,7 @@ class VllmEngine(Engine, EngineControl):
                         dict(checksums) if checksums else None)
         deadline = time.monotonic() + LOAD_TIMEOUT
         while True:
-            out = await self._rpc("rlfleet_prepared", 30, str(path))
+            out = await self._rpc("rlfleet_prepared", 30, str(path), self._running > 0)
             if out["state"] != "building" or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)

@@ -138,10 +138,13 @@ class WorkerExtension:
         if shadow is not None:
             shadow.discard()
 
-    def rlfleet_prepared(self, path: str) -> dict:
+    def rlfleet_prepared(self, path: str, serving: bool = False) -> dict:
+        """How the shadow of the version at `path` is coming along; `serving`: whether the
+        engine serves requests now (the build yields the cores to them while it does)."""
         shadow = getattr(self, "_rlfleet_shadow", None)
         if shadow is None or shadow.path != path:
             return {"state": "none"}
+        shadow.serving = serving
         out = {"state": shadow.state, "error": shadow.error, "seconds": shadow.seconds,
                "digest": shadow.digest, "bad_weights": shadow.bad_weights}
         if shadow.state == "failed":

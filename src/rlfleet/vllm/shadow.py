@@ -25,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +40,9 @@ log = logging.getLogger("rlfleet.vllm.shadow")
 #: build) keeps the memory a thread's arena freed for that arena, so a new thread per build
 #: would leave the previous shadow's memory resident, a model's size per refresh
 _BUILDER_NAME = "rlfleet-shadow"
+#: the share of its thread's time a shadow's build may take while the engine serves
+#: requests (1: no pause); it only lengthens a preparation that runs off the critical path
+SERVING_SHARE = float(os.environ.get("RLFLEET_STAGE_SERVING_SHARE", 0.3))
 _BUILDER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
 
 
@@ -65,9 +69,12 @@ class Shadow:
         self.seconds = 0.0
         self._discarded = False
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+        #: whether the engine serves requests now (its owner says so as it polls): then the
+        #: build takes at most SERVING_SHARE of its thread's time, leaving the cores to them
+        self.serving = False
         if digest is None:
             tensors = self._checked(tensors, checksums or {})
-        self._built = _BUILDER.submit(self._build, vllm_config, tensors)
+        self._built = _BUILDER.submit(self._build, vllm_config, self._paced(tensors))
 
     @property
     def state(self) -> str:
@@ -78,6 +85,22 @@ class Shadow:
     def wait(self) -> None:
         """Until the build has finished (ready or failed)."""
         self._built.result()
+
+    def _paced(self, tensors: Iterator[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tensors` at the loader's pace, but while the engine serves, each one's work (its
+        read and checks, and the loader's processing of the one before) is followed by a
+        pause that keeps the build to SERVING_SHARE of the time: a shadow is prepared off
+        the critical path, so it yields the cores to the requests (and releases the GIL)."""
+        it = iter(tensors)
+        while True:
+            t0 = time.perf_counter()
+            item = next(it, None)
+            if item is None:
+                return
+            if self.serving and SERVING_SHARE < 1.0:
+                time.sleep((time.perf_counter() - t0) * (1 - SERVING_SHARE) / SERVING_SHARE)
+            yield item
 
     def _checked(self, tensors: Iterator[tuple[str, torch.Tensor]], checksums: dict[str, str]
                  ) -> Iterator[tuple[str, torch.Tensor]]:
