@@ -190,10 +190,11 @@ def publish(ckpt: Path, version: str, to: str, base: str | None = None,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def commit_applies(result) -> dict[str, float]:
-    """Each worker's swap: the apply step of its commit call, by system URL."""
-    return {w["system_url"]: c.get("seconds", 0.0) for w in result.workers for c in w["calls"]
-            if c["step"] == "apply"}
+def commit_applies(result, steps: tuple[str, ...] = ("apply",)) -> dict[str, float]:
+    """Each worker's swap: the apply step of its commit call (or the sum of `steps`), by
+    system URL."""
+    return {w["system_url"]: sum(c.get("seconds", 0.0) for c in w["calls"]
+                                 if c["step"] in steps and c.get("via")) for w in result.workers}
 
 
 def ok(result) -> None:
@@ -423,7 +424,12 @@ class Bench:
                   and (len(s.times) < tokens or s.times[-1] > commit)]
         kept = [s for s in across if s.kept(old, "keep-A")]
         worst = max(gaps, key=gaps.get)
+        # what the worst worker's gap holds: the engine frozen (pause, swap with the cache
+        # reset, verify), then, resumed, the KV of its frozen requests computed again under
+        # the new weights (with the self-check in the same steps) up to their next token
+        frozen = commit_applies(result, ("pause", "apply", "verify"))[system_of[worst]]
         self.out.update({
+            "gap_frozen_s": frozen, "gap_after_resume_s": gaps[worst] - frozen,
             "gap_streams": n * len(self.urls), "gap_stream_tokens": tokens,
             "gap_tokens_before_swap": k,
             "serving_gap_s": {system_of[u]: round(g, 3) for u, g in gaps.items()},
