@@ -67,9 +67,9 @@ def frontend_flags() -> tuple[Flag, ...]:
              "uncached prompt tokens of its requests in flight (default %(default)s; higher: "
              "stickier to the prefix)"),
         Flag("--gated-hold", 60.0,
-             "seconds a request waits while every worker of its model is gated (a policy "
-             "refresh), or while none serves a policy within its nvext.policy; then 503 (409 for "
-             "the policy bound)"),
+             "seconds a request waits while every worker of its model is gated or off the "
+             "committed policy (a policy refresh), or while none serves a policy within its "
+             "nvext.policy; then 503 (409 for the policy bound)"),
         Flag("--request-timeout", 600.0,
              "seconds to wait for a worker's next event before failing the request"),
         Flag("--enable-rl", _truthy(os.environ.get("DYN_ENABLE_RL")),

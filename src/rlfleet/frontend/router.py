@@ -516,8 +516,9 @@ class WorkerPool:
                       bound: PolicyBound | None = None, prefix: Prefix | None = None,
                       key: str | None = None) -> Worker:
         """pick(), but while the model's only candidates are gated (a policy refresh is
-        under way), or while none serves a policy within `bound`, wait for one, up to
-        `gated_hold` seconds."""
+        under way) or off the committed policy (a refresh just ended: the commit and the
+        workers' new entries reach this frontend one after the other), or while none serves
+        a policy within `bound`, wait for one, up to `gated_hold` seconds."""
         deadline = time.monotonic() + self.gated_hold
         relisted = False
         while True:
@@ -528,8 +529,8 @@ class WorkerPool:
                     relisted = True
                     await self._relist()
                     continue
-                gated = any(w.gated_for(model) for w in self.for_model(model)
-                            if w.instance_id not in exclude)
+                gated = any(w.gated_for(model) or w.off_policy is not None
+                            for w in self.for_model(model) if w.instance_id not in exclude)
                 left = deadline - time.monotonic()
                 if not (e.status == 409 or (e.status == 503 and gated)) or left <= 0:
                     raise
