@@ -386,7 +386,7 @@ class Bench:
               f"({t1 - t0:.1f} s)", flush=True)
 
     def serving_gap(self) -> None:
-        """Streams on every worker across a keep-mode refresh to A (stage first, then the
+        """Streams on every worker across a keep-mode refresh to B (stage first, then the
         commit): per worker the longest interval without a token, beside its swap. The
         streams start once the workers staged A (the coordinator waits for them to have
         `--gap-tokens` tokens each before its commit), so that what the swap costs them is
@@ -408,7 +408,7 @@ class Bench:
         old = post(self.systems[0], "/engine/get_weight_version")["version"]
         r0 = time.monotonic()
         try:
-            result, secs = self.refresh("vllm-staged", "keep-A", self.ckpts["A"],
+            result, secs = self.refresh("vllm-staged", "keep-B", self.ckpts["B"],
                                         pause_mode="keep")
         finally:
             self.on_events = []
@@ -422,7 +422,7 @@ class Bench:
         gaps = {u: serving_gap(ss, r0, r1) for u, ss in streams.items()}
         across = [s for ss in streams.values() for s in ss if s.times and s.times[0] < commit
                   and (len(s.times) < tokens or s.times[-1] > commit)]
-        kept = [s for s in across if s.kept(old, "keep-A")]
+        kept = [s for s in across if s.kept(old, "keep-B")]
         worst = max(gaps, key=gaps.get)
         # what the worst worker's gap holds: the engine frozen (pause, swap with the cache
         # reset, verify), then, resumed, the KV of its frozen requests computed again under
@@ -469,24 +469,57 @@ def _start(fleet: LocalFleet, work: Path, ckpts: dict[str, Path], args: argparse
     flags = ["--model", str(ckpts["A"]), "--served-model-name", MODEL, "--dtype", args.dtype,
              "--max-model-len", str(args.max_model_len), "--enforce-eager", "--enable-rl",
              "--system-port", "0", "--allowed-weights-root", str(work),
+             "--allowed-weights-root", str(ckpts["A"].parent),
              "--weight-transfer-config", '{"backend": "modelexpress"}']
     workers = [fleet.start_worker(*flags, wait=False, env=s3.env) for _ in range(args.workers)]
     for w in workers:
         w.wait_ready(1800)
 
 
+def run_phase(out: dict[str, Any], name: str, phase: Any) -> None:
+    """Run one phase, timed; a failure is recorded under `errors` (and printed) instead of
+    ending the run."""
+    t0 = time.monotonic()
+    try:
+        phase()
+    except Exception as e:  # noqa: BLE001 - recorded, the other phases still measure
+        out.setdefault("errors", {})[name] = repr(e)[:2000]
+        print(f"phase {name} FAILED: {e!r}", flush=True)
+    out.setdefault("phase_s", {})[name] = round(time.monotonic() - t0, 1)
+    print(f"phase {name}: {out['phase_s'][name]} s", flush=True)
+
+
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
-    """The five ratios. Publish to serving: the checkpoint's write, then the refresh until
-    every worker serves the new policy (reopened, its self-check passed; the probe after
-    it). The disk path's refresh against the bare reload: the whole refresh, probe included."""
-    disk_e2e = out["save_s"] + out["disk_serving_s"]
-    staged_e2e = out["save_s"] + out["staged_serving_s"]
+    """The five ratios (None where a phase they come from failed or was skipped). Publish to
+    serving: the checkpoint's write, then the refresh until every worker serves the new
+    policy (reopened, its self-check passed; the probe after it). The disk path's refresh
+    against the bare reload: the whole refresh, probe included."""
+    def ratio(a: str, b: str) -> float | None:
+        return out[a] / out[b] if a in out and b in out else None
+
+    if "disk_serving_s" in out:
+        out["disk_end_to_end_s"] = out["save_s"] + out["disk_serving_s"]
+    if "staged_serving_s" in out:
+        out["staged_end_to_end_s"] = out["save_s"] + out["staged_serving_s"]
     out.update({
-        "disk_end_to_end_s": disk_e2e, "staged_end_to_end_s": staged_e2e,
-        "refresh_over_bare_reload": out["disk_refresh_s"] / out["bare_reload_s"],
-        "staged_end_to_end_over_disk": staged_e2e / disk_e2e,
-        "base_tok_s_during_stage_ratio": out["base_tok_s_during_stage"] / out["base_tok_s"]})
+        "refresh_over_bare_reload": ratio("disk_refresh_s", "bare_reload_s"),
+        "staged_end_to_end_over_disk": ratio("staged_end_to_end_s", "disk_end_to_end_s"),
+        "base_tok_s_during_stage_ratio": ratio("base_tok_s_during_stage", "base_tok_s")})
+    out.setdefault("serving_gap_over_apply", None)
+    out.setdefault("inflight_kept", None)
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def checkpoints(root: Path, size: str, dtype: str) -> dict[str, Path]:
+    """The checkpoints A, B, C (seeds 0, 1, 2) under `root/<size>-<dtype>`, made where
+    missing."""
+    out = {}
+    for name, seed in (("A", 0), ("B", 1), ("C", 2)):
+        path = root / f"{size}-{dtype}" / name
+        if not (path / "model.safetensors").is_file() or not (path / "tokenizer.json").is_file():
+            make_model(path, size=size, seed=seed, dtype=dtype)
+        out[name] = path
+    return out
 
 
 def main() -> None:
@@ -498,14 +531,18 @@ def main() -> None:
     p.add_argument("--gap-tokens", type=int, default=16,
                    help="tokens each serving-gap stream has generated when the commit pauses it")
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--skip", default="", help="comma-separated: delta,four-phase")
+    p.add_argument("--skip", default="",
+                   help="comma-separated phases: disk,staged,tok/s,gap,delta,four-phase")
+    p.add_argument("--checkpoints", default="",
+                   help="a directory to keep the three checkpoints in (made there once, "
+                        "reused: make_model writes the same bytes for a size, seed and dtype)")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(tempfile.mkdtemp(prefix="rlfleet-bench-refresh-"))
     out: dict[str, Any] = {"size": args.size, "dtype": args.dtype, "workers": args.workers}
     try:
-        ckpts = {n: make_model(work / "ckpt" / n, size=args.size, seed=s, dtype=args.dtype)
-                 for n, s in (("A", 0), ("B", 1), ("C", 2))}
+        ckpts = checkpoints(Path(args.checkpoints) if args.checkpoints else work / "ckpt",
+                            args.size, args.dtype)
         out["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpts["A"].glob("*.safetensors"))
         out["save_s"] = save_seconds(ckpts["A"], work / "saved")
         with S3Server() as s3, started_fleet(work, ckpts, args, s3) as fleet:
@@ -513,13 +550,15 @@ def main() -> None:
             b.out = out
             watch = MemoryWatch([w.popen.pid for w in fleet.workers])
             try:
+                # the five ratios' phases first; a phase that fails is recorded and the run
+                # goes on (a path's failure is a figure too), the fleet as it left it
                 for name, phase in (("disk", b.disk_and_bare), ("staged", b.staged),
-                                    ("delta", b.delta), ("four-phase", b.four_phase),
                                     ("tok/s", b.tokens_per_s_while_staging),
-                                    ("gap", b.serving_gap)):
+                                    ("gap", b.serving_gap), ("delta", b.delta),
+                                    ("four-phase", b.four_phase)):
                     if name not in skip:
                         watch.phase = name
-                        phase()
+                        run_phase(out, name, phase)
             finally:
                 out["memory_peaks"] = watch.stop()
     finally:
