@@ -73,16 +73,80 @@ def _publish(args: argparse.Namespace) -> int:
     from rlfleet.weights.artifacts import ArtifactError
     from rlfleet.weights.catalog import CatalogError
     from rlfleet.weights.publish import publish
+    from rlfleet.weights.retention import Retention
 
+    retention = None
+    if args.retain_versions is not None:
+        if not args.catalog:
+            raise ValueError("--retain-versions needs --catalog: retention releases and evicts "
+                             "the versions the catalog lists")
+        retention = Retention(args.retain_versions)
     try:
         res = publish(Path(args.checkpoint), args.version, to=args.to, base=args.base,
                       catalog=args.catalog, model=args.model, endpoint_url=args.s3_endpoint_url,
-                      dtype=getattr(torch, args.dtype) if args.dtype else None)
+                      dtype=getattr(torch, args.dtype) if args.dtype else None,
+                      retention=retention, pins=lambda: _in_use(args.journal)[0],
+                      workers=lambda: _in_use(args.journal)[1])
     except (ArtifactError, CatalogError) as e:
         print(f"rlfleet publish: {e}", file=sys.stderr)
         return 2
     print(json.dumps({k: res[k] for k in ("version", "base_version", "digest", "bytes_full",
-                                          "bytes_written")}))
+                                          "bytes_written", "retention") if k in res}))
+    return 0
+
+
+def _in_use(journal_url: str | None) -> tuple[dict[str, str], frozenset[str] | None]:
+    """What the refresh journal at `journal_url` says is in use: the versions
+    (rlfleet.weights.retention.journal_pins) and the workers (journal_workers); nothing, and
+    any worker, without one."""
+    from rlfleet.journal import JournalMissing, open_journal
+    from rlfleet.weights.retention import journal_pins, journal_workers
+
+    if not journal_url:
+        return {}, None
+    try:
+        journal = open_journal(journal_url, create=False)
+    except JournalMissing:
+        return {}, None
+    with journal:
+        return journal_pins(journal), journal_workers(journal)
+
+
+def _weights_gc(args: argparse.Namespace) -> int:
+    """`rlfleet weights gc`: one retention collection over the catalog; its report."""
+    import asyncio
+    import json
+
+    from rlfleet.weights.retention import Retention, collect_url
+
+    policy = Retention(args.retain_versions, args.tombstones)
+    pins, workers = _in_use(args.journal)
+    report = asyncio.run(collect_url(args.catalog, policy, pins=pins, workers=workers,
+                                     dry_run=args.dry_run, endpoint_url=args.s3_endpoint_url))
+    print(json.dumps(report))
+    return 0
+
+
+def _weights_list(args: argparse.Namespace) -> int:
+    """`rlfleet weights list`: every version in the catalog, its state and why."""
+    import asyncio
+    import json
+
+    from rlfleet.weights.catalog import Catalog
+
+    async def listing() -> list:
+        async with Catalog(args.catalog) as cat:
+            return await cat.list(args.model)
+    for v in sorted(asyncio.run(listing()), key=lambda v: (v.created_at, v.version)):
+        if args.json:
+            print(json.dumps(v.to_json()))
+            continue
+        base = f" on {v.base_version}" if v.base_version else ""
+        why = f" ({v.release_reason})" if v.release_reason else ""
+        users = [f"{len(v.live_leases())} lease(s)"] if v.live_leases() else []
+        users += [f"held by {', '.join(sorted(v.holders))}"] if v.holders else []
+        print(f"{v.version:<24} {v.state.value:<9} {v.format.value}{base}"
+              f"{' [' + '; '.join(users) + ']' if users else ''}{why}")
     return 0
 
 
@@ -159,6 +223,7 @@ def _journal(args: argparse.Namespace) -> int:
         return 0
     with journal:
         rows = journal.recent(args.limit)
+        history = journal.history()
     for r in rows:
         if args.json:
             print(json.dumps(r))
@@ -168,10 +233,27 @@ def _journal(args: argparse.Namespace) -> int:
         serves = f" serves {r.served.version}" if r.served.version else ""
         kind = f" {r['kind']}" if r.get("kind") not in (None, "refresh") else ""
         state = f" after {r['state']}" if r.get("state") and not r.get("decision") else ""
+        summary = " (summary)" if r.get("compacted") else ""
         print(f"#{r['id']} {when} epoch={r.get('fleet_epoch')} step={r['framework_step']}"
               f"{kind} {r['update_path']} {r.previous.version} -> {r.target.version} "
-              f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s: {r['reason']}")
+              f"[{r['decision'] or 'unfinished'}{state}]{serves} {total:.2f}s{summary}: "
+              f"{r['reason']}")
+    if not args.json and (any(r.get("compacted") for r in rows) or history):
+        print(_journal_bounds(journal, history))
     return 0
+
+
+def _journal_bounds(journal, history: list[dict]) -> str:
+    """What `rlfleet journal` says of a journal's compaction (rlfleet.journal.base)."""
+    folded = sum(h["transactions"] for h in history)
+    lines = [f"journal {journal.path}: the newest transactions (and any unfinished) are kept "
+             "whole, older ones as summaries (decision, policies, times; the workers' calls "
+             f"and steps dropped: marked (summary)); {folded} older folded into the history:"]
+    for h in history:
+        counts = ", ".join(f"{d} {n}" for d, n in sorted(h["decisions"].items()))
+        lines.append(f"  fleet {h['fleet']} model {h['model']}: {h['transactions']} "
+                     f"transaction(s) #{h['first_id']}-#{h['last_id']} ({counts})")
+    return "\n".join(lines)
 
 
 def _print_members(members: list[dict]) -> None:
@@ -360,7 +442,53 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
                                                   "(default: the checkpoint directory's name)")
     pb.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                     help="cast floating-point tensors before publishing")
+    pb.add_argument("--retain-versions", type=int, default=None, metavar="K",
+                    help="after publishing, collect: keep the last K READY versions and every "
+                         "version in use, release and evict the rest (needs --catalog; see "
+                         "`rlfleet weights gc`)")
+    pb.add_argument("--journal", default=os.environ.get("RLFLEET_JOURNAL"),
+                    help="with --retain-versions: the refresh journal whose last verified "
+                         "policy and workers' holdings are kept too (default: $RLFLEET_JOURNAL)")
     pb.set_defaults(func=_publish)
+
+
+def _add_weights(sub: argparse._SubParsersAction) -> None:
+    """`weights gc`, `weights list`."""
+    from rlfleet.weights.retention import DEFAULT_RETAIN, DEFAULT_TOMBSTONES
+
+    wt = sub.add_parser("weights", help="the version catalog: list versions, collect the ones "
+                                        "retention does not keep")
+    wsub = wt.add_subparsers(dest="weights_command", required=True)
+    catalog = Flag("--catalog", os.environ.get("RLFLEET_WEIGHTS_CATALOG"),
+                   "version catalog: sqlite:///path or etcd://host:port (default: "
+                   "$RLFLEET_WEIGHTS_CATALOG)", required="RLFLEET_WEIGHTS_CATALOG" not in os.environ)
+    gc = wsub.add_parser(
+        "gc", help="release and evict the versions retention does not keep",
+        description="Keep the last K READY versions of each model, every version a live lease "
+                    "holds (a worker staging it), every version a worker holds applied, the "
+                    "journal's last verified policy and what each worker was last seen holding, "
+                    "and the delta chains all of these need; release the rest (leases already "
+                    "held stay valid), evict those no lease holds and remove their bytes. "
+                    "Prints a JSON report.")
+    add_flags(gc, (
+        catalog,
+        Flag("--retain-versions", DEFAULT_RETAIN,
+             "READY versions kept per model besides those in use (default %(default)s)"),
+        Flag("--tombstones", DEFAULT_TOMBSTONES,
+             "EVICTED records kept per model, so that a request for one is refused by name "
+             "(default %(default)s)"),
+        Flag("--journal", os.environ.get("RLFLEET_JOURNAL"),
+             "the refresh journal whose last verified policy (what a rollback reinstalls) and "
+             "workers' holdings are kept (default: $RLFLEET_JOURNAL)"),
+        Flag("--s3-endpoint-url", None, "S3 endpoint of the versions' locations"),
+        Flag("--dry-run", False, "print the plan, change nothing"),
+    ))
+    gc.set_defaults(func=_weights_gc)
+    ls = wsub.add_parser("list", help="every version in the catalog: state, base, leases, "
+                                      "holders, why released")
+    add_flags(ls, (catalog, Flag("--model", None, "only this model's versions"),
+                   Flag("--json", False, "one JSON object per version")))
+    ls.set_defaults(func=_weights_list)
 
 
 JOURNAL_HELP = ("the refresh journal: a SQLite file, or etcd://host:port[/name] for "
@@ -596,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfleet", description=__doc__)
     add_log_args(p)  # before the command: `rlfleet --log-format json publish ...`
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_tools, _add_refresh, _add_journal, _add_fleet, _add_demo,
+    for add in (_add_tools, _add_weights, _add_refresh, _add_journal, _add_fleet, _add_demo,
                 _add_control):
         add(sub)
     return p

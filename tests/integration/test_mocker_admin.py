@@ -525,11 +525,12 @@ def test_sglang_refusals_and_version(sw, weights) -> None:
     assert call(sw, "control/update_weight_version", {"weight_version": "v2"}) == {
         "success": True, "message": "Weight version updated to v2", "new_version": "v2"}
     assert call(sw, "control/update_weight_version", {})["success"] is False
-    # a native method with a bad argument raises inside the method: the contract's 500
+    # a native method with a bad argument: a 400 naming it (issue 43; it was a 500)
     resp = raw_call(sw, "pause_generation", {"mode": "sideways"})
-    assert resp.status_code == 500 and resp.json()["error"] == "Handler error"
+    assert resp.status_code == 400 and resp.json()["error"] == "Bad request"
+    assert "mode" in resp.json()["message"] and "sideways" in resp.json()["message"]
     resp = raw_call(sw, "continue_generation", {"unknown": 1})
-    assert resp.status_code == 500 and resp.json()["error"] == "Handler error"
+    assert resp.status_code == 400 and "unknown" in resp.json()["message"]
 
 
 async def test_sglang_pause_in_place_keeps_running_requests(sw) -> None:

@@ -10,6 +10,7 @@ it starts again; the admin token guards the routes that change the fleet."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 import threading
@@ -226,7 +227,8 @@ def test_transfer_steps_refused_by_every_worker_name_them(one, service):
         assert f"worker {p.ready['instance_id']}" in r.json()["error"]
     assert httpx.get(f"{one.url}/is_paused").json() == {"is_paused": False}
     r = httpx.post(f"{one.url}/update_weights", json={"update_info": {}})
-    assert r.status_code == 500 and "start_weight_update" in r.json()["error"], r.text
+    # out of order: 409, as vLLM's RL state machine answers (issue 43; it was a 500)
+    assert r.status_code == 409 and "start_weight_update" in r.json()["error"], r.text
 
 
 def test_bad_requests_say_what_to_send(one, service):
@@ -569,4 +571,87 @@ def test_service_killed_mid_update_recovers_the_fleet_on_one_policy(one, service
     assert "rolled back" in recovery["reason"], recovery["reason"]
     assert weight_versions(one) == [("A", "mock:11")] * 2
     assert httpx.get(f"{one.url}/is_paused").json() == {"is_paused": False}
+    assert complete(one).status_code == 200
+
+
+# ---------------------------------------------------------------- mutation fuzz (issue 43)
+
+DEEP = '{"a": ' * 2000 + "null" + "}" * 2000  # JSON nested 2,000 deep
+BAD_VALUES = [True, 7, 2.5, "s", [1], {"a": 1}, "\ud800", "<DEEP>"]
+BAD_BODIES = [b"{", b"[1, 2]", b'"x"', b"null", b"[" * 2000 + b"]" * 2000,
+              b'{"mode": "\\ud800"}', b"\xff\xfe", b'{"a": NaN}']
+
+
+def _bases(one) -> dict[str, dict]:
+    """A body each control route takes (the mocker has no weight-transfer engine and no
+    adapter at these paths: those calls are refused by every worker); a route not named
+    here (one added since) is fuzzed from an empty body."""
+    ckpt = str(one.ckpts["A"])
+    lora = {"lora_name": "fuzzed", "lora_path": str(one.ckpts["A"] / "nothing")}
+    return {
+        "/init_weight_transfer_engine": {"init_info": {
+            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+            "world_size": 3}},
+        "/update_weights": {"update_info": {}}, "/finish_weight_update": {"weight_version": "v"},
+        "/collective_rpc": {"method": "reload_weights", "kwargs": {"weights_path": ckpt}},
+        "/v1/load_lora_adapter": lora, "/skyrl/v1/load_lora_adapter": lora,
+        "/v1/unload_lora_adapter": {"lora_name": "fuzzed"}, "/load_lora_adapter": lora,
+        "/unload_lora_adapter": {"lora_name": "x"}, "/pause_generation": {"mode": "abort"},
+        "/update_weights_from_disk": {"model_path": ckpt, "weight_version": "A"},
+        "/areal_update_weights": {"model_path": ckpt},
+        "/update_weight_version": {"new_version": "A"}, "/abort_requests": {"request_ids": ["x"]},
+        "/weight_checker": {"action": "checksum"},
+    }
+
+
+def _mutations(body: dict) -> list[bytes]:
+    def encoded(d: dict) -> bytes:
+        return json.dumps(d).replace('"<DEEP>"', DEEP).encode()
+    out = list(BAD_BODIES)
+    for field in body:
+        out.append(encoded({k: v for k, v in body.items() if k != field}))
+        out += [encoded({**body, field: bad}) for bad in BAD_VALUES]
+    out.append(encoded({**body, "unknown_field": "<DEEP>"}))
+    return out
+
+
+def test_no_control_route_answers_a_mutated_request_with_a_5xx(one, service):
+    """The reliability rerun's findings: deep JSON, a mode that is an object, a transfer step
+    out of order, a fleet without a weight-transfer engine; each mutated body of each
+    control route, through the frontend, is answered below 500 (4xx naming the field,
+    409 out of order, 400 for a capability the fleet lacks), and the fleet serves after."""
+    from rlfleet.protocol import smg
+    from rlfleet.protocol.fleet_control import FORWARDED
+
+    bases, fivexx = _bases(one), []
+    with httpx.Client(timeout=120) as http:
+        for route in FORWARDED:
+            path, params = route.path, {}
+            if "{" in path:  # SMG's fan-out: an engine route on the workers a selector names
+                path, params = path.split("{")[0] + "liveness_probe", {
+                    "selector": f"engine={smg.ENGINE}"}
+            for method in route.methods:
+                for raw in _mutations(bases.get(route.path, {})):
+                    r = http.request(method, f"{one.url}{path}", content=raw, params=params,
+                                     headers={"content-type": "application/json"})
+                    if r.status_code >= 500:
+                        fivexx.append((method, path, raw[:120], r.status_code, r.text[:300]))
+        for query in ({"mode": "sideways"}, {"mode": ""}, {"clear_cache": "maybe"}):
+            r = http.post(f"{one.url}/pause", params=query)
+            assert r.status_code == 400, (query, r.text)
+        r = http.get(f"{one.url}/get_world_size", params={"include_dp": "perhaps"})
+        assert r.status_code == 400, r.text
+        # the named findings, each its own status
+        r = http.post(f"{one.url}/pause_generation", json={"mode": {"a": 1}})
+        assert r.status_code == 400 and "field mode" in r.json()["error"]["message"], r.text
+        r = http.post(f"{one.url}/finish_weight_update", json={})
+        assert r.status_code == 409 and "no weight update is open" in r.json()["error"], r.text
+        r = http.post(f"{one.url}/start_weight_update")
+        assert r.status_code == 400 and "no weight-transfer engine" in r.json()["error"], r.text
+        r = http.post(f"{one.url}/collective_rpc", content=f'{{"kwargs": {DEEP}}}'.encode())
+        assert r.status_code == 400 and "nested too deeply" in r.json()["error"], r.text
+        if http.get(f"{one.url}/is_paused").json()["is_paused"]:
+            assert http.post(f"{one.url}/resume").status_code == 200
+    assert not fivexx, fivexx
+    assert one.service.popen.poll() is None
     assert complete(one).status_code == 200

@@ -174,6 +174,10 @@ async def test_a_half_done_load_without_the_previous_weights_keeps_the_worker_cl
     assert out["status"] == "error" and "replace this worker" in out["message"], out
     entry = await worker.entry()
     assert entry["gated"] is True and "weights uncertain" in entry["weights_uncertain"], entry
+    # no identity for weights that are part of each (it reported b's digest: issue 43)
+    said = await served(worker.admin, "get_weight_version")
+    assert said.get("weight_digest") is None and said.get("version") is None, said
+    assert entry.get("weight_digest") is None, entry
     live = await served(worker.admin, "liveness_probe")
     assert live["status"] == "error" and live["alive"] is False, live  # it cannot serve
     assert "hold no data" in live["message"], live

@@ -112,3 +112,57 @@ async def test_an_ended_run_names_its_worker_and_lets_its_source_go() -> None:
     await finished(run)
     assert run.worker == "worker-1" and run.source is None
     assert [type(e).__name__ for e in run.events] == ["Head", "Step", "Done"]
+
+
+def _decoded_size(events: list, kind: type) -> float:
+    """What one of `events` holds once decoded from its msgpack frame as the frontend
+    decodes it (tracemalloc's count: the bytes Python allocated for it)."""
+    import gc
+    import tracemalloc
+
+    import msgspec
+
+    frames = [msgspec.msgpack.encode(e) for e in events]
+    decode = msgspec.msgpack.Decoder(kind).decode
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        kept = [decode(f) for f in frames]
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert len(kept) == len(events)
+    return used / len(events)
+
+
+def test_kept_events_are_counted_as_the_memory_they_hold() -> None:
+    """Issue 43: 2,000 kept runs of 512 tokens with 5 logprobs held about twice what they
+    were counted as. Each kind of event is now counted at least at what its decoded objects
+    hold, and not more than a third above it."""
+    from rlfleet.protocol.engine import PromptLogprob, TokenLogprob
+
+    def logprobs(i: int, k: int) -> list[TokenLogprob]:
+        return [TokenLogprob(token_id=1000 + i, logprob=-0.5, rank=1, decoded="tok",
+                             top=[(2000 + j, -1.0 - j, f"t{j}") for j in range(k)])]
+    shapes = {
+        "a token": ([Step(choices=[Delta(index=0, token_ids=[1000 + i], text="tok")])
+                     for i in range(400)], Step),
+        "a token, 5 logprobs": ([Step(choices=[Delta(index=0, token_ids=[1000 + i], text="tok",
+                                                     logprobs=logprobs(i, 5))])
+                                 for i in range(400)], Step),
+        "a token, 20 logprobs": ([Step(choices=[Delta(index=0, token_ids=[1000 + i], text="t",
+                                                      logprobs=logprobs(i, 20))])
+                                  for i in range(200)], Step),
+        "16 tokens, 2 choices": ([Step(choices=[Delta(index=c, token_ids=list(range(
+            1000 + i, 1016 + i)), text="x" * 64) for c in range(2)]) for i in range(200)], Step),
+        "a 512-token prompt": ([Head(prompt_token_ids=list(range(1000 + i, 1512 + i)),
+                                     weight_version="v", weight_digest="blake3:" + "0" * 64)
+                                for i in range(50)], Head),
+        "prompt logprobs": ([Done(prompt_logprobs=[None] + [
+            {str(1000 + j + k): PromptLogprob(logprob=-1.0, rank=1, decoded_token="ab")
+             for k in range(6)} for j in range(99)]) for _ in range(20)], Done),
+    }
+    for what, (evs, kind) in shapes.items():
+        held, counted = _decoded_size(evs, kind), event_bytes(evs[0])
+        assert held <= counted <= 1.34 * held, (what, counted, held)

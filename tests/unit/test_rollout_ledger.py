@@ -7,7 +7,14 @@ import sqlite3
 
 import pytest
 
-from rlfleet.rl import AlreadyAdmitted, AttemptClosed, AttemptState, SampleLedger
+from rlfleet.rl import (
+    AlreadyAdmitted,
+    AttemptClosed,
+    AttemptState,
+    RetryWindow,
+    RetryWindowPassed,
+    SampleLedger,
+)
 
 
 @pytest.fixture
@@ -112,3 +119,70 @@ def test_an_in_memory_ledger_works_too():
         assert led.start("s", "r") == 1
         led.admit("s", 1)
         assert led.admitted() == {"s": (1, "r")}
+
+
+# ---------------------------------------------------------------- the retry window
+
+
+def test_the_ledger_refuses_a_pruned_retry_by_name(path):
+    """A window in steps: samples of steps the window no longer keeps are pruned; a retry of
+    one (its admission pruned with it) is refused by name and never admitted again, also
+    after the file is reopened, while samples inside the window are still deduplicated."""
+    window = RetryWindow(steps=2)
+    with SampleLedger(path, window=window) as led:
+        led.advance(1)
+        led.start("s1", "r1")  # belongs to step 1 (the current one)
+        led.admit("s1", 1)
+        led.advance(3)  # step 1 is still inside the window (3 - 2 = 1)
+        with pytest.raises(AlreadyAdmitted):
+            led.start("s1", "r2")
+        assert led.advance(4) == 1  # now it is not: its one attempt is pruned
+        assert led.attempts("s1") == [] and led.pruned_below == 2
+        with pytest.raises(RetryWindowPassed, match=r"sample 's1' \(step 1\) is older than the "
+                           r"ledger's retry window of 2 steps") as info:
+            led.start("s1", "r3", origin=1)  # a restarted trainer retries it, naming its step
+        assert info.value.reason == "retry_window_passed"
+        assert isinstance(info.value, AlreadyAdmitted)  # handled as one: never admitted twice
+        assert led.admitted() == {}
+    with SampleLedger(path, window=window) as led:  # the watermark is in the file
+        with pytest.raises(RetryWindowPassed):
+            led.start("s1", "r4", origin=1)
+        assert led.start("s2", "r5") == 1  # step 4's samples go on
+
+
+def test_a_window_in_seconds_prunes_by_first_issue_and_stays_small(path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr("rlfleet.rollout.ledger.time.time", lambda: now[0])
+    with SampleLedger(path, window=RetryWindow(seconds=60)) as led:
+        for i in range(50):
+            led.start(f"old-{i}", f"r{i}")
+            led.admit(f"old-{i}", 1)
+        now[0] += 30
+        led.start("old-0-again", "x")  # first issued now
+        now[0] += 40  # the first 50 are 70 s old, the last one 40 s
+        assert led.prune() == 50
+        assert led.size()["samples"] == 1
+        with pytest.raises(RetryWindowPassed, match="issued"):
+            led.start("old-3", "z", origin=1000.0)
+        # an attempt of a sample still inside the window keeps its first issue time
+        assert led.start("old-0-again", "x2") == 2
+        assert led.attempt("old-0-again", 2) is not None
+
+
+def test_an_attempt_open_when_its_sample_is_pruned_is_refused_at_admission(path):
+    with SampleLedger(path, window=RetryWindow(steps=1)) as led:
+        led.advance(0)
+        led.start("slow", "r1")
+        led.advance(2)
+        with pytest.raises(AttemptClosed, match="retry window"):
+            led.admit("slow", 1)
+
+
+def test_a_window_needs_a_step_or_an_origin(path):
+    with SampleLedger(path, window=RetryWindow(steps=3)) as led:
+        with pytest.raises(ValueError, match="advance"):
+            led.start("s", "r")
+        assert led.start("s", "r", origin=7) == 1
+    for bad in ({}, {"seconds": 1, "steps": 1}, {"steps": 0}):
+        with pytest.raises(ValueError):
+            RetryWindow(**bad)

@@ -1,6 +1,7 @@
 """Server limits (issue 10 finding 5): a body over the limit is refused with 413 in the error
 shape (by its length, and while a chunked one streams in), slow heads and idle sockets lose
-their connection, and connections beyond the cap are closed at once. A real AppServer on
+their connection, and at the cap of connections the one idle longest makes room (a new
+connection is served; 503 when none is idle). A real AppServer on
 loopback with a tiny Starlette app behind it."""
 
 from __future__ import annotations
@@ -84,16 +85,30 @@ async def test_slow_heads_and_idle_sockets_are_closed_and_the_server_still_answe
         await s.stop()
 
 
-async def test_connections_beyond_the_cap_are_closed_at_once() -> None:
+async def test_at_the_cap_the_connection_idle_longest_makes_room() -> None:
+    """Issue 43: at the cap a new connection is served, and the connection idle longest is
+    closed to make room; when every connection has a request under way, the new one is
+    answered 503 (never reset unanswered)."""
     s = await serve(ServerLimits(max_connections=4, read_timeout=None))
     held = []
     try:
         for _ in range(4):
             held.append(await asyncio.open_connection("127.0.0.1", s.port))
+            await asyncio.sleep(0.02)  # in order: the first is idle longest
+        async with httpx.AsyncClient(base_url=s.url, timeout=10) as http:
+            assert (await http.post("/echo", content=b"ok")).status_code == 200
+        assert await closed_within(held[0][0], 5)  # the one idle longest made room
+        for r, _w in held[1:]:
+            assert not await closed_within(r, 0.1)
+        extra = await asyncio.open_connection("127.0.0.1", s.port)
+        for _, w in [*held[1:], extra]:  # every connection busy: a request head under way
+            w.write(b"POST /echo HTTP/1.1\r\nhost: x\r\n")
+            await w.drain()
         await asyncio.sleep(0.1)
-        extra_r, _extra_w = await asyncio.open_connection("127.0.0.1", s.port)
-        assert await closed_within(extra_r, 5)
-        for _, w in held:
+        extra2 = await asyncio.open_connection("127.0.0.1", s.port)  # 5 > 4: no idle one left
+        answer = await asyncio.wait_for(extra2[0].read(), 5)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"code": 503' in answer, answer
+        for _, w in [*held, extra, extra2]:
             w.close()
         await asyncio.sleep(0.2)
         async with httpx.AsyncClient(base_url=s.url, timeout=10) as http:

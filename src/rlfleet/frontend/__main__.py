@@ -15,6 +15,7 @@ import uvloop
 from rlfleet.frontend import dispatch
 from rlfleet.frontend.app import build_app
 from rlfleet.frontend.dispatch import MAX_RESPONSE_ENTRIES
+from rlfleet.frontend.fleet_control import ControlForward, exposure, networks
 from rlfleet.frontend.kv import DEFAULT_OVERLAP_WEIGHT, DEFAULT_OVERLOAD, KvRouter
 from rlfleet.frontend.processes import run_group
 from rlfleet.frontend.rl import rl_app
@@ -106,6 +107,10 @@ def frontend_flags() -> tuple[Flag, ...]:
              "routes (/pause, /resume, /update_weights_from_disk, ...) at this frontend's URL are "
              "forwarded there, each a fleet operation (docs/one-url.md); default: not served",
              type=str),
+        Flag("--fleet-control-from", [],
+             "with --fleet-control: a network (CIDR) whose callers may send the routes that "
+             "change the fleet without the admin token (repeat for more; loopback always may; "
+             "without an admin token nobody else may: docs/security.md)", metavar="CIDR"),
         Flag("--processes", 1,
              "serve the port from this many processes (SO_REUSEPORT: the kernel spreads "
              "connections over them); a retry of an X-Request-Id through any of them, or through "
@@ -141,8 +146,12 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--processes must be at least 1, got {args.processes}")
     try:
         settle_admin_token(args)
+        networks(args.fleet_control_from)
     except ValueError as e:
         p.error(str(e))
+    if args.fleet_control_from and not args.fleet_control:
+        p.error("--fleet-control-from names who may send control routes: it needs "
+                "--fleet-control")
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -164,7 +173,12 @@ async def serve(args: argparse.Namespace) -> None:
     await pool.start()
     limits = ServerLimits.from_args(args)
     reuse = args.reuse_port
-    servers = [AppServer(build_app(pool, client, runs, fleet_control=args.fleet_control),
+    control = ControlForward(args.fleet_control, admin_token=args.admin_token,
+                             allowed=args.fleet_control_from) if args.fleet_control else None
+    if warning := exposure(args.http_host, args.fleet_control, args.admin_token,
+                           args.fleet_control_from):
+        log.warning("%s", warning)
+    servers = [AppServer(build_app(pool, client, runs, fleet_control=control),
                          bind_socket(args.http_host, args.http_port, reuse), limits=limits)]
     if args.enable_rl:
         servers.append(AppServer(rl_app(discovery, args.namespace, args.journal),

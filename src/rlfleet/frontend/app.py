@@ -18,7 +18,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlfleet.frontend import sglang, skyrl, vllm_native
-from rlfleet.frontend.fleet_control import control_routes
+from rlfleet.frontend.fleet_control import ControlForward, control_routes
 from rlfleet.frontend.generation import Frontend, frontend_of, parse_body
 from rlfleet.frontend.openai import routes as openai_routes
 from rlfleet.frontend.router import WorkerPool, rank
@@ -277,9 +277,9 @@ class Accounting:
 
 
 def build_app(pool: WorkerPool, client: StreamClient, runs: GenerationRuns | None = None,
-              fleet_control: str | None = None) -> ASGIApp:
-    """`fleet_control`: the fleet control service's URL; its control routes are forwarded
-    there (rlfleet.frontend.fleet_control)."""
+              fleet_control: str | ControlForward | None = None) -> ASGIApp:
+    """`fleet_control`: the fleet control service (its URL, or the link to it that says who
+    may call); its control routes are forwarded there (rlfleet.frontend.fleet_control)."""
     app = Starlette(routes=[
         *openai_routes.router.routes,
         *sglang.router.routes,

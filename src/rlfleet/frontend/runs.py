@@ -34,7 +34,7 @@ import msgspec
 from rlfleet.runtime import metrics
 from rlfleet.runtime.http import HttpError
 from rlfleet.runtime.request_plane import WorkerError
-from rlfleet.runtime.runs import Run, RunRegistry, event_bytes
+from rlfleet.runtime.runs import KEPT_WINDOW, Run, RunRegistry, event_bytes
 
 REPLAYS = metrics.FRONTEND_REPLAYS  # on the frontend's /metrics
 RESTARTS = metrics.FRONTEND_RESTARTS
@@ -130,7 +130,7 @@ def _cancelled() -> BaseException:
 class GenerationRuns(RunRegistry[GenerationRun]):
     """The runs this frontend drives (see the module docstring)."""
 
-    def __init__(self, orphan_grace: float = 30.0, window: float = 600.0,
+    def __init__(self, orphan_grace: float = 30.0, window: float = KEPT_WINDOW,
                  max_runs: int = 10_000, max_kept_bytes: int = 2 << 30,
                  admin_token: str | None = None) -> None:
         super().__init__(orphan_grace, window, max_runs, max_kept_bytes, event_bytes,

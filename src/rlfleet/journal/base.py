@@ -1,11 +1,21 @@
 """What every journal store offers (`RefreshJournal`): what a coordinator, `rlfleet journal`
 and the status page read and write. Writes go through one mapping (rlfleet.journal.record)
-before a store sees them; a store implements the underscored methods."""
+before a store sees them; a store implements the underscored methods.
+
+A journal stays the same size however long the run (`JournalBounds`): after the newest
+`keep_full` ended transactions, older ones are compacted to a summary (their decision,
+policies, times and reason; their workers' entries and timed steps dropped), and after
+`keep_summaries` more, folded into the fleet's history (a count per decision, the first
+and last of them). Never compacted: a transaction still unfinished (recovery finds every
+one), and never folded: the last verified one of each fleet and model selection (what a
+rollback returns to). Compaction runs as each transaction opens. What each worker was last
+seen holding comes from the transactions kept whole."""
 
 from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 from typing import Any, Self
 
 from rlfleet.journal.record import JournalRecord, stored_columns
@@ -20,10 +30,37 @@ class JournalMissing(JournalError):
     """A reader asked for a journal that does not exist (yet): no coordinator wrote it."""
 
 
+@dataclass(frozen=True)
+class JournalBounds:
+    """How much of its past a journal keeps (module doc)."""
+
+    keep_full: int = 256  # the newest ended transactions, kept whole
+    keep_summaries: int = 4096  # the ones before them, kept as summaries
+
+    def __post_init__(self) -> None:
+        if self.keep_full < 1 or self.keep_summaries < 0:
+            raise ValueError(f"a journal keeps at least one transaction whole and 0 or more "
+                             f"summaries, not {self}")
+
+
+def fold(history: dict[str, Any] | None, rec: dict[str, Any]) -> dict[str, Any]:
+    """A fleet and model selection's history with transaction `rec` folded in."""
+    h = dict(history or {"transactions": 0, "decisions": {}, "first_id": rec["id"],
+                         "first_at": rec.get("started_at")})
+    h["transactions"] += 1
+    decision = rec.get("decision") or "unfinished"
+    h["decisions"] = {**h["decisions"], decision: h["decisions"].get(decision, 0) + 1}
+    h["first_id"] = min(h["first_id"], rec["id"])
+    h["last_id"] = max(h.get("last_id") or 0, rec["id"])
+    h["last_at"] = max(h.get("last_at") or 0, rec.get("ended_at") or rec.get("started_at") or 0)
+    return h
+
+
 class RefreshJournal(abc.ABC):
     """The journal of one store; `path` names it in messages (as `open_journal` takes it)."""
 
     path: str
+    bounds: JournalBounds = JournalBounds()
 
     # ---------------------------------------------------------------- writes
 
@@ -34,7 +71,14 @@ class RefreshJournal(abc.ABC):
         columns, and the policies by role (`target=`, `previous=`: PolicyIdentity)."""
         columns = {"started_at": time.time(), "state": "started", **stored_columns(fields),
                    "fleet": fleet}
-        return self._open(fleet, floor_epoch, columns)
+        opened = self._open(fleet, floor_epoch, columns)
+        self.compact()
+        return opened
+
+    def compact(self) -> dict[str, int]:
+        """Compact and fold what the bounds no longer keep whole (module doc); how many
+        records were compacted and folded. Runs as each transaction opens."""
+        return self._compact(self.bounds)
 
     def begin(self, **fields: Any) -> int:
         """Record a transaction (it takes the next epoch of its `fleet`); its id."""
@@ -82,6 +126,16 @@ class RefreshJournal(abc.ABC):
     def fleet_epoch(self, fleet: str | None) -> int:
         """The newest epoch the fleet's transactions took (0: none yet)."""
 
+    @abc.abstractmethod
+    def history(self) -> list[dict[str, Any]]:
+        """What was folded, per fleet and model selection: `fleet`, `model`, `transactions`,
+        `decisions` (a count each), `first_id`, `last_id`, `first_at`, `last_at`."""
+
+    @abc.abstractmethod
+    def size(self) -> dict[str, int]:
+        """What the journal holds: `records`, `full` (kept whole), `summaries`, `folded`
+        (transactions in the history) and `bytes` (the store's, as near as it can say)."""
+
     def close(self) -> None:  # noqa: B027 - a store may hold nothing to release
         """Release the store."""
 
@@ -104,6 +158,9 @@ class RefreshJournal(abc.ABC):
 
     @abc.abstractmethod
     def _find(self, refresh_id: int) -> JournalRecord | None: ...
+
+    @abc.abstractmethod
+    def _compact(self, bounds: JournalBounds) -> dict[str, int]: ...
 
     @abc.abstractmethod
     def _holdings(self, fleet: str | None, model: str | None) -> dict[int, dict[str, Any]]:

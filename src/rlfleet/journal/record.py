@@ -80,6 +80,8 @@ COLUMNS: dict[str, str] = {
     "reason": "TEXT",
     "steps": "TEXT NOT NULL DEFAULT '[]'",
     "workers": "TEXT NOT NULL DEFAULT '{}'",
+    # 1: a summary (its workers' entries and steps dropped: rlfleet.journal.base.JournalBounds)
+    "compacted": "INTEGER",
 }
 #: the columns that hold JSON (SQLite keeps their text)
 JSON_COLUMNS = frozenset({"intended_workers", "verified_workers", "steps", "workers",

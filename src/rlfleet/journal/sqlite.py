@@ -11,7 +11,13 @@ from typing import Any
 
 import msgspec
 
-from rlfleet.journal.base import JournalError, JournalMissing, RefreshJournal
+from rlfleet.journal.base import (
+    JournalBounds,
+    JournalError,
+    JournalMissing,
+    RefreshJournal,
+    fold,
+)
 from rlfleet.journal.record import (
     COLUMNS,
     JSON_COLUMNS,
@@ -23,6 +29,11 @@ from rlfleet.journal.record import (
 #: a record's columns but its workers' entries (`last_served(workers=False)`)
 _BRIEF = ", ".join(c for c in COLUMNS if c != "workers")
 EPOCHS = "CREATE TABLE IF NOT EXISTS fleet_epochs (fleet TEXT PRIMARY KEY, epoch INTEGER NOT NULL)"
+#: the folded transactions per fleet and model selection (rlfleet.journal.base.fold)
+HISTORY = ("CREATE TABLE IF NOT EXISTS history (fleet TEXT, model TEXT, summary TEXT NOT NULL, "
+           "PRIMARY KEY (fleet, model))")
+#: the records still kept whole (what compaction looks through)
+WHOLE = "CREATE INDEX IF NOT EXISTS whole_records ON refreshes (id) WHERE compacted IS NULL"
 
 
 class SqliteJournal(RefreshJournal):
@@ -37,8 +48,10 @@ class SqliteJournal(RefreshJournal):
     taken back). A coordinator's refreshes of a thousand workers would otherwise decode
     every record's workers on every refresh."""
 
-    def __init__(self, path: str | Path = ":memory:", *, create: bool = True) -> None:
+    def __init__(self, path: str | Path = ":memory:", *, create: bool = True,
+                 bounds: JournalBounds | None = None) -> None:
         self.path = str(path)
+        self.bounds = bounds or JournalBounds()
         if self.path != ":memory:":
             if not create and not Path(self.path).exists():
                 raise JournalMissing(f"no journal at {self.path}")
@@ -51,11 +64,13 @@ class SqliteJournal(RefreshJournal):
             columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
             self._db.execute(f"CREATE TABLE IF NOT EXISTS refreshes ({columns})")
             self._db.execute(EPOCHS)
+            self._db.execute(HISTORY)
             # a journal written before a column existed gets it
             have = {row[1] for row in self._db.execute("PRAGMA table_info(refreshes)")}
             for name, kind in COLUMNS.items():
                 if name not in have:
                     self._db.execute(f"ALTER TABLE refreshes ADD COLUMN {name} {kind}")
+            self._db.execute(WHOLE)
         # holdings per (fleet, model): {worker: (the record that saw it, its holds)}, valid
         # while the store's data_version is `_version` (no other connection committed)
         self._held: dict[tuple[str | None, str | None], dict[int, tuple[int, dict[str, Any]]]] = {}
@@ -175,6 +190,67 @@ class SqliteJournal(RefreshJournal):
             row = self._db.execute("SELECT epoch FROM fleet_epochs WHERE fleet = ?",
                                    (fleet or "",)).fetchone()
         return row[0] if row else 0
+
+    # ---------------------------------------------------------------- bounds
+
+    def _compact(self, bounds: JournalBounds) -> dict[str, int]:
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                newest = db.execute("SELECT MAX(id) FROM refreshes").fetchone()[0] or 0
+                whole = newest - bounds.keep_full + 1  # the newest keep_full stay whole
+                compacted = db.execute(
+                    "UPDATE refreshes SET workers = '{}', steps = '[]', compacted = 1 "
+                    "WHERE id < ? AND ended_at IS NOT NULL AND compacted IS NULL",
+                    (whole,)).rowcount
+                folded = self._fold_below(whole - bounds.keep_summaries)
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                raise
+            if compacted:
+                self._held.clear()  # holdings come from the records kept whole
+            return {"compacted": compacted, "folded": folded}
+
+    def _fold_below(self, kept: int) -> int:
+        """Fold the ended records older than `kept` into the history (under the write lock),
+        but each fleet and model selection's last verified one."""
+        db = self._db
+        rows = db.execute(f"SELECT id, fleet, model, started_at, ended_at, decision FROM "
+                          f"refreshes WHERE id < ? AND ended_at IS NOT NULL AND id NOT IN "
+                          f"(SELECT MAX(id) FROM refreshes WHERE {SERVED_MARK} IS NOT NULL "
+                          f"GROUP BY fleet, model) ORDER BY id", (kept,)).fetchall()
+        histories: dict[tuple[Any, Any], dict[str, Any] | None] = {}
+        for rid, fleet, model, started, ended, decision in rows:
+            if (fleet, model) not in histories:
+                got = db.execute("SELECT summary FROM history WHERE fleet IS ? AND model IS ?",
+                                 (fleet, model)).fetchone()
+                histories[fleet, model] = json.loads(got[0]) if got else None
+            histories[fleet, model] = fold(histories[fleet, model], {
+                "id": rid, "started_at": started, "ended_at": ended, "decision": decision})
+        for (fleet, model), h in histories.items():
+            db.execute("DELETE FROM history WHERE fleet IS ? AND model IS ?", (fleet, model))
+            db.execute("INSERT INTO history (fleet, model, summary) VALUES (?, ?, ?)",
+                       (fleet, model, json.dumps(h)))
+        db.executemany("DELETE FROM refreshes WHERE id = ?", [(r[0],) for r in rows])
+        return len(rows)
+
+    def history(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT fleet, model, summary FROM history").fetchall()
+        return [{"fleet": f, "model": m, **json.loads(h)} for f, m, h in rows]
+
+    def size(self) -> dict[str, int]:
+        with self._lock:
+            records, summaries = self._db.execute(
+                "SELECT COUNT(*), COUNT(compacted) FROM refreshes").fetchone()
+            pages, page = (self._db.execute(f"PRAGMA {n}").fetchone()[0]
+                           for n in ("page_count", "page_size"))
+        folded = sum(h["transactions"] for h in self.history())
+        return {"records": records, "full": records - summaries, "summaries": summaries,
+                "folded": folded, "bytes": pages * page}
 
     def _select(self, tail: str, args: tuple, columns: str = "*") -> list[JournalRecord]:
         with self._lock:

@@ -33,6 +33,7 @@ import msgspec
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol import admin
 from rlfleet.protocol.admin import (
+    AdminRequestError,
     AdminRoute,
     AnyBody,
     SglangDiskReply,
@@ -218,7 +219,7 @@ class MockAdmin:
     @staticmethod
     def _native_handler(fn: Callable[..., Awaitable[Any]], spec: AdminRoute) -> Handler:
         """The request's fields are the method's keyword arguments (the system server
-        refuses an unknown one with HTTP 500, as a real SGLang method would)."""
+        refuses an unknown or mistyped one, and a bad value, with HTTP 400 naming it)."""
         async def handler(req: msgspec.Struct) -> Any:
             return msgspec.convert(sglang_result(await fn(**msgspec.structs.asdict(req))),
                                    spec.reply)
@@ -226,7 +227,8 @@ class MockAdmin:
 
     async def sgl_pause_generation(self, mode: str = "abort") -> None:
         if mode not in SGLANG_PAUSE_MODES:
-            raise ValueError(f"Invalid mode {mode!r}; expected {'|'.join(SGLANG_PAUSE_MODES)}")
+            raise AdminRequestError(f"mode: invalid mode {mode!r}; expected "
+                                    f"{'|'.join(SGLANG_PAUSE_MODES)}")
         await self.engine.pause(SGLANG_PAUSE_MODES[mode])
 
     async def sgl_continue_generation(self, torch_empty_cache: bool = True) -> None:

@@ -24,7 +24,10 @@ policy, as the vLLM engine reports them (a keep-pause across a weight swap shows
 The simulated weights are one number, the seed of the token distribution. As a checkpoint
 they are a directory holding ``mock_weights.json`` = ``{"seed": <int>}`` (see
 `write_mock_checkpoint`); as tensors, ``{"mock.seed": <one integer>}``; their digest is
-``"mock:<seed>"``.
+``"mock:<seed>"``. Tensors may carry ballast beside the seed (``mock.ballast.*``, any shape
+and dtype, ignored by the simulated model) so that the weight plane moves a model's bytes
+(a long soak's versions, deltas and all); weights with ballast have the content digest of
+all their tensors (rlfleet.weights.digest), as a real engine's do.
 
 It has no vLLM weight-transfer engine: its discovery entries say `weight_transfer_backend:
 "none"` (so a client that transfers over nccl refuses to bind it at discovery instead of
@@ -132,6 +135,7 @@ def add_mock_args(p: argparse.ArgumentParser) -> None:
 
 CHECKPOINT_FILE = "mock_weights.json"
 SEED_TENSOR = "mock.seed"
+BALLAST_PREFIX = "mock.ballast."  # tensors beside the seed, for their bytes only
 
 
 def write_mock_checkpoint(directory: str | Path, seed: int) -> Path:
@@ -165,11 +169,14 @@ class MockWeights:
     seed: int
     version: str | None = None
     step: int | None = None  # the policy's fleet step, when declared
+    content: str | None = None  # with ballast: the content digest of every tensor
 
     @functools.cached_property
     def policy(self) -> PolicyIdentity:
-        """The policy these weights are: the digest is a function of the seed."""
-        return PolicyIdentity(version=self.version, digest=f"mock:{self.seed}", step=self.step)
+        """The policy these weights are: the digest is a function of the seed (of every
+        tensor, with ballast)."""
+        return PolicyIdentity(version=self.version, digest=self.content or f"mock:{self.seed}",
+                              step=self.step)
 
 
 @dataclass(eq=False)
@@ -758,10 +765,10 @@ class MockEngine(Engine, EngineControl):
             raise RuntimeError("pause generation first")
         self.weights = MockWeights(seed, version)
 
-    def _swap(self, seed: int) -> str:
+    def _swap(self, seed: int, content: str | None = None) -> str:
         """New weights now (running requests continue on them); the version label and step
         stay until `set_version` records the new ones."""
-        self.weights = MockWeights(seed, self.weights.version, self.weights.step)
+        self.weights = MockWeights(seed, self.weights.version, self.weights.step, content)
         return self.weights.policy.digest or ""
 
     def applied(self) -> contract.AppliedWeights:
@@ -772,7 +779,7 @@ class MockEngine(Engine, EngineControl):
         # the digest is a function of the seed, already swapped by the load
         keep = digest is None and step is None  # a relabel keeps the step
         self.weights = MockWeights(self.weights.seed, version,
-                                   self.weights.step if keep else step)
+                                   self.weights.step if keep else step, self.weights.content)
         self.version_declared = declared
 
     def checkpoint_mismatch(self, path: Path) -> str | None:
@@ -786,12 +793,28 @@ class MockEngine(Engine, EngineControl):
         return self._swap(read_mock_checkpoint(path))
 
     async def apply_tensors(self, tensors: Mapping[str, Any]) -> str:
+        return self._apply(tensors, None)
+
+    async def load_staged(self, path: Path, digest: str) -> str:
+        from rlfleet.weights.digest import iter_checkpoint_tensors
+
+        return self._apply(dict(iter_checkpoint_tensors(path)), digest)
+
+    def _apply(self, tensors: Mapping[str, Any], digest: str | None) -> str:
+        """Swap in the seed of `tensors`; with ballast, their content digest is the weights'
+        (`digest` when the staging computed it already)."""
         t = tensors.get(SEED_TENSOR)
-        if set(tensors) != {SEED_TENSOR} or t is None or t.numel() != 1 \
-                or t.dtype.is_floating_point:
+        other = [n for n in tensors if n != SEED_TENSOR and not n.startswith(BALLAST_PREFIX)]
+        if other or t is None or t.numel() != 1 or t.dtype.is_floating_point:
             raise ValueError(f"the mocker's weights are one tensor {SEED_TENSOR!r} holding one "
-                             f"integer (the seed); got {sorted(tensors)[:3]}")
-        return self._swap(int(t.reshape(-1)[0]))
+                             f"integer (the seed), and ballast ({BALLAST_PREFIX}*); got "
+                             f"{sorted(tensors)[:3]}")
+        content = None
+        if len(tensors) > 1:
+            from rlfleet.weights.digest import digest_tensors
+
+            content = digest or digest_tensors(tensors.items())
+        return self._swap(int(t.reshape(-1)[0]), content)
 
     def announced_mismatch(self, d: DistributedRequest) -> str | None:
         if d.mock_seed is None:

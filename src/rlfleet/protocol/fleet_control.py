@@ -2,12 +2,17 @@
 `rlfleet control`; a frontend started with --fleet-control forwards them there): each route
 of vLLM's and SGLang's server that a single-server client sends to change or ask about "the
 server", and the fleet-lifecycle operation (`Op`) it maps onto. Data only: the service binds
-each route to its handler, a frontend forwards exactly these paths."""
+each route to its handler, a frontend forwards exactly these paths. The bodies the routes
+read are typed below (the fields the real servers take; others are ignored, as theirs
+ignore them): a field of the wrong type is refused naming it."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
+
+import msgspec
 
 
 class Op(enum.StrEnum):
@@ -124,3 +129,58 @@ FORWARDED = tuple(r for r in ROUTES if r.forwarded)
 #: how SGLang's pause modes map onto the fleet's: retract and in_place keep the requests
 #: (they go on after the resume), abort ends them with their partial output
 SGLANG_PAUSE_MODES = {"abort": "abort", "retract": "keep", "in_place": "keep"}
+
+
+# ---------------------------------------------------------------- the bodies routes read
+
+
+class Body(msgspec.Struct, kw_only=True):
+    """A route's JSON body: the fields it reads, each optional here (a route that needs one
+    says so by name), typed (a value of another type is refused naming the field)."""
+
+
+class PauseBody(Body):
+    """SGLang's /pause_generation."""
+
+    mode: str = "abort"
+
+
+class DiskUpdateBody(Body):
+    """SGLang's /update_weights_from_disk (UpdateWeightFromDiskReqInput, the fields used)."""
+
+    model_path: str | None = None
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+
+class CollectiveRpcBody(Body):
+    """vLLM's /collective_rpc."""
+
+    method: str | None = None
+    kwargs: dict[str, Any] | None = None
+
+
+class TransferInitBody(Body):
+    """vLLM's /init_weight_transfer_engine."""
+
+    init_info: dict[str, Any] | None = None
+
+
+class TransferUpdateBody(Body):
+    """vLLM's /update_weights (a backend's update_info, or one per rank)."""
+
+    update_info: dict[str, Any] | list[dict[str, Any]] | None = None
+
+
+class TransferFinishBody(Body):
+    """vLLM's /finish_weight_update."""
+
+    weight_version: str | None = None
+
+
+class LoraBody(Body):
+    """vLLM's and SGLang's LoRA load and unload."""
+
+    lora_name: str | None = None
+    lora_path: str | None = None

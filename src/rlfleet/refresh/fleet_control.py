@@ -44,13 +44,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -71,7 +70,20 @@ from rlfleet.protocol.admin import (
     TransferInitRequest,
     TransferUpdateRequest,
 )
-from rlfleet.protocol.fleet_control import ROUTES, SGLANG_PAUSE_MODES, ControlRoute, Op
+from rlfleet.protocol.fleet_control import (
+    ROUTES,
+    SGLANG_PAUSE_MODES,
+    Body,
+    CollectiveRpcBody,
+    ControlRoute,
+    DiskUpdateBody,
+    LoraBody,
+    Op,
+    PauseBody,
+    TransferFinishBody,
+    TransferInitBody,
+    TransferUpdateBody,
+)
 from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.refresh import committed as committed_policy
 from rlfleet.refresh import recovery
@@ -89,10 +101,12 @@ from rlfleet.refresh.policy import Policy
 from rlfleet.refresh.staged import VllmStagedControl, stage_checkpoint
 from rlfleet.runtime import weight_checker
 from rlfleet.runtime.admin_client import AdminConnections, CallResult
+from rlfleet.runtime.http import bad_json_message
 
 log = logging.getLogger("rlfleet.fleet_control")
 
 Handler = Callable[["FleetControl", Request], Awaitable[Response]]
+B = TypeVar("B", bound=Body)
 
 #: what the journal records as the update path of a transaction this service drives
 UPDATE_PATH = "fleet-control"
@@ -194,6 +208,9 @@ class FleetControl:
         self.clients = AdminConnections()
         self.lock = asyncio.Lock()
         self.session: Session | None = None
+        # what the last init_weight_transfer_engine said per worker: None accepted, else why
+        # it refused (a start that no worker can run is then the client's to fix: a 4xx)
+        self.transfer_engines: dict[int, str | None] = {}
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -409,9 +426,18 @@ class FleetControl:
 
     async def _judge(self, s: Session, failed: list[FleetWorker], what: str) -> Outcome:
         """After an update on every worker: one policy everywhere, or the workers that
-        moved rolled back (FleetFailure names the workers and what was rolled back)."""
+        moved rolled back (FleetFailure names the workers and what was rolled back). An
+        update every worker refused, none of them moved by it, is the client's to fix: a
+        400 naming why, nothing rolled back (the fleet may reopen as it was)."""
         ws = s.participants()
+        before = {w.instance_id: w.holds for w in ws}
         await self._each(ws, lambda w: self.control.inspect(s.ch, w))
+        if failed and len(failed) == len(ws) and all(
+                w.active and w.holds == before[w.instance_id] for w in ws):
+            why = f"{what} was refused by every worker, nothing changed: {self._named(failed)}"
+            s.target, s.rolled_back, s.back_on_previous = None, None, True
+            await self._record(s, reason=why)
+            raise FleetFailure(why, 400, [w.summary() for w in failed])
         holds = {w.holds for w in ws if w.active}
         if not failed and len(holds) == 1 and all(w.active for w in ws):
             policy = holds.pop()
@@ -654,18 +680,26 @@ class FleetControl:
                     w.reason = f"init_weight_transfer_engine refused: {res.message}"
                     failed.append(w)
             await self._each(list(workers.values()), init)
+            self.transfer_engines = {iid: None for iid in workers}
+            self.transfer_engines.update({w.instance_id: w.reason for w in failed})
             if failed:
                 raise FleetFailure(f"{len(failed)} of {len(workers)} worker(s) refused the "
                                    f"weight-transfer engine: {self._named(failed)}", 400,
                                    [w.summary() for w in failed])
 
     async def transfer_start(self) -> None:
-        """Op.TRANSFER_START: opens the transaction unless a pause did."""
+        """Op.TRANSFER_START: opens the transaction unless a pause did. Refused up front (400)
+        when every worker refused the weight-transfer engine; when no worker can start and
+        none took an engine through this service, the transaction it opened for itself
+        ends (nothing changed) and the client is told to initialise first (409)."""
         async with self.lock:
+            refused = self._without_transfer_engine()
+            if refused:
+                raise FleetFailure(refused, 400)
             s = self.session or await self._open(self.config.pause_mode.value, by_client=False)
             if s.transfer_open:
                 raise FleetFailure("start_weight_update called while a weight update is "
-                                   "already active. Call finish_weight_update first.", 500)
+                                   "already active. Call finish_weight_update first.", 409)
             await self._take_in_joined(s)
             s.transfer_workers = {w.instance_id for w in s.active()}
             failed = await self._fan(s, "transfer_start", admin.UPDATE_START_WEIGHT_UPDATE,
@@ -675,11 +709,31 @@ class FleetControl:
                                 TransferFinishRequest(), only=[w for w in s.participants()
                                                                 if w not in failed])
                 s.transfer_workers = set()
-                raise FleetFailure(f"start_weight_update failed on {self._named(failed)}; "
-                                   "the update was closed on the others", 500,
-                                   [w.summary() for w in failed])
+                none_started = len(failed) == len(s.participants()) and not any(
+                    self.transfer_engines.get(w.instance_id, "") is None for w in failed)
+                if none_started and not s.by_client:
+                    for w in failed:  # a refused call, not a broken worker: it rejoins
+                        w.status, w.reason = "selected", None
+                    await self._close(s)
+                raise FleetFailure(
+                    f"start_weight_update failed on {self._named(failed)}; the update was "
+                    "closed on the others" + (
+                        ": no worker has a weight-transfer engine initialised by this "
+                        "service; call /init_weight_transfer_engine first" if none_started
+                        else ""), 409 if none_started else 500,
+                    [w.summary() for w in failed])
             s.transfer_open = True
             await self._record(s, state="transfer_open")
+
+    def _without_transfer_engine(self) -> str | None:
+        """Why no worker can run a weight transfer, when the last init said so for all."""
+        said = self.transfer_engines
+        if not said or any(why is None for why in said.values()):
+            return None
+        named = "; ".join(f"worker {iid}: {why}" for iid, why in sorted(said.items()))
+        return ("the fleet has no weight-transfer engine: every worker refused "
+                f"init_weight_transfer_engine ({named}); load weights from disk instead "
+                "(/collective_rpc reload_weights, /update_weights_from_disk)")
 
     async def transfer_update(self, update_info: Any) -> None:
         """Op.TRANSFER_UPDATE on every worker; a failure ends the update everywhere and
@@ -719,7 +773,7 @@ class FleetControl:
         s = self.session
         if s is None or not s.transfer_open:
             raise FleetFailure(f"{step}: no weight update is open: call start_weight_update "
-                               "first", 500)
+                               "first", 409)
         return s
 
     async def _end_transfer_failed(self, s: Session, failed: list[FleetWorker],
@@ -863,17 +917,34 @@ def _adapter_digest(path: str) -> str | None:
 # ---------------------------------------------------------------- the dialects
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _body(request: Request, shape: type[B] | None = None) -> Any:
+    """The request's JSON body as `shape` (rlfleet.protocol.fleet_control: the fields the
+    route reads; without one, a JSON object as a dict); an empty body is all defaults. Every
+    way a body can be wrong is a BadRequest that says how: not JSON, nested past what is
+    decoded, not an object, a field of the wrong type (named). Every route reads its body
+    here."""
     raw = await request.body()
     if not raw.strip():
-        return {}
+        return shape() if shape is not None else {}
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise BadRequest(f"the body is not JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
-    return body
+        return msgspec.json.decode(raw, type=shape or dict[str, Any])
+    except RecursionError as e:
+        raise BadRequest(f"the body is not JSON rlfleet can read: {bad_json_message(e)}") \
+            from None
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"the body does not fit {request.url.path}: {_named(e)}") from None
+    except (msgspec.DecodeError, UnicodeError) as e:
+        raise BadRequest(f"the body is not JSON: {bad_json_message(e, raw)}") from None
+
+
+def _named(e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `str`, got `object` - at `$.mode`" as "field mode: expected str,
+    got object"."""
+    text = str(e).replace("`", "")
+    what, _, where = text.partition(" - at $.")
+    if not where:
+        return f"the body must be a JSON object ({text[0].lower()}{text[1:]})"
+    return f"field {where}: {what[0].lower()}{what[1:]}"
 
 
 def _flag(value: str | None, name: str, default: bool) -> bool:
@@ -933,10 +1004,10 @@ async def _vllm_weight_info(ctl: FleetControl, request: Request) -> Response:
 
 
 async def _vllm_init(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    if "init_info" not in body:
+    body = await _body(request, TransferInitBody)
+    if body.init_info is None:
         raise BadRequest("init_info is required (the weight-transfer backend's settings)")
-    await ctl.transfer_init(body["init_info"])
+    await ctl.transfer_init(body.init_info)
     return JSONResponse({"message": "Weight transfer initialized"})
 
 
@@ -946,52 +1017,49 @@ async def _vllm_start(ctl: FleetControl, request: Request) -> Response:
 
 
 async def _vllm_update(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    if "update_info" not in body:
+    body = await _body(request, TransferUpdateBody)
+    if body.update_info is None:
         raise BadRequest("update_info is required")
-    await ctl.transfer_update(body["update_info"])
+    await ctl.transfer_update(body.update_info)
     return JSONResponse({"message": "Weights updated"})
 
 
 async def _vllm_finish(ctl: FleetControl, request: Request) -> Response:
-    version = (await _body(request)).get("weight_version")
-    if version is not None and not isinstance(version, str):
-        raise BadRequest("weight_version must be a string, or null")
-    await ctl.transfer_finish(version)
+    await ctl.transfer_finish((await _body(request, TransferFinishBody)).weight_version)
     return JSONResponse({"message": "Weight update finished"})
 
 
 async def _vllm_collective_rpc(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    if body.get("method") != "reload_weights":
+    body = await _body(request, CollectiveRpcBody)
+    if body.method != "reload_weights":
         raise BadRequest(f"collective_rpc runs reload_weights only on a fleet (a reload from "
-                         f"disk on every worker, as one transaction), not {body.get('method')!r}")
-    kwargs = body.get("kwargs") or {}
-    if not isinstance(kwargs, dict) or not kwargs.get("weights_path"):
+                         f"disk on every worker, as one transaction), not {body.method!r}")
+    path = (body.kwargs or {}).get("weights_path")
+    if not isinstance(path, str) or not path:
         raise BadRequest("reload_weights needs kwargs.weights_path: a checkpoint directory "
-                         "every worker can read")
-    out = await ctl.update_from_disk(kwargs["weights_path"], None)
+                         "every worker can read (a string)")
+    out = await ctl.update_from_disk(path, None)
     return JSONResponse({"results": [None] * len(out.workers)})
 
 
 async def _vllm_load_lora(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    name = body.get("lora_name")
-    await ctl.load_adapter(name, body.get("lora_path"))
+    body = await _body(request, LoraBody)
+    name = body.lora_name
+    await ctl.load_adapter(name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
 async def _vllm_unload_lora(ctl: FleetControl, request: Request) -> Response:
-    name = (await _body(request)).get("lora_name")
+    name = (await _body(request, LoraBody)).lora_name
     await ctl.unload_adapter(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 async def _skyrl_load_lora(ctl: FleetControl, request: Request) -> Response:
     """SkyRL's own server route: vLLM's load, answered as JSON."""
-    body = await _body(request)
-    name = body.get("lora_name")
-    await ctl.load_adapter(name, body.get("lora_path"))
+    body = await _body(request, LoraBody)
+    name = body.lora_name
+    await ctl.load_adapter(name, body.lora_path)
     return JSONResponse({"status": "ok", "lora_name": name})
 
 
@@ -1022,7 +1090,7 @@ def sglang_error(e: FleetFailure, route: ControlRoute) -> Response:
 
 
 async def _sglang_pause(ctl: FleetControl, request: Request) -> Response:
-    mode = (await _body(request)).get("mode", "abort")
+    mode = (await _body(request, PauseBody)).mode
     if mode not in SGLANG_PAUSE_MODES:
         raise BadRequest(f"mode must be one of {', '.join(SGLANG_PAUSE_MODES)}, not {mode!r}")
     await ctl.pause(SGLANG_PAUSE_MODES[mode])
@@ -1035,13 +1103,10 @@ async def _sglang_continue(ctl: FleetControl, request: Request) -> Response:
 
 
 async def _sglang_update(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    version = body.get("weight_version")
-    if version is not None and not isinstance(version, str):
-        raise BadRequest("weight_version must be a string, or null")
-    mode = "abort" if body.get("abort_all_requests") else None
-    out = await ctl.update_from_disk(body.get("model_path"), version, mode)
-    if body.get("flush_cache", True) and ctl.is_paused():
+    body = await _body(request, DiskUpdateBody)
+    mode = "abort" if body.abort_all_requests else None
+    out = await ctl.update_from_disk(body.model_path, body.weight_version, mode)
+    if body.flush_cache and ctl.is_paused():
         await ctl.reset_cache()
     return JSONResponse({"success": True, "message": f"Succeeded to update model weights: "
                          f"{len(out.workers)} worker(s) serve {out.policy.version} "
@@ -1063,15 +1128,15 @@ async def _sglang_version(ctl: FleetControl, request: Request) -> Response:
 
 
 async def _sglang_load_lora(ctl: FleetControl, request: Request) -> Response:
-    body = await _body(request)
-    name, path = body.get("lora_name"), body.get("lora_path")
+    body = await _body(request, LoraBody)
+    name, path = body.lora_name, body.lora_path
     await ctl.load_adapter(name, path)
     return JSONResponse({"success": True, "error_message": "",
                          "loaded_adapters": {name: path}})
 
 
 async def _sglang_unload_lora(ctl: FleetControl, request: Request) -> Response:
-    await ctl.unload_adapter((await _body(request)).get("lora_name"))
+    await ctl.unload_adapter((await _body(request, LoraBody)).lora_name)
     return JSONResponse({"success": True, "error_message": "", "loaded_adapters": {}})
 
 

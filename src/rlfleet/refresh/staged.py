@@ -110,6 +110,19 @@ class VllmStagedControl(VllmControl):
         self.staging_path: str | None = None  # ... and the checkpoint it staged
         self.holders: dict[str, list[str]] = {}  # version -> system URLs that applied it
 
+    #: versions whose holders a coordinator remembers (the newest ones)
+    HELD_VERSIONS = 8
+
+    async def discover(self, ch: Channel) -> dict[int, FleetWorker]:
+        """The fleet's workers now; the holders remembered are pruned to them (a replaced
+        worker's URL is not offered as a peer: it would be tried until the stage deadline)
+        and to the newest HELD_VERSIONS versions (issue 43: a long run's memory)."""
+        found = await super().discover(ch)
+        live = {w.system_url for w in found.values()}
+        kept = list(self.holders.items())[-self.HELD_VERSIONS:]
+        self.holders = {v: [u for u in urls if u in live] for v, urls in kept}
+        return found
+
     def _sources(self, target: Policy, w: FleetWorker) -> list[dict[str, Any]]:
         peers = [{"kind": "peer", "url": u, "timeout": self.stage_timeout}
                  for u in self.holders.get(target.version, []) if u != w.system_url]

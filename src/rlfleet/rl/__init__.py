@@ -32,7 +32,13 @@ from rlfleet.rollout.checks import (
 )
 from rlfleet.rollout.client import RolloutClient, TokenizeFailed
 from rlfleet.rollout.gate import RolloutGate
-from rlfleet.rollout.ledger import AlreadyAdmitted, AttemptClosed, SampleLedger
+from rlfleet.rollout.ledger import (
+    AlreadyAdmitted,
+    AttemptClosed,
+    RetryWindow,
+    RetryWindowPassed,
+    SampleLedger,
+)
 from rlfleet.rollout.partial import PartialAction, PartialOutput, PartialRolloutPolicy
 from rlfleet.rollout.retry import RetryPolicy
 from rlfleet.rollout.sample import *  # noqa: F403  (its __all__: what a trainer builds and gets back)

@@ -16,11 +16,12 @@ the new messages as the worker's tokenizer renders them (POST /tokenize on the f
 `generate` returns an `AdmittedSample` or raises: `SampleFailed` when no attempt was
 admitted (its `reason` says why: a sample check's name, "timeout", "http: 503 ...",
 ...), `AlreadyAdmitted` when the ledger already holds an admitted attempt of the sample
-(nothing is sent then), `ValueError` for a request the client cannot send, and
-`asyncio.CancelledError` when the caller cancels it (the HTTP stream is closed and the
-frontend is asked to abort the request, POST /v1/requests/{id}/cancel, since it keeps a
-request with an X-Request-Id running for a while for retries; the attempt is recorded as
-canceled).
+(nothing is sent then; `RetryWindowPassed`, one of them, when the sample is older than the
+ledger's retry window, whose records may have been pruned), `ValueError` for a request the
+client cannot send, and `asyncio.CancelledError` when the caller cancels it (the HTTP
+stream is closed and the frontend is asked to abort the request, POST
+/v1/requests/{id}/cancel, since it keeps a request with an X-Request-Id running for a while
+for retries; the attempt is recorded as canceled).
 `rollout` runs many samples with bounded concurrency and returns one `RolloutOutcome`
 per sample, in input order, never raising for a sample that merely failed.
 
@@ -260,11 +261,14 @@ class RolloutClient:
                        sampling: SamplingSpec | None = None, n: int = 1, *,
                        route: str | None = None, stream: bool | None = None,
                        deadline: float | None = None, attempt_timeout: float | None = None,
-                       rules: SampleRules | None = None) -> AdmittedSample:
+                       rules: SampleRules | None = None,
+                       origin: float | None = None) -> AdmittedSample:
         """Generate, verify and admit one sample. `deadline` is a `time.monotonic()` value
         after which no attempt is started or continued; `attempt_timeout` overrides the
         retry policy's for this call; `rules` override the client's (which each attempt
-        reads afresh, so that an `expect` after a policy refresh applies to retries).
+        reads afresh, so that an `expect` after a policy refresh applies to retries);
+        `origin`: the sample's step or first issue time, for a ledger with a retry window
+        (rlfleet.rollout.ledger; a retry from a restarted trainer gives it).
         `prompt`: token IDs, text, chat messages, `Chat` or `NextTurn` (module doc).
         See the module doc for what it raises."""
         sampling = sampling or SamplingSpec()
@@ -296,7 +300,7 @@ class RolloutClient:
                         break
                 current = rules or self.rules  # `expect` may have moved on meanwhile
                 rid = reuse or new_request_id()
-                a = Attempt(sample_id, self.ledger.start(sample_id, rid), rid)
+                a = Attempt(sample_id, self.ledger.start(sample_id, rid, origin), rid)
                 reused, reuse = reuse is not None, None  # the attempt owns the request now
                 budget = timeout
                 if deadline is not None:

@@ -9,8 +9,11 @@ request plane) runs under these limits (`AppServer(..., limits=)`).
   (or after its first byte, on a kept-alive connection), or whose body has not arrived in
   `read_timeout` seconds, loses its connection: slow and idle sockets cannot pile up.
 - An idle kept-alive connection is closed after `idle_timeout` seconds.
-- Beyond `max_connections` open connections, a new one is closed at once (so that a flood
-  of sockets cannot use up the process's file descriptors).
+- At `max_connections` open connections (by default the descriptor limit less 256, kept
+  for the process's own links), a new connection takes the place of the one idle longest
+  (no request under way: a kept-alive or a silent socket), which is closed; when none is
+  idle, the new one is answered 503 and closed. A flood of idle sockets cannot use up the
+  process's file descriptors, and a good request on a new connection is still served.
 """
 
 from __future__ import annotations
@@ -140,21 +143,51 @@ def _too_large(limit: int) -> str:
             "less per request (the operator sets --max-body-bytes)")
 
 
+_FULL = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+         b"connection: close\r\nretry-after: 1\r\ncontent-length: %d\r\n\r\n%s")
+
+
+def _full_response(cap: int) -> bytes:
+    body = (b'{"error": {"message": "this server holds as many connections as it may (%d), '
+            b'each with a request under way; retry shortly", "code": 503}}' % cap)
+    return _FULL % (len(body), body)
+
+
 def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
     """uvicorn's httptools protocol with a deadline on each request head and a cap on open
-    connections."""
+    connections (the module doc)."""
     read_timeout, cap = limits.read_timeout, limits.connections()
+    full = _full_response(cap)
 
     class GuardedHttpProtocol(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _busy = False  # a request is under way (its head begun, its response not complete)
+        _idle_since = 0.0
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > cap:
-                log.warning("more than %d open connections: closing a new one", cap)
+            self._idle_since = self.loop.time()
+            if len(self.connections) > cap and not self._shed():
+                log.warning("%d open connections, each with a request under way: a new one "
+                            "is answered 503", cap)
+                transport.write(full)
                 transport.close()
                 return
             self._arm()
+
+        def _shed(self) -> bool:
+            """Close the connection idle longest to make room; whether there was one."""
+            idle = [c for c in self.connections
+                    if c is not self and not getattr(c, "_busy", True)
+                    and not c.transport.is_closing()]
+            if not idle:
+                return False
+            oldest = min(idle, key=lambda c: c._idle_since)
+            log.info("at %d open connections: closing one idle for %.1f s to make room", cap,
+                     self.loop.time() - oldest._idle_since)
+            self.connections.discard(oldest)  # its place is this one's from now on
+            oldest.transport.close()
+            return True
 
         def _arm(self) -> None:
             self._disarm()
@@ -172,12 +205,17 @@ def guarded_protocol(limits: ServerLimits) -> type[HttpToolsProtocol]:
                 self.transport.close()
 
         def on_message_begin(self) -> None:
+            self._busy = True
             super().on_message_begin()
             self._arm()
 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            self._busy, self._idle_since = False, self.loop.time()
+            super().on_response_complete()
 
         def connection_lost(self, exc) -> None:
             self._disarm()

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +44,14 @@ def run_etcd(
     data_dir: str | os.PathLike[str] | None = None,
     timeout: float = 20.0,
     host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
 ) -> Iterator[str]:
     """Run etcd on `host` (127.0.0.1) and yield its ``etcd://<host>:<port>`` URL.
 
     ``client_port``/``data_dir`` let a test restart "the same" server; a data dir
     passed in is kept (data in ``<dir>/data``, log in ``<dir>/etcd.log``), one created
-    here is removed. The process is always killed.
+    here is removed; ``extra_args`` go to etcd as they are (``--quota-backend-bytes N``).
+    The process is always killed.
     """
     port = client_port or free_port(host)
     peer_port = free_port(host)
@@ -74,6 +76,7 @@ def run_etcd(
         # keeps them: the page cache holds them). With fsync, a box busy writing checkpoints
         # stalled its lease keep-alives for ~8 s, and test workers' leases lapsed
         "--unsafe-no-fsync",
+        *extra_args,
     ]
     proc: subprocess.Popen[bytes] | None = None
     try:
@@ -117,3 +120,17 @@ def discovery_entry(ns: str, component: str = "worker", endpoint: str = "generat
     return {"namespace": ns, "component": component, "endpoint": endpoint,
             "instance_id": instance_id if instance_id is not None else new_instance_id(),
             **extra}
+
+
+def etcd_status(url: str) -> dict[str, int]:
+    """etcd's own account of its store (its gRPC gateway's maintenance status): `dbSize`
+    (bytes of the backend file: what its quota counts), `dbSizeInUse`, `revision`."""
+    import json
+
+    host_port = url.removeprefix("etcd://").split(",")[0]
+    req = urllib.request.Request(f"http://{host_port}/v3/maintenance/status", data=b"{}",
+                                 method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        body = json.loads(resp.read())
+    return {"dbSize": int(body.get("dbSize", 0)), "dbSizeInUse": int(body.get("dbSizeInUse", 0)),
+            "revision": int(body.get("header", {}).get("revision", 0))}

@@ -534,11 +534,23 @@ class VllmEngine(Engine, EngineControl):
             out = await self._rpc(method, LOAD_TIMEOUT, *args)
         except Exception as e:
             restored, how = await self._restore()
+            if not restored:  # part of each, or nothing: no identity may be reported for it
+                await self._forget_identity()
             raise WeightLoadError(f"{e!r}; {how}", uncertain=not restored) from e
         if "refused" in out:  # checked before the model was touched
             raise WeightLoadError(f"{out['refused']}; nothing was changed: the previous weights "
                                   "are still serving")
         return out["digest"]
+
+    async def _forget_identity(self) -> None:
+        """The weights are uncertain: get_weight_version, discovery and every token's span
+        report no version, digest or step until a load succeeds (they reported the previous
+        weights' before: issue 43)."""
+        self.version, self.version_declared, self.digest, self.step = None, False, None, None
+        try:
+            await self.llm.update_weight_version(self.serving_policy().span_label())
+        except Exception as e:  # noqa: BLE001 - the engine may be the thing that failed
+            log.warning("could not clear the served weight label: %r", e)
 
     async def _restore(self) -> tuple[bool, str]:
         """Put the previous weights back after a failed load: (whether they are, how)."""

@@ -344,7 +344,13 @@ class Storage(abc.ABC):
         raise ArtifactError(f"{self.uri} is read-only")
 
     def delete_version(self, version: str) -> None:
+        """Remove every file of `version`, its index first: a reader that has not read the
+        index yet finds no version rather than one with files missing (idempotent)."""
         raise ArtifactError(f"{self.uri} is read-only")
+
+    def version_bytes(self, version: str) -> int:
+        """Bytes of every file stored under `version` (0 when there is none)."""
+        raise ArtifactError(f"{self.uri}: cannot measure {version}")
 
     def exists(self, key: str) -> bool:
         try:
@@ -390,7 +396,12 @@ class FileStorage(Storage):
     def delete_version(self, version: str) -> None:
         import shutil
 
+        self._path(f"{version}/{INDEX}").unlink(missing_ok=True)
         shutil.rmtree(self._path(version), ignore_errors=True)
+
+    def version_bytes(self, version: str) -> int:
+        d = self._path(version)
+        return sum(p.stat().st_size for p in d.rglob("*") if p.is_file()) if d.is_dir() else 0
 
     def list_version(self, version: str) -> list[str]:
         d = self._path(version)
@@ -453,12 +464,20 @@ class S3Storage(Storage):
     def write(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
-    def delete_version(self, version: str) -> None:
+    def _objects(self, version: str) -> Iterator[dict[str, Any]]:
         pager = self.client.get_paginator("list_objects_v2")
         for page in pager.paginate(Bucket=self.bucket, Prefix=self._key(version) + "/"):
-            objs = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if objs:
-                self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objs})
+            yield from page.get("Contents", [])
+
+    def delete_version(self, version: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(f"{version}/{INDEX}"))
+        keys = [o["Key"] for o in self._objects(version)]
+        for i in range(0, len(keys), 1000):  # at most 1,000 keys per DeleteObjects
+            self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+    def version_bytes(self, version: str) -> int:
+        return sum(int(o["Size"]) for o in self._objects(version))
 
     def close(self) -> None:
         self.client.close()

@@ -4,7 +4,10 @@ A version is created ``STAGING`` with the parts (files) its publisher will write
 part published flips it to ``READY`` (atomically, once). ``delete`` moves it to
 ``RELEASING``: leases already held stay valid and renewable, no new lease is granted, and
 an install already under way is never cancelled. Its bytes are evicted (``EVICTED``) only
-after release, when no unexpired lease holds it.
+after release, when no unexpired lease holds it. Which versions a run keeps, and the
+collection that releases and evicts the rest, are rlfleet.weights.retention's; every step
+of it is recorded on the version itself (`released_at` and why, `evicted_at`, `removed_at`
+once its bytes are gone), so a collection cut short is finished by the next one.
 
 Every version records the model, the content digest of its tensors as the engine receives
 them (`rlfleet.weights.digest`), its base version and format (``full`` | ``xor-delta``),
@@ -25,7 +28,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +96,10 @@ class WeightVersion:
     ready_at: float | None = None
     holders: dict[str, dict[str, Any]] = field(default_factory=dict)  # worker -> details
     leases: dict[str, Lease] = field(default_factory=dict)
+    released_at: float | None = None  # RELEASING since
+    release_reason: str | None = None  # who released it and why (retention says so)
+    evicted_at: float | None = None  # EVICTED since (its bytes are then removed)
+    removed_at: float | None = None  # its bytes were removed from every location
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -135,6 +142,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list(self, prefix: str) -> list[dict[str, Any]]: ...
+
+    @abc.abstractmethod
+    async def remove(self, keys: Sequence[str]) -> None:
+        """Delete `keys` (those absent are ignored), in one transaction."""
 
     async def close(self) -> None:
         return None
@@ -186,6 +197,17 @@ class SqliteStore(Store):
                                     (prefix, prefix + "\uffff")).fetchall()
         return [json.loads(r[0]) for r in rows]
 
+    async def remove(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("DELETE FROM kv WHERE key = ?", [(k,) for k in keys])
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+
     async def close(self) -> None:
         with self._lock:
             self._db.close()
@@ -233,6 +255,12 @@ class EtcdStore(Store):
         r = await self._call(f"list {prefix}",
                              self._client.get_prefix((self.prefix + prefix).encode()))
         return [json.loads(kv.value) for kv in r]
+
+    async def remove(self, keys: Sequence[str]) -> None:
+        t = self._client.transactions
+        deletes = [t.delete((self.prefix + k).encode()) for k in keys]
+        if deletes:
+            await self._call("remove", self._client.transaction([], deletes, []))
 
     async def close(self) -> None:
         try:
@@ -400,12 +428,21 @@ class Catalog:
             return v
         return await self._update(version, change)
 
-    async def delete(self, version: str) -> WeightVersion:
-        """STAGING or READY → RELEASING (idempotent). Leases held stay valid."""
+    async def delete(self, version: str, *, reason: str = "deleted", if_unused: bool = False,
+                     workers: Collection[str] | None = None) -> WeightVersion:
+        """STAGING or READY → RELEASING (idempotent). Leases held stay valid. `reason` is
+        recorded with it; `if_unused`: only while no live lease holds it and no worker
+        holds it applied (among `workers`, when given), checked in the same
+        compare-and-swap (a collection planned from an older reading never releases what
+        became used since: it stays as it is)."""
         def change(v: WeightVersion) -> WeightVersion:
             if v.state in (VersionState.RELEASING, VersionState.EVICTED):
                 return v
+            held = [w for w in v.holders if workers is None or w in workers]
+            if if_unused and (v.live_leases() or held):
+                return v
             v.state = check_transition(v.state, VersionState.RELEASING, version)
+            v.released_at, v.release_reason = time.time(), reason
             return v
         return await self._update(version, change)
 
@@ -445,8 +482,10 @@ class Catalog:
 
     async def evict(self, version: str,
                     remove_bytes: Callable[[WeightVersion], Any] | None = None) -> bool:
-        """RELEASING with no live lease → EVICTED, then `remove_bytes(version)`. Returns
-        False (and changes nothing) while the version is not released or a lease holds it."""
+        """RELEASING with no live lease → EVICTED, then `remove_bytes(version)`, then the
+        version records that its bytes are gone (`removed_at`). Returns False (and changes
+        nothing) while the version is not released or a lease holds it. A process that
+        dies between the two leaves `removed_at` unset: `remove_evicted` finishes it."""
         def change(v: WeightVersion) -> bool:
             if v.state is VersionState.EVICTED:
                 return False
@@ -457,13 +496,41 @@ class Catalog:
                 return False
             v.state = check_transition(v.state, VersionState.EVICTED, version)
             v.leases = {}
+            v.evicted_at = time.time()
             return True
         if not await self._update(version, change):
             return False
         if remove_bytes is not None:
-            result = remove_bytes(await self.get(version))
-            if asyncio.iscoroutine(result):
-                await result
+            await self.remove_evicted(version, remove_bytes)
+        return True
+
+    async def remove_evicted(self, version: str,
+                             remove_bytes: Callable[[WeightVersion], Any]) -> None:
+        """Remove the bytes of an EVICTED version (again: removing is idempotent) and record
+        that they are gone."""
+        v = await self.get(version)
+        if v.state is not VersionState.EVICTED:
+            raise CatalogError(f"version {version} is {v.state.value}: only an EVICTED "
+                               "version's bytes are removed")
+        result = remove_bytes(v)
+        if asyncio.iscoroutine(result):
+            await result
+
+        def mark(v: WeightVersion) -> None:
+            v.removed_at = v.removed_at or time.time()
+        await self._update(version, mark)
+
+    async def forget(self, version: str) -> bool:
+        """Drop the record of an EVICTED version whose bytes are removed, and its
+        idempotency key (a create under that key then makes the version anew). False
+        (nothing changed) for any other version."""
+        data, _ = await self.store.get(_vkey(version))
+        if data is None:
+            return False
+        v = WeightVersion.from_json(data)
+        if v.state is not VersionState.EVICTED or v.removed_at is None:
+            return False
+        await self.store.remove([_vkey(version), _kkey(v.idempotency_key)])
         return True
 
     async def add_holder(self, version: str, worker: str, **details: Any) -> WeightVersion:

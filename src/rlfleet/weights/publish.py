@@ -13,16 +13,23 @@ server, and register it in the catalog, READY once every file is written.
 
 `publish(...)` is the one-shot form; `rlfleet publish CHECKPOINT --version V [--base V0]
 --to URI` the command. Each call returns (the command prints) one JSON object:
-``{"version", "base_version", "digest", "bytes_full", "bytes_written"}``."""
+``{"version", "base_version", "digest", "bytes_full", "bytes_written"}``.
+
+With a catalog and `retention` (rlfleet.weights.retention.Retention; `--retain-versions K`),
+every publish ends with a collection: the versions retention does not keep are released and,
+once no lease holds them, evicted and their bytes removed (`pins`: what else is in use,
+e.g. `journal_pins` of the fleet's refresh journal); the result says what it did
+(`retention`)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +40,11 @@ from fastapi import FastAPI, Request  # resolved at import: FastAPI reads the ha
 from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights import artifacts as art
-from rlfleet.weights.catalog import Catalog
+from rlfleet.weights.catalog import Catalog, CatalogError
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
+from rlfleet.weights.retention import Retention, collect
+
+log = logging.getLogger("rlfleet.weights.publish")
 
 
 def _run(coro):
@@ -101,8 +111,19 @@ class Publisher:
 
     def __init__(self, to: str | Path, *, catalog: Catalog | str | Path | None = None,
                  model: str = "policy", dtype: torch.dtype | None = None,
-                 endpoint_url: str | None = None, shard_limit: int = art.SHARD_LIMIT) -> None:
+                 endpoint_url: str | None = None, shard_limit: int = art.SHARD_LIMIT,
+                 retention: Retention | None = None,
+                 pins: Callable[[], Mapping[str, str]] | None = None,
+                 workers: Callable[[], Collection[str]] | None = None) -> None:
+        """`retention`: collect after every publish (needs `catalog`); `pins()`: the versions
+        in use that retention must keep besides those it sees in the catalog, and why;
+        `workers()`: the workers in use (a holder among none of them is not counted)."""
+        if retention is not None and catalog is None:
+            raise ValueError("retention needs a catalog: it releases and evicts the versions "
+                             "the catalog lists")
         self.storage = art.open_storage(to, endpoint_url)
+        self.endpoint_url = endpoint_url
+        self.retention, self.pins, self.workers = retention, pins, workers
         if isinstance(self.storage, art.HttpStorage):
             raise ValueError(f"cannot publish to {to}: use file:///dir, s3://bucket/prefix or "
                              "a TrainerServer's uri")
@@ -156,10 +177,32 @@ class Publisher:
                     await catalog.close()
         _run(write_all())
         self.last = (version, {n: art.tensor_bytes(t).copy() for n, t in prepared.items()})
-        return {"version": version, "base_version": base, "digest": digest,
-                "bytes_full": artifact.bytes_full, "bytes_written": artifact.bytes_written,
-                "tensors_changed": artifact.changed, "encode_seconds": round(encode_s, 4),
-                "seconds": round(time.perf_counter() - t0, 4), "location": location}
+        out = {"version": version, "base_version": base, "digest": digest,
+               "bytes_full": artifact.bytes_full, "bytes_written": artifact.bytes_written,
+               "tensors_changed": artifact.changed, "encode_seconds": round(encode_s, 4),
+               "seconds": round(time.perf_counter() - t0, 4), "location": location}
+        if self.retention is not None:
+            out["retention"] = self.collect()
+        return out
+
+    def collect(self, dry_run: bool = False) -> dict[str, Any] | None:
+        """The retention collection over this publisher's catalog (rlfleet.weights
+        .retention); its report, or None when the catalog could not be read (said in the
+        log: the publish stands, the next one collects)."""
+        async def run() -> dict[str, Any]:
+            catalog = Catalog(self.catalog_url)
+            try:
+                return await collect(catalog, self.retention or Retention(),
+                                     pins=self.pins() if self.pins else None, dry_run=dry_run,
+                                     endpoint_url=self.endpoint_url,
+                                     workers=self.workers() if self.workers else None)
+            finally:
+                await catalog.close()
+        try:
+            return _run(run())
+        except (CatalogError, art.ArtifactError, OSError) as e:
+            log.warning("retention after publishing: %s (the next publish collects again)", e)
+            return None
 
     def close(self) -> None:
         self.storage.close()
@@ -168,8 +211,10 @@ class Publisher:
 def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, to: str | Path,
             base: str | None = None, catalog: Catalog | str | Path | None = None,
             model: str | None = None, dtype: torch.dtype | None = None,
-            endpoint_url: str | None = None, idempotency_key: str | None = None
-            ) -> dict[str, Any]:
+            endpoint_url: str | None = None, idempotency_key: str | None = None,
+            retention: Retention | None = None,
+            pins: Callable[[], Mapping[str, str]] | None = None,
+            workers: Callable[[], Collection[str]] | None = None) -> dict[str, Any]:
     """Publish a state dict (or a checkpoint directory) as `version` at `to` (full, or a
     delta against `base`, whose bytes are read from `to`); see the module doc."""
     if isinstance(tensors, (str, Path)):
@@ -177,7 +222,8 @@ def publish(tensors: Mapping[str, torch.Tensor] | str | Path, version: str, *, t
         model = model or path.resolve().name
         tensors = dict(iter_checkpoint_tensors(path))
     pub = Publisher(to, catalog=catalog, model=model or "policy", dtype=dtype,
-                    endpoint_url=endpoint_url)
+                    endpoint_url=endpoint_url, retention=retention, pins=pins,
+                    workers=workers)
     try:
         return pub.publish(tensors, version, base=base, idempotency_key=idempotency_key)
     finally:

@@ -1136,12 +1136,6 @@ class StagingArea:
         transfer): the engine does not prepare a shadow of it, it reloads it in place."""
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
-        src = parse_source(source, version, self.roots)
-        if require_swap:
-            why = ("this worker has no engine to prepare it" if self.engine is None
-                   else await self.engine.staging_refusal())
-            if why is not None:
-                raise CannotStage(why)
         self._open_catalog()
         expected = digest
         entry = None
@@ -1152,6 +1146,19 @@ class StagingArea:
                 entry = await self.catalog.find(version)
             except CatalogError as e:  # staging goes on without it; the digest check stays
                 log.warning("catalog unavailable while staging %s: %s", version, e)
+            if entry is not None and entry.state.value == "EVICTED" and isinstance(source, dict) \
+                    and source.get("kind") in ("disk", "s3"):  # said before the path's checks
+                raise StageRequestError(
+                    f"version {version} is EVICTED in the catalog; only a READY version is "
+                    f"staged from its artifact (its bytes were removed after it was released: "
+                    f"{entry.release_reason or 'deleted'})")
+        src = parse_source(source, version, self.roots)
+        if require_swap:
+            why = ("this worker has no engine to prepare it" if self.engine is None
+                   else await self.engine.staging_refusal())
+            if why is not None:
+                raise CannotStage(why)
+        if self.catalog is not None:
             if entry is not None and expected is None:
                 expected = entry.digest
             if entry is not None and expected != entry.digest:
@@ -1276,6 +1283,9 @@ class StagingArea:
                 log.warning("staging %s failed: %s", h.version, h.error)
         finally:
             h.finished_at = time.time()
+            # how the transfer ended, taken before the lease is let go: a READY handle may be
+            # applied meanwhile (its directory is then the resident copy, not to be removed)
+            ended = h.state
             if renew is not None:
                 renew.cancel()
             if lease is not None:
@@ -1283,7 +1293,7 @@ class StagingArea:
                     await self.catalog.release_lease(h.version, lease.lease_id)
                 except Exception as e:  # noqa: BLE001 - the lease expires anyway
                     log.warning("releasing the lease on %s: %r", h.version, e)
-            if h.state is not StageState.READY:
+            if ended is not StageState.READY:
                 if h.board is not None:  # downstreams pulling from it go elsewhere (410)
                     h.board.close()
                 if h.dir is not None:

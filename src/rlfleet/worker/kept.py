@@ -37,7 +37,7 @@ from typing import Any
 
 from rlfleet.protocol.engine import ATTACH_NOT_FOUND, Frame, GenerateRequest
 from rlfleet.runtime.http import HttpError
-from rlfleet.runtime.runs import Run, RunRegistry, event_bytes
+from rlfleet.runtime.runs import KEPT_WINDOW, Run, RunRegistry, event_bytes
 
 
 class KeptRun(Run):
@@ -77,7 +77,7 @@ class KeptRuns(RunRegistry[KeptRun]):
     the request's `retain` checked (409) and a failed run started anew."""
 
     def __init__(self, open_: Opener, rest: Rest, orphan_grace: float = 30.0,
-                 window: float = 600.0, max_runs: int = 10_000, max_bytes: int = 1 << 30,
+                 window: float = KEPT_WINDOW, max_runs: int = 10_000, max_bytes: int = 1 << 30,
                  attached: Callable[[], None] | None = None, peer: Peer | None = None) -> None:
         super().__init__(orphan_grace, window, max_runs, max_bytes,
                          size=lambda item: event_bytes(item[1]),

@@ -332,8 +332,8 @@ class _Calls:
         except UnsupportedRequest as e:  # what the real server runs and this worker does not
             return _http_error("Unsupported request", str(e), e.status)
         except AdminRequestError as e:  # a bad body: the contract's expected failure
-            if spec.native:  # SGLang's own methods raise on a bad argument
-                return _http_error("Handler error", f"bad arguments: {e}", 500)
+            if spec.native:  # SGLang's own methods raise on a bad argument: a 400 here
+                return _http_error("Bad request", f"bad arguments: {e}", 400)
             return _encoded(spec.failure(str(e)))
         except _CallerLeft:
             log.warning("%s: the caller left while it waited behind %s; not run", name,
