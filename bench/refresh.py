@@ -253,6 +253,7 @@ class Bench:
         self.on_events: list[Any] = []  # called with each event (the serving-gap phase)
         self.serving: dict[str, float] = {}  # version -> seconds until every worker served it
         self.out: dict[str, Any] = {}
+        self.started = time.monotonic()  # the refresh in progress (its events' times)
 
     def coordinator(self, path: str, **kw: Any) -> PolicyRefresh:
         """As `Fleet.refresh` and `rlfleet refresh` refresh (the probe after the reopen)."""
@@ -260,12 +261,14 @@ class Bench:
                              timeout=1200, on_event=self._event, probe_after_reopen=True, **kw)
 
     def _event(self, msg: str) -> None:
-        self.events.append((time.monotonic(), msg))
-        print(f"  {msg}", flush=True)
+        now = time.monotonic()
+        self.events.append((now, msg))
+        print(f"  {now - self.started:8.3f} {msg}", flush=True)
         for hook in self.on_events:
             hook(msg)
 
     def refresh(self, path: str, version: str, ckpt: Path | None = None, **kw: Any):
+        self.started = time.monotonic()
         coord = self.coordinator(path, pause_mode=kw.pop("pause_mode", "wait"))
         try:
             t0 = time.monotonic()
@@ -424,12 +427,15 @@ class Bench:
                   and (len(s.times) < tokens or s.times[-1] > commit)]
         kept = [s for s in across if s.kept(old, "keep-B")]
         worst = max(gaps, key=gaps.get)
-        # what the worst worker's gap holds: the engine frozen (pause, swap with the cache
-        # reset, verify), then, resumed, the KV of its frozen requests computed again under
-        # the new weights (with the self-check in the same steps) up to their next token
-        frozen = commit_applies(result, ("pause", "apply", "verify"))[system_of[worst]]
+        # what the worst worker's gap holds: the keep-mode pause (the step in flight ends
+        # and may still emit), the swap with the cache reset and the verify (nothing
+        # emits), then, resumed (the resume step: until the self-check's token), the KV of
+        # its frozen requests computed again under the new weights up to their next token
+        steps = {s: commit_applies(result, (s,))[system_of[worst]]
+                 for s in ("pause", "apply", "verify", "resume")}
         self.out.update({
-            "gap_frozen_s": frozen, "gap_after_resume_s": gaps[worst] - frozen,
+            "gap_steps_s": {s: round(v, 3) for s, v in steps.items()},
+            "gap_after_swap_s": gaps[worst] - steps["apply"] - steps["verify"],
             "gap_streams": n * len(self.urls), "gap_stream_tokens": tokens,
             "gap_tokens_before_swap": k,
             "serving_gap_s": {system_of[u]: round(g, 3) for u, g in gaps.items()},
@@ -486,7 +492,8 @@ def run_phase(out: dict[str, Any], name: str, phase: Any) -> None:
         out.setdefault("errors", {})[name] = repr(e)[:2000]
         print(f"phase {name} FAILED: {e!r}", flush=True)
     out.setdefault("phase_s", {})[name] = round(time.monotonic() - t0, 1)
-    print(f"phase {name}: {out['phase_s'][name]} s", flush=True)
+    print(f"phase {name}: {out['phase_s'][name]} s; so far: {json.dumps(out, default=str)}",
+          flush=True)
 
 
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
