@@ -186,15 +186,15 @@ def run_refresh(args: argparse.Namespace, hooks: RefreshHooks | None = None) -> 
     import asyncio
 
     source = None
-    if args.staged:
+    if args.source:
         from rlfleet.refresh.staged import source_from_uri
 
-        if not (args.source or args.checkpoint):
-            raise ValueError("--staged needs --source (s3://bucket/prefix/VERSION, a version "
-                             "directory, or a trainer's http://host:port) or --checkpoint")
-        source = source_from_uri(args.source, args.s3_endpoint_url) if args.source else None
+        if not (args.staged or args.path in ("vllm-staged", "vllm-adapter")):
+            raise ValueError(f"--source is for --path vllm-staged or vllm-adapter, not "
+                             f"{args.path}")
+        source = source_from_uri(args.source, args.s3_endpoint_url)
     elif not args.checkpoint:
-        raise ValueError("--checkpoint is required (or --staged --source URI)")
+        raise ValueError("--checkpoint is required (or --source URI)")
     result = asyncio.run(coordinator(args, hooks).refresh(
         args.checkpoint, args.version, digest=args.digest, step=args.step, source=source))
     return _report(result, args.journal)
@@ -409,7 +409,8 @@ def _add_tools(sub: argparse._SubParsersAction) -> None:
     """`make-model`, `digest`, `publish`."""
     mm = sub.add_parser("make-model", help="write a random Qwen3-architecture test checkpoint")
     mm.add_argument("out", help="output directory")
-    mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    mm.add_argument("--size", choices=["tiny", "small", "medium"], default="tiny",
+                    help="tiny; small: the Qwen3-0.6B geometry; medium: Qwen3-1.7B's")
     mm.add_argument("--seed", type=int, default=0)
     mm.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     mm.add_argument("--arch", choices=["qwen3", "qwen3-moe"], default="qwen3",
@@ -504,7 +505,13 @@ def _coordinator_flags() -> tuple[Flag, ...]:
              "the frontend's RL listener"),
         Flag("--model", None, "only workers serving this model"),
         Flag("--path", "vllm-disk",
-             choices=["vllm-disk", "vllm-distributed", "sglang-disk", "vllm-adapter"]),
+             "how the weights travel: vllm-staged (`rlfleet refresh`'s default: every worker "
+             "stages the checkpoint while it serves and the pause holds only the swap; one "
+             "that cannot installs it from disk), vllm-disk (`rlfleet recover`'s default: "
+             "every worker reloads the checkpoint inside the pause), vllm-distributed, "
+             "sglang-disk, vllm-adapter",
+             choices=["vllm-staged", "vllm-disk", "vllm-distributed", "sglang-disk",
+                      "vllm-adapter"]),
         Flag("--adapter", None,
              "with --path vllm-adapter: the LoRA adapter to refresh (or recover) alone, the "
              "base model and other adapters serving on; --checkpoint is then the adapter's "
@@ -554,16 +561,21 @@ def _coordinator_flags() -> tuple[Flag, ...]:
 #: `rlfleet refresh`'s own flags, beside the coordinator's
 REFRESH_FLAGS = (
     Flag("--checkpoint", None,
-         "checkpoint directory the workers can read (required unless --staged --source)"),
+         "checkpoint directory the workers can read (required unless --source)"),
     Flag("--version", None, "the version to declare", required=True),
-    Flag("--digest", None, "target digest (default: computed from the checkpoint)"),
+    Flag("--digest", None, "target digest (default: the one every worker computes as it "
+         "stages the checkpoint; on the other paths, computed here from the checkpoint)"),
     Flag("--staged", False,
-         "workers pull the version while they serve (stage_weights); the fleet is gated only "
-         "to install it"),
+         "--path vllm-staged (the default): workers pull the version while they serve "
+         "(stage_weights); the fleet is gated only to install it"),
     Flag("--source", None,
-         "with --staged: s3://bucket/prefix/VERSION, a version directory, or a trainer "
-         "publisher's http://host:port"),
+         "where workers stage the version from (the staged and adapter paths): "
+         "s3://bucket/prefix/VERSION, a version directory, or a trainer publisher's "
+         "http://host:port"),
     Flag("--s3-endpoint-url", None, "S3 endpoint of --source (default: boto3's own)"),
+    Flag("--probe-before-reopen", False,
+         "probe every worker before the fleet reopens (default: the verified workers reopen, "
+         "then the probe runs; a worker that fails it is closed again: docs/refresh.md)"),
     Flag("--stage-fanout", 0,
          "with --staged and an S3, directory or trainer --source: 0 (default), every worker "
          "pulls from the source; 1, a pipelined chain over the workers in discovery (only the "
@@ -587,7 +599,7 @@ def _add_refresh(sub: argparse._SubParsersAction) -> None:
     """`refresh` and `recover`."""
     rf = sub.add_parser("refresh", help="move a fleet to a checkpoint (policy refresh)")
     add_flags(rf, REFRESH_FLAGS + _coordinator_flags())
-    rf.set_defaults(func=run_refresh)
+    rf.set_defaults(func=run_refresh, path="vllm-staged")  # stage first, pause for the swap
 
     rc = sub.add_parser("recover", help="recover a fleet whose refresh never finished (its "
                                         "coordinator crashed or was stopped)",

@@ -177,10 +177,13 @@ def test_a_new_coordinator_rolls_a_held_mixed_fleet_back(setup, tmp_path):
     w0, w1 = fleet.workers
 
     def refresh(name: str, *flags: str) -> subprocess.CompletedProcess:
+        # the disk path (`rlfleet refresh` stages first by default): the faults below are
+        # armed on update_weights_from_disk
         return subprocess.run(
             [sys.executable, "-m", "rlfleet.cli", "refresh", "--checkpoint", str(root / name),
              "--version", name, "--rl-url", fleet.rl_url, "--model", MODEL, "--journal",
-             str(journal), *flags], capture_output=True, text=True, timeout=600)
+             str(journal), "--path", "vllm-disk", *flags], capture_output=True, text=True,
+            timeout=600)
 
     def holds() -> list[tuple[str, str]]:
         return [tuple(httpx.post(f"{p.ready['system_url']}/engine/get_weight_version",

@@ -223,3 +223,28 @@ async def test_staged_versions_are_swapped_in_between_in_place_loads(worker, tmp
         if worker.engine.applied().policy.digest != checkpoint_digest(a):
             await worker.paused("update_weights_from_disk", {"model_path": str(a)})
         await served(worker.admin, "resume_generation")
+
+
+async def test_a_checkpoint_staged_straight_into_the_engine_is_checked_as_it_loads(worker,
+                                                                                   tmp_path):
+    """A checkpoint on the worker's disk is read once, straight into the engine's shadow,
+    each tensor checked as the loader takes it: one holding a NaN fails its staging (nothing
+    copied into the staging area, the live weights untouched). The engine says whether a
+    shadow fits beside the live model (a petabyte does not)."""
+    a = worker.root / "A"
+    area = StagingArea(tmp_path / "staging", allowed_roots=[str(worker.root)], engine=worker.engine)
+    admin = EngineAdmin(worker.engine, [str(worker.root)], staging=area)
+    try:
+        out = await served(admin, "stage_weights", {
+            "version": "nan", "source": {"kind": "disk", "path": str(worker.root / "nan")}})
+        h = area.get(out["handle"])
+        await asyncio.wait_for(h.done.wait(), 120)
+        assert h.state is StageState.FAILED and "NaN" in h.error, h.summary()
+        assert list(area.root.iterdir()) == []  # read in place, never copied
+        assert worker.engine.applied().policy.digest == checkpoint_digest(a)
+        await worker.greedy_matches(a)
+        assert await worker.engine._rpc("rlfleet_shadow_room", 30, 1) is None
+        why = await worker.engine._rpc("rlfleet_shadow_room", 30, 10**15)
+        assert "shadow copy of the weights needs" in why, why
+    finally:
+        await area.close()

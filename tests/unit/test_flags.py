@@ -60,7 +60,9 @@ def test_the_parsers_built_from_tables_keep_their_types():
     r = build_parser().parse_args(["refresh", "--version", "v2", "--step", "3", "--sglang-worker",
                                    "a,b", "--sglang-worker", "c,d", "--phase-timeout", "2.5"])
     assert (r.version, r.step, r.sglang_worker, r.phase_timeout) == ("v2", 3, ["a,b", "c,d"], 2.5)
-    assert r.path == "vllm-disk" and r.probe_from_checkpoint is False
+    # `rlfleet refresh` stages first (issue 41); `rlfleet recover` reloads from disk
+    assert r.path == "vllm-staged" and r.probe_from_checkpoint is False
+    assert build_parser().parse_args(["recover"]).path == "vllm-disk"
     m = argparse.ArgumentParser()
     add_mock_args(m)
     k = m.parse_args(["--token-delay", "0.25", "--max-batch", "2", "--routed-experts", "2x8x2"])

@@ -91,7 +91,7 @@ def test_weights(tiny: Path) -> None:
         assert "lm_head.weight" not in names
 
 
-@pytest.mark.parametrize("size", ["tiny", "small"])
+@pytest.mark.parametrize("size", ["tiny", "small", "medium"])
 def test_parameter_names_match_transformers(size: str) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = model_config(size)

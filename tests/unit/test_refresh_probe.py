@@ -86,7 +86,8 @@ def test_refresh_config_is_checked_in_one_place_and_read_from_the_cli() -> None:
          "--journal", ":memory:"])
     c = RefreshConfig.from_args(args)
     assert (c.rl_url, c.mode, c.max_lag, c.wave_size, c.pause_mode, c.path) == (
-        "http://x:1", RefreshMode.ROLLING, 2, 1, PauseMode.KEEP, UpdatePath.VLLM_DISK)
+        "http://x:1", RefreshMode.ROLLING, 2, 1, PauseMode.KEEP, UpdatePath.VLLM_STAGED)
+    assert c.probe_after_reopen  # rlfleet refresh: stage first, probe after the reopen
     assert c.on_failure is OnFailure.HOLD and c.journal == ":memory:"
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.max_lag = 3  # type: ignore[misc]
@@ -102,6 +103,6 @@ def test_refresh_config_is_checked_in_one_place_and_read_from_the_cli() -> None:
     # PolicyRefresh takes a config, or RefreshConfig's fields as keywords (the same thing)
     for r in (PolicyRefresh(config=c),
               PolicyRefresh("http://x:1", mode="rolling", max_lag=2, wave_size=1,
-                            pause_mode="keep")):
+                            pause_mode="keep", path="vllm-staged", probe_after_reopen=True)):
         assert r.config == c and r.mode is RefreshMode.ROLLING
         r.close()

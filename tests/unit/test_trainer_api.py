@@ -333,8 +333,10 @@ def closed_port() -> int:
 
 def test_a_held_refresh_stops_rollouts_with_a_clear_error():
     fe = Frontend()
+    # the disk path closes the gate first (the default stages first: a failure there leaves
+    # the fleet open, tests/integration/test_refresh_staged.py)
     with Fleet("http://frontend", MODEL, rl_url=f"http://127.0.0.1:{closed_port()}",
-               transport=fe.transport(), retry=FAST, timeout=2) as fleet:
+               transport=fe.transport(), retry=FAST, timeout=2, path="vllm-disk") as fleet:
         result = fleet.refresh(None, "v2", digest="d2")
         assert result.decision == "held" and not result.fleet_moved and not result.ok
         assert fleet.held is result and not fleet.rollout_gate.is_open

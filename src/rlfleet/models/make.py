@@ -50,6 +50,9 @@ SIZES: dict[str, Geometry] = {
     # Qwen3-0.6B geometry.
     "small": Geometry(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, intermediate_size=3072),
+    # Qwen3-1.7B geometry.
+    "medium": Geometry(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=6144),
 }
 
 

@@ -399,9 +399,14 @@ class StageRequest(Request, kw_only=True, frozen=True):
     version: str  # the name of the version to stage
     source: dict[str, Any]  # checked by rlfleet.weights.staging.parse_source
     digest: str | None = None  # the version's content digest, when the caller knows it
+    #: stage it only where the engine prepares it while serving (installing it is then a
+    #: swap); a worker that cannot answers at once with `cannot_stage` (why), and its caller
+    #: installs the version from disk instead (rlfleet.refresh.staged)
+    require_swap: bool = False
     MESSAGES: ClassVar[dict[str, str]] = {
         "version": STAGE_VERSION_RULE, "source": SOURCE_RULE,
-        "digest": "digest must be a string (blake3:<hex>)"}
+        "digest": "digest must be a string (blake3:<hex>)",
+        "require_swap": "require_swap must be a boolean"}
 
     def __post_init__(self) -> None:
         if not self.version:
@@ -476,8 +481,12 @@ class ApplyStagedRequest(Request, kw_only=True, frozen=True):
     handle: str
     weight_version: str | None = None  # default: the staged version's name
     step: int | None = None
+    #: the served label stays what it is (as vLLM's reload_weights keeps it), whatever the
+    #: staged version's name: an update that names no version (rlfleet.refresh.fleet_control)
+    keep_label: bool = False
     MESSAGES: ClassVar[dict[str, str]] = {"handle": HANDLE_RULE, "weight_version": VERSION_RULE,
-                                          "step": STEP_RULE}
+                                          "step": STEP_RULE,
+                                          "keep_label": "keep_label must be a boolean"}
 
     def __post_init__(self) -> None:
         check_handle(self.handle)
@@ -576,6 +585,7 @@ class StageReply(Reply, kw_only=True):
     handle: str | UnsetType = UNSET
     state: str | UnsetType = UNSET  # STAGING | READY | APPLIED | FAILED | RELEASED ...
     version: str | UnsetType = UNSET
+    cannot_stage: str | UnsetType = UNSET  # why this worker cannot stage it as asked
 
 
 class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -597,6 +607,9 @@ class StagedSummary(msgspec.Struct, kw_only=True, omit_defaults=True):
     error: str | None = None
     applied: bool = False
     prepared: str | None = None  # how the engine prepared it while serving
+    prepare_seconds: float | None = None  # how long the engine took to prepare it
+    #: why this worker cannot stage it as asked (require_swap): it is installed from disk
+    cannot_stage: str | None = None
     seconds: float | None = None
     fanout: FanoutProgress | None = None  # chunks served and received in a fan-out
     unreachable: bool = False

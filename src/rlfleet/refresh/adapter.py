@@ -72,6 +72,7 @@ class VllmAdapterControl(VllmStagedControl):
     """The workers of the RL listener that serve `model`, refreshing its adapter `adapter`."""
 
     release_route = None  # an adapter's staging handle ends by its own deadline
+    stage_routes: frozenset[str] = frozenset()  # BESIDE_ROUTE, checked where it loads
 
     def __init__(self, rl_url: str, model: str | None, adapter: str) -> None:
         """`model`: the base model the adapter adapts (its name, or the adapter's own: then

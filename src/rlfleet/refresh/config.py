@@ -72,7 +72,15 @@ class RefreshConfig:
     1.25 × `timeout`): a worker not done by then is left out as missing, named in the result, and
     the others go on. `relay_threshold`: a phase over more workers than this goes through
     relays (rlfleet.refresh.relay: K workers each run the phase's call on their subtree; None:
-    never); `relay_fanout`: K (default: the square root of the phase's workers)."""
+    never); `relay_fanout`: K (default: the square root of the phase's workers).
+    `probe_after_reopen` (where the workers commit in one call each): the verified workers
+    (version and digest checked, liveness and their own self-check passed) reopen first and
+    are probed then; a worker whose probe fails is closed again and left out, a probe on
+    which the workers disagree closes the wave again and holds the fleet, as before the
+    reopen. The trade: such a worker served the frontend's other clients for the length of
+    its probe (a trainer's own rollouts wait at its gate until the refresh ends, probe
+    included); what it gains: the pause and the cache reset are no longer followed by a
+    generation before the fleet serves again."""
 
     rl_url: str | None = None
     model: str | None = None
@@ -103,6 +111,9 @@ class RefreshConfig:
     phase_timeout: float | None = None
     relay_threshold: int | None = DEFAULT_RELAY_THRESHOLD
     relay_fanout: int | None = None
+    #: the post-update probe runs once the verified workers reopened, not before (a worker
+    #: that then fails it is closed again and left out): see `probe_after_reopen` below
+    probe_after_reopen: bool = False
 
     def __post_init__(self) -> None:
         """Every check, and the enums from their names (a caller may pass strings)."""
@@ -161,7 +172,9 @@ class RefreshConfig:
             concurrency=getattr(args, "admin_concurrency", DEFAULT_CONCURRENCY),
             phase_timeout=getattr(args, "phase_timeout", None),
             relay_threshold=getattr(args, "relay_threshold", DEFAULT_RELAY_THRESHOLD),
-            relay_fanout=getattr(args, "relay_fanout", None))
+            relay_fanout=getattr(args, "relay_fanout", None),
+            # `rlfleet refresh` probes after the reopen unless told otherwise
+            probe_after_reopen=not getattr(args, "probe_before_reopen", True))
 
 
 def _check_counts(c: RefreshConfig) -> None:

@@ -304,6 +304,14 @@ class WorkerControl(abc.ABC):
         """Before the gate closes: move `target` onto the workers (but `skip`) while they
         serve (rlfleet.refresh.staged); `transfer` then only installs it."""
 
+    def staged_digest(self) -> str | None:
+        """The content digest the workers computed as `prepare` staged the target (None:
+        none staged it)."""
+        return None
+
+    async def release(self, ch: Channel) -> None:  # noqa: B027
+        """Drop what `prepare` staged (a refresh that does not go on)."""
+
     def loaded_beside(self) -> dict[int, Beside]:
         """What `prepare` loaded beside the serving policy, by worker: the probe reaches it
         before the gate (rlfleet.refresh.waves.Waves.probe_beside); none by default."""

@@ -278,13 +278,15 @@ class PolicyRefresh:
                       source: dict[str, Any] | None = None) -> Policy:
         path = str(Path(checkpoint).resolve()) if checkpoint is not None else None
         cfg = self.config
-        if cfg.path is UpdatePath.VLLM_STAGED and source is None:
-            if path is None:
-                raise ValueError("the staged path needs a source (or a checkpoint path)")
+        staged = cfg.path is UpdatePath.VLLM_STAGED
+        if staged and source is None and path is not None:
             source = {"kind": "disk", "path": path}
-        if digest is None and path is None and source is not None:
+        if staged and source is None and digest is None:
+            raise ValueError("the staged path needs a checkpoint directory, a source, or the "
+                             "version's digest (workers that hold it are its peers)")
+        if digest is None and path is None and source is not None and not staged:
             digest = await asyncio.to_thread(source_digest, source, version)
-        if digest is None:
+        if digest is None and not staged:  # staged: the workers' digest (`_staged_identity`)
             if path is None:
                 raise ValueError("give a checkpoint path or the target digest")
             from rlfleet.weights.digest import checkpoint_digest  # torch: only when needed
@@ -417,11 +419,42 @@ class PolicyRefresh:
                 seen_epoch=control.seen_epoch, on_event=self.on_event):
             self._published = record
 
-    async def _prepare(self, tx: Transaction, target: Policy, skip: set[int]) -> None:
+    async def _prepare(self, tx: Transaction, target: Policy, skip: set[int]) -> Policy:
         """Before the gate, while the fleet serves: the target staged on the workers (but
-        `skip`), and an adapter's version loaded beside the serving one probed."""
+        `skip`), and an adapter's version loaded beside the serving one probed. The target,
+        with its digest when the caller gave none (`_staged_identity`)."""
         await tx.timed("stage", self.control.prepare(tx.ch, target, skip))
+        if target.digest is None:
+            target = await self._staged_identity(tx, target)
         await tx.timed("probe_beside", self.waves.probe_beside(tx, target))
+        return target
+
+    async def _staged_identity(self, tx: Transaction, target: Policy) -> Policy:
+        """`target` with the content digest its caller did not give: the one every worker
+        computed as it staged the version (each tensor hashed as it landed: the version is
+        read once, by the workers), else, when none staged it (every one installs from
+        disk), the checkpoint's, computed here. Recorded in the journal and in the committed
+        policy's record before the gate."""
+        control = self.control
+        try:
+            digest = control.staged_digest()
+        except RefreshHeld:
+            await control.release(tx.ch)
+            raise
+        if digest is None:
+            if target.path is None:
+                raise RefreshHeld(f"no worker staged {target.version} and it has no checkpoint "
+                                  "directory to digest: give its digest")
+            from rlfleet.weights.digest import checkpoint_digest  # torch: only when needed
+
+            digest = await tx.timed("digest", asyncio.to_thread(checkpoint_digest,
+                                                                Path(target.path)))
+        target = target.with_digest(digest)
+        await asyncio.to_thread(self.journal.update, tx.id, only_open=True,
+                                target=target.identity)
+        await self._publish(tx.epoch, tx.id, tx.previous.identity if tx.previous else None,
+                            target.identity)
+        return target
 
     # ------------------------------------------------------------------ synchronous
 
@@ -435,7 +468,7 @@ class PolicyRefresh:
         close_reason = (f"recovering an interrupted refresh to {target.version}" if interrupted
                         else f"policy refresh to {target.version}")
         if control.stages and not interrupted:  # pulled while the fleet serves
-            await self._prepare(tx, target, set() if fleet_wide else set(self.verified))
+            target = await self._prepare(tx, target, set() if fleet_wide else set(self.verified))
         if fleet_wide:
             self.rollout_gate.close(close_reason)
         await tx.move(RefreshState.GATED)
@@ -506,7 +539,7 @@ class PolicyRefresh:
         min_serving workers serving."""
         control, ch, cfg = self.control, tx.ch, self.config
         if control.stages:
-            await self._prepare(tx, target, set())
+            target = await self._prepare(tx, target, set())
         found = await tx.timed("resolve", control.discover(ch))
         tx.workers.update(found)
         await tx.record(intended_workers=sorted(tx.workers))

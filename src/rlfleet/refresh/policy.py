@@ -44,6 +44,11 @@ class Policy:
         identity = msgspec.structs.replace(self.identity, step=step)
         return dataclasses.replace(self, identity=identity)
 
+    def with_digest(self, digest: str) -> Policy:
+        """This policy, its content digest known."""
+        identity = msgspec.structs.replace(self.identity, digest=digest)
+        return dataclasses.replace(self, identity=identity)
+
     def is_held(self, holds: PolicyIdentity | None) -> bool:
         """Whether a worker that last reported holding `holds` holds this policy (its step
         too, when this policy has one)."""

@@ -28,8 +28,11 @@ import msgspec
 from rlfleet.protocol.engine import GenerateRequest, SamplingOptions
 from rlfleet.runtime.request_plane import WorkerError
 
-#: the agreement probe's prompt, tokenised by the workers themselves
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog. Policy refresh probe:"
+#: the agreement probe's prompt, tokenised by the workers themselves: a few tokens (each
+#: position's first choice and logprob compared across workers, then one generated token).
+#: Short because on the CPU build a bf16 prefill costs per position what a decode step does,
+#: and the requests in flight on a worker wait that long (bench/refresh.py's serving gap)
+PROBE_TEXT = "The quick brown fox"
 #: max |logprob difference| accepted, by the dtype a worker serves in. float32: vLLM on CPU
 #: matches transformers within 1.4e-6; bfloat16: 2.8e-3 measured on the tiny test model and
 #: up to 5e-2 on the 0.6B geometry (bench/refresh.py); float16 has 3 more mantissa bits.

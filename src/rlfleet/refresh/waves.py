@@ -161,8 +161,9 @@ class Waves:
         t0 = time.perf_counter()
         with tracing.span("refresh commit", attributes={"rlfleet.refresh_id": tx.id}):
             # the post-update probe runs inside each commit: one request for the wave, so
-            # that every worker's commit has the same body (a relay batches them)
-            probe = self._probe_request(wave.target)
+            # that every worker's commit has the same body (a relay batches them); or after
+            # the reopen (`probe_after_reopen`)
+            probe = None if cfg.probe_after_reopen else self._probe_request(wave.target)
             results = await for_each(ws, lambda w: control.commit(
                 ch, w, wave.target, wave.close_reason, cfg.pause_mode, probe),
                 ch.commit_deadline)
@@ -190,6 +191,8 @@ class Waves:
                                   f"synchronous fleet does not reopen (target "
                                   f"{wave.target.version} / {wave.target.digest})")
             await tx.advance(RefreshState.VERIFIED, RefreshState.RESUMED)
+            if cfg.probe_after_reopen:
+                return await self._reopen_then_probe(tx, wave, min_workers)
             answers = await tx.timed("probe", self.probe_all(tx, tx.active(wave.workers),
                                                              wave.target))
             tx.reference += answers
@@ -199,6 +202,32 @@ class Waves:
             await _each(tx, tx.active(), lambda w: control.pause(ch, w, cfg.pause_mode))
             await self.roll_back(tx, wave, str(e))
         return await self._reopen(tx, wave, min_workers)
+
+    async def _reopen_then_probe(self, tx: Transaction, wave: Wave, min_workers: int | None
+                                 ) -> list[FleetWorker]:
+        """`probe_after_reopen`: reopen the verified workers, then probe them; a worker that
+        fails its probe is closed again (left out, as before the reopen), and a probe on
+        which the workers disagree closes the whole wave again and holds the fleet."""
+        control, ch = self.control, tx.ch
+        opened = await self._reopen(tx, wave, min_workers)
+        try:
+            answers = await tx.timed("probe", self.probe_all(tx, opened, wave.target))
+        except RefreshHeld as e:
+            why = f"post-update probe: {e}"
+            await _each(tx, opened, lambda w: control.close(ch, w, why))
+            for w in opened:
+                w.exclude(why)
+            raise
+        tx.reference += answers
+        failed = [w for w in opened if not w.active]
+        await for_each(failed, lambda w: control.close(ch, w, w.reason or "probe failed"),
+                       ch.phase_deadline)
+        await tx.move(RefreshState.PROBED)
+        ok_workers = tx.active(wave.workers)
+        if min_workers is not None and len(ok_workers) < min_workers:
+            raise RefreshHeld(f"only {len(ok_workers)} worker(s) passed the post-update "
+                              f"probe on {wave.target.version}; need {min_workers}")
+        return ok_workers
 
     async def _settle_each(self, tx: Transaction, ws: list[FleetWorker], target: Policy
                            ) -> list[str]:

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import httpx
 
 from rlfleet.protocol.nvext import PolicyBound
-from rlfleet.refresh.config import RefreshConfig, RefreshMode
+from rlfleet.refresh.config import RefreshConfig, RefreshMode, UpdatePath
 from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.refresh.probe import Probe
 from rlfleet.refresh.transaction import RefreshResult
@@ -61,6 +61,11 @@ from rlfleet.rollout.sample import (
 )
 
 T = TypeVar("T")
+
+#: how a Fleet refreshes unless told otherwise: every worker stages the checkpoint while it
+#: serves (read once, straight into a shadow of the model), and the pause holds only the
+#: swap; a worker that cannot stage it installs it from disk (rlfleet.refresh.staged)
+DEFAULT_PATH = UpdatePath.VLLM_STAGED
 
 
 class FleetHeld(RuntimeError):
@@ -87,9 +92,12 @@ class Fleet:
     the fleet serves at start, if known (a refresh sets them). How it refreshes: `refresh`
     (a `RefreshConfig`), with the other keyword arguments (RefreshConfig's fields:
     on_failure, pause_mode, min_workers, probe_tolerance, timeout, admin_token, path, mode,
-    max_lag, ...; or PolicyRefresh's on_event, hooks) set in it. A fleet that refreshes a
-    LoRA adapter (`path="vllm-adapter", adapter=NAME`) whose model is NAME admits only that
-    adapter's samples (a model that is not NAME: only the base model's)."""
+    max_lag, ...; or PolicyRefresh's on_event, hooks) set in it; without `refresh`, `path`
+    is `vllm-staged` unless given (`DEFAULT_PATH`: stage first, pause only for the swap) and
+    the post-update probe runs once the fleet reopened (`probe_after_reopen`). A
+    fleet that refreshes a LoRA adapter (`path="vllm-adapter", adapter=NAME`) whose model is
+    NAME admits only that adapter's samples (a model that is not NAME: only the base
+    model's)."""
 
     def __init__(self, url: str, model: str, *, rl_url: str | None = None,
                  ledger: SampleLedger | str | Path | None = None,
@@ -116,6 +124,9 @@ class Fleet:
                                     allow_mixed_versions=allow_mixed_versions,
                                     adapter=adapter == model if adapter else None, route=route,
                                     stream=stream, gate=self.rollout_gate, transport=transport)
+        if refresh is None:  # stage first, pause only for the swap (RefreshConfig.path)
+            refresh_options.setdefault("path", DEFAULT_PATH)
+            refresh_options.setdefault("probe_after_reopen", True)
         self.coordinator = PolicyRefresh(
             rl_url, config=refresh, model=model, journal=journal,
             rollout_gate=self.rollout_gate, **refresh_options) if rl_url else None

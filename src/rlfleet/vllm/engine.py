@@ -29,6 +29,7 @@ from rlfleet.protocol.identity import PolicyIdentity, WeightSpan
 from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.routed_experts import from_array
 from rlfleet.vllm.adapters import LoraAdapters, Served
+from rlfleet.weights.artifacts import ArtifactError
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature, signature_mismatch
 from rlfleet.worker.engine import (
     AppliedWeights,
@@ -36,6 +37,7 @@ from rlfleet.worker.engine import (
     Engine,
     EngineControl,
     EngineInfo,
+    PreparedVersion,
     WeightLoadError,
 )
 
@@ -224,6 +226,7 @@ class VllmEngine(Engine, EngineControl):
         self.step: int | None = None  # the policy's fleet step, when declared
         self.weights_path: str | None = None  # where the live weights were read from
         self.signature: dict = {}  # tensor name -> (dtype, shape) the model accepts
+        self.weights_bytes = 0  # the checkpoint's tensor bytes (a shadow copy's size)
         self.on_gpu = False
         self._calls: dict[object, tuple[str, float]] = {}  # engine RPCs in flight (busy)
         self.traced = False  # vLLM traces requests (it was given an OTLP endpoint)
@@ -263,6 +266,7 @@ class VllmEngine(Engine, EngineControl):
             loading.fail(repr(e))
             raise
         loading.finish()
+        self.weights_bytes = size or 0
         mc = self.llm.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         eos = self.tokenizer.eos_token_id
@@ -594,28 +598,45 @@ class VllmEngine(Engine, EngineControl):
         self.weights_path = None
         return digest
 
-    async def prepare_staged(self, path: Path, digest: str) -> str | None:
-        """With --staged-apply swap: the engine reloads the staged version into a shadow of
-        the model in a thread while it serves (rlfleet.vllm.shadow); load_staged then swaps
-        it in. A failed preparation is logged and the load reloads in place."""
+    async def staging_refusal(self) -> str | None:
+        if self.args.staged_apply != "swap":
+            return ("this worker was started with --staged-apply reload: a staged version is "
+                    "reloaded in place, inside the pause")
+        if not self.weights_bytes:
+            return "the size of this worker's weights is not known (it was not started from a "\
+                   "checkpoint directory)"
+        return await self._rpc("rlfleet_shadow_room", 30, self.weights_bytes)
+
+    async def prepare_staged(self, path: Path, digest: str | None,
+                             checksums: Mapping[str, str] | None = None
+                             ) -> PreparedVersion | None:
+        """With --staged-apply swap: the engine reloads the version into a shadow of the
+        model in a thread while it serves (rlfleet.vllm.shadow); load_staged then swaps it
+        in. A preparation that failed for want of room is logged (None: the load reloads in
+        place); one that failed on the tensors raises ArtifactError."""
         if self.args.staged_apply != "swap":
             return None
-        await self._rpc("rlfleet_prepare_staged", 30, str(path), digest)
+        await self._rpc("rlfleet_prepare_staged", 30, str(path), digest,
+                        dict(checksums) if checksums else None)
         deadline = time.monotonic() + LOAD_TIMEOUT
         while True:
-            out = await self._rpc("rlfleet_prepared", 30, digest)
+            out = await self._rpc("rlfleet_prepared", 30, str(path), self._running > 0)
             if out["state"] != "building" or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
         if out["state"] != "ready":
-            log.warning("staged %s was not prepared in the engine's format (%s); applying it "
-                        "reloads in place", digest, out.get("error") or out["state"])
+            if out.get("bad_weights"):
+                raise ArtifactError(out["error"])
+            log.warning("%s was not prepared in the engine's format (%s)", path,
+                        out.get("error") or out["state"])
+            await self.discard_staged(path)
             return None
-        log.info("staged %s prepared in the engine's format in %.2f s", digest, out["seconds"])
-        return "swap"
+        log.info("staged %s prepared in the engine's format in %.2f s", out["digest"],
+                 out["seconds"])
+        return PreparedVersion("swap", out["digest"], out["seconds"])
 
-    async def discard_staged(self, digest: str) -> None:
-        await self._rpc("rlfleet_discard_staged", 30, digest)
+    async def discard_staged(self, path: Path) -> None:
+        await self._rpc("rlfleet_discard_staged", 30, str(path))
 
     async def load_staged(self, path: Path, digest: str) -> str:
         """The engine reads the staged files in place (shared memory); their digest was

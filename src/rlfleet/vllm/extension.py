@@ -24,6 +24,20 @@ from rlfleet.weights.digest import DigestBuilder, iter_checkpoint_tensors, non_f
 
 log = logging.getLogger("rlfleet.vllm.extension")
 
+#: what a shadow must find free besides its own bytes (allocator slack, the tensors the
+#: loader reads while it builds)
+SHADOW_MARGIN = 1.25
+
+
+def _available_host_memory() -> int:
+    """MemAvailable of /proc/meminfo, in bytes (what the kernel could hand out without
+    swapping)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
 _DTYPES = {str(d).removeprefix("torch."): d for d in
            (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
             torch.int32, torch.int8, torch.uint8, torch.bool)}
@@ -91,40 +105,77 @@ class WorkerExtension:
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path))
 
     def rlfleet_load_staged(self, path: str, digest: str) -> dict:
-        """A staged version directory (rlfleet.weights.staging): read-only files whose digest
-        was computed when they were staged. Swapped in when it was prepared (below), else
-        reloaded in place."""
-        shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
+        """A staged version (rlfleet.weights.staging): read-only files whose digest was
+        computed when they were staged (or while they were prepared, below). Swapped in when
+        it was prepared, else reloaded in place."""
+        shadow = getattr(self, "_rlfleet_shadow", None)
         if shadow is not None and (shadow.path, shadow.digest) == (path, digest):
             shadow.wait()
             if shadow.state == "ready":
+                self._rlfleet_shadow = None
                 t0 = time.perf_counter()
                 shadow.swap()
                 log.info("swapped in staged %s in %.3f s (prepared in %.2f s while serving)",
                          digest, time.perf_counter() - t0, shadow.seconds)
                 return {"digest": digest, "swapped": True}
+        self._rlfleet_discard()
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
 
-    def rlfleet_prepare_staged(self, path: str, digest: str) -> bool:
-        """Start reloading a staged version into a shadow of the model while the engine
-        serves (rlfleet.vllm.shadow); one at a time, a newer one replaces it."""
-        self._rlfleet_shadow = None
+    def rlfleet_prepare_staged(self, path: str, digest: str | None,
+                               checksums: dict[str, str] | None = None) -> bool:
+        """Start reloading the version at `path` into a shadow of the model while the engine
+        serves (rlfleet.vllm.shadow); one at a time, a newer one replaces it. `digest` None:
+        the files are read once, each tensor hashed and checked as it is loaded (Adler-32 where
+        `checksums` names one), and the digest is reported when it is built."""
+        self._rlfleet_discard()
         self._rlfleet_shadow = Shadow(self.model_runner.get_model(), self.vllm_config, path,
-                                      digest, iter_checkpoint_tensors(path))
+                                      digest, iter_checkpoint_tensors(path), checksums)
         return True
 
-    def rlfleet_prepared(self, digest: str) -> dict:
+    def _rlfleet_discard(self) -> None:
+        """Drop the shadow held (a build under way drops it when it ends)."""
+        shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
+        if shadow is not None:
+            shadow.discard()
+
+    def rlfleet_prepared(self, path: str, serving: bool = False) -> dict:
+        """How the shadow of the version at `path` is coming along; `serving`: whether the
+        engine serves requests now (the build yields the cores to them while it does)."""
         shadow = getattr(self, "_rlfleet_shadow", None)
-        if shadow is None or shadow.digest != digest:
+        if shadow is None or shadow.path != path:
             return {"state": "none"}
-        return {"state": shadow.state, "error": shadow.error, "seconds": shadow.seconds}
+        shadow.serving = serving
+        out = {"state": shadow.state, "error": shadow.error, "seconds": shadow.seconds,
+               "digest": shadow.digest, "bad_weights": shadow.bad_weights}
+        if shadow.state == "failed":
+            self._rlfleet_discard()
+        return out
 
-    def rlfleet_discard_staged(self, digest: str) -> bool:
+    def rlfleet_discard_staged(self, path: str) -> bool:
         shadow = getattr(self, "_rlfleet_shadow", None)
-        if shadow is None or shadow.digest != digest:
+        if shadow is None or shadow.path != path:
             return False
-        self._rlfleet_shadow = None
+        self._rlfleet_discard()
         return True
+
+    def rlfleet_shadow_room(self, nbytes: int) -> str | None:
+        """Why a shadow of `nbytes` does not fit next to the live model now (None: it fits),
+        on the model's own device: free CUDA memory on a GPU, available host memory on CPU.
+        A shadow being built or held is counted as freed (a new one replaces it)."""
+        held = getattr(self, "_rlfleet_shadow", None)
+        device = next(self.model_runner.get_model().parameters()).device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            where = f"{device} has"
+        else:
+            free, where = _available_host_memory(), "the host has"
+        if held is not None:
+            free += nbytes
+        need = int(nbytes * SHADOW_MARGIN)
+        if free >= need:
+            return None
+        return (f"a shadow copy of the weights needs {need / 2**30:.2f} GiB ({nbytes / 2**30:.2f} "
+                f"GiB and {SHADOW_MARGIN - 1:.0%} room); {where} {free / 2**30:.2f} GiB free")
 
     def rlfleet_weights_problem(self) -> str | None:
         """Why the model cannot run on its weights (None when it can), without running it:

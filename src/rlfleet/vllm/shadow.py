@@ -22,8 +22,10 @@ Cost: a second copy of the model's weights on the engine's device from prepare t
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,31 +35,93 @@ import torch
 
 log = logging.getLogger("rlfleet.vllm.shadow")
 
+
+#: every shadow is built in the same long-lived thread: the allocator (jemalloc on the CPU
+#: build) keeps the memory a thread's arena freed for that arena, so a new thread per build
+#: would leave the previous shadow's memory resident, a model's size per refresh
+_BUILDER_NAME = "rlfleet-shadow"
+#: the share of its thread's time a shadow's build may take while the engine serves
+#: requests (1: no pause); it only lengthens a preparation that runs off the critical path
+SERVING_SHARE = float(os.environ.get("RLFLEET_STAGE_SERVING_SHARE", 0.3))
+_BUILDER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
+
+
+class BadWeights(ValueError):
+    """The version's tensors cannot be installed (non-finite values, a wrong checksum)."""
+
 _OWN = ("_parameters", "_buffers", "_modules", "_do_torchao_reload", "_original_do_torchao_reload")
 
 
 class Shadow:
-    """A version reloaded into a shadow tree of `model`, built in a background thread."""
+    """A version reloaded into a shadow tree of `model`, built in a background thread.
 
-    def __init__(self, model: torch.nn.Module, vllm_config, path: str, digest: str,
-                 tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    `digest`: the content digest of `tensors` when the caller computed it over the same
+    bytes (a staged directory); None: each tensor is checked as the loader takes it (its
+    digest, finite values, and its Adler-32 where `checksums` names one), in the same pass
+    as the load, and `digest` is their root once built."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config, path: str, digest: str | None,
+                 tensors: Iterator[tuple[str, torch.Tensor]],
+                 checksums: dict[str, str] | None = None) -> None:
         self.model, self.path, self.digest = model, path, digest
         self.error: str | None = None
+        self.bad_weights = False  # the error is about the weights, not this engine's room
         self.seconds = 0.0
+        self._discarded = False
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
-        self._thread = threading.Thread(target=self._build, args=(vllm_config, tensors),
-                                        name="rlfleet-shadow", daemon=True)
-        self._thread.start()
+        #: whether the engine serves requests now (its owner says so as it polls): then the
+        #: build takes at most SERVING_SHARE of its thread's time, leaving the cores to them
+        self.serving = False
+        if digest is None:
+            tensors = self._checked(tensors, checksums or {})
+        self._built = _BUILDER.submit(self._build, vllm_config, self._paced(tensors))
 
     @property
     def state(self) -> str:
-        if self._thread.is_alive():
+        if not self._built.done():
             return "building"
         return "failed" if self.error else "ready"
 
     def wait(self) -> None:
         """Until the build has finished (ready or failed)."""
-        self._thread.join()
+        self._built.result()
+
+    def _paced(self, tensors: Iterator[tuple[str, torch.Tensor]]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tensors` at the loader's pace, but while the engine serves, each one's work (its
+        read and checks, and the loader's processing of the one before) is followed by a
+        pause that keeps the build to SERVING_SHARE of the time: a shadow is prepared off
+        the critical path, so it yields the cores to the requests (and releases the GIL)."""
+        it = iter(tensors)
+        while True:
+            t0 = time.perf_counter()
+            item = next(it, None)
+            if item is None:
+                return
+            if self.serving and SERVING_SHARE < 1.0:
+                time.sleep((time.perf_counter() - t0) * (1 - SERVING_SHARE) / SERVING_SHARE)
+            yield item
+
+    def _checked(self, tensors: Iterator[tuple[str, torch.Tensor]], checksums: dict[str, str]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`tensors`, each one hashed, checked finite and against its Adler-32 (when given)
+        as the loader takes it: one read of the checkpoint for all of it."""
+        from rlfleet.weights.artifacts import adler32_hex
+        from rlfleet.weights.digest import DigestBuilder, non_finite
+
+        digests = DigestBuilder()
+        for name, t in tensors:
+            why = non_finite([(name, t)], digests)
+            want = checksums.get(name)
+            if why is None and want is not None:
+                got = adler32_hex(t.contiguous().view(-1).view(torch.uint8).numpy())
+                if got != want:
+                    why = (f"tensor {name}: Adler-32 {got} does not match the artifact's {want} "
+                           "(corrupt or changed since it was written)")
+            if why is not None:
+                raise BadWeights(why)
+            yield name, t
+        self.digest = digests.root()
 
     def _build(self, vllm_config, tensors) -> None:
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
@@ -69,11 +133,14 @@ class Shadow:
                 reload_weights(vllm_config, shadow, weights_iterator=tensors, weights_path=None,
                                is_checkpoint_format=True)
                 refresh_tied_output(shadow)
-        except Exception as e:  # noqa: BLE001 - the apply falls back to an in-place reload
+            if self.digest is None:
+                raise BadWeights("the loader did not take every tensor of the version")
+        except Exception as e:  # noqa: BLE001 - the caller says what happens instead
             self.error = f"{type(e).__name__}: {e}"
-            self._pairs = []
-            log.warning("preparing %s in the engine's format failed (%s); applying it will "
-                        "reload in place", self.digest, self.error)
+            self.bad_weights = isinstance(e, BadWeights)
+            self.discard()
+            log.warning("preparing %s in the engine's format failed (%s)",
+                        self.digest or self.path, self.error)
         self.seconds = time.perf_counter() - t0
 
     def _tree(self) -> torch.nn.Module:
@@ -148,6 +215,24 @@ class Shadow:
                 for k, v in s.__dict__.items():
                     if k not in _OWN and live.__dict__.get(k, _OWN) is not v:
                         live.__dict__[k] = v
+        self.discard()
+
+    def discard(self) -> None:
+        """Let the shadow's tensors go (after the swap, or unused; a build under way lets
+        them go when it ends). vLLM's reload keeps each layer's reload metadata in a
+        weak-keyed table whose values refer back to the layer (bound weight loaders), so a
+        shadow layer would outlive its tree, and every shadow its second copy of the
+        weights: its tables are emptied and its entry dropped."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        self._discarded = True
+        if not self._built.done() and not threading.current_thread().name.startswith(
+                _BUILDER_NAME):
+            return  # the build discards it when it ends
+        for _, s in self._pairs:
+            layerwise.LAYERWISE_INFO.pop(s, None)
+            for table in _OWN[:3]:
+                s.__dict__[table] = {}
         self._pairs = []
 
 

@@ -70,6 +70,10 @@ class DigestBuilder:
             raise ValueError(f"tensor digest must be 32 bytes, got {len(digest)}")
         self._digests[name] = digest
 
+    def digest_of(self, name: str) -> bytes:
+        """The digest added for `name` (KeyError when none was)."""
+        return self._digests[name]
+
     def root(self) -> str:
         """The root digest, `"blake3:<64 hex digits>"`, over the tensors sorted by name."""
         h = blake3.blake3(_ROOT_DOMAIN)

@@ -74,6 +74,12 @@ class StageRequestError(AdminRequestError):
     system server answers it in the contract's error shape)."""
 
 
+class CannotStage(ArtifactError):
+    """This worker cannot stage the version the way it was asked to (no room for a shadow
+    of the model, an engine that does not prepare versions while it serves): its caller
+    installs it from disk instead. Nothing is wrong with the version."""
+
+
 class StageState(enum.StrEnum):
     STAGING = "STAGING"
     READY = "READY"
@@ -275,6 +281,11 @@ class StagedVersion:
     done: asyncio.Event | None = None  # set when the transfer ends (READY or FAILED)
     peer: str | None = None  # the peer actually used
     prepared: str | None = None  # how the engine prepared it while serving (None: it did not)
+    prepare_seconds: float | None = None  # how long the engine took to prepare it
+    #: the caller wants it only swapped in (prepared while serving), else installed from disk
+    require_swap: bool = False
+    prepare: bool = True  # the engine prepares it while serving (False: installed at once)
+    cannot: str | None = None  # why this worker cannot stage it so (FAILED): install from disk
     base: DeltaBase = DeltaBase()  # a delta's base: the request's, completed from the catalog
     board: ChunkBoard | None = None  # what of it this worker holds and serves to downstreams
     fanout: FanoutProgress | None = None  # its chunks received and served (with `board`)
@@ -294,7 +305,8 @@ class StagedVersion:
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "tensors_done": self.tensors_done, "tensors_total": self.tensors_total,
                 "digest": self.digest, "error": self.error, "applied": self.applied,
-                "prepared": self.prepared, "fanout": self.fanout,
+                "prepared": self.prepared, "prepare_seconds": self.prepare_seconds,
+                "cannot_stage": self.cannot, "fanout": self.fanout,
                 "seconds": round((self.finished_at or time.time()) - self.started_at, 3)}
 
 
@@ -312,6 +324,9 @@ class StagedFiles:
         self.dir.mkdir(parents=True, exist_ok=False)
         batches = art._batches([(s.name, s.nbytes) for s in art.order_specs(specs)], shard_limit)
         self.checksums: dict[str, str] = {}
+        # each tensor's digest, taken as its bytes landed (`landed`): the version's digest
+        # is their root, without a second pass over the bytes
+        self.digests: dict[str, bytes] = {}
         self.files: list[tuple[str, list[TensorSpec], int]] = []  # name, specs, header len
         self._maps: list[mmap.mmap] = []
         self.slots: dict[str, np.ndarray] = {}
@@ -353,13 +368,26 @@ class StagedFiles:
         for fname, _, _ in self.files:
             os.chmod(self.dir / fname, 0o444)
 
-    def digest(self) -> str:
-        """The version's content digest; non-finite values are refused here, while the
-        worker serves, so that applying these bytes checks neither again."""
-        b = DigestBuilder()
-        why = non_finite(((n, self.specs[n].as_tensor(self.slots[n])) for n in sorted(self.specs)), b)
+    def landed(self, name: str) -> None:
+        """Tensor `name` holds its final bytes: hash it and check it finite now, while its
+        bytes are in the cache (once per tensor per pass; a later pass that changes it, a
+        delta, calls this again). ArtifactError for non-finite values."""
+        t = self.specs[name].as_tensor(self.slots[name])
+        one = DigestBuilder()
+        why = non_finite([(name, t)], one)
         if why:
             raise ArtifactError(f"{why} (the version is not staged)")
+        self.digests[name] = one.digest_of(name)
+
+    def digest(self) -> str:
+        """The version's content digest, from each tensor's (taken as it landed; those not
+        yet taken now); non-finite values are refused here, while the worker serves, so that
+        applying these bytes checks neither again."""
+        for name in sorted(set(self.specs) - set(self.digests)):
+            self.landed(name)
+        b = DigestBuilder()
+        for name in sorted(self.digests):
+            b.add_digest(name, self.digests[name])
         return b.root()
 
     def close(self) -> None:
@@ -382,6 +410,15 @@ class Resident:
     specs: dict[str, TensorSpec]
     checksums: dict[str, str]
     engine_digest: str | None = None  # what the engine reported when it applied these bytes
+    digests: dict[str, bytes] = field(default_factory=dict)  # each tensor's, where known
+    #: the directory is this staging area's (removed when the copy is dropped); False: the
+    #: source's own directory, read in place (a checkpoint staged straight into the engine)
+    owned: bool = True
+
+    def drop(self) -> None:
+        """Remove the copy's files, when they are this staging area's."""
+        if self.owned:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def slots(self) -> dict[str, np.ndarray]:
         """Read-only views of every tensor's bytes (memory-mapped)."""
@@ -639,7 +676,7 @@ def transfer(h: StagedVersion, src: Source, storage: art.Storage, root: Path,
     def fill() -> None:
         if mode == "resident":
             _apply_delta(fetch, first, staged, resident.slots(), resident.checksums, progress, h,
-                         h.board)
+                         h.board, resident.digests)
         else:
             _fill_plans(plans, staged, progress, h, base if mode == "path" else None,
                         h.board if live else None)
@@ -664,9 +701,9 @@ def _staged_resident(version: str, staged: StagedFiles, moved: Progress,
         shutil.rmtree(staged.dir, ignore_errors=True)
         raise
     moved.finish()
-    checksums = dict(staged.checksums)
+    checksums, digests = dict(staged.checksums), dict(staged.digests)
     staged.close()
-    return Resident(version, digest, staged.dir, staged.specs, checksums)
+    return Resident(version, digest, staged.dir, staged.specs, checksums, digests=digests)
 
 
 def _fill_plans(plans: list[tuple[_Fetcher, VersionPlan]], staged: StagedFiles,
@@ -707,17 +744,23 @@ def _fill_full(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
             raise ArtifactError(f"tensor {e.name}: Adler-32 {got} does not match the artifact's "
                                 f"{e.checksum} (corrupt or truncated transfer)")
         staged.checksums[e.name] = got
+        staged.landed(e.name)
         h.tensors_done += 1
 
 
 def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
                  base: dict[str, np.ndarray], base_sums: dict[str, str],
                  progress: Callable[[int], None], h: StagedVersion,
-                 board: ChunkBoard | None = None) -> None:
+                 board: ChunkBoard | None = None,
+                 base_digests: dict[str, bytes] | None = None) -> None:
+    """Apply `plan` (a delta) on `base` into `staged`: the changed tensors decoded (one per
+    core), the others copied from the base; each tensor hashed once it holds its bytes
+    (an unchanged one keeps the digest `base_digests` has for it)."""
     changed = {e.name: e for e in plan.entries}
     unknown = sorted(set(changed) - set(staged.specs))
     if unknown:
         raise ArtifactError(f"{plan.key}: delta tensors not in its base: {unknown[:3]}")
+    known = base_digests or {}
 
     def jobs():  # read here, decoded one tensor per core
         for name in sorted(staged.specs):
@@ -727,6 +770,10 @@ def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
                 if slot is not base[name]:
                     slot[:] = base[name]
                 staged.checksums[name] = base_sums.get(name) or art.adler32_hex(slot)
+                if name in known:
+                    staged.digests[name] = known[name]
+                elif name not in staged.digests:
+                    staged.landed(name)
                 h.tensors_done += 1
                 if board is not None:
                     board.advance(name, slot.nbytes)
@@ -735,6 +782,7 @@ def _apply_delta(fetch: _Fetcher, plan: VersionPlan, staged: StagedFiles,
 
     def done(name: str, checksum: str) -> None:
         staged.checksums[name] = checksum
+        staged.landed(name)
         h.tensors_done += 1
         if board is not None:
             board.advance(name, staged.specs[name].nbytes)
@@ -1074,7 +1122,14 @@ class StagingArea:
         return self.startup is not None and await asyncio.to_thread(self.startup.digest) == digest
 
     async def stage(self, version: str, source: Any, *, applied: tuple[str | None, str | None],
-                    digest: str | None = None) -> StagedVersion:
+                    digest: str | None = None, require_swap: bool = False,
+                    prepare: bool = True) -> StagedVersion:
+        """Start staging `version` from `source` (a handle, STAGING). `require_swap`: only
+        where the engine prepares it while serving, so that installing it is a swap; a
+        worker that cannot (CannotStage, raised at once: no room for a shadow of the model,
+        an engine that does not prepare versions) is installed from disk instead.
+        `prepare` False: the caller installs it at once, inside a pause (vLLM's weight
+        transfer): the engine does not prepare a shadow of it, it reloads it in place."""
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
         self._open_catalog()
@@ -1094,6 +1149,11 @@ class StagingArea:
                     f"staged from its artifact (its bytes were removed after it was released: "
                     f"{entry.release_reason or 'deleted'})")
         src = parse_source(source, version, self.roots)
+        if require_swap:
+            why = ("this worker has no engine to prepare it" if self.engine is None
+                   else await self.engine.staging_refusal())
+            if why is not None:
+                raise CannotStage(why)
         if self.catalog is not None:
             if entry is not None and expected is None:
                 expected = entry.digest
@@ -1123,7 +1183,7 @@ class StagingArea:
                                     "catalog" + ("" if self.catalog else
                                                  " (this worker has no catalog)"))
         h = StagedVersion(uuid.uuid4().hex[:16], version, src, expected, done=asyncio.Event(),
-                          base=base)
+                          base=base, require_swap=require_swap, prepare=prepare)
         self._forget_old()
         self.handles[h.handle] = h
         task = asyncio.get_running_loop().create_task(self._run(h, applied))
@@ -1188,56 +1248,33 @@ class StagingArea:
         lease = None
         renew: asyncio.Task | None = None
         try:
-            entry = lease = None
-            if self.catalog is not None:
-                from rlfleet.weights.catalog import CatalogError, VersionState
-
-                try:
-                    entry = await self.catalog.find(h.version)
-                    if entry is not None and entry.state is VersionState.READY \
-                            and h.source.kind in ("disk", "s3"):  # the bytes the lease keeps
-                        lease = await self.catalog.acquire_lease(
-                            h.version, self.worker_id or "worker", self.lease_ttl)
-                except CatalogError as e:  # pulled without a lease: the digest still checks
-                    log.warning("no catalog lease on %s: %s", h.version, e)
+            entry, lease = await self._lease(h)
             if lease is not None:
                 renew = asyncio.get_running_loop().create_task(self._renew(h.version, lease))
-            if h.source.fanout is not None:
-                result = await asyncio.to_thread(fanout_transfer, h, h.source, self.root,
-                                                 self.admin_token)
-            elif h.source.kind == "peer":
-                result = await self._from_peers(h, entry, applied)
-            else:
-                storage = open_source_storage(h.source, min(READ_TIMEOUT, h.source.timeout))
-                try:
-                    result = await asyncio.to_thread(transfer, h, h.source, storage, self.root,
-                                                     self.resident, applied, self.startup)
-                finally:
-                    storage.close()
+            result = await self._pull(h, entry, applied)
             if h.expected_digest is not None and result.digest != h.expected_digest:
-                shutil.rmtree(result.dir, ignore_errors=True)
+                await self._forget(h, result)
                 raise ArtifactError(f"the staged tensors have digest {result.digest}, the "
                                     f"version's is {h.expected_digest}; not applying it")
             if h.state is not StageState.STAGING:  # released meanwhile
-                shutil.rmtree(result.dir, ignore_errors=True)
+                await self._forget(h, result)
                 return
             h.digest = result.digest
-            if self.engine is not None:
-                try:
-                    h.prepared = await self.engine.prepare_staged(result.dir, result.digest)
-                except Exception as e:  # noqa: BLE001 - applying it reloads in place
-                    log.warning("the engine did not prepare %s (%r); applying it reloads in "
-                                "place", h.version, e)
+            if h.prepared is None:
+                await self._prepare(h, result)
             if h.state is not StageState.STAGING:  # released while the engine prepared it
-                shutil.rmtree(result.dir, ignore_errors=True)
+                await self._forget(h, result)
                 return
             self._staged[h.handle] = result
             h.move(StageState.READY)
-            log.info("staged %s (%s from %s) in %.2f s", h.version, h.format,
-                     h.source.kind, time.time() - h.started_at)
+            log.info("staged %s (%s from %s%s) in %.2f s", h.version, h.format,
+                     h.source.kind, ", read straight into the engine" if not result.owned
+                     else "", time.time() - h.started_at)
         except Exception as e:  # noqa: BLE001 - every failure ends the handle FAILED
             if h.state is StageState.STAGING:
                 h.error = str(e) if isinstance(e, ArtifactError) else f"{type(e).__name__}: {e}"
+                if isinstance(e, CannotStage):
+                    h.cannot = str(e)
                 h.move(StageState.FAILED)
                 log.warning("staging %s failed: %s", h.version, h.error)
         finally:
@@ -1258,6 +1295,101 @@ class StagingArea:
                 if h.dir is not None:
                     shutil.rmtree(h.dir, ignore_errors=True)
             h.done.set()
+
+    async def _lease(self, h: StagedVersion) -> tuple[Any, Any]:
+        """The version's catalog entry (None without one) and a lease on its bytes while they
+        are pulled from their artifact (None: none taken)."""
+        if self.catalog is None:
+            return None, None
+        from rlfleet.weights.catalog import CatalogError, VersionState
+
+        entry = None
+        try:
+            entry = await self.catalog.find(h.version)
+            if entry is not None and entry.state is VersionState.READY \
+                    and h.source.kind in ("disk", "s3"):  # the bytes the lease keeps
+                return entry, await self.catalog.acquire_lease(
+                    h.version, self.worker_id or "worker", self.lease_ttl)
+        except CatalogError as e:  # pulled without a lease: the digest still checks
+            log.warning("no catalog lease on %s: %s", h.version, e)
+        return entry, None
+
+    async def _pull(self, h: StagedVersion, entry, applied: tuple[str | None, str | None]
+                    ) -> Resident:
+        """The version's bytes, checked: staged into this area's buffers, or (a full version
+        or checkpoint on this host's disk, and an engine that prepares it while it serves)
+        read once, straight into the engine's shadow of the model."""
+        if h.source.fanout is not None:
+            return await asyncio.to_thread(fanout_transfer, h, h.source, self.root,
+                                           self.admin_token)
+        if h.source.kind == "peer":
+            return await self._from_peers(h, entry, applied)
+        storage = open_source_storage(h.source, min(READ_TIMEOUT, h.source.timeout))
+        try:
+            plan = await self._direct_plan(h, storage)
+            if plan is not None:
+                return await self._into_engine(h, plan)
+            return await asyncio.to_thread(transfer, h, h.source, storage, self.root,
+                                           self.resident, applied, self.startup)
+        finally:
+            storage.close()
+
+    async def _direct_plan(self, h: StagedVersion, storage: art.Storage) -> VersionPlan | None:
+        """The plan of a version the engine can read in place (a full version or plain
+        checkpoint from a disk source, an engine that prepares versions while it serves);
+        None: it is staged into this area's buffers."""
+        if h.source.kind != "disk" or self.engine is None or not h.prepare or not isinstance(
+                storage, art.FileStorage):
+            return None
+        plan = await asyncio.to_thread(art.plan_version, storage.read, h.source.key,
+                                       storage.list_version, version=h.version,
+                                       base_version=h.base.version)
+        if plan.format == "xor-delta":
+            return None
+        why = await self.engine.staging_refusal()
+        if why is not None:
+            if h.require_swap:
+                raise CannotStage(why)
+            return None
+        return plan
+
+    async def _into_engine(self, h: StagedVersion, plan: VersionPlan) -> Resident:
+        """Have the engine read `plan`'s files once into its shadow, each tensor hashed and
+        checked (finite; its Adler-32 where the artifact has one) as it is loaded; the
+        source's directory is the resident copy from then on (not this area's: kept)."""
+        where = Path(h.source.location) / h.source.key
+        h.format, h.base_version = plan.format, plan.base_version
+        h.tensors_total, h.bytes_total = len(plan.entries), plan.stored_bytes
+        sums = {e.name: e.checksum for e in plan.entries if e.checksum is not None}
+        # ArtifactError when a tensor is bad (non-finite, a wrong Adler-32)
+        prepared = await self.engine.prepare_staged(where, None, sums)
+        if prepared is None:
+            raise CannotStage(f"the engine could not prepare {h.version} in its own format "
+                              "while serving (see its log)")
+        h.prepared, h.prepare_seconds = prepared.how, prepared.seconds
+        h.bytes_done, h.tensors_done = h.bytes_total, h.tensors_total
+        return Resident(h.version, prepared.digest, where,
+                        {e.name: e.spec for e in plan.entries}, sums, owned=False)
+
+    async def _prepare(self, h: StagedVersion, result: Resident) -> None:
+        """The engine prepares the staged bytes in its own format while it serves (so that
+        installing them is a swap); a handle that asked for a swap and got none fails as
+        `cannot` (its caller installs from disk instead), any other is installed by an
+        in-place reload."""
+        if self.engine is None or not h.prepare:
+            return
+        try:
+            prepared = await self.engine.prepare_staged(result.dir, result.digest)
+        except Exception as e:  # noqa: BLE001 - applying it reloads in place
+            log.warning("the engine did not prepare %s (%r); applying it reloads in place",
+                        h.version, e)
+            prepared = None
+        if prepared is not None:
+            h.prepared, h.prepare_seconds = prepared.how, prepared.seconds
+        elif h.require_swap:
+            result.drop()
+            raise CannotStage(f"the engine did not prepare {h.version} in its own format while "
+                              "serving (see its log); installing it would reload it in place")
 
     async def _from_peers(self, h: StagedVersion, entry, applied) -> Resident:
         errors = []
@@ -1341,7 +1473,7 @@ class StagingArea:
         h.applied = True
         h.move(StageState.RELEASED)
         if old is not None:
-            shutil.rmtree(old.dir, ignore_errors=True)
+            old.drop()
             await self._holder(old.version, add=False)
         await self._holder(staged.version, add=True)
 
@@ -1353,7 +1485,7 @@ class StagingArea:
             self._resident_board.close()
             self._resident_board = None
         if old is not None:
-            shutil.rmtree(old.dir, ignore_errors=True)
+            old.drop()
             await self._holder(old.version, add=False)
 
     async def _holder(self, version: str, add: bool) -> None:
@@ -1377,10 +1509,15 @@ class StagingArea:
                 h.board.close()
             staged = self._staged.pop(handle, None)
             if staged is not None:
-                shutil.rmtree(staged.dir, ignore_errors=True)
-            if h.prepared and self.engine is not None:
-                await self.engine.discard_staged(h.digest)
+                await self._forget(h, staged)
         return h
+
+    async def _forget(self, h: StagedVersion, staged: Resident) -> None:
+        """Drop a handle's buffers that will not be applied, and what the engine prepared
+        of them."""
+        staged.drop()
+        if h.prepared and self.engine is not None:
+            await self.engine.discard_staged(staged.dir)
 
     async def close(self) -> None:
         for h in list(self.handles.values()):
@@ -1410,6 +1547,6 @@ def _remove_orphans(base: Path) -> None:
             continue
 
 
-__all__ = ["DeltaBase", "default_staging_root",
+__all__ = ["CannotStage", "DeltaBase", "default_staging_root",
            "StageState", "StagedVersion", "StagingArea", "StageRequestError",
            "Source", "StartupCheckpoint", "parse_source", "parse_base", "transfer", "Resident"]

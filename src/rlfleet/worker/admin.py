@@ -65,6 +65,7 @@ from rlfleet.protocol.sglang_admin import (
 )
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.runtime.paths import weights_path
+from rlfleet.weights.staging import CannotStage
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies
@@ -297,12 +298,21 @@ class EngineAdmin:
             probe = next(s for s in steps[-2:] if s.route == admin.LIVENESS_PROBE.name)
             return CommitReply.failed(f"verify failed: {_said(probe)}", steps=steps,
                                       failed_step="verify", **identity)
-        if await step("resume", admin.RESUME_GENERATION, {}) is None:
-            return CommitReply.failed(f"resume failed: {_said(steps[-1])}", steps=steps,
-                                      failed_step="resume", **identity)
-        if req.probe is not None and self.plane is not None:
-            identity["probe"] = await self._commit_probe(
-                self.plane, req.probe, max(deadline - loop.time(), 0.0) + req.deadline_s)
+        # the probe goes in now, ahead of the resume: the engine runs it in the same steps as
+        # the self-check the resume runs (one round of generation after the swap, not two)
+        probe = None if req.probe is None or self.plane is None else asyncio.create_task(
+            self._commit_probe(self.plane, req.probe,
+                               max(deadline - loop.time(), 0.0) + req.deadline_s))
+        try:
+            if await step("resume", admin.RESUME_GENERATION, {}) is None:
+                return CommitReply.failed(f"resume failed: {_said(steps[-1])}", steps=steps,
+                                          failed_step="resume", **identity)
+            if probe is not None:
+                identity["probe"] = await probe
+        finally:
+            if probe is not None and not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
         return CommitReply(message=f"committed {req.expect_version}", steps=steps, **identity)
 
     @staticmethod
@@ -350,8 +360,10 @@ class EngineAdmin:
         problem = await self.engine.weights_problem()
         if problem:
             return problem
-        vocab = self.engine.info.vocab_size
-        prompt = [t % vocab for t in (1, 2, 3)] if vocab else [1, 2, 3]
+        # one prompt token: a prefill of one position costs what a decode step does (on the
+        # CPU build a bf16 prefill of several positions is several times slower per token),
+        # and it already shows weights that produce non-finite or flat logits
+        prompt, vocab = [1], self.engine.info.vocab_size
         req = GenerateRequest(request_id=f"self-check-{uuid.uuid4().hex[:12]}",
                               prompt_token_ids=prompt, stream=False,
                               sampling=SamplingOptions(max_tokens=1, temperature=0.0, logprobs=5,
@@ -492,8 +504,14 @@ class EngineAdmin:
         with the handle (STAGING). Bad sources and wrong bases are refused here when they can
         be seen without the transfer, else the handle ends FAILED with the reason."""
         policy = self.engine.applied().policy
-        h = await self.staging.stage(req.version, req.source, digest=req.digest,
-                                     applied=(policy.version, policy.digest))
+        try:
+            h = await self.staging.stage(req.version, req.source, digest=req.digest,
+                                         applied=(policy.version, policy.digest),
+                                         require_swap=req.require_swap)
+        except CannotStage as e:
+            return StageReply.failed(f"cannot stage {req.version} to swap it in: {e}; install "
+                                     "it from disk instead (update_weights_from_disk)",
+                                     cannot_stage=str(e), version=req.version)
         return StageReply(handle=h.handle, state=h.state.value, version=h.version)
 
     async def get_staged_weights(self, req: StagedQuery) -> StagedListReply:
@@ -511,6 +529,9 @@ class EngineAdmin:
         if not await self.engine.is_paused():
             return InstallReply.failed(NOT_PAUSED)
         version = h.version if req.weight_version is None else req.weight_version
+        if req.keep_label:
+            applied = self.engine.applied()
+            version = applied.policy.version if applied.declared else None
         reply = await self._install(lambda: self.engine.load_staged(staged.dir, staged.digest),
                                     version, what=f"applying staged {h.version}", step=req.step,
                                     staged=True)

@@ -184,6 +184,15 @@ class Engine(abc.ABC):
 # ---------------------------------------------------------------------- control plane
 
 
+@dataclass(frozen=True)
+class PreparedVersion:
+    """What an engine prepared of a staged version while it served (`prepare_staged`)."""
+
+    how: str  # "swap": installing it swaps the prepared tensors in
+    digest: str  # the content digest of what was prepared
+    seconds: float  # how long the preparation took
+
+
 class WeightLoadError(RuntimeError):
     """New weights could not be loaded; the message says what failed and whether the
     previous weights serve again. `uncertain`: they do not, and the model may hold part of
@@ -286,14 +295,26 @@ class EngineControl(abc.ABC):
         the model's complete set); returns the digest of what was loaded. ValueError
         (nothing changed) when they do not fit the served model."""
 
-    async def prepare_staged(self, path: Path, digest: str) -> str | None:
+    async def staging_refusal(self) -> str | None:
+        """Why this engine cannot prepare a version of its model while it serves, so that
+        installing it is a swap (no room for a second copy of the weights now; an engine
+        that does not prepare versions): None when it can. A refresh that stages a
+        checkpoint only to shorten the pause asks first, and installs from disk otherwise."""
+        return "this engine does not prepare a staged version while it serves"
+
+    async def prepare_staged(self, path: Path, digest: str | None,
+                             checksums: Mapping[str, str] | None = None
+                             ) -> PreparedVersion | None:
         """Work done ahead of `load_staged(path, digest)` while the engine serves, so that the
-        load inside the gated window is short; returns what was prepared (None: nothing, the
-        load does all of it)."""
+        load inside the gated window is short; what was prepared (None: nothing, the load
+        does all of it). `digest` None (only where `staging_refusal` says it can): the
+        engine reads the files at `path` once, checks each tensor as it takes it (finite,
+        its Adler-32 where `checksums` names one) and reports their digest; a bad tensor
+        raises rlfleet.weights.artifacts.ArtifactError."""
         return None
 
-    async def discard_staged(self, digest: str) -> None:
-        """Forget what `prepare_staged` kept for `digest` (its version was released)."""
+    async def discard_staged(self, path: Path) -> None:
+        """Forget what `prepare_staged` kept for the version at `path` (it was released)."""
         return None
 
     async def load_staged(self, path: Path, digest: str) -> str:

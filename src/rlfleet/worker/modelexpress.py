@@ -198,7 +198,9 @@ class ModelExpressTransfer:
         if base is not None:
             source["base"] = base
         policy = self.admin.engine.applied().policy
-        h = await self.staging.stage(version, source, applied=(policy.version, policy.digest))
+        # staged inside the pause and installed at once: no shadow, a reload in place
+        h = await self.staging.stage(version, source, applied=(policy.version, policy.digest),
+                                     prepare=False)
         await h.done.wait()
         if h.state is not StageState.READY:
             raise TransferError(f"ModelExpress version {version!r} could not be staged from "

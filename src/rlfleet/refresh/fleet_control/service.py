@@ -76,6 +76,7 @@ from rlfleet.refresh.config import OnFailure, RefreshConfig, RefreshMode, Update
 from rlfleet.refresh.control import Channel, FleetWorker, RefreshHeld, VllmControl, for_each
 from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.refresh.policy import Policy
+from rlfleet.refresh.staged import VllmStagedControl, stage_checkpoint
 from rlfleet.runtime.admin_client import AdminConnections, CallResult
 
 log = logging.getLogger("rlfleet.fleet_control")
@@ -578,18 +579,53 @@ class FleetControl:
             raise BadRequest("model_path is required: a checkpoint directory every worker "
                              "can read")
 
+        staged: VllmStagedControl | None = None
+
         async def run(s: Session) -> Outcome:
             if s.transfer_open:
                 raise FleetFailure("a weight transfer is open: finish it first", 409)
             await self._take_in_joined(s)  # a worker that joined moves with the others
-            req = DiskUpdateRequest(model_path=model_path, weight_version=version,
-                                    step=self._step(s))
-            failed = await s.timed("apply", self._fan(s, "apply", admin.UPDATE_WEIGHTS_FROM_DISK,
-                                                      req))
+            step = self._step(s)
+            if staged is None:
+                req = DiskUpdateRequest(model_path=model_path, weight_version=version, step=step)
+                failed = await s.timed("apply", self._fan(
+                    s, "apply", admin.UPDATE_WEIGHTS_FROM_DISK, req))
+            else:  # each worker: its staged handle, or from disk
+                failed = await s.timed("apply", self._install_each(s, staged, step, version))
             s.target_path = model_path
             return await self._judge(s, failed, f"update from {model_path}")
         async with self.lock:
-            return await self._in_session(mode or self.config.pause_mode.value, run)
+            if self.session is None:  # stage first, while the fleet serves
+                staged = await self._stage_first(model_path, version)
+            try:
+                return await self._in_session(mode or self.config.pause_mode.value, run)
+            finally:
+                if staged is not None:  # what no worker installed
+                    await staged.release(self.channel())
+
+    async def _stage_first(self, model_path: str, version: str | None) -> VllmStagedControl:
+        """An update with the fleet open stages the checkpoint on every worker while it
+        serves (rlfleet.refresh.staged.stage_checkpoint); the pause then holds only the swap.
+        A staging failure answers before anything is paused (FleetFailure 500)."""
+        try:
+            return await stage_checkpoint(self.config.rl_url or "", self.config.model,
+                                          self.channel(), model_path, version)
+        except RefreshHeld as e:
+            raise FleetFailure(f"update from {model_path}: {e}", 500) from e
+
+    async def _install_each(self, s: Session, staged: VllmStagedControl, step: int,
+                            version: str | None) -> list[FleetWorker]:
+        """Each participant installs what `staged` holds for it; those that failed."""
+        failed: list[FleetWorker] = []
+
+        async def one(w: FleetWorker) -> None:
+            route, req = staged.install(w, step, version)
+            res = await s.ch.on(w, "apply", route, req)
+            if not res.ok:
+                w.reason = f"{route.name} failed: {res.message}"
+                failed.append(w)
+        await self._each(s.participants(), one)
+        return failed
 
     async def transfer_init(self, init_info: dict[str, Any]) -> None:
         """Op.TRANSFER_INIT: every worker joins the trainer's group at its rank offset (the
