@@ -31,7 +31,8 @@ from rlfleet.runtime.discovery import FileDiscovery
 from rlfleet.vllm.args import parse_args
 from rlfleet.vllm.engine import VllmEngine
 from rlfleet.weights.digest import checkpoint_digest, iter_checkpoint_tensors
-from rlfleet.weights.staging import StageState, StagingArea
+from rlfleet.weights.stage_transfer import StageState
+from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.admin import EngineAdmin
 from rlfleet.worker.admission import FIELDS as ADMISSION_FIELDS
 from tests.engines import PROMPT, greedy

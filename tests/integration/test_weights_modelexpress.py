@@ -18,7 +18,8 @@ from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher
-from rlfleet.weights.staging import StageState, StagingArea
+from rlfleet.weights.stage_transfer import StageState
+from rlfleet.weights.staging import StagingArea
 from tests.modelexpress_publisher import SEED, publish_with_modelexpress
 from tests.modelexpress_reader import on_path
 

@@ -15,7 +15,8 @@ from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.testing.s3 import BUCKET
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, TrainerServer, weights_app
-from rlfleet.weights.staging import StageState, StagingArea
+from rlfleet.weights.stage_transfer import StageState
+from rlfleet.weights.staging import StagingArea
 from tests.modelexpress_reader import on_path
 
 RATE = 8e6  # bytes/s: the tiny model (39 MB) then takes ~5 s, long enough to kill a source

@@ -22,7 +22,8 @@ from rlfleet.weights.artifacts import ArtifactError
 from rlfleet.weights.catalog import Catalog, VersionState
 from rlfleet.weights.digest import checkpoint_digest, checkpoint_signature
 from rlfleet.weights.publish import TrainerServer
-from rlfleet.weights.staging import StageRequestError, StagingArea
+from rlfleet.weights.stage_transfer import StageRequestError
+from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.engine import BadRequest, UnknownAdapter
 from rlfleet.worker.lora_admin import LoraAdmin
 from rlfleet.worker.system_server import FleetFence, StaleEpoch

@@ -9,7 +9,7 @@ import pytest
 from rlfleet.protocol.admin_vllm import FanoutOrigin, PeerFanout
 from rlfleet.weights.artifacts import TensorSpec
 from rlfleet.weights.fanout import ChunkBoard, chunk_table, fanout_sources
-from rlfleet.weights.staging import StageRequestError, parse_source
+from rlfleet.weights.stage_transfer import StageRequestError, parse_source
 
 ORIGIN = FanoutOrigin(uri="s3://weights/run/v1", endpoint_url="http://s3:9000")
 URLS = [f"http://w{i}:8081" for i in range(7)]

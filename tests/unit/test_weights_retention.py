@@ -17,7 +17,8 @@ from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog, CatalogError, VersionState
 from rlfleet.weights.publish import Publisher
 from rlfleet.weights.retention import Retention, collect, journal_pins, plan
-from rlfleet.weights.staging import StageRequestError, StageState, StagingArea
+from rlfleet.weights.stage_transfer import StageRequestError, StageState
+from rlfleet.weights.staging import StagingArea
 
 
 def _tensors(step: int) -> dict[str, torch.Tensor]:

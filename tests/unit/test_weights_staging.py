@@ -16,7 +16,8 @@ from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog, CatalogError, VersionState
 from rlfleet.weights.digest import checkpoint_digest, digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.publish import Publisher, weights_app
-from rlfleet.weights.staging import StageRequestError, StageState, StagingArea
+from rlfleet.weights.stage_transfer import StageRequestError, StageState
+from rlfleet.weights.staging import StagingArea
 from rlfleet.worker.serve import staging_area
 
 
@@ -341,7 +342,7 @@ def test_staged_files_match_safetensors(tmp_path):
     """The staging buffers are laid out exactly as safetensors writes the same tensors."""
     import safetensors.torch
 
-    from rlfleet.weights.staging import StagedFiles
+    from rlfleet.weights.stage_transfer import StagedFiles
 
     tensors = {"b": torch.arange(6, dtype=torch.bfloat16), "a": torch.ones(3),
                "c": torch.zeros(2, 2, dtype=torch.float16)}
@@ -361,7 +362,7 @@ def test_staged_files_match_safetensors(tmp_path):
 
 
 def test_staging_handle_transitions():
-    from rlfleet.weights.staging import TRANSITIONS, Source, StagedVersion
+    from rlfleet.weights.stage_transfer import TRANSITIONS, Source, StagedVersion
 
     assert set(TRANSITIONS) == set(StageState) and TRANSITIONS[StageState.RELEASED] == frozenset()
     h = StagedVersion("h", "v", Source("disk", "/x", "v"), None)

@@ -397,7 +397,7 @@ HANDLE_RULE = "handle is required (the one stage_weights returned; get_staged_we
 
 class StageRequest(Request, kw_only=True, frozen=True):
     version: str  # the name of the version to stage
-    source: dict[str, Any]  # checked by rlfleet.weights.staging.parse_source
+    source: dict[str, Any]  # checked by rlfleet.weights.stage_transfer.parse_source
     digest: str | None = None  # the version's content digest, when the caller knows it
     #: stage it only where the engine prepares it while serving (installing it is then a
     #: swap); a worker that cannot answers at once with `cannot_stage` (why), and its caller

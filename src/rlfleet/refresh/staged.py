@@ -63,7 +63,7 @@ def source_digest(source: dict[str, Any], version: str) -> str:
     caller that does not know it and has no catalog to ask."""
     from rlfleet.weights import artifacts as art
     from rlfleet.weights.digest import digest_tensors
-    from rlfleet.weights.staging import open_source_storage, parse_source
+    from rlfleet.weights.stage_transfer import open_source_storage, parse_source
 
     src = parse_source(source, version)
     storage = open_source_storage(src, 60.0)

@@ -65,7 +65,7 @@ from rlfleet.protocol.sglang_admin import (
 )
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.runtime.paths import weights_path
-from rlfleet.weights.staging import CannotStage
+from rlfleet.weights.stage_transfer import CannotStage
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
 from rlfleet.worker.lora_admin import LoraAdmin, adapter_policies

@@ -56,13 +56,8 @@ from rlfleet.protocol.identity import PolicyIdentity
 from rlfleet.runtime.paths import weights_path
 from rlfleet.weights.adapters import ADAPTER_CONFIG, is_artifact, materialize_adapter
 from rlfleet.weights.artifacts import ArtifactError
-from rlfleet.weights.staging import (
-    StageRequestError,
-    StagingArea,
-    default_staging_root,
-    open_source_storage,
-    parse_source,
-)
+from rlfleet.weights.stage_transfer import StageRequestError, open_source_storage, parse_source
+from rlfleet.weights.staging import StagingArea, default_staging_root
 from rlfleet.worker.engine import AdapterState, BadRequest, EngineControl
 from rlfleet.worker.system_server import FleetFence, Route
 

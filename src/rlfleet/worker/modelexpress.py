@@ -33,7 +33,7 @@ from rlfleet.protocol.admin_base import AdminRequestError
 from rlfleet.protocol.admin_vllm import ApplyStagedRequest, NewVersionRequest
 from rlfleet.protocol.modelexpress import ModelExpressInitInfo, read_init_info, read_update_info
 from rlfleet.weights import artifacts as art
-from rlfleet.weights.staging import READ_TIMEOUT, StageState
+from rlfleet.weights.stage_transfer import READ_TIMEOUT, StageState
 
 if TYPE_CHECKING:
     from rlfleet.weights.staging import StagingArea
