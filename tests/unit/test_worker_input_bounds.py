@@ -17,7 +17,8 @@ from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
 from rlfleet.runtime.request_plane import StreamClient, WorkerError
 from rlfleet.runtime.server import bind_socket
-from rlfleet.worker.stream_server import MAX_BYTES_PER_TOKEN, WorkerPlane
+from rlfleet.worker.prompt_checks import MAX_BYTES_PER_TOKEN
+from rlfleet.worker.stream_server import WorkerPlane
 
 
 class CountingEngine(MockEngine):

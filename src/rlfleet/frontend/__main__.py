@@ -40,22 +40,9 @@ def _truthy(v: str | None) -> bool:
     return (v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def frontend_flags() -> tuple[Flag, ...]:
-    """The frontend's own flags (ServerLimits, logs and tracing add theirs); read when the
-    command line is, since some defaults come from the environment."""
+def routing_flags() -> tuple[Flag, ...]:
+    """The router's flags (rlfleet.frontend.router, rlfleet.frontend.kv)."""
     return (
-        Flag("--http-host", "127.0.0.1",
-             "bind address of the OpenAI routes and the RL listener (0.0.0.0: all)"),
-        Flag("--http-port", int(os.environ.get("DYN_HTTP_PORT", 8000)),
-             "OpenAI routes port (default: $DYN_HTTP_PORT, else 8000)"),
-        Flag("--advertise-host", None,
-             "address clients on other hosts use (default: the bind address; when bound to "
-             "0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that routes to the discovery "
-             "store)"),
-        Flag("--discovery", None,
-             "file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
-             "$ETCD_ENDPOINTS, else a per-user directory)"),
-        Flag("--namespace", os.environ.get("DYN_NAMESPACE", "dynamo")),
         Flag("--router-mode", "round-robin",
              "kv: to the worker holding the longest prefix of the prompt's token IDs (from its KV "
              "events, else from what this frontend sent it), unless overloaded",
@@ -73,6 +60,26 @@ def frontend_flags() -> tuple[Flag, ...]:
         Flag("--kv-session-ttl", DEFAULT_TTL,
              "router mode kv: seconds a session (X-Session-ID) stays bound to its worker after "
              "its last request, unless POST /finish_session releases it first"),
+    )
+
+
+def frontend_flags() -> tuple[Flag, ...]:
+    """The frontend's own flags (ServerLimits, logs and tracing add theirs); read when the
+    command line is, since some defaults come from the environment."""
+    return (
+        Flag("--http-host", "127.0.0.1",
+             "bind address of the OpenAI routes and the RL listener (0.0.0.0: all)"),
+        Flag("--http-port", int(os.environ.get("DYN_HTTP_PORT", 8000)),
+             "OpenAI routes port (default: $DYN_HTTP_PORT, else 8000)"),
+        Flag("--advertise-host", None,
+             "address clients on other hosts use (default: the bind address; when bound to "
+             "0.0.0.0: $VLLM_HOST_IP, $POD_IP, else the interface that routes to the discovery "
+             "store)"),
+        Flag("--discovery", None,
+             "file:///dir or etcd://host:port[,host:port] (default: $RLFLEET_DISCOVERY, "
+             "$ETCD_ENDPOINTS, else a per-user directory)"),
+        Flag("--namespace", os.environ.get("DYN_NAMESPACE", "dynamo")),
+        *routing_flags(),
         Flag("--gated-hold", 60.0,
              "seconds a request waits while every worker of its model is gated or off the "
              "committed policy (a policy refresh), or while none serves a policy within its "
