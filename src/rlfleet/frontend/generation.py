@@ -123,6 +123,14 @@ def served_model(request: Request, model: str | None) -> str:
                          f"({', '.join(models)})", param="model")
 
 
+async def decoded(request: Request, cls: type[BaseModel]) -> tuple[Any, str]:
+    """A generation route's start: the body as `cls`, the engine's refusals of it checked
+    (HttpError 400 naming the parameter), and the model it is for."""
+    req = await parse_body(request, cls)
+    engine_request(req.refusals)
+    return req, served_model(request, req.model)
+
+
 def engine_request(build: Callable[[], Any]) -> Any:
     """`build()`, from already validated parts; a value or combination the engine would
     refuse (say, min_tokens above max_tokens) is a 400 naming the parameter."""

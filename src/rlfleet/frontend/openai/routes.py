@@ -38,9 +38,7 @@ from rlfleet.runtime.http import json_response
 
 
 async def completions(request: Request) -> Response:
-    req: CompletionRequest = await gen.parse_body(request, CompletionRequest)
-    gen.engine_request(req.refusals)
-    model = gen.served_model(request, req.model)
+    req, model = await gen.decoded(request, CompletionRequest)
     rid = gen.request_id(request, "cmpl", req.request_id)
     prompts = req.prompts
     logprobs = req.engine_logprobs
@@ -86,9 +84,7 @@ async def completions(request: Request) -> Response:
 
 
 async def chat(request: Request) -> Response:
-    req: ChatCompletionRequest = await gen.parse_body(request, ChatCompletionRequest)
-    gen.engine_request(req.refusals)
-    model = gen.served_model(request, req.model)
+    req, model = await gen.decoded(request, ChatCompletionRequest)
     rid = gen.request_id(request, "chatcmpl", req.request_id)
     ids = req.nvext.token_data
 

@@ -66,9 +66,7 @@ from rlfleet.runtime.http import HttpError, json_response
 
 
 async def generate(request: Request) -> Response:
-    req: TokensGenerateRequest = await gen.parse_body(request, TokensGenerateRequest)
-    gen.engine_request(req.refusals)
-    model = gen.served_model(request, req.model)
+    req, model = await gen.decoded(request, TokensGenerateRequest)
     rid = gen.request_id(request, "generate", req.request_id or uuid.uuid4().hex)
     stream = bool(req.stream)
     sp = req.sampling_params
@@ -142,9 +140,7 @@ def _max_model_len(entry: dict[str, Any]) -> int:
 async def render_chat(request: Request) -> Response:
     """A chat completion request as the /inference/v1/generate request that runs it: the
     messages rendered and tokenised by a worker of the model, the sampling parameters."""
-    req: ChatCompletionRequest = await gen.parse_body(request, ChatCompletionRequest)
-    gen.engine_request(req.refusals)
-    model = gen.served_model(request, req.model)
+    req, model = await gen.decoded(request, ChatCompletionRequest)
     base = gen.request_id(request, "chatcmpl", req.request_id or uuid.uuid4().hex)
     fe = gen.frontend_of(request)
     w = await fe.pool.acquire(model)
@@ -169,9 +165,7 @@ async def render_chat(request: Request) -> Response:
 async def render_completion(request: Request) -> Response:
     """A completion request as the /inference/v1/generate requests that run it, one per
     prompt: text prompts tokenised by a worker of the model."""
-    req: CompletionRequest = await gen.parse_body(request, CompletionRequest)
-    gen.engine_request(req.refusals)
-    model = gen.served_model(request, req.model)
+    req, model = await gen.decoded(request, CompletionRequest)
     base = "cmpl-" + gen.request_id(request, "cmpl", req.request_id or uuid.uuid4().hex)
     fe = gen.frontend_of(request)
     w = await fe.pool.acquire(model)
