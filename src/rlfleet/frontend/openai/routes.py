@@ -37,6 +37,19 @@ from rlfleet.protocol.openai import (
 from rlfleet.runtime.http import json_response
 
 
+async def input_tokens(request: Request) -> Response:
+    """An estimate for preflight: the chat rendering of `input` (and the tools as JSON)
+    counted by a worker's tokenizer."""
+    req: InputTokensRequest = await gen.parse_body(request, InputTokensRequest)
+    fe = gen.frontend_of(request)
+    w = await fe.pool.acquire(gen.served_model(request, req.model))
+    n = (await fe.client.tokenize(w.address, TokenizeRequest(messages=req.messages()))).count
+    if req.tools:
+        n += (await fe.client.tokenize(w.address,
+                                       TokenizeRequest(prompt=json.dumps(req.tools)))).count
+    return json_response(InputTokens(input_tokens=n))
+
+
 async def completions(request: Request) -> Response:
     req, model = await gen.decoded(request, CompletionRequest)
     rid = gen.request_id(request, "cmpl", req.request_id)
@@ -116,19 +129,6 @@ async def chat(request: Request) -> Response:
         if last is not None:
             yield gen.sse(last)
     return call.stream(chunks())
-
-
-async def input_tokens(request: Request) -> Response:
-    """An estimate for preflight: the chat rendering of `input` (and the tools as JSON)
-    counted by a worker's tokenizer."""
-    req: InputTokensRequest = await gen.parse_body(request, InputTokensRequest)
-    fe = gen.frontend_of(request)
-    w = await fe.pool.acquire(gen.served_model(request, req.model))
-    n = (await fe.client.tokenize(w.address, TokenizeRequest(messages=req.messages()))).count
-    if req.tools:
-        n += (await fe.client.tokenize(w.address,
-                                       TokenizeRequest(prompt=json.dumps(req.tools)))).count
-    return json_response(InputTokens(input_tokens=n))
 
 
 router = Router(routes=[
