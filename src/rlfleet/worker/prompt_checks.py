@@ -8,17 +8,23 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from concurrent.futures import Executor
+from typing import Protocol
 
 import msgspec
 
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
-from rlfleet.worker.engine import BadRequest
-
-if TYPE_CHECKING:
-    from rlfleet.worker.stream_server import WorkerPlane
+from rlfleet.worker.engine import BadRequest, Engine
 
 _json = msgspec.json.Encoder()
+
+
+class WorkerPlane(Protocol):
+    """What the checks read of the plane that runs them (rlfleet.worker.stream_server's)."""
+
+    engine: Engine
+    tokenizer_thread: Executor
+    trust_request_chat_template: bool
 
 
 # No token is longer than this many UTF-8 bytes in any vocabulary we serve: a text longer
