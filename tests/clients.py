@@ -334,6 +334,22 @@ def wait_in_flight(url: str, count: int = 1, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+SKYRL_PROMPT = "The capital of France is"
+SKYRL_MESSAGES = [{"role": "user", "content": "Say something about Paris."}]
+
+
+@dataclasses.dataclass
+class SkyrlTarget:
+    """A fleet as SkyRL's client (0.3.0 and 0.4.0 alike) is pointed at it."""
+
+    kind: str  # "mocker" | "vllm"
+    url: str  # the frontend: SkyRL's proxy_url
+    rl_url: str
+    model: str
+    long: int  # max_tokens of a request that is surely in flight when the pause lands
+    adapter: Path | None  # a LoRA adapter the workers can load (None: LoRA not enabled)
+
+
 async def skyrl_pause_keep(client, keep: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """A SkyRL client's `generate(body)` in flight at frontend `url`; its pause (`keep`, its
     PauseMode.KEEP) on every server; whether the request stayed frozen while every server

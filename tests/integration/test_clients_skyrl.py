@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import httpx
@@ -31,48 +29,36 @@ from tests import clients
 from tests.clients import (
     LOGPROB_TOL,
     LORA_FLAGS,
+    SKYRL_MESSAGES,
+    SKYRL_PROMPT,
+    SkyrlTarget,
     admin_urls,
     fleet_answer,
     skyrl_pause_keep,
 )
 from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args
 
-PROMPT = "The capital of France is"
-MESSAGES = [{"role": "user", "content": "Say something about Paris."}]
-
-
-@dataclass
-class Target:
-    """A fleet as SkyRL is pointed at it."""
-
-    kind: str  # "mocker" | "vllm"
-    url: str  # the frontend: SkyRL's proxy_url
-    rl_url: str
-    model: str
-    long: int  # max_tokens of a request that is surely in flight when the pause lands
-    adapter: Path | None  # a LoRA adapter the workers can load (None: LoRA not enabled)
-
 
 @pytest.fixture(scope="module")
-def mock_fleet(tmp_path_factory, start_module_fleet) -> Target:
+def mock_fleet(tmp_path_factory, start_module_fleet) -> SkyrlTarget:
     root = tmp_path_factory.mktemp("skyrl-mock")
     adapter = make_adapter(root / "a1", rank=4, seed=1)
     # 10 ms a token: a 400-token request is in flight for seconds
     args = mock_args(root, *LORA_FLAGS, "--token-delay", "0.01")
     f = start_module_fleet([args] * 2, model=RL_MOCK_MODEL, enable_rl=True,
                            frontend_env=RL_PROBE_ENV)
-    return Target("mocker", f.url, f.rl_url, RL_MOCK_MODEL, 400, adapter)
+    return SkyrlTarget("mocker", f.url, f.rl_url, RL_MOCK_MODEL, 400, adapter)
 
 
 @pytest.fixture(scope="module", params=["mocker", pytest.param("vllm", marks=pytest.mark.engine)])
-def target(request) -> Target:
+def target(request) -> SkyrlTarget:
     if request.param == "mocker":
         return request.getfixturevalue("mock_fleet")
     f = request.getfixturevalue("vllm_fleet")
-    return Target("vllm", f.url, f.rl_url, MODEL_NAME, 1500, None)
+    return SkyrlTarget("vllm", f.url, f.rl_url, MODEL_NAME, 1500, None)
 
 
-def make_client(target: Target):
+def make_client(target: SkyrlTarget):
     """A RemoteInferenceClient for `target` (no local tokenizer: SkyRL's HTTP paths)."""
     mod = clients.skyrl()
     client = mod.RemoteInferenceClient(proxy_url=target.url, server_urls=admin_urls(target.rl_url),
@@ -82,23 +68,23 @@ def make_client(target: Target):
 
 
 @pytest.fixture
-def skyrl(target: Target) -> Iterator:
+def skyrl(target: SkyrlTarget) -> Iterator:
     client = make_client(target)
     yield client
     asyncio.run(client.teardown())
 
 
 @pytest.fixture
-def lora_target(request, target: Target) -> Target:
+def lora_target(request, target: SkyrlTarget) -> SkyrlTarget:
     """`target` where its workers take adapters; for vLLM, a worker with LoRA enabled."""
     if target.adapter is not None:
         return target
     f = request.getfixturevalue("lora_vllm_fleet")
-    return Target("vllm", f.url, f.rl_url, MODEL_NAME, 0, f.adapter)
+    return SkyrlTarget("vllm", f.url, f.rl_url, MODEL_NAME, 0, f.adapter)
 
 
 @pytest.fixture
-def lora_skyrl(lora_target: Target) -> Iterator:
+def lora_skyrl(lora_target: SkyrlTarget) -> Iterator:
     client = make_client(lora_target)
     yield client
     asyncio.run(client.teardown())
@@ -136,17 +122,17 @@ def call(client, name: str, *args, **kw):
     return run(_call(client, name, *args, **kw))
 
 
-def test_tokenize_and_detokenize_are_the_fleets(skyrl, target: Target) -> None:
-    ref = fleet_answer(target.url, target.model, PROMPT, 4)
-    assert call(skyrl, "tokenize", [PROMPT]) == [ref.prompt_ids]
-    without = call(skyrl, "tokenize", [PROMPT], add_special_tokens=False)
+def test_tokenize_and_detokenize_are_the_fleets(skyrl, target: SkyrlTarget) -> None:
+    ref = fleet_answer(target.url, target.model, SKYRL_PROMPT, 4)
+    assert call(skyrl, "tokenize", [SKYRL_PROMPT]) == [ref.prompt_ids]
+    without = call(skyrl, "tokenize", [SKYRL_PROMPT], add_special_tokens=False)
     assert without[0] == ref.prompt_ids[len(ref.prompt_ids) - len(without[0]):]
     assert call(skyrl, "detokenize", [ref.ids]) == [ref.text]
 
 
-def test_generate_token_ids_and_logprobs_equal_the_fleets(skyrl, target: Target) -> None:
+def test_generate_token_ids_and_logprobs_equal_the_fleets(skyrl, target: SkyrlTarget) -> None:
     prompts = [fleet_answer(target.url, target.model, p, 1).prompt_ids
-               for p in (PROMPT, "Once upon a time")]
+               for p in (SKYRL_PROMPT, "Once upon a time")]
     refs = [fleet_answer(target.url, target.model, p, 12) for p in prompts]
     out = generate(skyrl, prompts, 12)
     assert out["response_ids"] == [r.ids for r in refs]
@@ -156,15 +142,15 @@ def test_generate_token_ids_and_logprobs_equal_the_fleets(skyrl, target: Target)
     assert out["responses"] == [r.text for r in refs]  # through /detokenize
 
 
-def test_completion_and_chat(skyrl, target: Target) -> None:
-    ref = fleet_answer(target.url, target.model, PROMPT, 8)
-    body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+def test_completion_and_chat(skyrl, target: SkyrlTarget) -> None:
+    ref = fleet_answer(target.url, target.model, SKYRL_PROMPT, 8)
+    body = {"prompt": SKYRL_PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logprobs": 0, "session_id": "s1"}
     got = call(skyrl, "completion", {"json": body})
     assert got["choices"][0]["text"] == ref.text
     assert got["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs,
                                                                              abs=LOGPROB_TOL)
-    chat = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+    chat = {"messages": SKYRL_MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "logprobs": True, "nvext": {"extra_fields": ["completion_token_ids"]}}
     got = call(skyrl, "chat_completion", {"json": dict(chat)})
     assert got["model"] == target.model
@@ -177,14 +163,14 @@ def test_completion_and_chat(skyrl, target: Target) -> None:
                              abs=LOGPROB_TOL))
 
 
-def test_world_size_and_reset_prefix_cache(skyrl, target: Target) -> None:
+def test_world_size_and_reset_prefix_cache(skyrl, target: SkyrlTarget) -> None:
     servers = skyrl.server_urls
     assert call(skyrl, "get_world_size") == (len(servers), 1)
     out = call(skyrl, "reset_prefix_cache")
     assert sorted(out) == servers and all(r["status"] == 200 for r in out.values())
 
 
-async def _pause_keep_then_resume(client, target: Target, prompt: list[int]) -> dict:
+async def _pause_keep_then_resume(client, target: SkyrlTarget, prompt: list[int]) -> dict:
     """A generate in flight; SkyRL's pause (keep) on every server; the request is frozen,
     the servers say they are paused; resume; the request finishes whole."""
     try:
@@ -196,8 +182,8 @@ async def _pause_keep_then_resume(client, target: Target, prompt: list[int]) -> 
         await client.teardown()
 
 
-def test_pause_keep_with_a_request_in_flight_then_resume(skyrl, target: Target) -> None:
-    prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
+def test_pause_keep_with_a_request_in_flight_then_resume(skyrl, target: SkyrlTarget) -> None:
+    prompt = fleet_answer(target.url, target.model, SKYRL_PROMPT, 1).prompt_ids
     r = run(_pause_keep_then_resume(skyrl, target, prompt))
     servers = skyrl.server_urls
     assert sorted(r["paused"]) == servers and all(v["status"] == 200 for v in r["paused"].values())
@@ -213,7 +199,7 @@ def test_pause_keep_with_a_request_in_flight_then_resume(skyrl, target: Target) 
     assert all(v["body"]["is_paused"] is False for v in after.values())
 
 
-def lora_round_trip(skyrl, target: Target, load) -> None:
+def lora_round_trip(skyrl, target: SkyrlTarget, load) -> None:
     """`load()` puts the adapter on every server as `skyrl-lora`; then SkyRL generates with
     it (its tokens equal the fleet's own for that adapter), unloads it on every server, and
     a generate naming it is refused."""
@@ -221,7 +207,7 @@ def lora_round_trip(skyrl, target: Target, load) -> None:
     assert sorted(loaded) == skyrl.server_urls
     assert all(v["status"] == 200 for v in loaded.values()), loaded
     try:
-        prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
+        prompt = fleet_answer(target.url, target.model, SKYRL_PROMPT, 1).prompt_ids
         ref = fleet_answer(target.url, "skyrl-lora", prompt, 8)
         base = fleet_answer(target.url, target.model, prompt, 8)
         assert ref.ids != base.ids  # the adapter is another policy
@@ -236,13 +222,13 @@ def lora_round_trip(skyrl, target: Target, load) -> None:
     assert e.value.status in (400, 404)
 
 
-def test_lora_load_through_skyrls_route(lora_skyrl, lora_target: Target) -> None:
+def test_lora_load_through_skyrls_route(lora_skyrl, lora_target: SkyrlTarget) -> None:
     """SkyRL 0.3.0's own load_lora_adapter: `/skyrl/v1/load_lora_adapter` on every server."""
     lora_round_trip(lora_skyrl, lora_target, lambda: call(
         lora_skyrl, "load_lora_adapter", "skyrl-lora", str(lora_target.adapter)))
 
 
-def test_lora_load_through_vllms_route(lora_skyrl, lora_target: Target) -> None:
+def test_lora_load_through_vllms_route(lora_skyrl, lora_target: SkyrlTarget) -> None:
     """The load SkyRL goes back to once vLLM's fix is released (its TODO): vLLM's
     `/v1/load_lora_adapter` on every server, which answers plain text on success (why SkyRL
     reads it as text, not through `_call_server`)."""

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -41,6 +39,9 @@ from tests import clients
 from tests.clients import (
     LOGPROB_TOL,
     LORA_FLAGS,
+    SKYRL_MESSAGES,
+    SKYRL_PROMPT,
+    SkyrlTarget,
     admin_urls,
     fleet_answer,
     one_url,
@@ -48,20 +49,10 @@ from tests.clients import (
 )
 from tests.fleets import MODEL_NAME, RL_MOCK_MODEL, RL_PROBE_ENV, mock_args, wait_for_workers
 
-PROMPT = "The capital of France is"
-MESSAGES = [{"role": "user", "content": "Say something about Paris."}]
 DEADLINE = 600.0  # SkyRL's session has no timeout of its own
 EXPERTS = (2, 8, 2)  # the mocker's simulated MoE: layers, experts, top-k
 
 
-@dataclass
-class Target:
-    kind: str  # "mocker" | "vllm"
-    url: str  # the frontend: SkyRL's proxy_url
-    rl_url: str
-    model: str
-    long: int  # max_tokens of a request surely in flight when the pause lands
-    adapter: Path | None  # a LoRA adapter the workers take (None: not enabled)
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +69,19 @@ def mock_fleet(tmp_path_factory, start_module_fleet):
                      f"{layers}x{experts}x{topk}")
     f = start_module_fleet([args] * 2, model=RL_MOCK_MODEL, enable_rl=True,
                            frontend_env=RL_PROBE_ENV)
-    f.target = Target("mocker", f.url, f.rl_url, RL_MOCK_MODEL, 400, adapter)
+    f.target = SkyrlTarget("mocker", f.url, f.rl_url, RL_MOCK_MODEL, 400, adapter)
     return f
 
 
 @pytest.fixture(scope="module", params=["mocker", pytest.param("vllm", marks=pytest.mark.engine)])
-def target(request) -> Target:
+def target(request) -> SkyrlTarget:
     if request.param == "mocker":
         return request.getfixturevalue("mock_fleet").target
     f = request.getfixturevalue("vllm_fleet")
-    return Target("vllm", f.url, f.rl_url, MODEL_NAME, 1500, None)
+    return SkyrlTarget("vllm", f.url, f.rl_url, MODEL_NAME, 1500, None)
 
 
-def client_of(skyrl04, target: Target, servers: list[str] | None = None, **kw):
+def client_of(skyrl04, target: SkyrlTarget, servers: list[str] | None = None, **kw):
     return skyrl04.client.RemoteInferenceClient(
         proxy_url=target.url, server_urls=servers or admin_urls(target.rl_url),
         data_parallel_size=1, model_name=target.model, **kw)
@@ -110,10 +101,10 @@ def greedy(max_tokens: int) -> dict[str, Any]:
     return {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
 
 
-def test_generate_and_tokenize_equal_the_fleets(skyrl04, target: Target) -> None:
+def test_generate_and_tokenize_equal_the_fleets(skyrl04, target: SkyrlTarget) -> None:
     client = client_of(skyrl04, target)
-    ref = fleet_answer(target.url, target.model, PROMPT, 12)
-    assert run(client, lambda c: c.tokenize([PROMPT])) == [ref.prompt_ids]
+    ref = fleet_answer(target.url, target.model, SKYRL_PROMPT, 12)
+    assert run(client, lambda c: c.tokenize([SKYRL_PROMPT])) == [ref.prompt_ids]
     out = run(client, lambda c: c.generate({"prompt_token_ids": [ref.prompt_ids],
                                             "sampling_params": greedy(12)}))
     assert out["response_ids"] == [ref.ids] and out["stop_reasons"] == ["length"]
@@ -121,20 +112,20 @@ def test_generate_and_tokenize_equal_the_fleets(skyrl04, target: Target) -> None
     assert out["responses"] == [ref.text]  # through /detokenize
 
 
-def test_render_chat_completion_is_the_chats_prompt(skyrl04, target: Target) -> None:
+def test_render_chat_completion_is_the_chats_prompt(skyrl04, target: SkyrlTarget) -> None:
     client = client_of(skyrl04, target)
-    rendered = run(client, lambda c: c.render_chat_completion({"json": {"messages": MESSAGES}}))
+    rendered = run(client, lambda c: c.render_chat_completion({"json": {"messages": SKYRL_MESSAGES}}))
     chat = httpx.post(f"{target.url}/v1/chat/completions", timeout=120, json={
-        "model": target.model, "messages": MESSAGES, "max_tokens": 1,
+        "model": target.model, "messages": SKYRL_MESSAGES, "max_tokens": 1,
         "nvext": {"extra_fields": ["prompt_token_ids"]}}).json()
     [one] = rendered if isinstance(rendered, list) else [rendered]
     assert one["token_ids"] == chat["nvext"]["prompt_token_ids"]
     assert one["model"] == target.model
 
 
-def pause_keep_round_trip(skyrl04, target: Target, servers: list[str] | None = None) -> None:
+def pause_keep_round_trip(skyrl04, target: SkyrlTarget, servers: list[str] | None = None) -> None:
     client = client_of(skyrl04, target, servers)
-    prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
+    prompt = fleet_answer(target.url, target.model, SKYRL_PROMPT, 1).prompt_ids
     r = run(client, lambda c: skyrl_pause_keep(
         c, skyrl04.client.PauseMode.KEEP, target.url,
         {"prompt_token_ids": [prompt], "sampling_params": greedy(target.long)}))
@@ -146,25 +137,25 @@ def pause_keep_round_trip(skyrl04, target: Target, servers: list[str] | None = N
     assert r["out"]["response_logprobs"][0] == pytest.approx(ref.logprobs, abs=LOGPROB_TOL)
 
 
-def test_pause_keep_with_a_request_in_flight_then_resume(skyrl04, target: Target) -> None:
+def test_pause_keep_with_a_request_in_flight_then_resume(skyrl04, target: SkyrlTarget) -> None:
     pause_keep_round_trip(skyrl04, target)
 
 
 @pytest.fixture
-def lora_target(request, target: Target) -> Target:
+def lora_target(request, target: SkyrlTarget) -> SkyrlTarget:
     if target.adapter is not None:
         return target
     f = request.getfixturevalue("lora_vllm_fleet")
-    return Target("vllm", f.url, f.rl_url, MODEL_NAME, 0, f.adapter)
+    return SkyrlTarget("vllm", f.url, f.rl_url, MODEL_NAME, 0, f.adapter)
 
 
-def test_lora_load_generate_and_unload(skyrl04, lora_target: Target) -> None:
+def test_lora_load_generate_and_unload(skyrl04, lora_target: SkyrlTarget) -> None:
     target = lora_target
     client = client_of(skyrl04, target)
     loaded = run(client, lambda c: c.load_lora_adapter("skyrl04-lora", str(target.adapter)))
     assert all(v["status"] == 200 for v in loaded.values()), loaded
     try:
-        prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
+        prompt = fleet_answer(target.url, target.model, SKYRL_PROMPT, 1).prompt_ids
         ref = fleet_answer(target.url, "skyrl04-lora", prompt, 8)
         assert ref.ids != fleet_answer(target.url, target.model, prompt, 8).ids
         out = run(client, lambda c: c.generate({"prompt_token_ids": [prompt],
@@ -184,7 +175,7 @@ def test_routed_experts_through_skyrls_packed_route(skyrl04, mock_fleet) -> None
     decodes the packed array, equal to what vLLM's route answers for the same request."""
     target = mock_fleet.target
     client = client_of(skyrl04, target, enable_return_routed_experts=True)
-    prompt = fleet_answer(target.url, target.model, PROMPT, 1).prompt_ids
+    prompt = fleet_answer(target.url, target.model, SKYRL_PROMPT, 1).prompt_ids
     gen = client._get_generate_client()
     got = run(client, lambda c: gen.generate(
         prompt_token_ids=prompt, sampling_params=greedy(6), session_id=None,
@@ -217,7 +208,7 @@ def test_sessions_are_kept_then_released_by_finish_session(skyrl04, mock_fleet) 
         def bound() -> dict[int, int]:
             h = httpx.get(f"{url}/health", timeout=10).json()
             return {w["instance_id"]: w["kv"]["sessions"] for w in h["workers"]}
-        client = client_of(skyrl04, Target("mocker", url, mock_fleet.rl_url, RL_MOCK_MODEL,
+        client = client_of(skyrl04, SkyrlTarget("mocker", url, mock_fleet.rl_url, RL_MOCK_MODEL,
                                            0, None))
         prompts = [list(range(1000, 1040)), list(range(2000, 2040))]  # nothing in common
         batch = {"prompt_token_ids": prompts, "session_ids": ["ep-a", "ep-b"],
@@ -238,7 +229,7 @@ def test_sessions_are_kept_then_released_by_finish_session(skyrl04, mock_fleet) 
         mock_fleet.procs.remove(fe)
 
 
-def test_fetch_weights_is_refused_by_name_with_what_to_call(skyrl04, target: Target) -> None:
+def test_fetch_weights_is_refused_by_name_with_what_to_call(skyrl04, target: SkyrlTarget) -> None:
     client = client_of(skyrl04, target)
     with pytest.raises(aiohttp.ClientResponseError) as e:
         run(client, lambda c: c.fetch_weights(3, sync_dir="/tmp/skyrl-sync"))
@@ -247,11 +238,11 @@ def test_fetch_weights_is_refused_by_name_with_what_to_call(skyrl04, target: Tar
     assert "stage_weights" in said["error"] and "SkyRL's own format" in said["error"]
 
 
-def test_the_trainer_side_weight_sync_client_without_nccl(skyrl04, target: Target) -> None:
+def test_the_trainer_side_weight_sync_client_without_nccl(skyrl04, target: SkyrlTarget) -> None:
     cp = skyrl04.control_plane
     servers = admin_urls(target.rl_url)
     sync = cp.SkyrlWeightSyncClient(servers, 1, init_payload_fn=cp.nccl_init_payloads)
-    before = fleet_answer(target.url, target.model, PROMPT, 6)
+    before = fleet_answer(target.url, target.model, SKYRL_PROMPT, 6)
     try:
         sync.pause_generation()
         assert all(httpx.get(f"{u}/is_paused").json()["is_paused"] for u in servers)
@@ -269,18 +260,18 @@ def test_the_trainer_side_weight_sync_client_without_nccl(skyrl04, target: Targe
         sync.resume_generation()
         sync.close()
     assert not any(httpx.get(f"{u}/is_paused").json()["is_paused"] for u in servers)
-    after = fleet_answer(target.url, target.model, PROMPT, 6)
+    after = fleet_answer(target.url, target.model, SKYRL_PROMPT, 6)
     assert after.ids == before.ids
 
 
 @pytest.fixture(scope="module")
-def one(request, target: Target, tmp_path_factory) -> Iterator[Target]:
+def one(request, target: SkyrlTarget, tmp_path_factory) -> Iterator[SkyrlTarget]:
     fleet = request.getfixturevalue("mock_fleet" if target.kind == "mocker" else "vllm_fleet")
     with one_url(fleet, target.model, tmp_path_factory.mktemp(f"skyrl04-{target.kind}")) as u:
-        yield Target(target.kind, u.url, u.rl_url, target.model, target.long, None)
+        yield SkyrlTarget(target.kind, u.url, u.rl_url, target.model, target.long, None)
 
 
-def test_the_one_server_variant(skyrl04, one: Target) -> None:
+def test_the_one_server_variant(skyrl04, one: SkyrlTarget) -> None:
     """server_urls = [proxy_url]: the control calls reach the whole fleet."""
     pause_keep_round_trip(skyrl04, one, [one.url])
     client = client_of(skyrl04, one, [one.url])
