@@ -20,10 +20,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from rlfleet.frontend.router import rank
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.refresh.coordinator import PolicyRefresh
 from tests.fleets import RL_PROBE_ENV
@@ -338,7 +340,12 @@ def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
         assert time.monotonic() < deadline
         time.sleep(0.2)
     reference = completion(fleet, "ref-1").json()["choices"][0]["text"]
-    ids = [f"kill-{i}" for i in range(8)]
+    # a request with an X-Request-Id goes to the worker its ID ranks first (rendezvous
+    # hashing over instance IDs, random each run): three of the eight rank the victim first
+    live = [SimpleNamespace(instance_id=i) for i in usable(fleet)]
+    on_victim = [rid for rid in (f"kill-{i}" for i in range(1000))
+                 if rank(rid, live)[0].instance_id == iid]
+    ids = on_victim[:3] + [f"kill-{i}" for i in range(1000, 1005)]
     with ThreadPoolExecutor(8) as pool:
         begun = threading.Semaphore(0)
         futures = [pool.submit(streamed, fleet, rid, 400, begun) for rid in ids]
