@@ -27,9 +27,10 @@ VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager"
 MODEL_NAME = "tiny"  # what the session's vLLM fleet serves tiny_model as
 # the session vLLM fleet's lease TTL (seconds). A worker whose lease lapses re-joins gated
 # (the safety rule for a worker that may have missed a refresh), which would leave every
-# later module of the fleet a worker short: on a loaded 2-core box an etcd keep-alive has
-# stalled for over 3 s (both workers at once), so the lease leaves room for that
-VLLM_FLEET_LEASE = 8.0
+# later module of the fleet a worker short: on a loaded 2-core box the whole machine has
+# stalled for ~12 s (etcd keep-alives of both workers and the frontend's reads timed out at
+# once), so the lease leaves room for that
+VLLM_FLEET_LEASE = 20.0
 # the frontend's timeout for asking a worker on the RL listener's behalf: short, so that a
 # hung worker is listed with an error quickly
 RL_PROBE_ENV = {"DYN_RL_REQUEST_TIMEOUT_SECS": "2"}

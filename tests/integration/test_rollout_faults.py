@@ -1,4 +1,4 @@
-"""2,000 samples through RolloutClient while faults are injected, against a frontend and
+"""1,000 samples through RolloutClient while faults are injected, against a frontend and
 three mocker workers (the declared simulator: this is a load and fault test, not a claim
 about real-engine behaviour).
 
@@ -34,7 +34,7 @@ from rlfleet.rl import (
 )
 
 MODEL = "mock-model"
-SAMPLES = 2000
+SAMPLES = 1000
 CONCURRENCY = 64
 WORKER_FLAGS = ("--token-delay", "0.004", "--token-delay-jitter", "0.012")
 
@@ -106,7 +106,7 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
             victim.signal(signal.SIGKILL)
 
         t0 = time.monotonic()
-        async with asyncio.timeout(120):
+        async with asyncio.timeout(300):  # a bound, not a timing: loaded CI machines
             killer = asyncio.create_task(kill_a_worker())
             await asyncio.gather(*(one(sid, plan[sid]["drop_after"] is not None)
                                    for sid in prompts))
@@ -146,7 +146,13 @@ async def test_every_sample_is_admitted_at_most_once_through_faults(fleet, tmp_p
         # the faults happened
         reasons = Counter(r.reason.split(":")[0] for r in records if r.reason)
         assert reasons["timeout"] > 0 and reasons["cancelled"] > 0, reasons
-        assert reasons["stream_error"] + reasons["http"] + reasons["transport"] > 0, reasons
+        # the kill broke requests under way: the client saw some fail, or the frontend moved
+        # them to another worker (those of which nothing had reached the client yet)
+        metrics = httpx.get(f"{fleet.url}/metrics", timeout=10).text.splitlines()
+        moved = sum(float(line.rsplit(" ", 1)[1]) for line in metrics
+                    if line.startswith("rlfleet_frontend_worker_errors_total{"))
+        assert reasons["stream_error"] + reasons["http"] + reasons["transport"] + moved > 0, \
+            (reasons, moved)
         print(f"\n{SAMPLES} samples in {elapsed:.1f}s: {len(got)} admitted, {len(failed)} "
               f"failed; attempts {len(records)}; reasons {dict(reasons)}; resumed "
               f"{sum(len(set(s.completion.token_attempts)) > 1 for s in received)}")

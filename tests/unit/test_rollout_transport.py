@@ -91,3 +91,27 @@ def test_the_client_keeps_httpx_default_transport_under_an_environment_proxy(mon
         monkeypatch.delenv(name, raising=False)
         monkeypatch.delenv(name.lower(), raising=False)
     assert asyncio.run(transports()) == [ShardedTransport, httpx.AsyncHTTPTransport]
+
+
+def test_a_request_cancelled_before_its_response_retires_its_pool():
+    """httpcore may keep, unusable, the connection it was opening for a request cancelled
+    before its response: that pool takes no new request, the requests under way on it end
+    as usual, and its transport (every connection) is closed after the last of them."""
+    t = ShardedTransport(max_connections=8, per_pool=2)
+
+    async def body(http: httpx.AsyncClient, url: str, accepted: list[int]) -> None:
+        dropped = asyncio.ensure_future(http.get(f"{url}/dropped"))
+        await asyncio.sleep(0.05)
+        first = t.pools[0]
+        under_way = asyncio.ensure_future(http.get(f"{url}/under-way"))  # the same pool
+        await asyncio.sleep(0.05)
+        assert first.active == 2
+        dropped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        assert first.retired and first not in t.pools
+        assert (await under_way).text == "/under-way"
+        assert first.active == 0 and not first.transport._pool.connections  # closed
+        after = await http.get(f"{url}/after")
+        assert after.text == "/after" and t.pools[0] is not first
+    _against_server(0.3, t, body)

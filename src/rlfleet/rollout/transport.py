@@ -8,10 +8,18 @@ for thousands of such checks per request, about a third of its process's CPU per
 `ShardedTransport` keeps the same connections in pools of at most `per_pool`, each an
 `httpx.AsyncHTTPTransport`; a request goes to the pool with the fewest requests in flight
 (a new pool while every pool is full, up to `max_connections` in all), so each request's
-checks see a few connections, not all of them. What a request sends and gets is httpx's."""
+checks see a few connections, not all of them. What a request sends and gets is httpx's.
+
+A request cancelled before its response began (the trainer dropped it, an attempt timed
+out) can leave httpcore 1.0 holding the connection it was opening for it, CONNECTING or
+NEW, never released: a pool of a few connections is then full for good and the requests
+sent to it wait forever (seen under load: samples failing on three 10 s timeouts in a row
+while the frontend stood idle). Such a pool is retired: no request goes to it any more, and
+its transport (every connection, the stuck ones too) is closed once its last response is."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import urllib.request
 from collections.abc import AsyncIterator
@@ -29,11 +37,18 @@ def env_proxies() -> bool:
 
 
 class _Pool:
-    __slots__ = ("transport", "active")
+    __slots__ = ("transport", "active", "retired")
 
     def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
         self.transport = transport
         self.active = 0  # requests whose response is not closed yet
+        self.retired = False  # takes no request; closed once `active` is 0
+
+    async def release(self) -> None:
+        """A request's response is closed (or it never got one)."""
+        self.active -= 1
+        if self.retired and not self.active:
+            await self.transport.aclose()
 
 
 class _Counted(httpx.AsyncByteStream):
@@ -53,8 +68,10 @@ class _Counted(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         stream, self.stream = self.stream, None
         if stream is not None:
-            self.pool.active -= 1
-            await stream.aclose()
+            try:
+                await stream.aclose()
+            finally:
+                await self.pool.release()
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -69,6 +86,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         self.max_pools = math.ceil(max_connections / self.per_pool)
         self.options = options
         self.pools: list[_Pool] = []
+        self._closing: set[asyncio.Task] = set()  # retired pools being closed
 
     def _pool(self) -> _Pool:
         pools = self.pools
@@ -86,13 +104,29 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         pool.active += 1
         try:
             response = await pool.transport.handle_async_request(request)
+        except asyncio.CancelledError:
+            # httpcore may keep the connection it was opening for this request, unusable
+            self._retire(pool)
+            raise
         except BaseException:
             pool.active -= 1
             raise
         response.stream = _Counted(response.stream, pool)  # type: ignore[arg-type]
         return response
 
+    def _retire(self, pool: _Pool) -> None:
+        """`pool` (one of its requests was cancelled) takes no new request; its transport is
+        closed once its last response is (here, in the background, if that was the one)."""
+        if not pool.retired:
+            pool.retired = True
+            self.pools.remove(pool)
+        task = asyncio.ensure_future(pool.release())  # not awaited: the caller is cancelled
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
     async def aclose(self) -> None:
         pools, self.pools = self.pools, []
         for p in pools:
             await p.transport.aclose()
+        if self._closing:
+            await asyncio.wait(self._closing)
