@@ -144,55 +144,10 @@ class Shadow:
         self.seconds = time.perf_counter() - t0
 
     def _tree(self) -> torch.nn.Module:
-        from vllm.model_executor.model_loader.reload import layerwise, meta
-
-        tensors: dict[int, torch.Tensor] = {}
-        modules: dict[int, torch.nn.Module] = {}
-
-        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if id(t) not in tensors:
-                if isinstance(t, torch.nn.Parameter):
-                    c = torch.nn.Parameter(t.data.clone(), requires_grad=False)
-                    c.__dict__.update(t.__dict__)
-                else:
-                    c = t.clone()
-                tensors[id(t)] = c
-            return tensors[id(t)]
-
-        def metadata(ts: dict[str, torch.Tensor], live: torch.nn.Module,
-                     twin: torch.nn.Module) -> dict[str, torch.Tensor]:
-            out = {}
-            for name, t in ts.items():
-                m = meta.to_meta_tensor(t)
-                if layerwise._get_weight_loader(m).__name__ == "online_process_loader":
-                    m.weight_loader = layerwise._get_original_loader(m)
-                for k, v in list(m.__dict__.items()):
-                    if isinstance(v, MethodType) and v.__self__ is live:
-                        m.__dict__[k] = v.__func__.__get__(twin)
-                out[name] = m
-            return out
-
-        def module(m: torch.nn.Module) -> torch.nn.Module:
-            if id(m) in modules:
-                return modules[id(m)]
-            s = copy.copy(m)
-            modules[id(m)] = s
-            self._pairs.append((m, s))
-            s.__dict__["_parameters"] = {k: tensor(p) for k, p in m._parameters.items()}
-            s.__dict__["_buffers"] = {k: tensor(b) for k, b in m._buffers.items()}
-            s.__dict__["_modules"] = {k: None if c is None else module(c)
-                                      for k, c in m._modules.items()}
-            info = layerwise.LAYERWISE_INFO.get(m)
-            if info is not None:
-                twin = layerwise.get_layerwise_info(s)
-                params, buffers = info.restore_metadata
-                twin.restore_metadata = (metadata(params, m, s), metadata(buffers, m, s))
-                twin.restore_device = info.restore_device
-            return s
-
-        return module(self.model)
+        twins = _Twins()
+        root = twins.module(self.model)
+        self._pairs = twins.pairs
+        return root
 
     def swap(self) -> None:
         """Install the shadow's processed state into the live model (the engine paused)."""
@@ -231,9 +186,73 @@ class Shadow:
             return  # the build discards it when it ends
         for _, s in self._pairs:
             layerwise.LAYERWISE_INFO.pop(s, None)
-            for table in _OWN[:3]:
-                s.__dict__[table] = {}
+            s.__dict__.clear()
         self._pairs = []
+
+
+class _Twins:
+    """The shadow tree of a model: every module shallow-copied (own parameter, buffer and
+    child dicts), every tensor cloned once (tied tensors stay tied), each layer's reload
+    metadata copied and bound to its twin. `pairs`: (live, twin) for every module.
+
+    A class, not nested functions: a nested function that calls itself holds itself in
+    its closure, a reference cycle that only the cyclic collector frees, so every clone
+    (a whole copy of the weights) would outlive the shadow until a full collection, which
+    a serving engine may not run for many refreshes. Here the memo tables go with the
+    instance as soon as the tree is built."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+
+    def tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in self.tensors:
+            if isinstance(t, torch.nn.Parameter):
+                c = torch.nn.Parameter(t.data.clone(), requires_grad=False)
+                c.__dict__.update(t.__dict__)
+            else:
+                c = t.clone()
+            self.tensors[id(t)] = c
+        return self.tensors[id(t)]
+
+    @staticmethod
+    def metadata(ts: dict[str, torch.Tensor], live: torch.nn.Module,
+                 twin: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        out = {}
+        for name, t in ts.items():
+            m = meta.to_meta_tensor(t)
+            if layerwise._get_weight_loader(m).__name__ == "online_process_loader":
+                m.weight_loader = layerwise._get_original_loader(m)
+            for k, v in list(m.__dict__.items()):
+                if isinstance(v, MethodType) and v.__self__ is live:
+                    m.__dict__[k] = v.__func__.__get__(twin)
+            out[name] = m
+        return out
+
+    def module(self, m: torch.nn.Module) -> torch.nn.Module:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        if id(m) in self.modules:
+            return self.modules[id(m)]
+        s = copy.copy(m)
+        self.modules[id(m)] = s
+        self.pairs.append((m, s))
+        s.__dict__["_parameters"] = {k: self.tensor(p) for k, p in m._parameters.items()}
+        s.__dict__["_buffers"] = {k: self.tensor(b) for k, b in m._buffers.items()}
+        s.__dict__["_modules"] = {k: None if c is None else self.module(c)
+                                  for k, c in m._modules.items()}
+        info = layerwise.LAYERWISE_INFO.get(m)
+        if info is not None:
+            twin = layerwise.get_layerwise_info(s)
+            params, buffers = info.restore_metadata
+            twin.restore_metadata = (self.metadata(params, m, s), self.metadata(buffers, m, s))
+            twin.restore_device = info.restore_device
+        return s
 
 
 def refresh_tied_output(model: torch.nn.Module) -> None:
