@@ -9,6 +9,7 @@ torch model, in the engine's builder thread; the cyclic collector is off through
 from __future__ import annotations
 
 import gc
+import threading
 import types
 import weakref
 
@@ -17,9 +18,9 @@ import torch
 
 pytest.importorskip("vllm")
 # at import, not inside a test: importing vLLM's loaders probes the platform with a process
-from vllm.model_executor.model_loader.reload import inplace  # noqa: E402, F401 - Shadow's loader
-from vllm.model_executor.model_loader.reload.layerwise import (  # noqa: E402
-    record_metadata_for_reloading,
+from vllm.model_executor.model_loader.reload import (  # noqa: E402
+    inplace,  # noqa: F401 - the loader Shadow imports in its builder thread
+    layerwise,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
 
@@ -60,24 +61,55 @@ def no_cyclic_gc():
         gc.enable()
 
 
-@pytest.mark.parametrize("end", ["swap", "discard"])
+CONFIG = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None,
+                                                                  dtype=torch.float32),
+                               load_config=None, lora_config=None)
+
+
+def twin_tensors(shadow: Shadow) -> list[weakref.ref]:
+    """The shadow's own tensors (with storage): its twins', or, for a layer the reload has
+    not processed yet, the ones vLLM's reload keeps aside for it (on the layer: meta
+    placeholders)."""
+    out = {}
+    for _, twin in shadow._pairs:
+        info = layerwise.LAYERWISE_INFO.get(twin)
+        aside = info.kernel_tensors if info is not None and info.kernel_tensors else ({}, {})
+        for t in (*twin._parameters.values(), *twin._buffers.values(), *aside[0].values(),
+                  *aside[1].values()):
+            if t is not None and t.device.type != "meta":
+                out[id(t)] = weakref.ref(t)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("end", ["swap", "discard", "discard while built"])
 def test_a_shadow_frees_its_copy_by_reference_counting(end, no_cyclic_gc) -> None:
     torch.manual_seed(0)
     model = Toy()
-    record_metadata_for_reloading(model)  # as vLLM does when it loads a model
+    layerwise.record_metadata_for_reloading(model)  # as vLLM does when it loads a model
     old = {n: p.detach().clone() for n, p in model.named_parameters()}
     new = {n: torch.randn_like(p) for n, p in model.named_parameters()}
-    config = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None,
-                                                                      dtype=torch.float32),
-                                   load_config=None, lora_config=None)
-    shadow = Shadow(model, config, "version", "digest", iter(list(new.items())))
-    shadow.wait()
-    assert shadow.state == "ready", shadow.error
-    copies = [weakref.ref(t) for _, twin in shadow._pairs
-              for t in (*twin._parameters.values(), *twin._buffers.values()) if t is not None]
+    reading, go = threading.Event(), threading.Event()
+
+    def tensors():  # with "discard while built", the build waits after the first tensor
+        for i, item in enumerate(new.items()):
+            if i == 1 and end == "discard while built":
+                reading.set()
+                assert go.wait(30)
+            yield item
+    shadow = Shadow(model, CONFIG, "version", "digest", tensors())
+    if end == "discard while built":
+        assert reading.wait(30)
+        copies = twin_tensors(shadow)
+        shadow.discard()  # the engine let go of it (a newer version, a release)
+        go.set()
+        shadow.wait()
+    else:
+        shadow.wait()
+        assert shadow.state == "ready", shadow.error
+        copies = twin_tensors(shadow)
+        shadow.swap() if end == "swap" else shadow.discard()
     assert copies
     held = weakref.ref(shadow)
-    shadow.swap() if end == "swap" else shadow.discard()
     del shadow
 
     alive = sum(c() is not None for c in copies)

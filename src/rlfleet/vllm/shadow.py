@@ -68,6 +68,8 @@ class Shadow:
         self.bad_weights = False  # the error is about the weights, not this engine's room
         self.seconds = 0.0
         self._discarded = False
+        self._building = True  # until the build ends (under _lock with _discarded)
+        self._lock = threading.Lock()
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         #: whether the engine serves requests now (its owner says so as it polls): then the
         #: build takes at most SERVING_SHARE of its thread's time, leaving the cores to them
@@ -138,10 +140,14 @@ class Shadow:
         except Exception as e:  # noqa: BLE001 - the caller says what happens instead
             self.error = f"{type(e).__name__}: {e}"
             self.bad_weights = isinstance(e, BadWeights)
-            self.discard()
             log.warning("preparing %s in the engine's format failed (%s)",
                         self.digest or self.path, self.error)
         self.seconds = time.perf_counter() - t0
+        with self._lock:  # a discard asked for while it was built is done now
+            self._building = False
+            drop = self._discarded or self.error is not None
+        if drop:
+            self._drop()
 
     def _tree(self) -> torch.nn.Module:
         twins = _Twins()
@@ -151,8 +157,9 @@ class Shadow:
 
     def swap(self) -> None:
         """Install the shadow's processed state into the live model (the engine paused)."""
-        if self.state != "ready":
-            raise RuntimeError(f"the prepared version is {self.state}: {self.error}")
+        if self.state != "ready" or self._discarded:
+            raise RuntimeError(f"the prepared version is {self.state}: "
+                               f"{self.error or 'discarded'}")
         done: set[int] = set()  # a tied tensor is copied once
         with torch.no_grad():
             for live, s in self._pairs:
@@ -177,13 +184,17 @@ class Shadow:
         them go when it ends). vLLM's reload keeps each layer's reload metadata in a
         weak-keyed table whose values refer back to the layer (bound weight loaders), so a
         shadow layer would outlive its tree, and every shadow its second copy of the
-        weights: its tables are emptied and its entry dropped."""
+        weights: each twin's attributes are cleared (its tensors, the repacked weights the
+        CPU build keeps beside them, its bound loaders) and its entry dropped."""
+        with self._lock:
+            self._discarded = True
+            if self._building:
+                return  # the build lets it go when it ends
+        self._drop()
+
+    def _drop(self) -> None:
         from vllm.model_executor.model_loader.reload import layerwise
 
-        self._discarded = True
-        if not self._built.done() and not threading.current_thread().name.startswith(
-                _BUILDER_NAME):
-            return  # the build discards it when it ends
         for _, s in self._pairs:
             layerwise.LAYERWISE_INFO.pop(s, None)
             s.__dict__.clear()
