@@ -211,6 +211,12 @@ def commit_applies(result, steps: tuple[str, ...] = ("apply",)) -> dict[str, flo
                                  if c["step"] in steps and c.get("via")) for w in result.workers}
 
 
+def prepare_seconds(result) -> list[float | None]:
+    """Each worker's build of the shadow (the engine's own seconds, from its stage call)."""
+    return [c["body"].get("prepare_seconds") for w in result.workers for c in w["calls"]
+            if c["step"] == "stage"]
+
+
 def ok(result) -> None:
     if not result.ok or not result.fleet_moved:
         raise RuntimeError(f"refresh {result.refresh_id}: {result.decision}: {result.reason}")
@@ -322,6 +328,7 @@ class Bench:
         self.out["staged_how"] = sorted({c["body"].get("prepared") or "fallback"
                                          for w in result.workers for c in w["calls"]
                                          if c["step"] == "stage"})
+        self.out["staged_prepare_s"] = prepare_seconds(result)
 
     def delta(self) -> None:
         """A published full version (vA) staged, then B published as an XOR delta on it and
@@ -418,7 +425,9 @@ class Bench:
             result, _ = self.refresh("vllm-staged", f"mem-{i + 1}", ckpt)
             how = sorted({c["body"].get("prepared") or "fallback" for w in result.workers
                           for c in w["calls"] if c["step"] == "stage"})
-            rows.append({"after": f"refresh {i + 1}", "how": how, "workers": sample()})
+            rows.append({"after": f"refresh {i + 1}", "how": how, "workers": sample(),
+                         "stage_s": result.step_seconds().get("stage"),
+                         "prepare_s": prepare_seconds(result)})
             print(f"memory after refresh {i + 1}: {rows[-1]}", flush=True)
         total = [sum(w["worker_gib"] + w["engine_gib"] for w in r["workers"]) for r in rows]
         self.out["memory_after_refresh"] = rows
