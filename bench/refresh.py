@@ -20,7 +20,15 @@ figure side by side in one run:
 - **base tok/s while staging**: streams on both workers, tokens per second while both stage
   a version (the engine preparing its shadow) ÷ the same streams just before.
 
+- Every checkpoint is read once before the phases: each path reads it from the page cache,
+  as it reads a checkpoint the trainer has just written.
+- **memory over refreshes** (`--memory-refreshes N`): N staged refreshes in a row, the
+  resident memory of each worker and of its engine core after each (a shadow kept alive
+  shows as a copy of the weights per refresh).
+
     python bench/refresh.py --size small     # and --size medium
+    python bench/refresh.py --size small --memory-refreshes 4 \
+        --skip disk,staged,tok/s,gap,delta,four-phase
 
 The last line is JSON: serving_gap_over_apply, refresh_over_bare_reload,
 staged_end_to_end_over_disk, base_tok_s_during_stage_ratio, inflight_kept, and every figure
@@ -148,17 +156,23 @@ class MemoryWatch:
         except OSError:
             return 0
 
+    @staticmethod
+    def rss(pids: list[int]) -> int:
+        """The resident bytes (anonymous and shared) of `pids`, together."""
+        return sum(map(MemoryWatch._status, pids))
+
+    @staticmethod
+    def children(pid: int) -> list[int]:
+        kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+        return list(map(int, kids.stdout.split()))
+
     def _tree(self) -> list[int]:
-        out = []
-        for pid in self.pids:
-            kids = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
-            out += [pid, *map(int, kids.stdout.split())]
-        return out
+        return [p for pid in self.pids for p in (pid, *self.children(pid))]
 
     def _run(self) -> None:
         tree = self._tree()
         while not self.stopped.wait(0.5):
-            used = sum(map(self._status, tree)) / 2**30
+            used = self.rss(tree) / 2**30
             with open("/proc/meminfo") as f:
                 avail = next(int(x.split()[1]) for x in f if x.startswith("MemAvailable:"))
             peak = self.peaks.setdefault(self.phase, {"workers_gib": 0.0, "min_available_gib": 1e9})
@@ -195,6 +209,12 @@ def commit_applies(result, steps: tuple[str, ...] = ("apply",)) -> dict[str, flo
     system URL."""
     return {w["system_url"]: sum(c.get("seconds", 0.0) for c in w["calls"]
                                  if c["step"] in steps and c.get("via")) for w in result.workers}
+
+
+def prepare_seconds(result) -> list[float | None]:
+    """Each worker's build of the shadow (the engine's own seconds, from its stage call)."""
+    return [c["body"].get("prepare_seconds") for w in result.workers for c in w["calls"]
+            if c["step"] == "stage"]
 
 
 def ok(result) -> None:
@@ -308,6 +328,7 @@ class Bench:
         self.out["staged_how"] = sorted({c["body"].get("prepared") or "fallback"
                                          for w in result.workers for c in w["calls"]
                                          if c["step"] == "stage"})
+        self.out["staged_prepare_s"] = prepare_seconds(result)
 
     def delta(self) -> None:
         """A published full version (vA) staged, then B published as an XOR delta on it and
@@ -387,6 +408,35 @@ class Bench:
         self.out["stream_tok_s"] = after / len(streams)
         print(f"tok/s: {after:.2f} without staging, {during:.2f} while both workers stage "
               f"({t1 - t0:.1f} s)", flush=True)
+
+    def memory(self) -> None:
+        """`--memory-refreshes` staged refreshes in a row (the default path: stage into the
+        shadow while serving, then the commit's swap), alternating B and C: after each, the
+        resident memory of every worker's process and of its engine core (its child), so
+        that a copy of the weights kept per refresh shows as growth."""
+        def sample() -> list[dict[str, float]]:
+            time.sleep(2.0)  # the engine's thread lets the shadow go after the reply
+            return [{"worker_gib": round(MemoryWatch.rss([w.popen.pid]) / 2**30, 3),
+                     "engine_gib": round(MemoryWatch.rss(MemoryWatch.children(w.popen.pid))
+                                         / 2**30, 3)} for w in self.fleet.workers]
+        rows = [{"after": "start", "workers": sample()}]
+        for i in range(self.args.memory_refreshes):
+            ckpt = self.ckpts["B" if i % 2 == 0 else "C"]
+            result, _ = self.refresh("vllm-staged", f"mem-{i + 1}", ckpt)
+            how = sorted({c["body"].get("prepared") or "fallback" for w in result.workers
+                          for c in w["calls"] if c["step"] == "stage"})
+            rows.append({"after": f"refresh {i + 1}", "how": how, "workers": sample(),
+                         "stage_s": result.step_seconds().get("stage"),
+                         "prepare_s": prepare_seconds(result)})
+            print(f"memory after refresh {i + 1}: {rows[-1]}", flush=True)
+        total = [sum(w["worker_gib"] + w["engine_gib"] for w in r["workers"]) for r in rows]
+        self.out["memory_after_refresh"] = rows
+        self.out["memory_workers_gib"] = [round(t, 3) for t in total]
+        # the growth from the first staged refresh on (that one may still settle the
+        # allocator's arenas), per refresh
+        if len(total) > 2:
+            self.out["memory_growth_per_refresh_gib"] = round(
+                (total[-1] - total[1]) / (len(total) - 2), 3)
 
     def serving_gap(self) -> None:
         """Streams on every worker across a keep-mode refresh to B (stage first, then the
@@ -529,6 +579,20 @@ def checkpoints(root: Path, size: str, dtype: str) -> dict[str, Path]:
     return out
 
 
+def warm_page_cache(ckpts: dict[str, Path]) -> float:
+    """Read every checkpoint's files once, so that each path reads them from the page cache,
+    as it reads a checkpoint the trainer has just written (the disk phase's B is read by the
+    bare reloads before its measured refresh; the staged phase's C would otherwise be the
+    first read of its files, from the disk). The seconds it took."""
+    t0 = time.perf_counter()
+    for path in ckpts.values():
+        for f in sorted(path.glob("*.safetensors")):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(1 << 24):
+                    pass
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="small", choices=["tiny", "small", "medium"])
@@ -543,6 +607,9 @@ def main() -> None:
     p.add_argument("--checkpoints", default="",
                    help="a directory to keep the three checkpoints in (made there once, "
                         "reused: make_model writes the same bytes for a size, seed and dtype)")
+    p.add_argument("--memory-refreshes", type=int, default=0,
+                   help="then N staged refreshes in a row, the workers' and engines' resident "
+                        "memory after each (memory_after_refresh); 0: not measured")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(tempfile.mkdtemp(prefix="rlfleet-bench-refresh-"))
@@ -552,6 +619,7 @@ def main() -> None:
                             args.size, args.dtype)
         out["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpts["A"].glob("*.safetensors"))
         out["save_s"] = save_seconds(ckpts["A"], work / "saved")
+        out["page_cache_warm_s"] = warm_page_cache(ckpts)
         with S3Server() as s3, started_fleet(work, ckpts, args, s3) as fleet:
             b = Bench(args, work, fleet, ckpts, s3)
             b.out = out
@@ -562,8 +630,8 @@ def main() -> None:
                 for name, phase in (("disk", b.disk_and_bare), ("staged", b.staged),
                                     ("tok/s", b.tokens_per_s_while_staging),
                                     ("gap", b.serving_gap), ("delta", b.delta),
-                                    ("four-phase", b.four_phase)):
-                    if name not in skip:
+                                    ("four-phase", b.four_phase), ("memory", b.memory)):
+                    if name not in skip and (name != "memory" or args.memory_refreshes):
                         watch.phase = name
                         run_phase(out, name, phase)
             finally:

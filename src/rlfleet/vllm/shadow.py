@@ -43,7 +43,27 @@ _BUILDER_NAME = "rlfleet-shadow"
 #: the share of its thread's time a shadow's build may take while the engine serves
 #: requests (1: no pause); it only lengthens a preparation that runs off the critical path
 SERVING_SHARE = float(os.environ.get("RLFLEET_STAGE_SERVING_SHARE", 0.3))
+#: OpenMP threads of the builder's torch operations; unset: 1 when the model is on the CPU
+#: (the build runs beside the engine's own serving threads and beside the other engines of
+#: the host, on the same cores: two engines building at once on two cores, each with a team
+#: of two, took ~30% longer in all, one of them starved), else the process's default
+BUILD_THREADS = int(os.environ.get("RLFLEET_STAGE_BUILD_THREADS", 0))
 _BUILDER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
+
+
+def _builder_threads(model: torch.nn.Module) -> None:
+    """Set the builder thread's own OpenMP team size (this thread's only: the engine's
+    serving threads keep theirs)."""
+    n = BUILD_THREADS
+    if n <= 0:
+        p = next(model.parameters(), None)
+        n = 1 if p is not None and p.device.type == "cpu" else 0
+    if n > 0:
+        import ctypes
+
+        set_threads = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+        if set_threads is not None:
+            set_threads(n)
 
 
 class BadWeights(ValueError):
@@ -68,6 +88,8 @@ class Shadow:
         self.bad_weights = False  # the error is about the weights, not this engine's room
         self.seconds = 0.0
         self._discarded = False
+        self._building = True  # until the build ends (under _lock with _discarded)
+        self._lock = threading.Lock()
         self._pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
         #: whether the engine serves requests now (its owner says so as it polls): then the
         #: build takes at most SERVING_SHARE of its thread's time, leaving the cores to them
@@ -128,6 +150,7 @@ class Shadow:
 
         t0 = time.perf_counter()
         try:
+            _builder_threads(self.model)
             with torch.no_grad():
                 shadow = self._tree()
                 reload_weights(vllm_config, shadow, weights_iterator=tensors, weights_path=None,
@@ -138,66 +161,26 @@ class Shadow:
         except Exception as e:  # noqa: BLE001 - the caller says what happens instead
             self.error = f"{type(e).__name__}: {e}"
             self.bad_weights = isinstance(e, BadWeights)
-            self.discard()
             log.warning("preparing %s in the engine's format failed (%s)",
                         self.digest or self.path, self.error)
         self.seconds = time.perf_counter() - t0
+        with self._lock:  # a discard asked for while it was built is done now
+            self._building = False
+            drop = self._discarded or self.error is not None
+        if drop:
+            self._drop()
 
     def _tree(self) -> torch.nn.Module:
-        from vllm.model_executor.model_loader.reload import layerwise, meta
-
-        tensors: dict[int, torch.Tensor] = {}
-        modules: dict[int, torch.nn.Module] = {}
-
-        def tensor(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            if id(t) not in tensors:
-                if isinstance(t, torch.nn.Parameter):
-                    c = torch.nn.Parameter(t.data.clone(), requires_grad=False)
-                    c.__dict__.update(t.__dict__)
-                else:
-                    c = t.clone()
-                tensors[id(t)] = c
-            return tensors[id(t)]
-
-        def metadata(ts: dict[str, torch.Tensor], live: torch.nn.Module,
-                     twin: torch.nn.Module) -> dict[str, torch.Tensor]:
-            out = {}
-            for name, t in ts.items():
-                m = meta.to_meta_tensor(t)
-                if layerwise._get_weight_loader(m).__name__ == "online_process_loader":
-                    m.weight_loader = layerwise._get_original_loader(m)
-                for k, v in list(m.__dict__.items()):
-                    if isinstance(v, MethodType) and v.__self__ is live:
-                        m.__dict__[k] = v.__func__.__get__(twin)
-                out[name] = m
-            return out
-
-        def module(m: torch.nn.Module) -> torch.nn.Module:
-            if id(m) in modules:
-                return modules[id(m)]
-            s = copy.copy(m)
-            modules[id(m)] = s
-            self._pairs.append((m, s))
-            s.__dict__["_parameters"] = {k: tensor(p) for k, p in m._parameters.items()}
-            s.__dict__["_buffers"] = {k: tensor(b) for k, b in m._buffers.items()}
-            s.__dict__["_modules"] = {k: None if c is None else module(c)
-                                      for k, c in m._modules.items()}
-            info = layerwise.LAYERWISE_INFO.get(m)
-            if info is not None:
-                twin = layerwise.get_layerwise_info(s)
-                params, buffers = info.restore_metadata
-                twin.restore_metadata = (metadata(params, m, s), metadata(buffers, m, s))
-                twin.restore_device = info.restore_device
-            return s
-
-        return module(self.model)
+        twins = _Twins()
+        root = twins.module(self.model)
+        self._pairs = twins.pairs
+        return root
 
     def swap(self) -> None:
         """Install the shadow's processed state into the live model (the engine paused)."""
-        if self.state != "ready":
-            raise RuntimeError(f"the prepared version is {self.state}: {self.error}")
+        if self.state != "ready" or self._discarded:
+            raise RuntimeError(f"the prepared version is {self.state}: "
+                               f"{self.error or 'discarded'}")
         done: set[int] = set()  # a tied tensor is copied once
         with torch.no_grad():
             for live, s in self._pairs:
@@ -222,18 +205,86 @@ class Shadow:
         them go when it ends). vLLM's reload keeps each layer's reload metadata in a
         weak-keyed table whose values refer back to the layer (bound weight loaders), so a
         shadow layer would outlive its tree, and every shadow its second copy of the
-        weights: its tables are emptied and its entry dropped."""
+        weights: each twin's attributes are cleared (its tensors, the repacked weights the
+        CPU build keeps beside them, its bound loaders) and its entry dropped."""
+        with self._lock:
+            self._discarded = True
+            if self._building:
+                return  # the build lets it go when it ends
+        self._drop()
+
+    def _drop(self) -> None:
         from vllm.model_executor.model_loader.reload import layerwise
 
-        self._discarded = True
-        if not self._built.done() and not threading.current_thread().name.startswith(
-                _BUILDER_NAME):
-            return  # the build discards it when it ends
         for _, s in self._pairs:
             layerwise.LAYERWISE_INFO.pop(s, None)
-            for table in _OWN[:3]:
-                s.__dict__[table] = {}
+            s.__dict__.clear()
         self._pairs = []
+
+
+class _Twins:
+    """The shadow tree of a model: every module shallow-copied (own parameter, buffer and
+    child dicts), every tensor cloned once (tied tensors stay tied), each layer's reload
+    metadata copied and bound to its twin. `pairs`: (live, twin) for every module.
+
+    A class, not nested functions: a nested function that calls itself holds itself in
+    its closure, a reference cycle that only the cyclic collector frees, so every clone
+    (a whole copy of the weights) would outlive the shadow until a full collection, which
+    a serving engine may not run for many refreshes. Here the memo tables go with the
+    instance as soon as the tree is built."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.modules: dict[int, torch.nn.Module] = {}
+        self.pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
+
+    def tensor(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        if id(t) not in self.tensors:
+            if isinstance(t, torch.nn.Parameter):
+                c = torch.nn.Parameter(t.data.clone(), requires_grad=False)
+                c.__dict__.update(t.__dict__)
+            else:
+                c = t.clone()
+            self.tensors[id(t)] = c
+        return self.tensors[id(t)]
+
+    @staticmethod
+    def metadata(ts: dict[str, torch.Tensor], live: torch.nn.Module,
+                 twin: torch.nn.Module) -> dict[str, torch.Tensor]:
+        from vllm.model_executor.model_loader.reload import layerwise, meta
+
+        out = {}
+        for name, t in ts.items():
+            m = meta.to_meta_tensor(t)
+            if layerwise._get_weight_loader(m).__name__ == "online_process_loader":
+                m.weight_loader = layerwise._get_original_loader(m)
+            for k, v in list(m.__dict__.items()):
+                if isinstance(v, MethodType) and v.__self__ is live:
+                    m.__dict__[k] = v.__func__.__get__(twin)
+            out[name] = m
+        return out
+
+    def module(self, m: torch.nn.Module) -> torch.nn.Module:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        if id(m) in self.modules:
+            return self.modules[id(m)]
+        s = copy.copy(m)
+        self.modules[id(m)] = s
+        self.pairs.append((m, s))
+        s.__dict__["_parameters"] = {k: self.tensor(p) for k, p in m._parameters.items()}
+        s.__dict__["_buffers"] = {k: self.tensor(b) for k, b in m._buffers.items()}
+        s.__dict__["_modules"] = {k: None if c is None else self.module(c)
+                                  for k, c in m._modules.items()}
+        info = layerwise.LAYERWISE_INFO.get(m)
+        if info is not None:
+            twin = layerwise.get_layerwise_info(s)
+            params, buffers = info.restore_metadata
+            twin.restore_metadata = (self.metadata(params, m, s), self.metadata(buffers, m, s))
+            twin.restore_device = info.restore_device
+        return s
 
 
 def refresh_tied_output(model: torch.nn.Module) -> None:

@@ -1,0 +1,120 @@
+"""A staged version's shadow (rlfleet.vllm.shadow) lets its copy of the weights go as soon as
+it is swapped in or discarded: by reference counting alone, not at the cyclic collector's
+next full pass, which a serving engine may not run for many refreshes (each shadow kept is a
+whole copy of the model: the engines' memory grew by one per staged refresh).
+
+The shadow is built by vLLM's own in-place reload (the code the engine runs) over a small
+torch model, in the engine's builder thread; the cyclic collector is off throughout."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+import weakref
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+# at import, not inside a test: importing vLLM's loaders probes the platform with a process
+from vllm.model_executor.model_loader.reload import (  # noqa: E402
+    inplace,  # noqa: F401 - the loader Shadow imports in its builder thread
+    layerwise,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader  # noqa: E402
+
+from rlfleet.vllm.shadow import Shadow  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+        self.register_buffer("scale", torch.ones(8))
+
+
+class Toy(torch.nn.Module):
+    """An embedding tied to the output layer (as Qwen3's small models), two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def load_weights(self, weights) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            p = params[name]
+            getattr(p, "weight_loader", default_weight_loader)(p, t)
+        return set(params)
+
+
+@pytest.fixture
+def no_cyclic_gc():
+    was = gc.isenabled()
+    gc.disable()
+    yield
+    if was:
+        gc.enable()
+
+
+CONFIG = types.SimpleNamespace(model_config=types.SimpleNamespace(quantization=None,
+                                                                  dtype=torch.float32),
+                               load_config=None, lora_config=None)
+
+
+def twin_tensors(shadow: Shadow) -> list[weakref.ref]:
+    """The shadow's own tensors (with storage): its twins', or, for a layer the reload has
+    not processed yet, the ones vLLM's reload keeps aside for it (on the layer: meta
+    placeholders)."""
+    out = {}
+    for _, twin in shadow._pairs:
+        info = layerwise.LAYERWISE_INFO.get(twin)
+        aside = info.kernel_tensors if info is not None and info.kernel_tensors else ({}, {})
+        for t in (*twin._parameters.values(), *twin._buffers.values(), *aside[0].values(),
+                  *aside[1].values()):
+            if t is not None and t.device.type != "meta":
+                out[id(t)] = weakref.ref(t)
+    return list(out.values())
+
+
+@pytest.mark.parametrize("end", ["swap", "discard", "discard while built"])
+def test_a_shadow_frees_its_copy_by_reference_counting(end, no_cyclic_gc) -> None:
+    torch.manual_seed(0)
+    model = Toy()
+    layerwise.record_metadata_for_reloading(model)  # as vLLM does when it loads a model
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    new = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    reading, go = threading.Event(), threading.Event()
+
+    def tensors():  # with "discard while built", the build waits after the first tensor
+        for i, item in enumerate(new.items()):
+            if i == 1 and end == "discard while built":
+                reading.set()
+                assert go.wait(30)
+            yield item
+    shadow = Shadow(model, CONFIG, "version", "digest", tensors())
+    if end == "discard while built":
+        assert reading.wait(30)
+        copies = twin_tensors(shadow)
+        shadow.discard()  # the engine let go of it (a newer version, a release)
+        go.set()
+        shadow.wait()
+    else:
+        shadow.wait()
+        assert shadow.state == "ready", shadow.error
+        copies = twin_tensors(shadow)
+        shadow.swap() if end == "swap" else shadow.discard()
+    assert copies
+    held = weakref.ref(shadow)
+    del shadow
+
+    alive = sum(c() is not None for c in copies)
+    assert alive == 0, f"{alive} of the shadow's {len(copies)} tensors are still alive"
+    assert held() is None, "the shadow outlives its last reference (a reference cycle)"
+    want = new if end == "swap" else old
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    assert model.lm_head.weight is model.embed.weight  # still tied
