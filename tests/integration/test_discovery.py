@@ -543,8 +543,14 @@ def remove_while_written(path: Path) -> None:
 
 
 async def _has(d: Discovery, ns: str, entry: dict[str, Any]) -> bool:
-    return await d.list(ns) == [entry] and any(
-        p.suffix == ".json" for p in Path(d.directory).iterdir())  # type: ignore[attr-defined]
+    """Whether `d` lists `entry` and its file is back (the directory may not be yet: the
+    owner's next keep-alive recreates it)."""
+    if await d.list(ns) != [entry]:
+        return False
+    try:
+        return any(p.suffix == ".json" for p in Path(d.directory).iterdir())  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return False
 
 
 async def test_rl_listener_lists_the_rest_and_reports_the_bad_entry(tmp_path: Path,
