@@ -112,6 +112,7 @@ def test_a_request_cancelled_before_its_response_retires_its_pool():
         assert first.retired and first not in t.pools
         assert (await under_way).text == "/under-way"
         assert first.active == 0 and not first.transport._pool.connections  # closed
+        assert first not in t.retired
         after = await http.get(f"{url}/after")
         assert after.text == "/after" and t.pools[0] is not first
     _against_server(0.3, t, body)

@@ -44,21 +44,24 @@ class _Pool:
         self.active = 0  # requests whose response is not closed yet
         self.retired = False  # takes no request; closed once `active` is 0
 
-    async def release(self) -> None:
+    async def release(self, retired: set[_Pool] | None = None) -> None:
         """A request's response is closed (or it never got one)."""
         self.active -= 1
         if self.retired and not self.active:
+            if retired is not None:
+                retired.discard(self)
             await self.transport.aclose()
 
 
 class _Counted(httpx.AsyncByteStream):
     """A response's body: its pool's request is over once the body is closed."""
 
-    __slots__ = ("stream", "pool")
+    __slots__ = ("stream", "pool", "retired")
 
-    def __init__(self, stream: httpx.AsyncByteStream, pool: _Pool) -> None:
+    def __init__(self, stream: httpx.AsyncByteStream, pool: _Pool, retired: set[_Pool]) -> None:
         self.stream: httpx.AsyncByteStream | None = stream
         self.pool = pool
+        self.retired = retired  # the transport's retired pools
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         assert self.stream is not None, "the response body was closed"
@@ -71,7 +74,7 @@ class _Counted(httpx.AsyncByteStream):
             try:
                 await stream.aclose()
             finally:
-                await self.pool.release()
+                await self.pool.release(self.retired)
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -86,6 +89,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         self.max_pools = math.ceil(max_connections / self.per_pool)
         self.options = options
         self.pools: list[_Pool] = []
+        self.retired: set[_Pool] = set()  # retired pools not closed yet
         self._closing: set[asyncio.Task] = set()  # retired pools being closed
 
     def _pool(self) -> _Pool:
@@ -111,7 +115,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         except BaseException:
             pool.active -= 1
             raise
-        response.stream = _Counted(response.stream, pool)  # type: ignore[arg-type]
+        response.stream = _Counted(response.stream, pool, self.retired)  # type: ignore[arg-type]
         return response
 
     def _retire(self, pool: _Pool) -> None:
@@ -120,13 +124,15 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         if not pool.retired:
             pool.retired = True
             self.pools.remove(pool)
-        task = asyncio.ensure_future(pool.release())  # not awaited: the caller is cancelled
+            self.retired.add(pool)
+        task = asyncio.ensure_future(pool.release(self.retired))  # not awaited: the caller is cancelled
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
-        pools, self.pools = self.pools, []
-        for p in pools:
-            await p.transport.aclose()
         if self._closing:
             await asyncio.wait(self._closing)
+        pools, self.pools = [*self.pools, *self.retired], []
+        self.retired.clear()
+        for p in pools:
+            await p.transport.aclose()
