@@ -37,31 +37,35 @@ def env_proxies() -> bool:
 
 
 class _Pool:
-    __slots__ = ("transport", "active", "retired")
+    __slots__ = ("transport", "active", "retired_in")
 
     def __init__(self, transport: httpx.AsyncHTTPTransport) -> None:
         self.transport = transport
         self.active = 0  # requests whose response is not closed yet
-        self.retired = False  # takes no request; closed once `active` is 0
+        # retired: its transport's set of retired pools; it takes no request and is closed
+        # (and leaves that set) once `active` is 0
+        self.retired_in: set[_Pool] | None = None
 
-    async def release(self, retired: set[_Pool] | None = None) -> None:
+    @property
+    def retired(self) -> bool:
+        return self.retired_in is not None
+
+    async def release(self) -> None:
         """A request's response is closed (or it never got one)."""
         self.active -= 1
-        if self.retired and not self.active:
-            if retired is not None:
-                retired.discard(self)
+        if self.retired_in is not None and not self.active:
+            self.retired_in.discard(self)
             await self.transport.aclose()
 
 
 class _Counted(httpx.AsyncByteStream):
     """A response's body: its pool's request is over once the body is closed."""
 
-    __slots__ = ("stream", "pool", "retired")
+    __slots__ = ("stream", "pool")
 
-    def __init__(self, stream: httpx.AsyncByteStream, pool: _Pool, retired: set[_Pool]) -> None:
+    def __init__(self, stream: httpx.AsyncByteStream, pool: _Pool) -> None:
         self.stream: httpx.AsyncByteStream | None = stream
         self.pool = pool
-        self.retired = retired  # the transport's retired pools
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         assert self.stream is not None, "the response body was closed"
@@ -74,7 +78,7 @@ class _Counted(httpx.AsyncByteStream):
             try:
                 await stream.aclose()
             finally:
-                await self.pool.release(self.retired)
+                await self.pool.release()
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
@@ -115,17 +119,17 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         except BaseException:
             pool.active -= 1
             raise
-        response.stream = _Counted(response.stream, pool, self.retired)  # type: ignore[arg-type]
+        response.stream = _Counted(response.stream, pool)  # type: ignore[arg-type]
         return response
 
     def _retire(self, pool: _Pool) -> None:
         """`pool` (one of its requests was cancelled) takes no new request; its transport is
         closed once its last response is (here, in the background, if that was the one)."""
-        if not pool.retired:
-            pool.retired = True
+        if pool.retired_in is None:
+            pool.retired_in = self.retired
             self.pools.remove(pool)
             self.retired.add(pool)
-        task = asyncio.ensure_future(pool.release(self.retired))  # not awaited: the caller is cancelled
+        task = asyncio.ensure_future(pool.release())  # not awaited: the caller is cancelled
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
