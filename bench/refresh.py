@@ -211,6 +211,12 @@ def commit_applies(result, steps: tuple[str, ...] = ("apply",)) -> dict[str, flo
                                  if c["step"] in steps and c.get("via")) for w in result.workers}
 
 
+def staged_how(result) -> list[str]:
+    """How the workers staged: the engine's way of preparing ("fallback": it did not)."""
+    return sorted({c["body"].get("prepared") or "fallback" for w in result.workers
+                   for c in w["calls"] if c["step"] == "stage"})
+
+
 def prepare_seconds(result) -> list[float | None]:
     """Each worker's build of the shadow (the engine's own seconds, from its stage call)."""
     return [c["body"].get("prepare_seconds") for w in result.workers for c in w["calls"]
@@ -325,9 +331,7 @@ class Bench:
         self.out["staged_serving_s"] = self.serving["staged-C"]
         self.out["staged_steps_s"] = {k: round(v, 3) for k, v in result.step_seconds().items()}
         self.out["staged_apply_s"] = max(commit_applies(result).values())
-        self.out["staged_how"] = sorted({c["body"].get("prepared") or "fallback"
-                                         for w in result.workers for c in w["calls"]
-                                         if c["step"] == "stage"})
+        self.out["staged_how"] = staged_how(result)
         self.out["staged_prepare_s"] = prepare_seconds(result)
 
     def delta(self) -> None:
@@ -423,9 +427,7 @@ class Bench:
         for i in range(self.args.memory_refreshes):
             ckpt = self.ckpts["B" if i % 2 == 0 else "C"]
             result, _ = self.refresh("vllm-staged", f"mem-{i + 1}", ckpt)
-            how = sorted({c["body"].get("prepared") or "fallback" for w in result.workers
-                          for c in w["calls"] if c["step"] == "stage"})
-            rows.append({"after": f"refresh {i + 1}", "how": how, "workers": sample(),
+            rows.append({"after": f"refresh {i + 1}", "how": staged_how(result), "workers": sample(),
                          "stage_s": result.step_seconds().get("stage"),
                          "prepare_s": prepare_seconds(result)})
             print(f"memory after refresh {i + 1}: {rows[-1]}", flush=True)
