@@ -5,7 +5,8 @@
 # Python 3.11 only (scripts/setup.sh), so a module or test that needs vllm or torch is
 # reported skipped (tests/engine_free.py); everything else must pass. The venvs are kept in
 # ${PYVENVS:-/tmp/rlfleet-py} and reused. An interpreter not found is said and skipped
-# (PYTHON_<major><minor>=path names one: PYTHON_312=/usr/bin/python3.12).
+# (PYTHON_<major><minor>=path names one: PYTHON_312=/usr/bin/python3.12); a candidate that
+# does not run (a pyenv shim of a version not selected) is passed over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=${PYVENVS:-/tmp/rlfleet-py}
@@ -13,13 +14,16 @@ status=0
 for v in "${@:-3.12 3.13}"; do
   for version in $v; do
     var="PYTHON_${version/./}"
-    py=${!var:-}
-    if [ -z "$py" ]; then
-      py=$(command -v "python$version" || true)
-      for d in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*; do
-        [ -z "$py" ] && [ -x "$d/bin/python" ] && py="$d/bin/python"
-      done
-    fi
+    # the first candidate that runs: a pyenv shim is on PATH even where its version is not
+    # selected, and then fails ("pyenv: python3.12: command not found")
+    py=
+    for c in ${!var:-} "$(command -v "python$version" || true)" \
+        "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$version".*/bin/python; do
+      if [ -n "$c" ] && [ -x "$c" ] && "$c" -c 'import venv' >/dev/null 2>&1; then
+        py=$c
+        break
+      fi
+    done
     if [ -z "$py" ]; then
       echo "python $version: no interpreter found (set $var=PATH); skipped"
       continue

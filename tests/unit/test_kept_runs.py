@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 
 import pytest
 
@@ -163,6 +164,9 @@ def test_kept_events_are_counted_as_the_memory_they_hold() -> None:
             {str(1000 + j + k): PromptLogprob(logprob=-1.0, rank=1, decoded_token="ab")
              for k in range(6)} for j in range(99)]) for _ in range(20)], Done),
     }
+    # the counts are CPython 3.11's (the engine's Python); 3.12 and later hold a dict of
+    # prompt logprobs in about a quarter less, still never more than counted
+    upper = 1.34 if sys.version_info[:2] == (3, 11) else 1.5
     for what, (evs, kind) in shapes.items():
         held, counted = _decoded_size(evs, kind), event_bytes(evs[0])
-        assert held <= counted <= 1.34 * held, (what, counted, held)
+        assert held <= counted <= upper * held, (what, counted, held)
