@@ -14,6 +14,7 @@ from rlfleet.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from rlfleet.runtime.request_checks import check_sampling
 
 
 def cmpl(**kw) -> CompletionRequest:
@@ -53,7 +54,7 @@ def test_samplers_reach_the_engine_options() -> None:
                stream_options={"include_usage": True, "continuous_usage_stats": True},
                return_token_ids=True, spaces_between_special_tokens=False,
                stream_interval=3, min_tokens=2, seed=-1)
-    s = req.sampling(req.max_tokens, req.logprobs)
+    s = check_sampling(req.sampling(req.max_tokens, req.logprobs))
     assert s.logit_bias == {151645: 100.0, 7: -100.0}  # clamped as vLLM clamps
     assert s.allowed_token_ids == [1, 2] and s.bad_words == ["x"]
     assert s.spaces_between_special_tokens is False and s.stream_interval == 3
@@ -106,7 +107,7 @@ def test_engine_refusals_before_the_engine(kw: dict, param: str) -> None:
     500 that broke the connection)."""
     req = cmpl(**kw)
     with pytest.raises(InvalidParam) as e:
-        req.sampling(req.max_tokens, req.logprobs)
+        check_sampling(req.sampling(req.max_tokens, req.logprobs))
     assert e.value.param == param
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from rlfleet.protocol.engine import Delta, GenerateRequest, InvalidParam, RoutedExperts
 from rlfleet.protocol.openai import CompletionRequest
+from rlfleet.runtime.request_checks import check_request
 from rlfleet.runtime.routed_experts import as_array, concat, from_array, from_npy_b64, to_npy_b64
 
 
@@ -54,4 +55,4 @@ def test_what_the_openai_request_asks_the_engine() -> None:
     with pytest.raises(ValueError):
         CompletionRequest(prompt=[1], routed_experts_prompt_start=-2)
     with pytest.raises(InvalidParam):
-        GenerateRequest(request_id="r", prompt_token_ids=[1], routed_experts_start=-5)
+        check_request(GenerateRequest(request_id="r", prompt_token_ids=[1], routed_experts_start=-5))

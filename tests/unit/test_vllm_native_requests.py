@@ -28,6 +28,7 @@ from rlfleet.protocol.vllm_native import (
     Tool,
     UsageInfo,
 )
+from rlfleet.runtime.request_checks import check_sampling
 
 
 def _vllm() -> dict[str, type]:
@@ -94,7 +95,7 @@ def test_a_vllm_clients_request_reaches_the_engine_as_sent() -> None:
                "output_kind": 2, "skip_clone": True, "flat_logprobs": True, "unknown": 1},
               return_token_ids=True, cache_salt="s", priority=3, something_new=True)
     req.refusals()
-    s = req.sampling_params.engine(stream=False)
+    s = check_sampling(req.sampling_params.engine(stream=False))
     assert (s.max_tokens, s.temperature, s.top_k, s.stop, s.seed, s.logprobs, s.n) == \
         (8, 0.5, 3, ["x"], 7, 2, 2)
     assert s.logit_bias == {5: 100.0} and s.min_tokens == 1  # clamped as vLLM clamps

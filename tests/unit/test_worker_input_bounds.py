@@ -7,16 +7,20 @@ loop, so a slow one holds up no other request. The real WorkerPlane over the moc
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
+import msgspec
 import pytest
 
 from rlfleet.mocker.engine import MockEngine
 from rlfleet.protocol.engine import GenerateRequest, TokenizeRequest
 from rlfleet.runtime.request_plane import StreamClient, WorkerError
 from rlfleet.runtime.server import bind_socket
+from rlfleet.worker.admin import EngineAdmin
 from rlfleet.worker.prompt_checks import MAX_BYTES_PER_TOKEN
 from rlfleet.worker.stream_server import WorkerPlane
 
@@ -119,3 +123,36 @@ async def test_rendering_runs_off_the_event_loop() -> None:
         finally:
             engine.gate.set()
         assert (await asyncio.wait_for(slow, 20))[0].prompt_token_ids
+
+
+# what a frontend would refuse, sent by a caller that reaches the worker directly: the
+# request (as built, unchecked), the words of vLLM's refusal
+REFUSED = [
+    (GenerateRequest(request_id="v1", prompt_token_ids=[1101], sampling={"temperature": math.nan}),
+     "temperature must be a finite number"),
+    (GenerateRequest(request_id="v2", prompt_token_ids=[1101],
+                     sampling={"n": 2, "temperature": 0.0}), "when using greedy sampling"),
+    (GenerateRequest(request_id="v3", prompt_token_ids=[1101], cache_salt="a/b"), "cache_salt"),
+]
+
+
+async def test_values_an_engine_would_refuse_are_refused_where_the_worker_decodes() -> None:
+    """The request plane checks what it decodes (rlfleet.runtime.request_checks), not only
+    the frontends what they build: on the stream plane, on HTTP POST /generate and in a
+    commit's probe, a 400 in vLLM's words before anything is spent."""
+    async with plane() as (engine, addr, client):
+        for req, words in REFUSED:
+            with pytest.raises(WorkerError) as e:
+                await run(client, addr, req)
+            assert e.value.status == 400 and words in e.value.message
+        worker = WorkerPlane(engine)
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=worker.http_app()),
+                                 base_url="http://worker")
+        async with http:
+            for req, words in REFUSED[1:]:  # (JSON has no NaN)
+                r = await http.post("/generate", content=msgspec.json.encode(req))
+                assert r.status_code == 400 and words in r.json()["error"]["message"]
+        for req, words in REFUSED:
+            probe = await EngineAdmin._commit_probe(worker, msgspec.to_builtins(req), 5)
+            assert probe.http_status == 400 and words in (probe.message or "")
+        assert engine.tokenized == 0

@@ -28,7 +28,7 @@ from rlfleet.frontend.runs import (
     fingerprint,
     token_hash,
 )
-from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam
+from rlfleet.protocol.engine import Delta, Done, GenerateRequest, InvalidParam, SamplingOptions
 from rlfleet.protocol.nvext import PolicyBound
 from rlfleet.runtime import tracing
 from rlfleet.runtime.http import (
@@ -38,6 +38,7 @@ from rlfleet.runtime.http import (
     bad_json_message,
     json_response,
 )
+from rlfleet.runtime.request_checks import check_request, check_sampling
 from rlfleet.runtime.request_plane import StreamClient
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -132,10 +133,18 @@ async def decoded(request: Request, cls: type[BaseModel]) -> tuple[Any, str]:
 
 
 def engine_request(build: Callable[[], Any]) -> Any:
-    """`build()`, from already validated parts; a value or combination the engine would
-    refuse (say, min_tokens above max_tokens) is a 400 naming the parameter."""
+    """`build()`, from already validated parts; what it builds for the engine (generation
+    requests, or sampling options alone) is checked as the engine would check it
+    (rlfleet.runtime.request_checks). A value or combination the engine would refuse (say,
+    min_tokens above max_tokens) is a 400 naming the parameter."""
     try:
-        return build()
+        built = build()
+        for item in built if isinstance(built, list) else (built,):
+            if isinstance(item, GenerateRequest):
+                check_request(item)
+            elif isinstance(item, SamplingOptions):
+                check_sampling(item)
+        return built
     except InvalidParam as e:
         raise HttpError(400, str(e), param=e.param) from e
     except (ValueError, TypeError) as e:

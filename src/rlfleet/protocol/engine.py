@@ -31,7 +31,6 @@ the Head before the Step is sent.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -57,15 +56,10 @@ class InvalidParam(ValueError):
         self.param = param
 
 
-MAX_STOP_STRINGS = 4  # vLLM's default VLLM_MAX_STOP_STRINGS
-_INT64 = (-(1 << 63), (1 << 63) - 1)
-_GREEDY = 1e-5  # below this temperature vLLM samples greedily
-
-
 class SamplingOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """Sampling parameters, in vLLM's terms, checked as vLLM's engine checks them (so that
-    a request the engine would refuse is refused before it reaches a worker, whatever the
-    engine): `InvalidParam` says what is wrong."""
+    """Sampling parameters, in vLLM's terms. Their values are checked as vLLM's engine
+    checks them where a request is built or decoded (rlfleet.runtime.request_checks), not
+    here: a struct holds its fields only."""
 
     n: int = 1
     temperature: float = 1.0
@@ -96,124 +90,12 @@ class SamplingOptions(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    def __post_init__(self) -> None:
-        check_sampling(self)
-
-
-def _finite(name: str, v: float) -> None:
-    if not math.isfinite(v):
-        raise InvalidParam(f"{name} must be a finite number, got {v}.", name)
-
-
-def _int64(name: str, v: int | None) -> None:
-    if v is not None and not _INT64[0] <= v <= _INT64[1]:
-        raise InvalidParam(f"{name}: {v} does not fit in a signed 64-bit integer", name)
-
-
-def check_sampling(s: SamplingOptions) -> None:
-    """vLLM's own rules for sampling parameters (SamplingParams._verify_args and the
-    engine's limits), with vLLM's wording."""
-    _check_numbers(s)
-    _check_lengths(s)
-    _check_token_lists(s)
-    if s.stream_interval is not None and s.stream_interval < 1:
-        raise InvalidParam(f"stream_interval must be at least 1, got {s.stream_interval}.",
-                           "stream_interval")
-    if s.temperature < _GREEDY and s.n > 1:
-        raise InvalidParam(f"n must be 1 when using greedy sampling, got {s.n}.", "n")
-
-
-def _check_numbers(s: SamplingOptions) -> None:
-    """The scalar parameters: 64-bit, finite, in vLLM's ranges (a seed of -1 is none)."""
-    for name in ("top_k", "max_tokens", "min_tokens", "stream_interval"):
-        _int64(name, getattr(s, name))
-    for name in ("stop_token_ids", "allowed_token_ids"):
-        for t in getattr(s, name) or ():
-            _int64(name, t)
-    for t in s.logit_bias or ():
-        _int64("logit_bias", t)
-    if not 1 <= s.n <= MAX_N:
-        raise InvalidParam(f"n must be between 1 and {MAX_N}, got {s.n}.", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(s, name)
-        _finite(name, v)
-        if not -2.0 <= v <= 2.0:
-            raise InvalidParam(f"{name} must be in [-2, 2], got {v}.", name)
-    _finite("repetition_penalty", s.repetition_penalty)
-    if s.repetition_penalty <= 0.0:
-        raise InvalidParam(f"repetition_penalty must be greater than zero, got "
-                           f"{s.repetition_penalty}.", "repetition_penalty")
-    _finite("temperature", s.temperature)
-    if not 0.0 <= s.temperature <= 2.0:
-        raise InvalidParam(f"temperature must be in [0, 2], got {s.temperature}.", "temperature")
-    _finite("top_p", s.top_p)
-    if not 0.0 < s.top_p <= 1.0:
-        raise InvalidParam(f"top_p must be in (0, 1], got {s.top_p}.", "top_p")
-    if s.top_k < -1:
-        raise InvalidParam(f"top_k must be 0 (disable), or at least 1, got {s.top_k}.", "top_k")
-    _finite("min_p", s.min_p)
-    if not 0.0 <= s.min_p <= 1.0:
-        raise InvalidParam(f"min_p must be in [0, 1], got {s.min_p}.", "min_p")
-    if s.seed is not None:
-        if not _INT64[0] <= s.seed <= _INT64[1]:
-            raise InvalidParam("seed must fit in a signed 64-bit integer "
-                               f"[{_INT64[0]}, {_INT64[1]}]", "seed")
-        if s.seed == -1:
-            s.seed = None
-
-
-def _check_lengths(s: SamplingOptions) -> None:
-    """Token counts and logprob counts."""
-    if s.max_tokens is not None and s.max_tokens < 1:
-        raise InvalidParam(f"max_tokens must be at least 1, got {s.max_tokens}.", "max_tokens")
-    if s.min_tokens < 0:
-        raise InvalidParam(f"min_tokens must be greater than or equal to 0, got {s.min_tokens}.",
-                           "min_tokens")
-    if s.max_tokens is not None and s.min_tokens > s.max_tokens:
-        raise InvalidParam(f"min_tokens must be less than or equal to max_tokens={s.max_tokens}, "
-                           f"got {s.min_tokens}.", "min_tokens")
-    for name in ("logprobs", "prompt_logprobs"):
-        v = getattr(s, name)
-        if v is None:
-            continue
-        if v < -1:
-            raise InvalidParam(f"{name} must be non-negative or -1, got {v}.", name)
-        if v == -1 or v > MAX_LOGPROBS:
-            what = "the whole vocabulary (-1)" if v == -1 else str(v)
-            kind = "sample" if name == "logprobs" else "prompt"
-            raise InvalidParam(f"Requested {kind} logprobs of {what}, which is greater than max "
-                               f"allowed: {MAX_LOGPROBS}", name)
-
-
-def _check_token_lists(s: SamplingOptions) -> None:
-    """Stop strings, token ID lists and the logit bias (clamped to [-100, 100])."""
-    if len(s.stop) > MAX_STOP_STRINGS:
-        raise InvalidParam(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}",
-                           "stop")
-    if any(not x for x in s.stop):
-        raise InvalidParam("stop cannot contain an empty string.", "stop")
-    if any(t < 0 for t in s.stop_token_ids):
-        raise InvalidParam("stop_token_ids must be token IDs (>= 0)", "stop_token_ids")
-    if any(not w for w in s.bad_words):
-        raise InvalidParam(f"bad_words cannot contain an empty string. Got bad_words={s.bad_words}",
-                           "bad_words")
-    if s.allowed_token_ids is not None:
-        if not s.allowed_token_ids:
-            raise InvalidParam("allowed_token_ids is not None and empty!", "allowed_token_ids")
-        if any(t < 0 for t in s.allowed_token_ids):
-            raise InvalidParam("allowed_token_ids contains out-of-vocab token id!",
-                               "allowed_token_ids")
-    if s.logit_bias:
-        if any(t < 0 for t in s.logit_bias):
-            raise InvalidParam("logit_bias keys are token IDs (>= 0)", "logit_bias")
-        for t, b in s.logit_bias.items():
-            _finite(f"logit_bias[{t}]", b)
-        s.logit_bias = {t: min(100.0, max(-100.0, b)) for t, b in s.logit_bias.items()}
-
 
 class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
-    """One generation request. Exactly one of prompt, prompt_token_ids, messages.
-    `sampling` may be given as a dict; it is checked and converted."""
+    """One generation request. Exactly one of prompt, prompt_token_ids, messages (its
+    shape, checked here); the values are checked where the request is built or decoded
+    (rlfleet.runtime.request_checks.check_request). `sampling` may be given as a dict; it
+    is converted."""
 
     request_id: Annotated[str, Meta(min_length=1, max_length=256)]
     prompt: str | None = None
@@ -280,33 +162,6 @@ class GenerateRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_def
             raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
         if self.attach_only and self.retain is None:
             raise ValueError("attach_only follows a kept run: give its retain too")
-        if self.prompt is not None and not self.prompt:
-            raise InvalidParam("prompt is empty: send at least one character or token ID",
-                               "prompt")
-        if self.prompt_token_ids is not None:
-            ids = self.prompt_token_ids
-            if not ids:
-                raise InvalidParam("prompt is empty: send at least one token ID", "prompt")
-            if min(ids) < 0 or max(ids) > _INT64[1]:
-                bad = next(t for t in ids if not 0 <= t <= _INT64[1])
-                raise InvalidParam(f"prompt token ID {bad} is not a token ID", "prompt")
-        if self.messages is not None and not self.messages:
-            raise InvalidParam("messages is empty: send at least one message", "messages")
-        t = self.truncate_prompt_tokens
-        if t is not None and not -1 <= t <= _INT64[1]:
-            raise InvalidParam(f"truncate_prompt_tokens must be -1 or at least 0, got {t}",
-                               "truncate_prompt_tokens")
-        _int64("priority", self.priority)
-        r = self.routed_experts_start
-        if r is not None and not -1 <= r <= _INT64[1]:
-            raise InvalidParam(f"routed_experts_prompt_start must be at least 0, got {r}",
-                               "routed_experts_prompt_start")
-        salt = self.cache_salt
-        if salt is not None and (not salt or len(salt) > 128
-                                 or any(c in "@/\\\x00" for c in salt)):
-            raise InvalidParam("Parameter 'cache_salt' must be a non-empty string of at most 128 "
-                               "characters and must not contain '@', '/', '\\\\', or NUL.",
-                               "cache_salt")
 
 
 class TokenizeRequest(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -163,7 +163,9 @@ class _Request(BaseModel):
                                "the last chunk)", "prompt_logprobs")
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> SamplingOptions:
-        """The engine's sampling options; InvalidParam says what the engine would refuse."""
+        """The engine's sampling options, as sent (their values are checked where the
+        frontend builds the request: rlfleet.runtime.request_checks); InvalidParam: a
+        logit_bias key that is not a token ID."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,

@@ -117,7 +117,8 @@ class SamplingParamsIn(BaseModel):
                                "detokenize=True to use stop.", "sampling_params.stop")
 
     def engine(self, stream: bool) -> SamplingOptions:
-        """The engine's sampling options (InvalidParam: what the engine would refuse).
+        """The engine's sampling options, as sent (their values are checked where the
+        frontend builds the request: rlfleet.runtime.request_checks).
         `max_tokens` not sent: None, the room the prompt leaves."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         given = "max_tokens" in self.model_fields_set

@@ -65,6 +65,7 @@ from rlfleet.protocol.sglang_admin import (
 )
 from rlfleet.protocol.vllm_rl import RELOAD_WEIGHTS
 from rlfleet.runtime.paths import weights_path
+from rlfleet.runtime.request_checks import check_request
 from rlfleet.weights.stage_transfer import CannotStage
 from rlfleet.worker.admission import Admission
 from rlfleet.worker.engine import EngineControl, WeightLoadError
@@ -325,7 +326,7 @@ class EngineAdmin:
         from rlfleet.runtime.http import HttpError
 
         try:
-            greq = msgspec.convert(body, GenerateRequest)
+            greq = check_request(msgspec.convert(body, GenerateRequest))
         except (msgspec.ValidationError, ValueError) as e:
             why = f"invalid probe request: {e}"
             return CommitProbe(http_status=400, message=why, body={"error": {"message": why}})

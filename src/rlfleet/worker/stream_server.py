@@ -50,6 +50,7 @@ from rlfleet.runtime.http import (
     error_response,
     json_response,
 )
+from rlfleet.runtime.request_checks import check_request
 from rlfleet.runtime.request_plane import (
     ATTACH_DEADLINE,
     StreamClient,
@@ -257,7 +258,7 @@ class WorkerPlane:
     async def _http_generate(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            req = msgspec.json.decode(raw, type=GenerateRequest)
+            req = check_request(msgspec.json.decode(raw, type=GenerateRequest))
         except (msgspec.DecodeError, ValueError, RecursionError) as e:
             self.engine.series.requests["rejected"].inc()
             return error_response(400, _decode_error(e, raw))
@@ -558,7 +559,7 @@ class _FrontendLink(asyncio.Protocol):
             return
         if kind == Frame.GENERATE:
             try:
-                req = _generate.decode(body)
+                req = check_request(_generate.decode(body))
             except (msgspec.DecodeError, ValueError, RecursionError) as e:
                 self.plane.engine.series.requests["rejected"].inc()
                 self._error(sid, 400, _decode_error(e))
