@@ -43,17 +43,17 @@ from tests.fleets import MODEL_NAME, vllm_serve, vllm_worker_args
 
 pytestmark = pytest.mark.engine
 
-# both engines compute on one thread: an engine whose threads spin on every core of a small
-# machine starves its own HTTP server, which then takes in an /abort_requests (or the next
-# chunk) only after the engine has run the request to its end
-ENGINE_ENV = {"OMP_NUM_THREADS": "1"}
+# both engines compute on one thread (tests/conftest.py sets it for every process of the
+# suite): an engine whose threads spin on every core of a small machine starves its own HTTP
+# server, which then takes in an /abort_requests (or the next chunk) only after the engine
+# has run the request to its end
 
 
 @pytest.fixture(scope="module")
 def vllm_dev_url(tiny_model: Path, tmp_path_factory):
     """vLLM's own server in dev mode (its RL routes), with the workers' engine flags."""
     with vllm_serve(tiny_model, tmp_path_factory.mktemp("vllm-dev"),
-                    env={"VLLM_SERVER_DEV_MODE": "1", **ENGINE_ENV}) as url:
+                    env={"VLLM_SERVER_DEV_MODE": "1"}) as url:
         yield url
 
 
@@ -62,7 +62,7 @@ def fleet(start_module_fleet, tiny_model: Path) -> LocalFleet:
     """One rlfleet vLLM worker and a frontend (its OpenAI routes, as vLLM's server has)."""
     nccl = ("--weight-transfer-config", '{"backend": "nccl"}')  # a backend needing a GPU
     return start_module_fleet([vllm_worker_args(tiny_model, MODEL_NAME, *nccl)], kind="vllm",
-                              model=MODEL_NAME, worker_env=ENGINE_ENV, name="native-rl")
+                              model=MODEL_NAME, name="native-rl")
 
 
 @pytest.fixture(scope="module")

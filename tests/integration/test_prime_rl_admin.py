@@ -181,7 +181,7 @@ def target(request, tmp_path_factory) -> Iterator[Target]:
     args = vllm_worker_args(tiny, MODEL_NAME, "--allowed-weights-root", str(root))
     fleet: LocalFleet
     with local_fleet(tmp_path_factory.mktemp("prime-rl-vllm"), [args], kind="vllm",
-                     frontend=None, worker_env={"OMP_NUM_THREADS": "1"}) as fleet:
+                     frontend=None) as fleet:
         def checkpoint(n: int) -> Path:  # the two policies in turn, as a trainer's steps
             return Path(shutil.copytree(tiny_b if n % 2 else tiny, root / f"step_{n}"))
         yield Target(fleet.workers[0].ready["system_url"], checkpoint, checkpoint_digest)
