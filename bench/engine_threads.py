@@ -1,0 +1,96 @@
+"""What an engine's OpenMP settings cost in CPU on a small shared box: one tiny vLLM worker
+behind a frontend, started, then sent `--requests` sequential 16-token requests with
+logprobs, once per setting, side by side. Prints each setting's CPU (all the fleet's
+processes) for the start and for the requests, and the ratio against the default.
+
+    python bench/engine_threads.py [--requests 60]
+
+The settings: the default (a thread per core; Intel OpenMP, which the CPU engine preloads,
+spins 200 ms after each parallel region), `KMP_BLOCKTIME=0`, and `KMP_BLOCKTIME=0
+OMP_NUM_THREADS=1` (what tests/conftest.py sets for every process of the suite)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SETTINGS = {
+    "default": {},
+    "KMP_BLOCKTIME=0": {"KMP_BLOCKTIME": "0"},
+    "KMP_BLOCKTIME=0 OMP_NUM_THREADS=1": {"KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "1"},
+}
+
+
+def one(model: Path, requests: int) -> dict:
+    """Run in a process of its own (the settings must be in place before torch loads)."""
+    import httpx
+    import psutil
+
+    from rlfleet.testing.fleet import LocalFleet
+
+    def cpu(procs) -> float:
+        total = 0.0
+        for p in procs:
+            try:
+                total += sum(p.cpu_times()[:2])
+            except psutil.NoSuchProcess:
+                pass
+        return total
+
+    with tempfile.TemporaryDirectory() as tmp, LocalFleet(Path(tmp)) as fleet:
+        t0 = time.monotonic()
+        fleet.start_frontend()
+        fleet.start_worker("--model", str(model), "--served-model-name", "tiny",
+                           "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
+        t1 = time.monotonic()
+        procs = psutil.Process().children(recursive=True)
+        c1 = cpu(procs)
+        with httpx.Client(timeout=60) as client:
+            for i in range(requests):
+                r = client.post(f"{fleet.url}/v1/completions", json={
+                    "model": "tiny", "prompt": [5, 6, 7, 10 + i], "max_tokens": 16,
+                    "logprobs": 1, "temperature": 1.0})
+                r.raise_for_status()
+        t2 = time.monotonic()
+        c2 = cpu(procs)
+    return {"start_s": t1 - t0, "start_cpu_s": c1, "requests_s": t2 - t1,
+            "requests_cpu_s": c2 - c1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one setting
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(one(Path(a.one), a.requests)))
+        return
+    from rlfleet.models import make_model
+    from rlfleet.runtime.launch import engine_env
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(Path(tmp) / "tiny", size="tiny", seed=1)
+        rows = {}
+        for name, env in SETTINGS.items():
+            base = {k: v for k, v in os.environ.items()
+                    if k not in ("KMP_BLOCKTIME", "OMP_NUM_THREADS")}
+            out = subprocess.run([sys.executable, __file__, "--one", str(model), "--requests",
+                                  str(a.requests)], env={**engine_env(base), **env},
+                                 capture_output=True, text=True, timeout=600, check=True)
+            rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    ref = rows["default"]
+    for name, r in rows.items():
+        print(f"{name:36s} start {r['start_s']:5.1f} s wall {r['start_cpu_s']:5.1f} CPU-s | "
+              f"{a.requests} requests {r['requests_s']:5.1f} s wall {r['requests_cpu_s']:5.1f} "
+              f"CPU-s | CPU vs default: start {r['start_cpu_s'] / ref['start_cpu_s']:.2f}, "
+              f"requests {r['requests_cpu_s'] / ref['requests_cpu_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
