@@ -20,9 +20,9 @@ import pytest
 # imported here or in any process a test starts): the suite runs two test processes on two
 # cores, each starting engines, trainers and servers of its own, and the defaults (a thread
 # per core; Intel OpenMP, which the CPU engine preloads, spins 200 ms after each region) keep
-# every engine's second thread busy-waiting on a core another process needs. Measured: a
-# tiny vLLM worker's start plus 60 requests, 46.0 CPU-s -> 37.1, the requests 17.7 -> 10.5,
-# wall alike. A test that sets its own keeps it; benchmarks (bench/) do not read this.
+# every engine's second thread busy-waiting on a core another process needs
+# (bench/engine_threads.py: a tiny vLLM worker's start 0.82 of the default's CPU, its
+# requests 0.53, wall alike). A test that sets its own keeps it; bench/ does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("KMP_BLOCKTIME", "0")
 
