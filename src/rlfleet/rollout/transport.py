@@ -53,7 +53,7 @@ class _Pool:
     async def release(self) -> None:
         """A request's response is closed (or it never got one)."""
         self.active -= 1
-        if self.retired_in is not None and not self.active:
+        if self.retired and not self.active:
             self.retired_in.discard(self)
             await self.transport.aclose()
 
@@ -125,7 +125,7 @@ class ShardedTransport(httpx.AsyncBaseTransport):
     def _retire(self, pool: _Pool) -> None:
         """`pool` (one of its requests was cancelled) takes no new request; its transport is
         closed once its last response is (here, in the background, if that was the one)."""
-        if pool.retired_in is None:
+        if not pool.retired:
             pool.retired_in = self.retired
             self.pools.remove(pool)
             self.retired.add(pool)
