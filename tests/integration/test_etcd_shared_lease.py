@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aetcd import rpc
 
-from rlfleet.runtime.discovery import EtcdDiscovery
+from rlfleet.runtime.discovery import DiscoveryError, EtcdDiscovery
 from rlfleet.testing.etcd import discovery_entry, run_etcd
 
 TTL = 3.0  # a keep-alive every second; above etcd's shortest lease
@@ -169,3 +169,39 @@ async def test_each_ttl_has_a_lease_of_its_own(etcd_pair, ns: str) -> None:
     assert await lease_ttl(other, short_id) == -1
     await asyncio.sleep(TTL + 0.5)
     assert len(await other.list(ns)) == 2  # the long ones, kept alive by their own lease
+
+
+async def test_a_call_that_ignores_its_cancellation_still_ends_at_its_deadline(
+        etcd_pair, ns: str, monkeypatch) -> None:
+    """`asyncio.wait_for` waits for a cancelled call to end; a gRPC call that does not
+    (one held a keep-alive, and the test closing it, for 20 minutes on CI) must not hold
+    the caller past the deadline, nor the client's close."""
+    writer, _ = etcd_pair
+    monkeypatch.setattr(writer, "deadline", 0.3)
+    release = asyncio.Event()
+
+    async def deaf() -> None:  # swallows every cancellation until released
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DiscoveryError, match="timed out after 0.3s"):
+        await writer._call("a deaf call", lambda c: deaf())
+    assert loop.time() - started < 0.3 + 0.5 + 0.5  # the deadline, the grace, slack
+    assert len(writer._stuck) == 1  # left running, not awaited
+    reg = await writer.register(discovery_entry(ns, i=0), ttl=TTL)
+    real = writer._call
+
+    async def keepalive_goes_deaf(what: str, fn: Any) -> Any:
+        return await real(what, (lambda c: deaf()) if what.startswith("keep-alive") else fn)
+    monkeypatch.setattr(writer, "_call", keepalive_goes_deaf)
+    await asyncio.sleep(TTL / 3 + 0.1)  # a keep-alive is in its deaf call now
+    started = loop.time()
+    await reg.close()  # cancels that keep-alive, deletes the key, revokes the lease
+    assert loop.time() - started < 1.0
+    release.set()
+    await asyncio.sleep(0.05)
+    assert not writer._stuck  # each ended once it listened

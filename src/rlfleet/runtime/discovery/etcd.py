@@ -47,12 +47,43 @@ ETCD_DEFAULT_PORT = 2379
 DEFAULT_DEADLINE = 3.0  # seconds, for every etcd call
 WATCH_IDLE = 30.0  # seconds a watch loop sleeps when etcd sends nothing (it lists nothing)
 REPUBLISH_CONCURRENCY = 64  # puts in flight when a lost lease's entries are put again
+CANCEL_GRACE = 0.5  # seconds a call past its deadline is given to end once cancelled
 
 T = TypeVar("T")
 
 
 class _LeaseNotFound(DiscoveryError):
     """etcd says the lease does not exist (expired or revoked)."""
+
+
+async def _within(aw: Awaitable[T], deadline: float, stuck: set[asyncio.Task[Any]]) -> T:
+    """`aw`'s result, or TimeoutError after `deadline` seconds whether or not it ends once
+    cancelled. `asyncio.wait_for` waits for the cancelled call to end, and a gRPC call may
+    not (one hung a test's etcd client for 20 minutes); such a call is left in `stuck`
+    until it does. Cancelling the caller cancels the call and returns at once."""
+    task = asyncio.ensure_future(aw)
+    try:
+        if (await asyncio.wait({task}, timeout=deadline))[0]:
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task}, timeout=CANCEL_GRACE)
+        raise TimeoutError
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        if not task.done():
+            stuck.add(task)
+            task.add_done_callback(_forget(stuck))
+
+
+def _forget(stuck: set[asyncio.Task[Any]]) -> Callable[[asyncio.Task[Any]], None]:
+    def done(task: asyncio.Task[Any]) -> None:
+        stuck.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("discovery: an etcd call past its deadline ended with %r",
+                      task.exception())
+    return done
 
 
 def _grpc_detail(exc: BaseException) -> str:
@@ -398,7 +429,7 @@ class _EtcdView(ChangeSource):
                 await pump
         if watch is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), 1.0)
+                await _within(watch.cancel(), 1.0, self._owner._stuck)
         self._stale = True
 
     async def aclose(self) -> None:
@@ -420,6 +451,7 @@ class EtcdDiscovery(Discovery):
         self._client: aetcd.Client | None = None
         self._leases: dict[float, _EtcdLease] = {}  # ttl -> the lease its registrations share
         self._retired: set[asyncio.Task[None]] = set()
+        self._stuck: set[asyncio.Task[Any]] = set()  # calls past their deadline (`_within`)
 
     @property
     def endpoint(self) -> str:
@@ -457,10 +489,9 @@ class EtcdDiscovery(Discovery):
         task.add_done_callback(self._retired.discard)
         log.info("discovery: switching to etcd endpoint %s", self.endpoint)
 
-    @staticmethod
-    async def _close_client(client: aetcd.Client) -> None:
+    async def _close_client(self, client: aetcd.Client) -> None:
         try:
-            await asyncio.wait_for(client.close(), 2.0)
+            await _within(client.close(), 2.0, self._stuck)
         except Exception as exc:  # noqa: BLE001 - closing is best effort
             log.warning("discovery: closing etcd client failed: %r", exc)
 
@@ -476,7 +507,7 @@ class EtcdDiscovery(Discovery):
             endpoint = self.endpoint
             client = self._get_client()
             try:
-                return await asyncio.wait_for(fn(client), self.deadline)
+                return await _within(fn(client), self.deadline, self._stuck)
             except TimeoutError:
                 failures.append(f"{endpoint}: timed out after {self.deadline:g}s")
             except (aetcd.exceptions.ConnectionFailedError,
@@ -577,6 +608,8 @@ class EtcdDiscovery(Discovery):
             await self._close_client(client)
         if self._retired:
             await asyncio.gather(*self._retired, return_exceptions=True)
+        if self._stuck:  # cancelled already; the closed channel ends them, or they are left
+            await asyncio.wait(set(self._stuck), timeout=CANCEL_GRACE)
         # gRPC completes the calls it just cancelled from its poller thread; let those land on
         # this loop now, not on a closed one ("Event loop is closed" noise in per-test loops).
         await asyncio.sleep(0.02)
