@@ -26,6 +26,7 @@ from rlfleet.runtime.discovery import (
     new_instance_id,
     open_discovery,
 )
+from rlfleet.runtime.discovery.base import entry_key
 
 try:
     from rlfleet.testing.etcd import discovery_entry, free_port, run_etcd
@@ -525,6 +526,52 @@ async def test_vanishing_directory_keeps_its_entries(tmp_path: Path, ns: str, ho
     finally:
         await owner.close()
         await reader.close()
+
+
+async def test_a_file_removed_without_a_goodbye_keeps_its_entry_until_its_lease_ends(
+        tmp_path: Path, ns: str) -> None:
+    """A directory emptied one file at a time (rmtree's order) looked, to a watch that read
+    between two unlinks, like its owners deregistering: the frontend's pool went empty for
+    a tick (a 404 under load on CI). An owner's close is a goodbye and ends its entry at
+    once; a file gone without one keeps its entry until the owner rewrites it or its lease
+    ends."""
+    store = tmp_path / "d"
+    owner, reader = open_discovery(store.as_uri()), open_discovery(store.as_uri())
+    kept = [discovery_entry(ns, i=i) for i in range(3)]
+    seen: list[list[int]] = []
+    try:
+        regs = [await owner.register(e, ttl=6) for e in kept[:2]]  # keep-alive every 2 s
+        lapsing = await owner.register(kept[2], ttl=2)
+        lapsing._task.cancel()  # as if its owner had stopped: its lease ends in 2 s
+
+        async def follow() -> None:
+            async with contextlib.aclosing(reader.watch(ns, interval=0.05)) as it:
+                async for entries in it:
+                    seen.append(sorted(e["i"] for e in entries))
+        watching = asyncio.create_task(follow())
+        await eventually(lambda: _now(seen, [0, 1, 2]), 5, "the watch sees the three")
+        removed_at = time.monotonic()
+        for e in (kept[2], kept[0]):
+            os.unlink(owner._path(entry_key(e)))  # type: ignore[attr-defined]
+            await asyncio.sleep(0.3)  # several ticks of the watch in between
+        assert seen[-1] == [0, 1, 2] and all(len(s) == 3 for s in seen), seen
+        assert sorted(e["i"] for e in await reader.list(ns)) == [0, 1, 2]
+        await eventually(lambda: _now(seen, [0, 1]), 4, "the lapsed lease ends its entry")
+        assert time.monotonic() - removed_at > 1.0  # at its lease's end, not at the unlink
+        assert [0, 1] in seen and all(0 in s for s in seen), seen  # never lost
+        await regs[1].close()  # a goodbye: gone at once, from the watch and a listing
+        assert [e["i"] for e in await reader.list(ns)] == [0]
+        await eventually(lambda: _now(seen, [0]), 1, "the watch drops the closed entry")
+        await eventually(lambda: _has(reader, ns, kept[0]), 5, "its owner wrote it again")
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    finally:
+        await owner.close()
+        await reader.close()
+
+
+async def _now(seen: list[list[int]], want: list[int]) -> bool:
+    return bool(seen) and seen[-1] == want
 
 
 def remove_while_written(path: Path) -> None:

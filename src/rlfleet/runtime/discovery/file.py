@@ -4,10 +4,12 @@ subdirectory, which listings never read.
 
 Every file operation runs in a worker thread, never on the event loop: a slow disk, a FIFO
 or a huge file named ``*.json`` cannot stall a server. Files that cannot be read are skipped
-and reported (:class:`~rlfleet.runtime.discovery.base.Skipped`). A directory that vanishes
-or is replaced does not end its entries: each keeps its lease until it expires or its owner
-rewrites it (owners recreate the directory at their next keep-alive), so a few seconds
-without the directory never empty a frontend's pool.
+and reported (:class:`~rlfleet.runtime.discovery.base.Skipped`). An owner deregisters by
+renaming its file to a tombstone (``.<name>.gone``, deleted a minute later); a file gone
+without one was removed by someone else (a directory removed, replaced or emptied, one file
+at a time or at once), and its entry keeps its lease until it expires or its owner rewrites
+it (owners recreate the directory at their next keep-alive), so a few seconds without the
+directory never empty a frontend's pool.
 
 A keep-alive touches its file (its modification time is the lease's start) rather than
 rewriting it, so the directory itself changes only when an entry is added, replaced or
@@ -81,7 +83,7 @@ class FileDiscovery(base.Discovery):
     """``<dir>/<quoted key>.json`` = ``{"entry", "expires_at", "ttl"}``."""
 
     GC_TTLS = 3.0  # delete files expired for longer than this many ttls
-    TMP_MAX_AGE = 60.0  # delete leftover temp files older than this (crashed writers)
+    TMP_MAX_AGE = 60.0  # delete temp files (crashed writers) and tombstones older than this
     MAX_RECORD_BYTES = 1 << 20  # an entry is a few hundred bytes; anything this big is not one
     DEADLINE = 10.0  # seconds for one scan or write (a hung filesystem becomes a DiscoveryError)
     HOT = 1.0  # a directory changed this recently is listed again at every watch tick
@@ -96,7 +98,7 @@ class FileDiscovery(base.Discovery):
         self._lock = threading.Lock()  # one scan or write at a time; they run in threads
         self._dir_id: tuple[int, int] | None = None  # (st_dev, st_ino) when last seen
         self._last: dict[str, tuple[Entry, float]] = {}  # key -> (entry, expires_at), last scan
-        self._held: dict[str, tuple[Entry, float]] = {}  # from a vanished directory, until expiry
+        self._held: dict[str, tuple[Entry, float]] = {}  # files removed with no goodbye (`_hold`)
         self._names_of_last: dict[str, str] = {}  # entry key -> its file, last scan
         self._names_of_keys: dict[str, str] = {}  # entry key -> its file's name (`_name`)
         self._pending: list[tuple[Any, tuple, asyncio.Future]] = []  # ops for the next trip
@@ -179,7 +181,32 @@ class FileDiscovery(base.Discovery):
 
     def _write(self, key: str, entry: Entry, ttl: float) -> None:
         record = {"entry": entry, "expires_at": time.time() + ttl, "ttl": ttl}
-        self._write_json(self._path(key), record, key)
+        path = self._path(key)
+        self._write_json(path, record, key)
+        with contextlib.suppress(OSError):  # registered again: a removal is not a goodbye
+            os.unlink(self._tombstone(path.name))
+
+    def _tombstone(self, name: str) -> str:
+        """Where the owner of the file `name` leaves it when it deregisters (`_delete`)."""
+        return f"{self._dir}.{name}.gone"
+
+    def _removed(self, name: str) -> bool:
+        """Whether the file `name` went without its owner's goodbye (no tombstone)."""
+        return not os.path.lexists(self._tombstone(name))
+
+    def _hold(self, key: str, now: float, name: str | None = None
+              ) -> tuple[Entry, float] | None:
+        """The entry `key` as last read, held until its lease ends, where its file (`name`)
+        is gone without its owner's goodbye; None where it said goodbye, its lease ended
+        or the file is there."""
+        last = self._last.get(key) or self._held.get(key)
+        if last is None or last[1] <= now:
+            return None
+        name = name or self._names_of_last.get(key) or self._name(key)
+        if os.path.lexists(self._dir + name) or not self._removed(name):
+            return None
+        self._held[key] = last
+        return last
 
     def _write_json(self, path: Path, value: dict[str, Any], what: str) -> None:
         """`value` as `path`, whole or not at all (a temporary file, then a rename)."""
@@ -239,8 +266,11 @@ class FileDiscovery(base.Discovery):
         return changed, current, renewed
 
     def _delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self._path(key).unlink(missing_ok=True)
+            os.rename(path, self._tombstone(path.name))  # the goodbye (`_removed`)
+        except FileNotFoundError:
+            pass
         except OSError as exc:
             raise DiscoveryError(f"file discovery {self.directory}: cannot delete "
                                  f"{key}: {exc}") from exc
@@ -345,12 +375,9 @@ class FileDiscovery(base.Discovery):
             raise DiscoveryError(f"file discovery {self.directory}: cannot list: {exc}") from exc
         if dir_id != self._dir_id:
             if self._dir_id is not None and self._last:
-                # not an owner's deregistration (owners delete their own file): the leases
-                # still run, so hold the entries until they expire or are rewritten
                 log.warning("discovery: %s %s; keeping its %d entries until their leases end",
                             self.directory, "vanished" if dir_id is None else "was replaced",
                             len(self._last))
-                self._held.update(self._last)
             self._dir_id = dir_id
             self._cache.clear()
         if dir_id is None and self._held:
@@ -360,8 +387,8 @@ class FileDiscovery(base.Discovery):
         names_of: dict[str, str] = {}  # entry key -> its file's name
         for name in names:
             if name.startswith("."):
-                if name.endswith(".tmp"):
-                    self._gc_tmp(name, now)
+                if name.endswith((".tmp", ".gone")):
+                    self._gc_dot(name, now)
                 continue
             if not name.endswith(".json") or (where is not None and self._outside(name, where)):
                 continue
@@ -385,16 +412,19 @@ class FileDiscovery(base.Discovery):
         if len(self._cache) > len(names):
             for gone in self._cache.keys() - set(names):
                 del self._cache[gone]
+        outside = self._key_outside
+        for key in self._last.keys() - live.keys():  # gone since: said goodbye, or removed?
+            if where is None or not outside(key, where):
+                self._hold(key, now)
         for key, (entry, expires_at) in list(self._held.items()):
             if expires_at <= now or key in live:
                 del self._held[key]
-            else:
+            elif where is None or not outside(key, where):
                 live[key] = (entry, expires_at)
         if where is None:
             self._names_of_last, self._last = names_of, live
         else:  # the entries outside the filter stand as last read
             self._names_of_last.update(names_of)
-            outside = self._key_outside
             last = {k: v for k, v in self._last.items() if outside(k, where)}
             last.update(live)
             self._last = last
@@ -450,16 +480,19 @@ class FileDiscovery(base.Discovery):
             if name.startswith(".") or not name.endswith(".json"):
                 continue
             before = self._cache.get(name)
+            was = None if before is None else before[3]  # the key it held when last read
             record, error, renewed, key = self._read(name, name in touched)
-            if before is not None and before[3] is not None and key != before[3]:
-                self._last.pop(before[3], None)
+            held = None if was is None or record is not None or error is not None \
+                else self._hold(was, now, name)
+            if was is not None and key != was and held is None:
+                self._last.pop(was, None)
             if error is not None:
                 out[name] = (None, None, 0.0, Skipped(self._dir + name, error,
                                                       self._key_of_name(name)))
                 continue
             if record is None:
                 self._cache.pop(name, None)
-                out[name] = gone
+                out[name] = gone if held is None else (was, held[0], held[1], None)
                 continue
             ttl = _ttl(record)
             expires_at = max(float(record["expires_at"]), renewed + ttl if ttl else 0.0)
@@ -473,7 +506,7 @@ class FileDiscovery(base.Discovery):
             out[name] = (key, entry, expires_at, None)
         return out
 
-    def _gc_tmp(self, name: str, now: float) -> None:
+    def _gc_dot(self, name: str, now: float) -> None:
         path = self.directory / name
         with contextlib.suppress(OSError):
             if now - path.lstat().st_mtime > self.TMP_MAX_AGE:
