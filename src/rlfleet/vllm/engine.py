@@ -48,7 +48,7 @@ HEALTH_TIMEOUT = 10.0  # seconds the engine has to answer a liveness check
 # staged tensors cross into the engine process as a safetensors file in memory (tmpfs)
 _STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 # vLLM's CPU platform sets this to "spawn" for every engine, so that the engine-core process
-# imports vLLM and torch afresh (~12 CPU-s and ~11 s of a tiny model's start on 2 cores,
+# imports vLLM and torch afresh (~7.6 CPU-s and ~7.5 s of a tiny model's start on 2 cores,
 # bench/engine_threads.py). A CPU worker (`python -m rlfleet.vllm`) forks its engine core
 # instead, as vLLM does by default elsewhere: the worker holds rlfleet's modules only and
 # has loaded no model. The fork keeps the worker's CPUs (Intel OpenMP pins a forked child
