@@ -12,6 +12,7 @@ Two workers for the module (vLLM starts are slow)."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from rlfleet.weights.adapters import publish_adapter
 from rlfleet.weights.catalog import Catalog
 from rlfleet.weights.digest import checkpoint_digest
 from rlfleet.weights.publish import TrainerServer
+from rlfleet.worker.lora_admin import LORA_TMP_PREFIX
 from tests.fleets import MODEL_NAME, vllm_worker_args
 
 pytestmark = pytest.mark.engine
@@ -63,13 +65,25 @@ def published(adapters, s3_server) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(start_module_fleet, tiny_model, adapters, s3_server, tmp_path_factory):
+def worker_pids():
+    """The fleet's worker pids; once the workers have stopped (this is set up before the
+    fleet, so torn down after it), none left a directory of adapters behind."""
+    pids: list[int] = []
+    yield pids
+    left = [p for pid in pids for p in Path(tempfile.gettempdir()).glob(
+        f"{LORA_TMP_PREFIX}{pid}-*")]
+    assert pids and not left, f"left behind by the stopped workers: {left}"
+
+
+@pytest.fixture(scope="module")
+def fleet(worker_pids, start_module_fleet, tiny_model, adapters, s3_server, tmp_path_factory):
     catalog = f"sqlite://{tmp_path_factory.mktemp('lora-catalog') / 'catalog.sqlite'}"
     args = vllm_worker_args(tiny_model, MODEL_NAME, *LORA_FLAGS, "--allowed-weights-root",
                             str(adapters["a1"].parent), "--weights-catalog", catalog)
     f = start_module_fleet([args] * 2, name="lora-staging", kind="vllm", model=MODEL_NAME,
                            lease_ttl=3.0, enable_rl=True, worker_env=s3_server.env)
     f.catalog = catalog
+    worker_pids.extend(w.pid for w in f.workers)
     return f
 
 

@@ -31,8 +31,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,6 +74,9 @@ def adapter_reply(state: AdapterState, fence: FleetFence | None = None,
                             fleet_epoch=fence.newest if fence else 0, **extra)
 
 
+LORA_TMP_PREFIX = "rlfleet-lora-"  # + the worker's pid: its adapter directories, in TMPDIR
+
+
 class LoraAdmin:
     """Route handlers for the adapters of one engine."""
 
@@ -86,6 +91,7 @@ class LoraAdmin:
         self.configs: dict[str, bytes] = {}  # handle -> the version's adapter_config.json
         self.beside: dict[str, str | None] = {}  # adapter -> the handle loaded beside
         self.made: dict[str, list[Path]] = {}  # adapter -> directories made for its versions
+        self._own: Path | None = None  # where they are made; removed when the process ends
         if staging is not None:
             staging.also_serves.append(self.resident_dir)
 
@@ -335,7 +341,10 @@ class LoraAdmin:
         """The artifact at `path` as a plain adapter directory of this worker's own (a delta
         on the version `name` serves)."""
         state = self._served(name) if served else None
-        out = Path(tempfile.mkdtemp(prefix=f"rlfleet-lora-{name[:32]}-"))
+        if self._own is None:
+            self._own = Path(tempfile.mkdtemp(prefix=f"{LORA_TMP_PREFIX}{os.getpid()}-"))
+            weakref.finalize(self, shutil.rmtree, self._own, True)  # (also at exit)
+        out = Path(tempfile.mkdtemp(prefix=f"{name[:32]}-", dir=self._own))
         try:
             return materialize_adapter(path, out, (state.policy.version, Path(state.path))
                                        if state else None)
