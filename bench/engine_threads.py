@@ -6,8 +6,11 @@ processes) for the start and for the requests, and the ratio against the default
     python bench/engine_threads.py [--requests 60]
 
 The settings: the default (a thread per core; Intel OpenMP, which the CPU engine preloads,
-spins 200 ms after each parallel region), `KMP_BLOCKTIME=0`, and `KMP_BLOCKTIME=0
-OMP_NUM_THREADS=1` (what tests/conftest.py sets for every process of the suite)."""
+spins 200 ms after each parallel region; the engine core forked from the worker,
+rlfleet/vllm/engine.py START_METHOD), the same with the engine core spawned (vLLM's CPU
+platform's choice: it imports vLLM and torch again), `KMP_BLOCKTIME=0`, and
+`KMP_BLOCKTIME=0 OMP_NUM_THREADS=1` (what tests/conftest.py sets for every process of the
+suite)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 SETTINGS = {
+    "engine core spawned": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"},  # vLLM CPU's choice
     "default": {},
     "KMP_BLOCKTIME=0": {"KMP_BLOCKTIME": "0"},
     "KMP_BLOCKTIME=0 OMP_NUM_THREADS=1": {"KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "1"},
@@ -79,7 +83,8 @@ def main() -> None:
         rows = {}
         for name, env in SETTINGS.items():
             base = {k: v for k, v in os.environ.items()
-                    if k not in ("KMP_BLOCKTIME", "OMP_NUM_THREADS")}
+                    if k not in ("KMP_BLOCKTIME", "OMP_NUM_THREADS",
+                                 "VLLM_WORKER_MULTIPROC_METHOD")}
             out = subprocess.run([sys.executable, __file__, "--one", str(model), "--requests",
                                   str(a.requests)], env={**engine_env(base), **env},
                                  capture_output=True, text=True, timeout=600, check=True)

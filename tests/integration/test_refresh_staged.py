@@ -28,7 +28,8 @@ from tests.fleets import MODEL_NAME, routed, weight_versions
 pytestmark = pytest.mark.engine
 
 PROMPT = [151644, 872, 198, 15, 16, 17]
-TOKENS = 240  # long enough that the refresh lands mid-stream
+TOKENS = 1000  # long enough that the refresh lands mid-stream (~20 s of streaming alone on
+#               2 cores; a refresh takes ~1.5 s there, longer beside other test processes)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,7 @@ def test_keep_mode_refresh_with_streams_in_flight(setup):
         s.thread.join(300)
         assert s.finish == "length" and len(s.ids) == len(s.logprobs) == TOKENS, s.finish
         spans = weight_spans(s.spans, TOKENS)
+        assert len(spans) == 2, f"a stream ended before the swap: {result.step_seconds()}"
         assert [(x.version, x.digest) for x in spans] == [("A", digest["A"]), ("B", digest["B"])]
         switch = spans[1].start
         assert 0 < switch < TOKENS

@@ -75,3 +75,35 @@ def test_sigkill_of_a_worker_leaves_no_process_behind(worker):
     left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120]
             for p in living(children)}
     assert not left, f"processes of the killed worker still alive: {left}"
+
+
+FORK_AFFINITY = """
+import os, sys, torch
+from rlfleet.runtime.launch import keep_cpus_in_forked_children
+x = torch.randn(256, 256)
+x @ x  # OpenMP started, as in a worker that has loaded vLLM
+if sys.argv[1] == "keep":
+    keep_cpus_in_forked_children()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, repr(sorted(os.sched_getaffinity(0))).encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(sorted(os.sched_getaffinity(0)))
+print(os.read(r, 1000).decode())
+"""
+
+
+def test_a_forked_engine_core_keeps_the_cpus_of_its_worker() -> None:
+    """Intel OpenMP, which the CPU engine preloads, pins a child forked after torch has run
+    to the first CPU of its mask: every worker's forked engine core ran on one core, the
+    others idle (rlfleet.vllm.engine START_METHOD). The worker gives its forked children
+    its own CPUs back."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FORK_AFFINITY, "keep"], env=engine_env(),
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    parent, child = out.split("\n")[:2]
+    assert child == parent, (parent, child)

@@ -144,6 +144,20 @@ def die_when_parent_dies() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+_KEEP_CPUS: set[int] | None = None  # the CPUs a forked child is given back
+
+
+def keep_cpus_in_forked_children() -> None:
+    """A child this process forks from now on runs on the CPUs this process may use now.
+    Intel OpenMP (preloaded by the CPU engine) pins a forked child to the first CPU of its
+    mask, whatever the settings: two workers' forked engine cores took turns on one core
+    while the other stayed idle."""
+    global _KEEP_CPUS
+    if _KEEP_CPUS is None and hasattr(os, "sched_setaffinity"):
+        _KEEP_CPUS = os.sched_getaffinity(0)
+        os.register_at_fork(after_in_child=lambda: os.sched_setaffinity(0, _KEEP_CPUS))
+
+
 # exec'd by multiprocessing instead of the interpreter: `setpriv --pdeathsig KILL` then python
 CHILD_WRAPPER = Path(__file__).with_name("die_with_parent.sh")
 _children_die: bool | None = None  # set once per process

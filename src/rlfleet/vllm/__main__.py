@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     from rlfleet.worker.serve import serve_worker, staging_area
 
     args = parse_args(argv)
-    engine = VllmEngine(args)
+    engine = VllmEngine(args, fork_core=True)
     staging = staging_area(args, engine)
     admin = EngineAdmin(engine, args.allowed_weights_root, staging=staging)
     # on uvloop, as `vllm serve` runs its engine's client: every token of every request

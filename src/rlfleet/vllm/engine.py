@@ -47,6 +47,17 @@ LOAD_TIMEOUT = float(os.environ.get("RLFLEET_LOAD_TIMEOUT", 600))
 HEALTH_TIMEOUT = 10.0  # seconds the engine has to answer a liveness check
 # staged tensors cross into the engine process as a safetensors file in memory (tmpfs)
 _STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# vLLM's CPU platform sets this to "spawn" for every engine, so that the engine-core process
+# imports vLLM and torch afresh (~7.6 CPU-s and ~7.5 s of a tiny model's start on 2 cores,
+# bench/engine_threads.py). A CPU worker (`python -m rlfleet.vllm`) forks its engine core
+# instead, as vLLM does by default elsewhere: the worker holds rlfleet's modules only and
+# has loaded no model. The fork keeps the worker's CPUs (Intel OpenMP pins a forked child
+# to the first one: two workers' engines then took turns on one core,
+# `keep_cpus_in_forked_children`). An engine embedded in another process (a test's, a
+# trainer's) is still spawned: a fork would copy that process's modules into the engine
+# core, and vLLM's kernel registration walks them (AReaL's werkzeug proxies raise there).
+# Set the variable to "spawn" to keep vLLM's choice; a GPU engine is left to vLLM.
+START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 try:  # vLLM's validation errors are not all ValueErrors
     from vllm.exceptions import VLLMClientError
@@ -211,8 +222,11 @@ async def _until_listening(host: str, port: int, deadline: float) -> None:
 
 
 class VllmEngine(Engine, EngineControl):
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, fork_core: bool = False) -> None:
+        """`fork_core`: on a CPU, fork the engine-core process from this one (START_METHOD);
+        only for a process of rlfleet's own (the worker's main), never an embedding one."""
         self.args = args
+        self.fork_core = fork_core
         self.llm = None
         self.tokenizer = None
         self._running = 0
@@ -248,8 +262,12 @@ class VllmEngine(Engine, EngineControl):
         from transformers import AutoTokenizer
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.executor import Executor
 
-        from rlfleet.runtime.launch import children_die_with_this_process
+        from rlfleet.runtime.launch import (
+            children_die_with_this_process,
+            keep_cpus_in_forked_children,
+        )
 
         if not children_die_with_this_process():
             log.warning("setpriv (util-linux) not found: if this worker is killed, its engine "
@@ -258,10 +276,20 @@ class VllmEngine(Engine, EngineControl):
             if Path(self.args.model).is_dir() else None
         loading = Progress(f"loading {self.args.model} into vLLM", size, heartbeat=True)
         try:
-            # as `vllm serve` makes its engine: the batch defaults (max_num_seqs,
-            # max_num_batched_tokens) are chosen by this context, per device
-            self.llm = AsyncLLM.from_engine_args(self.engine_args(),
-                                                 usage_context=UsageContext.OPENAI_API_SERVER)
+            # as `vllm serve` makes its engine (AsyncLLM.from_engine_args, with the start
+            # method below): the batch defaults (max_num_seqs, max_num_batched_tokens) are
+            # chosen by this context, per device
+            engine_args = self.engine_args()
+            asked = os.environ.get(START_METHOD)
+            config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+            if self.fork_core and config.device_config.device_type == "cpu" \
+                    and asked != "spawn":
+                os.environ[START_METHOD] = "fork"  # see START_METHOD
+                keep_cpus_in_forked_children()
+            self.llm = AsyncLLM(vllm_config=config, executor_class=Executor.get_class(config),
+                                log_requests=engine_args.enable_log_requests,
+                                log_stats=not engine_args.disable_log_stats,
+                                usage_context=UsageContext.OPENAI_API_SERVER)
         except BaseException as e:
             loading.fail(repr(e))
             raise
