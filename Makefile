@@ -5,8 +5,10 @@ PY := $(VENV)/bin/python
 ENVFILE := $(VENV)/rlfleet.env
 RUN := set -a; . ./$(ENVFILE); set +a;
 # the suite runs in this many processes (pytest-xdist), a whole module in one (its fleet starts
-# once), and every module on the session vLLM fleet in one (tests/conftest.py's scheduler)
-TEST_PROCESSES ?= 2
+# once), and every module on the session vLLM fleet in one (tests/conftest.py's scheduler);
+# three on two cores: while one waits (a lease, a stopped worker, a server starting), the
+# others run (BENCHMARKS.md, "The test suite")
+TEST_PROCESSES ?= 3
 
 .PHONY: setup demo demo-async test test-python lint bench clean
 

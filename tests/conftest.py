@@ -10,6 +10,7 @@ import multiprocessing.process
 import os
 import re
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 # One OpenMP thread per process, and no spinning after a parallel region (set before torch is
-# imported here or in any process a test starts): the suite runs two test processes on two
+# imported here or in any process a test starts): the suite runs three test processes on two
 # cores, each starting engines, trainers and servers of its own, and the defaults (a thread
 # per core; Intel OpenMP, which the CPU engine preloads, spins 200 ms after each region) keep
 # every engine's second thread busy-waiting on a core another process needs
@@ -251,6 +252,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     last (the fleet replaces the worker for the next module: that way it never has to)."""
     items.sort(key=lambda item: (not takes_session_fleet(Path(item.path)),
                                  item.get_closest_marker("kills_session_worker") is not None))
+
+
+TIMELINE = os.environ.get("RLFLEET_TEST_TIMELINE")  # a file: one line per test, appended
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With RLFLEET_TEST_TIMELINE=<file>: the test process, the test and its start and end
+    (wall clock, set-up and teardown included), to see how the processes shared the run."""
+    start = time.time()
+    yield
+    if TIMELINE:
+        with open(TIMELINE, "a") as f:
+            f.write(f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')} {start:.2f} "
+                    f"{time.time():.2f} {item.nodeid}\n")
 
 
 @pytest.hookimpl(hookwrapper=True)

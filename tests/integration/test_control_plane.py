@@ -247,7 +247,7 @@ class Stream:
         assert not self.thread.is_alive(), "the request did not finish"
 
 
-LONG = 1900  # long enough that a pause always lands mid-request (~2 s of decoding)
+LONG = 600  # long enough that a pause always lands mid-request (~6 s of decoding alone)
 
 
 def generated_tokens(fleet) -> float:
