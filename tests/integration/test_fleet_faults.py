@@ -120,7 +120,7 @@ def test_hung_worker_stays_listed_with_an_error(fleet):
 
 
 def test_retry_with_the_same_request_id_generates_nothing_new(fleet):
-    body = {"model": MODEL, "prompt": [151644, 8948, 198], "max_tokens": 1200,
+    body = {"model": MODEL, "prompt": [151644, 8948, 198], "max_tokens": 300,
             "temperature": 1.0, "seed": 3, "ignore_eos": True,
             "nvext": {"extra_fields": ["completion_token_ids"]}}
     headers = {"X-Request-Id": "retry-me-1"}
@@ -131,11 +131,11 @@ def test_retry_with_the_same_request_id_generates_nothing_new(fleet):
     r = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=120)
     assert r.status_code == 200 and r.headers["x-request-id"] == "retry-me-1"
     first = r.json()
-    assert first["id"] == "retry-me-1" and len(first["nvext"]["completion_token_ids"]) == 1200
+    assert first["id"] == "retry-me-1" and len(first["nvext"]["completion_token_ids"]) == 300
     again = httpx.post(f"{fleet.url}/v1/completions", json=body, headers=headers, timeout=60)
     assert again.json()["nvext"]["completion_token_ids"] == first["nvext"]["completion_token_ids"]
     assert fleet_metric(fleet, "rlfleet_worker_requests_total") - reqs0 == 1
-    assert fleet_metric(fleet, "rlfleet_worker_generated_tokens_total") - toks0 == 1200
+    assert fleet_metric(fleet, "rlfleet_worker_generated_tokens_total") - toks0 == 300
     reused = httpx.post(f"{fleet.url}/v1/completions", json={**body, "seed": 4},
                         headers=headers, timeout=10)
     assert reused.status_code == 409 and "different request" in reused.json()["error"]["message"]
