@@ -1,5 +1,6 @@
 """prime-rl's weight updates, call by call as its clients make them, against a mocker worker
-and a vLLM worker: each filesystem update moves the worker to the new checkpoint (its digest)
+and a vLLM worker (one of the session fleet's, tests/conftest.py; the fleet is refreshed back
+to the session's model afterwards): each filesystem update moves the worker to the new checkpoint (its digest)
 and label, get_weight_version answers `weight_version`, the flat /engine/is_paused answers,
 and the calls of prime-rl's NCCL path that an rlfleet worker cannot run are refused by name.
 
@@ -29,6 +30,7 @@ A worker's system_url is its admin_base_url (rlfleet serves both surfaces on one
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -40,9 +42,9 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.testing.fleet import LocalFleet
+from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.weights.digest import checkpoint_digest
-from tests.fleets import MODEL_NAME, local_fleet, vllm_worker_args
+from tests.fleets import MODEL_NAME, local_fleet
 
 NCCL_READY_MARKER = "NCCL_READY"  # prime-rl's marker (prime_rl/utils/client.py)
 TIMEOUT = 300.0  # prime-rl's wait_for_ready_timeout stands in for its weight-update timeout
@@ -178,13 +180,19 @@ def target(request, tmp_path_factory) -> Iterator[Target]:
                          lambda ckpt: f"mock:{int(ckpt.name.removeprefix('step_'))}")
         return
     tiny, tiny_b = (request.getfixturevalue(f) for f in ("tiny_model", "tiny_model_b"))
-    args = vllm_worker_args(tiny, MODEL_NAME, "--allowed-weights-root", str(root))
-    fleet: LocalFleet
-    with local_fleet(tmp_path_factory.mktemp("prime-rl-vllm"), [args], kind="vllm",
-                     frontend=None) as fleet:
-        def checkpoint(n: int) -> Path:  # the two policies in turn, as a trainer's steps
-            return Path(shutil.copytree(tiny_b if n % 2 else tiny, root / f"step_{n}"))
-        yield Target(fleet.workers[0].ready["system_url"], checkpoint, checkpoint_digest)
+    fleet = request.getfixturevalue("vllm_fleet")
+
+    def checkpoint(n: int) -> Path:  # the two policies in turn, as a trainer's steps
+        return Path(shutil.copytree(tiny_b if n % 2 else tiny, root / f"step_{n}"))
+
+    yield Target(fleet.workers[0].ready["system_url"], checkpoint, checkpoint_digest)
+    back = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, timeout=120,
+                         journal=tmp_path_factory.mktemp("prime-rl-back") / "j.sqlite")
+    try:  # the whole fleet on the session's model again, open
+        result = asyncio.run(back.refresh(tiny, "A"))
+    finally:
+        back.close()
+    assert result.ok, result.reason
 
 
 def identity(url: str) -> dict[str, Any]:

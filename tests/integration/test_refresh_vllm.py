@@ -1,7 +1,8 @@
-"""A policy refresh of a two-worker vLLM fleet from checkpoint A to B under continuous
-rollout load: both workers end on B (version and digest), post-update generation matches a
-transformers forward pass of B, no admitted sample mixes A and B tokens, and the journal
-holds the whole story."""
+"""A policy refresh of a two-worker vLLM fleet (the session's, tests/conftest.py) from
+checkpoint A to B under continuous rollout load: both workers end on B (version and
+digest), post-update generation matches a transformers forward pass of B, no admitted sample
+mixes A and B tokens, and the journal holds the whole story. The fleet is left on A (the
+session's model) for the next modules."""
 
 from __future__ import annotations
 
@@ -20,22 +21,27 @@ from rlfleet.refresh.probe import reference_probe
 from rlfleet.rl import RolloutClient, SamplingSpec
 from rlfleet.rollout.gate import RolloutGate
 from rlfleet.weights.digest import checkpoint_digest
-from tests.fleets import vllm_worker_args
+from tests.fleets import MODEL_NAME as MODEL
+from tests.fleets import weight_versions
 
 pytestmark = pytest.mark.engine
 
-MODEL = "tiny-r"
-
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, start_module_fleet, tiny_model, tiny_model_b):
+def setup(vllm_fleet, tmp_path_factory, tiny_model, tiny_model_b):
     root = tmp_path_factory.mktemp("refresh-weights")
-    shutil.copytree(tiny_model, root / "A")
+    shutil.copytree(tiny_model, root / "A")  # the session's model: the digest it serves
     shutil.copytree(tiny_model_b, root / "B")
-    worker = vllm_worker_args(root / "A", MODEL, "--allowed-weights-root", str(root))
-    fleet = start_module_fleet([worker] * 2, name="refresh-fleet", kind="vllm", model=MODEL,
-                               lease_ttl=3, enable_rl=True)
-    return fleet, root
+    yield vllm_fleet, root
+    if weight_versions(vllm_fleet) != [("A", checkpoint_digest(tiny_model))] * 2 \
+            or routed(vllm_fleet, 2) != 2:
+        back = PolicyRefresh(vllm_fleet.rl_url, model=MODEL, timeout=120,
+                             journal=tmp_path_factory.mktemp("refresh-back") / "j.sqlite")
+        try:
+            result = asyncio.run(back.refresh(root / "A", "A"))
+        finally:
+            back.close()
+        assert result.ok, result.reason
 
 
 def test_refresh_a_to_b_under_load(setup, tmp_path):
