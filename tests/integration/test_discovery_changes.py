@@ -82,6 +82,9 @@ async def pool_equals_store(pool: WorkerPool, store: Discovery, ns: str) -> bool
 
 async def test_etcd_ten_thousand_changes_reach_the_frontend_by_event(etcd_pair, ns: str) -> None:
     reader, writer = etcd_pair
+    # ~100 puts at once, beside the suite's other processes on two cores: a put may wait
+    # longer than the default 3 s here, and what is checked is what reaches the reader
+    writer.deadline = 30.0
     pool = WorkerPool(reader, ns)
     await pool.start()
     try:

@@ -278,9 +278,10 @@ def test_vllm_lifecycle_from_disk(vw, weights) -> None:
 
 
 async def test_pause_keep_freezes_and_continues(vw) -> None:
-    reference = Stream(vw, 20, seed=11)
+    # 150 tokens (3 s of token delays): the pause lands mid-request, however busy the box
+    reference = Stream(vw, 150, seed=11)
     await reference.done()
-    s = Stream(vw, 20, seed=11)
+    s = Stream(vw, 150, seed=11)
     await s.until_tokens(3)
     assert await acall(vw, "pause_generation", {"mode": "keep"}) == {
         "status": "ok", "message": "Engine paused", "mode": "keep", "clear_cache": False}

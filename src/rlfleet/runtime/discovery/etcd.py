@@ -423,10 +423,10 @@ class _EtcdView(ChangeSource):
     async def _drop(self) -> None:
         pump, watch = self._pump, self._watch
         self._pump = self._watch = None
-        if pump is not None:
+        if pump is not None:  # bounded: a watch stream may not end once cancelled
             pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pump
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await _within(pump, 1.0, self._owner._stuck)
         if watch is not None:
             with contextlib.suppress(Exception):
                 await _within(watch.cancel(), 1.0, self._owner._stuck)
