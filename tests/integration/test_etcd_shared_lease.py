@@ -205,3 +205,34 @@ async def test_a_call_that_ignores_its_cancellation_still_ends_at_its_deadline(
     release.set()
     await asyncio.sleep(0.05)
     assert not writer._stuck  # each ended once it listened
+
+
+async def test_a_watch_that_ignores_its_cancellation_does_not_hold_its_follower(
+        etcd_pair, ns: str, monkeypatch) -> None:
+    """A follower that stops (a frontend's pool, a test's) drops its watch; a watch stream
+    that does not end once cancelled held a pool's stop for 20 minutes in a fresh-clone
+    run. Dropping it waits at most a second for it."""
+    from rlfleet.runtime.discovery.etcd import _EtcdView
+
+    reader, writer = etcd_pair
+    release = asyncio.Event()
+
+    async def deaf_pump(self: Any, watch: Any) -> None:  # swallows every cancellation
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue
+    monkeypatch.setattr(_EtcdView, "_run", deaf_pump)
+    await writer.register(discovery_entry(ns, i=0), ttl=TTL)
+    follow = reader.follow(ns)
+    first = await asyncio.wait_for(follow.__anext__(), 10)  # listed, and watching
+    assert len(first.entries) == 1
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await asyncio.wait_for(follow.aclose(), 10)
+    assert loop.time() - started < 1.0 + 0.5 + 0.5  # the bound, the grace, slack
+    assert len(reader._stuck) == 1  # left running, not awaited
+    release.set()
+    await asyncio.sleep(0.05)
+    assert not reader._stuck
