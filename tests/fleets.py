@@ -71,6 +71,21 @@ def weight_versions(fleet: LocalFleet) -> list[tuple[str | None, str]]:
     return out
 
 
+def refresh_back(fleet: LocalFleet, checkpoint: Path, journal: Path) -> None:
+    """Refresh the whole session fleet to `checkpoint` as version "A" (the session's model),
+    open: what a module that moved it leaves for the next ones."""
+    import asyncio
+
+    from rlfleet.refresh.coordinator import PolicyRefresh
+
+    back = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, timeout=120, journal=journal)
+    try:
+        result = asyncio.run(back.refresh(checkpoint, "A"))
+    finally:
+        back.close()
+    assert result.ok, result.reason
+
+
 def listening_port() -> int:
     """A free port below the kernel's ephemeral range, for a service that is restarted on
     the same port (an ephemeral port may meanwhile be the source port of some connection)."""

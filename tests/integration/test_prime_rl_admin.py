@@ -30,7 +30,6 @@ A worker's system_url is its admin_base_url (rlfleet serves both surfaces on one
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -42,9 +41,8 @@ import httpx
 import pytest
 
 from rlfleet.mocker.engine import write_mock_checkpoint
-from rlfleet.refresh.coordinator import PolicyRefresh
 from rlfleet.weights.digest import checkpoint_digest
-from tests.fleets import MODEL_NAME, local_fleet
+from tests.fleets import local_fleet, refresh_back
 
 NCCL_READY_MARKER = "NCCL_READY"  # prime-rl's marker (prime_rl/utils/client.py)
 TIMEOUT = 300.0  # prime-rl's wait_for_ready_timeout stands in for its weight-update timeout
@@ -186,13 +184,7 @@ def target(request, tmp_path_factory) -> Iterator[Target]:
         return Path(shutil.copytree(tiny_b if n % 2 else tiny, root / f"step_{n}"))
 
     yield Target(fleet.workers[0].ready["system_url"], checkpoint, checkpoint_digest)
-    back = PolicyRefresh(fleet.rl_url, model=MODEL_NAME, timeout=120,
-                         journal=tmp_path_factory.mktemp("prime-rl-back") / "j.sqlite")
-    try:  # the whole fleet on the session's model again, open
-        result = asyncio.run(back.refresh(tiny, "A"))
-    finally:
-        back.close()
-    assert result.ok, result.reason
+    refresh_back(fleet, tiny, tmp_path_factory.mktemp("prime-rl-back") / "j.sqlite")
 
 
 def identity(url: str) -> dict[str, Any]:

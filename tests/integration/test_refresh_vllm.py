@@ -22,7 +22,7 @@ from rlfleet.rl import RolloutClient, SamplingSpec
 from rlfleet.rollout.gate import RolloutGate
 from rlfleet.weights.digest import checkpoint_digest
 from tests.fleets import MODEL_NAME as MODEL
-from tests.fleets import weight_versions
+from tests.fleets import refresh_back, weight_versions
 
 pytestmark = pytest.mark.engine
 
@@ -35,13 +35,7 @@ def setup(vllm_fleet, tmp_path_factory, tiny_model, tiny_model_b):
     yield vllm_fleet, root
     if weight_versions(vllm_fleet) != [("A", checkpoint_digest(tiny_model))] * 2 \
             or routed(vllm_fleet, 2) != 2:
-        back = PolicyRefresh(vllm_fleet.rl_url, model=MODEL, timeout=120,
-                             journal=tmp_path_factory.mktemp("refresh-back") / "j.sqlite")
-        try:
-            result = asyncio.run(back.refresh(root / "A", "A"))
-        finally:
-            back.close()
-        assert result.ok, result.reason
+        refresh_back(vllm_fleet, root / "A", tmp_path_factory.mktemp("back") / "j.sqlite")
 
 
 def test_refresh_a_to_b_under_load(setup, tmp_path):
