@@ -44,16 +44,20 @@ async def test_runs_without_a_request_id_stop_when_their_caller_leaves():
 
 
 async def test_kept_runs_wait_for_a_retry_then_give_up():
-    reg = GenerationRuns(orphan_grace=0.1)
+    # Timed with margins a loaded test process keeps (CI once stalled this loop > 50 ms).
+    reg = GenerationRuns(orphan_grace=1.0)
     run, _ = reg.start("kept", b"", True, Scripted(events(1000, 0.01)))
     reg.attach(run)
     reg.detach(run)
     await asyncio.sleep(0.05)
     reg.attach(run)  # a retry came back within the grace period
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(1.3)  # past the grace period the first detach started
     assert not run.done
     reg.detach(run)
-    await asyncio.sleep(0.2)
+    for _ in range(100):  # gives up a grace period after the retry left
+        if run.done:
+            break
+        await asyncio.sleep(0.05)
     assert run.done and len(run.events) < 1000
 
 
