@@ -71,6 +71,22 @@ async def test_versions_world_size_and_abort() -> None:
         assert resp.status_code == 400
 
 
+async def test_workers_of_one_process_share_the_routes_and_answer_each_for_itself() -> None:
+    """The routes are built once per process (a mocker's --replicas runs 1,024 workers in
+    one): each app's copy answers for the worker it mounts, not for the last one built."""
+    (e1, _, h1), (e2, _, h2) = worker(), worker()
+    async with h1, h2:
+        assert (await h1.post("/update_weight_version", json={"new_version": "one"})).is_success
+        assert (await h2.post("/update_weight_version", json={"new_version": "two"})).is_success
+        assert (await h1.get("/weight_info")).json() == {"weight_version": "one"}
+        assert (await h2.get("/weight_info")).json() == {"weight_version": "two"}
+        assert (await h1.post("/pause", params={"mode": "keep"})).is_success
+        assert await e1.is_paused() and not await e2.is_paused()
+        assert (await h2.get("/is_paused")).json() == {"is_paused": False}
+    assert [r for r in h1._transport.app.routes if getattr(r, "path", "") == "/weight_info"] \
+        == [r for r in h2._transport.app.routes if getattr(r, "path", "") == "/weight_info"]
+
+
 def test_abort_requests_finds_a_request_by_the_id_vllm_would_give_it(monkeypatch) -> None:
     """vLLM's engine ID of a request (`chatcmpl-<base>`, `cmpl-<base>-<i>`) reaches the
     request rlfleet's frontend named (its response id: `cmpl-<random>`, or the

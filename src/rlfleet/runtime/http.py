@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import msgspec
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
 _ERROR_TYPES = {
@@ -193,3 +195,17 @@ class StreamResponse(Response):
     async def _write(self, send: Send) -> None:
         async for chunk in self.chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+
+@functools.cache
+def shared_routes(build: Callable[..., None], *args: Hashable) -> tuple[BaseRoute, ...]:
+    """The routes `build(router, *args)` declares on a FastAPI router, made once per process
+    and shared by every app that adds them (`app.router.routes.extend(...)`). FastAPI
+    analyses a route's signature as it makes it (~1-2 ms a route): a process of 1,024
+    simulated workers (the mocker's --replicas) would pay that for every worker's ~60 routes.
+    A shared route's handler finds its own app's objects in `request.app.state`."""
+    from fastapi import APIRouter
+
+    router = APIRouter()
+    build(router, *args)
+    return tuple(router.routes)

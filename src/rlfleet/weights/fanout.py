@@ -18,11 +18,12 @@ from typing import Any
 
 import msgspec
 import numpy as np
-from fastapi import Request  # resolved at import: FastAPI reads the handler's annotations
+from fastapi import APIRouter, Request  # resolved at import: FastAPI reads the handler's annotations
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from rlfleet.protocol import fanout as wire
 from rlfleet.protocol.admin_vllm import FanoutOrigin, FanoutProgress, PeerFanout
+from rlfleet.runtime.http import shared_routes
 from rlfleet.weights import artifacts as art
 from rlfleet.weights.artifacts import TensorSpec
 from rlfleet.weights.publish import unauthorized
@@ -138,7 +139,16 @@ def add_fanout_routes(app: Any, lookup: Callable[[str], Held | None],
                       admin_token: str | None = None) -> None:
     """The chunk plane (rlfleet.protocol.fanout) on `app`; `lookup(version)` gives what the
     worker holds of it, or None."""
+    app.state.fanout = (lookup, admin_token)
+    app.router.routes.extend(shared_routes(_fanout_routes))
+
+
+def _fanout_routes(r: APIRouter) -> None:
+    """The chunk plane's routes, shared by the process's workers (shared_routes): each
+    app's own `lookup` and admin token in `app.state.fanout`."""
+    @r.get(wire.MANIFEST_PATH)
     async def manifest(version: str, request: Request):
+        lookup, admin_token = request.app.state.fanout
         if (refused := unauthorized(request, admin_token)) is not None:
             return refused
         held = lookup(version)
@@ -147,7 +157,9 @@ def add_fanout_routes(app: Any, lookup: Callable[[str], Held | None],
         body = held.board.manifest(version, held.state(), held.digest())
         return Response(msgspec.json.encode(body), media_type="application/json")
 
+    @r.get(wire.STREAM_PATH)
     async def stream(version: str, request: Request, start: int = 0):
+        lookup, admin_token = request.app.state.fanout
         if (refused := unauthorized(request, admin_token)) is not None:
             return refused
         held = lookup(version)
@@ -159,9 +171,6 @@ def add_fanout_routes(app: Any, lookup: Callable[[str], Held | None],
         if held.state() in ("FAILED", "RELEASED"):
             return _error(410, "Gone", f"this worker's staging of {version} is {held.state()}")
         return StreamingResponse(_frames(held, start), media_type="application/octet-stream")
-
-    app.add_api_route(wire.MANIFEST_PATH, manifest, methods=["GET"])
-    app.add_api_route(wire.STREAM_PATH, stream, methods=["GET"])
 
 
 async def _frames(held: Held, start: int) -> AsyncIterator[bytes]:

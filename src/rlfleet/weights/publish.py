@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from fastapi import FastAPI, Request  # resolved at import: FastAPI reads the handler's annotations
+from fastapi import APIRouter, FastAPI, Request  # resolved at import: FastAPI reads the handler's annotations
 
+from rlfleet.runtime.http import shared_routes
 from rlfleet.runtime.progress import Progress
 from rlfleet.runtime.server import AppServer, bind_socket
 from rlfleet.weights import artifacts as art
@@ -264,12 +265,19 @@ def unauthorized(request: Request, admin_token: str | None):
 def add_weights_route(app: Any, lookup, admin_token: str | None = None) -> None:
     """``GET /weights/{version}/{file}`` on `app`; `lookup(version)` gives the version's
     directory or None. With `admin_token`, requests must carry it (peers do)."""
+    app.state.weights = (lookup, admin_token)
+    app.router.routes.extend(shared_routes(_weights_routes))
 
+
+def _weights_routes(r: APIRouter) -> None:
+    """Shared by the process's workers (shared_routes): each app's own `lookup` and admin
+    token in `app.state.weights`."""
+    @r.get("/weights/{version}/{file}")
     async def version_file(version: str, file: str, request: Request):
+        lookup, admin_token = request.app.state.weights
         if (refused := unauthorized(request, admin_token)) is not None:
             return refused
         return version_file_response(lookup(version), version, file)
-    app.add_api_route("/weights/{version}/{file}", version_file, methods=["GET"])
 
 
 def weights_app(lookup) -> Any:

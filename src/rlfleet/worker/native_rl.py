@@ -54,6 +54,7 @@ from rlfleet.protocol.admin_base import AdminRequestError, NoFields
 from rlfleet.protocol.admin_vllm import SetVersionRequest
 from rlfleet.protocol.vllm_rl import NativeRoute, PauseMode
 from rlfleet.runtime import weight_checker
+from rlfleet.runtime.http import shared_routes
 from rlfleet.worker import dynamo_lora as dynamo_lora_ids
 from rlfleet.worker.admin import NOT_PAUSED, RELOAD_NOT_PAUSED, EngineAdmin
 from rlfleet.worker.modelexpress import TransferError
@@ -178,6 +179,11 @@ def skyrl_load_request(body: dict[str, Any]) -> admin_lora.LoraLoadRequest:
     return admin.read_request(admin.LOAD_LORA_ADAPTER, {**body, "load_inplace": True})
 
 
+def of(request: Request) -> NativeRL:
+    """The worker a shared route (NativeRL.router) answers for: the one its app mounts."""
+    return request.app.state.native_rl
+
+
 class NativeRL:
     """vLLM's native RL routes over one worker's EngineAdmin (mounted by its system server:
     `system_app(..., mounted=NativeRL(admin))`)."""
@@ -196,8 +202,10 @@ class NativeRL:
 
     def mount(self, app: FastAPI, guard: Guard) -> None:
         self.guard = guard
+        app.state.native_rl = self
         app.add_exception_handler(RequestValidationError, _validation_error)
-        app.include_router(self.router())
+        app.router.routes.extend(shared_routes(NativeRL.build,
+                                               self.engine.adapter_limits() is not None))
 
     async def call(self, request: Request, route: NativeRoute, run: Run) -> Response:
         """`run` under the system server's rules and the refresh hold."""
@@ -219,24 +227,27 @@ class NativeRL:
         return await self.guard(request, route.path, checked, mutating=route.mutating,
                                 serialized=serialized)
 
-    def router(self) -> APIRouter:
-        r = APIRouter()
-        if self.engine.adapter_limits() is not None:  # --enable-lora
-            self._add_lora_routes(r)
-            self._add_dynamo_lora_routes(r)
-        self._add_generation_routes(r)
-        self._add_transfer_routes(r)
-        self._add_weight_routes(r)
-        self._add_sleep_routes(r)
-        self._add_prime_rl_routes(r)
-        return r
+    @staticmethod
+    def build(r: APIRouter, lora: bool) -> None:
+        """The routes on `r`, each finding its worker's NativeRL in its app (`of`): made once
+        per process (rlfleet.runtime.http.shared_routes)."""
+        if lora:  # --enable-lora
+            NativeRL._add_lora_routes(r)
+            NativeRL._add_dynamo_lora_routes(r)
+        NativeRL._add_generation_routes(r)
+        NativeRL._add_transfer_routes(r)
+        NativeRL._add_weight_routes(r)
+        NativeRL._add_sleep_routes(r)
+        NativeRL._add_prime_rl_routes(r)
 
     # ---------------------------------------------------------------- generation
 
-    def _add_generation_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_generation_routes(r: APIRouter) -> None:
         @r.post(vllm_rl.PAUSE.path)
         async def pause(raw_request: Request, mode: Annotated[PauseMode, Query()] = "abort",
                         clear_cache: Annotated[bool, Query()] = True) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 await self.engine.pause(mode, clear_cache=clear_cache and mode != "keep")
                 return JSONResponse({"status": "paused"})
@@ -244,6 +255,7 @@ class NativeRL:
 
         @r.post(vllm_rl.RESUME.path)
         async def resume(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 said = await self.admin.resume_generation(NoFields())
                 if said.status != "ok":  # resumed; the worker holds itself closed, and says so
@@ -253,12 +265,14 @@ class NativeRL:
 
         @r.get(vllm_rl.IS_PAUSED.path)
         async def is_paused(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 return JSONResponse({"is_paused": await self.engine.is_paused()})
             return await self.call(raw_request, vllm_rl.IS_PAUSED, run)
 
         @r.post(vllm_rl.ABORT_REQUESTS.path)
         async def abort_requests(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 try:
                     body = await raw_request.json()
@@ -308,21 +322,25 @@ class NativeRL:
                               err_type="InternalServerError" if e.status == 500 else None)
         return JSONResponse({"message": vllm_rl.TRANSFER_MESSAGES[step]})
 
-    def _add_transfer_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_transfer_routes(r: APIRouter) -> None:
         @r.post(vllm_rl.INIT_WEIGHT_TRANSFER_ENGINE.path)
         async def init_weight_transfer_engine(
                 raw_request: Request,
                 init_info: Annotated[dict[str, Any], Body(embed=True)]) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.INIT_WEIGHT_TRANSFER_ENGINE,
                                    lambda: self.transfer("init", init_info))
 
         @r.post(vllm_rl.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path)
         async def shutdown_weight_transfer_engine(raw_request: Request) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
                                    lambda: self.transfer("shutdown"))
 
         @r.post(vllm_rl.START_WEIGHT_UPDATE.path)
         async def start_weight_update(raw_request: Request) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.START_WEIGHT_UPDATE,
                                    lambda: self.transfer("start"))
 
@@ -334,6 +352,7 @@ class NativeRL:
                 weight_dir: Annotated[str | None, Body(embed=True)] = None) -> Response:
             """vLLM's step (`update_info`), or prime-rl's route of the same path (`weight_dir`
             without `update_info`: a reload from disk); told apart by the body."""
+            self = of(raw_request)
             if update_info is None:
                 body = await raw_request.json()
                 if isinstance(body, dict) and "weight_dir" in body:
@@ -348,6 +367,7 @@ class NativeRL:
         async def finish_weight_update(
                 raw_request: Request,
                 weight_version: Annotated[str | None, Body(embed=True)] = None) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.FINISH_WEIGHT_UPDATE,
                                    lambda: self.transfer("finish", weight_version=weight_version))
 
@@ -360,10 +380,12 @@ class NativeRL:
         return version if applied.declared and version is not None \
             else vllm_rl.DEFAULT_WEIGHT_VERSION
 
-    def _add_weight_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_weight_routes(r: APIRouter) -> None:
         @r.post(vllm_rl.UPDATE_WEIGHT_VERSION.path)
         async def update_weight_version(
                 raw_request: Request, new_version: Annotated[str, Body(embed=True)]) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 await self.admin.set_weight_version(SetVersionRequest(weight_version=new_version))
                 return JSONResponse({"success": True, "new_version": new_version})
@@ -371,27 +393,32 @@ class NativeRL:
 
         @r.get(vllm_rl.WEIGHT_INFO.path)
         async def weight_info(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 return JSONResponse({"weight_version": self.weight_version()})
             return await self.call(raw_request, vllm_rl.WEIGHT_INFO, run)
 
-        self._refuse(r, vllm_rl.START_DRAFT_WEIGHT_UPDATE, vllm_rl.DRAFT_REFUSED)
-        self._refuse(r, vllm_rl.SKYRL_FETCH_WEIGHTS, skyrl.FETCH_WEIGHTS_REFUSED)
+        NativeRL._refuse(r, vllm_rl.START_DRAFT_WEIGHT_UPDATE, vllm_rl.DRAFT_REFUSED)
+        NativeRL._refuse(r, vllm_rl.SKYRL_FETCH_WEIGHTS, skyrl.FETCH_WEIGHTS_REFUSED)
 
         @r.post(vllm_rl.WEIGHT_CHECKER.path)
         async def weight_checker(raw_request: Request) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.WEIGHT_CHECKER,
                                    lambda: self.weight_checker(raw_request))
 
         @r.get(vllm_rl.GET_WORLD_SIZE.path)
         async def get_world_size(raw_request: Request,
                                  include_dp: bool = Query(True)) -> Response:  # noqa: B008
+            self = of(raw_request)
+
             async def run() -> Response:
                 return JSONResponse({"world_size": self.engine.world_size(include_dp)})
             return await self.call(raw_request, vllm_rl.GET_WORLD_SIZE, run)
 
         @r.post(vllm_rl.COLLECTIVE_RPC.path)
         async def collective_rpc(raw_request: Request) -> Response:
+            self = of(raw_request)
             return await self.call(raw_request, vllm_rl.COLLECTIVE_RPC,
                                    lambda: self.collective_rpc(raw_request))
 
@@ -426,7 +453,8 @@ class NativeRL:
 
     # ---------------------------------------------------------------- cache and sleep
 
-    def _add_sleep_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_sleep_routes(r: APIRouter) -> None:
         """vLLM's /reset_prefix_cache, /sleep, /wake_up and /is_sleeping, as its CPU build
         answers them (vllm_rl.SLEEP): sleep pauses generation (`mode`, the cache cleared at
         level >= 1 unless `keep`) and marks the executor asleep; the memory stays."""
@@ -435,6 +463,7 @@ class NativeRL:
                 raw_request: Request,
                 reset_running_requests: Annotated[bool, Query()] = False,
                 reset_external: Annotated[bool, Query()] = False) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 # no connector-managed (external) cache on an rlfleet worker: nothing more
                 ok = await self.engine.reset_cache(running=reset_running_requests)
@@ -445,6 +474,7 @@ class NativeRL:
         async def sleep(raw_request: Request,
                         level: Annotated[int, Query(ge=0, le=2)] = 1,
                         mode: Annotated[PauseMode, Query()] = "abort") -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 await self.engine.pause(mode, clear_cache=level >= 1 and mode != "keep")
                 if level >= 1:
@@ -458,6 +488,7 @@ class NativeRL:
 
         @r.post(vllm_rl.WAKE_UP.path)
         async def wake_up(raw_request: Request) -> Response:
+            self = of(raw_request)
             tags = raw_request.query_params.getlist("tags") or None
 
             async def run() -> Response:
@@ -474,6 +505,7 @@ class NativeRL:
 
         @r.get(vllm_rl.IS_SLEEPING.path)
         async def is_sleeping(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:  # a paused scheduler counts as asleep, as in vLLM
                 sleeping = await self.engine.is_paused() or bool(self.asleep)
                 return JSONResponse({"is_sleeping": sleeping})
@@ -511,9 +543,11 @@ class NativeRL:
                                409 if said.message == NOT_PAUSED else 500)
         return JSONResponse({"status": "ok"})
 
-    def _add_prime_rl_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_prime_rl_routes(r: APIRouter) -> None:
         @r.get(vllm_rl.PRIME_RL_LIVENESS.path)
         async def liveness(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 try:
                     await asyncio.wait_for(self.engine.check_health(), LIVENESS_TIMEOUT)
@@ -523,30 +557,33 @@ class NativeRL:
                 return JSONResponse({"status": "ok"})
             return await self.call(raw_request, vllm_rl.PRIME_RL_LIVENESS, run)
 
-        self._refuse(r, vllm_rl.PRIME_RL_INIT_BROADCASTER,
+        NativeRL._refuse(r, vllm_rl.PRIME_RL_INIT_BROADCASTER,
                      "init_broadcaster starts prime-rl's NCCL broadcast receiver (its worker "
                      "extension), which an rlfleet worker does not run: move weights with "
                      "vLLM's weight-transfer routes (init_weight_transfer_engine, ...), or "
                      "reload a checkpoint with POST /update_weights {\"weight_dir\"}")
 
-    def _refuse(self, r: APIRouter, route: NativeRoute, why: str) -> None:
+    @staticmethod
+    def _refuse(r: APIRouter, route: NativeRoute, why: str) -> None:
         """Another server's route that asks for what this worker does not do: 400 `why`
         (what to call instead), under the routes' rules."""
         @r.post(route.path)
         async def refused(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 return route_error(why, 400)
             return await self.call(raw_request, route, run)
 
-    def _add_lora_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_lora_routes(r: APIRouter) -> None:
         """vLLM's runtime LoRA routes, through the same handlers as /engine/*_lora_adapter
         (the adapter's version label is its name there: vLLM's body has none)."""
-        lora = self.admin.lora
-        self._lora_route(r, vllm_rl.LOAD_LORA_ADAPTER, admin.LOAD_LORA_ADAPTER,
-                         lora.load_lora_adapter, 400, "added")
+        NativeRL._lora_route(r, vllm_rl.LOAD_LORA_ADAPTER, admin.LOAD_LORA_ADAPTER,
+                             lambda self: self.admin.lora.load_lora_adapter, 400, "added")
         # vLLM's unload body carries lora_int_id, which names nothing here: ignored
-        self._lora_route(r, vllm_rl.UNLOAD_LORA_ADAPTER, admin.UNLOAD_LORA_ADAPTER,
-                         lora.unload_lora_adapter, 404, "removed", only_known=True)
+        NativeRL._lora_route(r, vllm_rl.UNLOAD_LORA_ADAPTER, admin.UNLOAD_LORA_ADAPTER,
+                             lambda self: self.admin.lora.unload_lora_adapter, 404, "removed",
+                             only_known=True)
 
         @r.post(vllm_rl.PRIME_RL_LOAD_LORA_ADAPTER.path)
         async def prime_rl_load_lora_adapter(raw_request: Request,
@@ -554,6 +591,7 @@ class NativeRL:
             """prime-rl's wrapper of vLLM's load (its server's /load_lora_adapter): vLLM's
             body, always loaded in place (a new version replaces a loaded one, as every load
             here), `{"status": "ok"}`; a refusal in vLLM's error shape."""
+            self = of(raw_request)
             async def run() -> Response:
                 if body.get("is_3d_lora_weight"):
                     return vllm_error("is_3d_lora_weight: an rlfleet worker loads adapters as "
@@ -562,7 +600,7 @@ class NativeRL:
                 fields = ("lora_name", "lora_path", "load_inplace")
                 req = admin.read_request(admin.LOAD_LORA_ADAPTER,
                                          {k: v for k, v in body.items() if k in fields})
-                said = await lora.load_lora_adapter(req)
+                said = await self.admin.lora.load_lora_adapter(req)
                 if said.status != "ok":
                     return vllm_error(str(said.message), 400)
                 return JSONResponse({"status": "ok"})
@@ -574,16 +612,19 @@ class NativeRL:
             """SkyRL's own load (its vLLM server's /skyrl/v1/load_lora_adapter): vLLM's load
             of `lora_path` under `lora_name`, in place (a new version replaces a loaded
             one); `{"status": "ok", "lora_name"}`, a refusal in vLLM's error shape."""
+            self = of(raw_request)
             async def run() -> Response:
                 req = skyrl_load_request(body)
-                said = await lora.load_lora_adapter(req)
+                said = await self.admin.lora.load_lora_adapter(req)
                 if said.status != "ok":
                     return vllm_error(str(said.message), 400)
                 return JSONResponse({"status": "ok", "lora_name": req.lora_name})
             return await self.call(raw_request, vllm_rl.SKYRL_LOAD_LORA_ADAPTER, run)
 
-    def _lora_route(self, r: APIRouter, native: Any, route: Any,
-                    handler: Callable[[Any], Awaitable[Any]], refused: int, done: str,
+    @staticmethod
+    def _lora_route(r: APIRouter, native: Any, route: Any,
+                    handler: Callable[[NativeRL], Callable[[Any], Awaitable[Any]]],
+                    refused: int, done: str,
                     only_known: bool = False) -> None:
         """One of vLLM's LoRA routes: the body read as the admin route's request (with
         `only_known`, fields it has no place for are dropped first); a refusal is `refused`
@@ -593,23 +634,24 @@ class NativeRL:
         @r.post(native.path)
         async def lora_adapter(raw_request: Request,
                                body: Annotated[dict[str, Any], Body()]) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 req = admin.read_request(route, {k: v for k, v in body.items()
                                                  if k in fields} if only_known else body)
-                said = await handler(req)
+                said = await handler(self)(req)
                 if said.status != "ok":
                     return vllm_error(str(said.message), refused)
                 return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' {done} "
                                          "successfully.")
             return await self.call(raw_request, native, run)
 
-    def _add_dynamo_lora_routes(self, r: APIRouter) -> None:
+    @staticmethod
+    def _add_dynamo_lora_routes(r: APIRouter) -> None:
         """Dynamo's /v1/loras routes (rlfleet.protocol.dynamo_lora), through the same
         handlers as /engine/load_lora_adapter and /engine/unload_lora_adapter."""
-        lora = self.admin.lora
-
         @r.post(dynamo_lora.LORAS.path)
         async def dynamo_load_lora(raw_request: Request) -> Response:
+            self = of(raw_request)
             try:
                 req = msgspec.json.decode(await raw_request.body(),
                                           type=dynamo_lora.LoadLoraRequest)
@@ -623,6 +665,7 @@ class NativeRL:
 
         @r.get(dynamo_lora.LIST_LORAS.path)
         async def dynamo_list_loras(raw_request: Request) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 names = [s.policy.adapter_name for s in self.engine.adapters()]
                 ids = {n: dynamo_lora_ids.lora_name_to_id(n) for n in names if n}
@@ -632,12 +675,14 @@ class NativeRL:
 
         @r.delete(dynamo_lora.UNLOAD_LORA.path)
         async def dynamo_unload_lora(raw_request: Request, lora_name: str) -> Response:
+            self = of(raw_request)
             async def run() -> Response:
                 loaded = [s.policy.adapter_name for s in self.engine.adapters()]
                 if lora_name not in loaded:
                     return _dynamo(status="error", message=f"LoRA adapter '{lora_name}' not "
                                    f"found. Available LoRAs: {loaded}")
-                said = await lora.unload_lora_adapter(admin_lora.LoraRequest(lora_name=lora_name))
+                said = await self.admin.lora.unload_lora_adapter(
+                    admin_lora.LoraRequest(lora_name=lora_name))
                 if said.status != "ok":
                     return _dynamo(status="error", message=str(said.message),
                                    lora_name=lora_name)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,7 +46,7 @@ from rlfleet.protocol.admin_base import (
 )
 from rlfleet.protocol.admin_faults import FaultReply, FaultRequest
 from rlfleet.runtime import metrics, tracing
-from rlfleet.runtime.http import bad_json_message
+from rlfleet.runtime.http import bad_json_message, shared_routes
 
 log = logging.getLogger("rlfleet.system")
 
@@ -220,22 +220,29 @@ def system_app(routes: list[Route], *, admin_token: str | None = None,
     # a coordinator's control calls join its trace (a policy refresh: a span per call)
     app.add_middleware(tracing.ServerSpans,
                        match=lambda path: path.startswith(f"{admin.ROUTE_PREFIX}/"))
-    _add_status_routes(app, health, ready)
+    app.state.status = _Status(time.monotonic_ns(), health, ready)
+    app.router.routes.extend(shared_routes(_status_routes))
     calls = _Calls(table_with_faults, admin_token, faults,
                    fence if fence is not None else FleetFence(), changed, mounted)
+    app.state.calls = calls
+    app.state.listed = sorted(n for n, r in table.items() if r.spec.listed)
     if mounted is not None:
         mounted.mount(app, calls.guard)
-
-    @app.get(admin.ROUTE_PREFIX)
-    async def _routes():
-        """The advertised route table (what the RL listener probes; fault name `engine`)."""
-        return await calls.listing(sorted(n for n, r in table.items() if r.spec.listed))
-
-    @app.api_route(admin.ROUTE_PREFIX + "/{name:path}", methods=["GET", "POST"])
-    async def _engine_route(name: str, request: Request):
-        return await calls.serve(name, request)
-
+    app.router.routes.extend(shared_routes(_engine_routes))
     return app
+
+
+def _engine_routes(r: APIRouter) -> None:
+    """The route table's routes, shared by the process's workers (shared_routes): each
+    app's own table in `app.state`."""
+    @r.get(admin.ROUTE_PREFIX)
+    async def _routes(request: Request):
+        """The advertised route table (what the RL listener probes; fault name `engine`)."""
+        return await request.app.state.calls.listing(request.app.state.listed)
+
+    @r.api_route(admin.ROUTE_PREFIX + "/{name:path}", methods=["GET", "POST"])
+    async def _engine_route(name: str, request: Request):
+        return await request.app.state.calls.serve(name, request)
 
 
 async def _route_not_served(request: Request, exc: Exception) -> Response:
@@ -252,22 +259,28 @@ async def _route_not_served(request: Request, exc: Exception) -> Response:
                     media_type="application/json")
 
 
-def _add_status_routes(app: FastAPI, health: Callable[[], dict[str, Any]] | None,
-                       ready: Callable[[], bool] | None) -> None:
-    started = time.monotonic_ns()
+@dataclass(frozen=True)
+class _Status:
+    """What a worker's /health says of it (`app.state.status`)."""
+    started: int  # time.monotonic_ns() when its app was made
+    health: Callable[[], dict[str, Any]] | None
+    ready: Callable[[], bool] | None
 
-    @app.get("/metrics")
+
+def _status_routes(r: APIRouter) -> None:
+    @r.get("/metrics")
     async def _metrics():
         return metrics.metrics_response(metrics.WORKER)
 
-    @app.get("/health")
-    @app.get("/live")
-    async def _health():
-        up = time.monotonic_ns() - started
-        serving = ready() if ready else True
+    @r.get("/health")
+    @r.get("/live")
+    async def _health(request: Request):
+        status: _Status = request.app.state.status
+        up = time.monotonic_ns() - status.started
+        serving = status.ready() if status.ready else True
         body = {"status": "ready" if serving else "notready",
                 "uptime": {"secs": up // 1_000_000_000, "nanos": up % 1_000_000_000},
-                **(health() if health else {})}
+                **(status.health() if status.health else {})}
         return JSONResponse(body, status_code=200 if serving else 503)
 
 
