@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -60,7 +61,17 @@ def s3_v1(s3_server, store) -> str:
 def fleet(start_module_fleet, store, s3_server):
     args = ("--served-model-name", "mock", "--system-port", "0", "--admin-token", TOKEN,
             "--allowed-weights-root", str(store["root"]))
-    return start_module_fleet([args] * 7, frontend=None, worker_env=s3_server.env)
+    fleet = start_module_fleet([args] * 7, frontend=None, worker_env=s3_server.env)
+    # A simulated worker imports torch on its first stage call (~2 s of CPU each; seven at
+    # once on two cores take several seconds): warm them all together, so that the fan-outs
+    # below time chunks between warm workers (a refused call is enough)
+    with ThreadPoolExecutor(7) as pool:
+        said = list(pool.map(lambda w: httpx.post(
+            f"{w.ready['system_url']}/engine/stage_weights", timeout=60,
+            json={"version": "warm-up", "source": {"kind": "disk"}},
+            headers={"Authorization": f"Bearer {TOKEN}"}), fleet.workers))
+    assert all("path" in r.json()["message"] for r in said), [r.text for r in said]
+    return fleet
 
 
 def _post(url: str, route: str, body: dict) -> dict:

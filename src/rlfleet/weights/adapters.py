@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from safetensors.torch import load_file, save_file
 
 from rlfleet.weights.artifacts import (
     INDEX,
@@ -58,6 +57,7 @@ def publish_adapter(adapter: Path, root: Path | str, version: str,
     (default: the adapter directory's name), as a model's versions are: the workers that
     serve it staged are listed as its holders, where a peer source without a url finds
     them."""
+    from safetensors.torch import load_file  # torch only here: imports stay light
     adapter = Path(adapter)
     tensors = load_file(str(adapter / ADAPTER_WEIGHTS))
     digest = checkpoint_digest(adapter)
@@ -84,6 +84,7 @@ def materialize_adapter(path: Path, out: Path, served: tuple[str | None, Path] |
     """The adapter version at `path` (an artifact) as a plain adapter directory `out`. A
     delta is applied on `served` (the label and directory of the version the worker serves)
     only if that is the base it names: WrongBase otherwise."""
+    from safetensors.torch import load_file, save_file  # torch only here: imports stay light
     path, out = Path(path), Path(out)
     storage, key = FileStorage(path.parent), path.name
     meta = json.loads((path / INDEX).read_text()).get("metadata", {})

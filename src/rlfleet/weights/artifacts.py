@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
+import functools
 import json
 import os
 import struct
@@ -38,11 +39,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import safetensors.torch as _safetensors_torch
-import torch
 
 try:  # ISA-L's Adler-32 is several times faster than zlib's; the same checksum
     from isal.isal_zlib import adler32 as _adler32
@@ -55,10 +54,29 @@ CHECKSUM_FORMAT = "adler32"
 TIED_OUTPUT = "lm_head.weight"
 TIED_INPUT = "model.embed_tokens.weight"
 
-#: safetensors dtype codes <-> torch dtypes: the safetensors library's own table (every
-#: code its torch reader knows, float8 and complex included)
-ST_DTYPES: dict[str, torch.dtype] = dict(_safetensors_torch._TYPES)
-_ST_CODES = {v: k for k, v in ST_DTYPES.items()}
+if TYPE_CHECKING:
+    import torch
+
+
+@functools.cache
+def st_dtypes() -> dict[str, torch.dtype]:
+    """safetensors dtype codes -> torch dtypes: the safetensors library's own table (every
+    code its torch reader knows, float8 and complex included). torch is imported here, on
+    first use, not with this module: a process that lists, plans or serves no tensors (the
+    control service, a simulated worker) starts without it (~2 s of CPU)."""
+    import safetensors.torch
+    return dict(safetensors.torch._TYPES)
+
+
+@functools.cache
+def _st_codes() -> dict[torch.dtype, str]:
+    return {v: k for k, v in st_dtypes().items()}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ST_DTYPES":  # the table, read as a constant
+        return st_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ArtifactError(RuntimeError):
@@ -87,6 +105,8 @@ def adler32_hex(data: Any) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     """The tensor's raw little-endian bytes as a flat uint8 array (no copy when possible)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -95,7 +115,7 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
 
 def dtype_code(dtype: torch.dtype) -> str:
     try:
-        return _ST_CODES[dtype]
+        return _st_codes()[dtype]
     except KeyError:
         raise ArtifactError(f"dtype {dtype} cannot be stored in safetensors") from None
 
@@ -108,17 +128,19 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * ST_DTYPES[self.dtype].itemsize
+        return int(np.prod(self.shape, dtype=np.int64)) * st_dtypes()[self.dtype].itemsize
 
     def as_tensor(self, data: np.ndarray) -> torch.Tensor:
         """A tensor view over `data` (the spec's bytes; a read-only buffer stays unwritten:
         the views are only read)."""
+        import torch
+
         if not self.nbytes:
-            return torch.empty(self.shape, dtype=ST_DTYPES[self.dtype])
+            return torch.empty(self.shape, dtype=st_dtypes()[self.dtype])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
             raw = torch.frombuffer(data, dtype=torch.uint8)  # any dtype: bytes, then a view
-        return raw.view(ST_DTYPES[self.dtype]).reshape(self.shape)
+        return raw.view(st_dtypes()[self.dtype]).reshape(self.shape)
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
@@ -128,6 +150,8 @@ def spec_of(name: str, t: torch.Tensor) -> TensorSpec:
 def drop_tied_output(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A tied output layer is not stored twice: drop `lm_head.weight` when it is the input
     embedding (same storage, or equal bytes)."""
+    import torch
+
     out = dict(tensors)
     head, emb = out.get(TIED_OUTPUT), out.get(TIED_INPUT)
     if head is not None and emb is not None and head.shape == emb.shape and (
@@ -142,7 +166,7 @@ def drop_tied_output(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 def order_specs(specs: Iterable[TensorSpec]) -> list[TensorSpec]:
     """The order safetensors writes tensors in: larger items first, then by name (keeps
     every tensor aligned to its item size)."""
-    return sorted(specs, key=lambda s: (-ST_DTYPES[s.dtype].itemsize, s.name))
+    return sorted(specs, key=lambda s: (-st_dtypes()[s.dtype].itemsize, s.name))
 
 
 def build_header(specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None
@@ -690,9 +714,10 @@ def plan_version(read: Callable[..., bytes], key: str,
                 spec = TensorSpec(name, info["dtype"], tuple(info["shape"]))
             except (KeyError, TypeError, ValueError) as err:
                 raise ArtifactError(f"{key}/{f}: bad header entry for {name}") from err
-            if spec.dtype not in ST_DTYPES:
+            if spec.dtype not in st_dtypes():
                 raise ArtifactError(f"{key}/{f}: tensor {name} has dtype {spec.dtype!r}, which "
-                                    f"the safetensors library does not read ({', '.join(ST_DTYPES)})")
+                                    "the safetensors library does not read "
+                                    f"({', '.join(st_dtypes())})")
             if e - b != spec.nbytes:
                 raise ArtifactError(f"{key}/{f}: bad header entry for {name}")
             if is_delta and spec.dtype != "U8":

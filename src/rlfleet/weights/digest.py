@@ -9,12 +9,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import blake3
-import torch
 from safetensors import safe_open
 
 from rlfleet.runtime.progress import Progress
+
+if TYPE_CHECKING:  # imported where tensors are read: a process that reads none starts without
+    import torch
 
 DIGEST_PREFIX = "blake3:"
 _TENSOR_DOMAIN = b"rlfleet.tensor.v1\0"
@@ -34,6 +37,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     """32-byte blake3 digest of the tensor's name, dtype, shape and raw (little-endian) bytes."""
+    import torch
+
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -92,6 +97,8 @@ def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], digest: DigestBuilde
     A sum is finite only when every term is (an Inf or NaN term makes it Inf or NaN), so one
     reduction clears a tensor at memory speed; only a non-finite sum (a bad tensor, or a
     finite one whose sum overflows) is looked at element by element."""
+    import torch
+
     for name, t in tensors:
         if digest is not None:
             digest.add(name, t)

@@ -31,10 +31,9 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from fastapi import APIRouter, FastAPI, Request  # resolved at import: FastAPI reads the handler's annotations
 
 from rlfleet.runtime.http import shared_routes
@@ -44,6 +43,9 @@ from rlfleet.weights import artifacts as art
 from rlfleet.weights.catalog import Catalog, CatalogError
 from rlfleet.weights.digest import digest_tensors, iter_checkpoint_tensors
 from rlfleet.weights.retention import Retention, collect
+
+if TYPE_CHECKING:  # torch only names types here: a process that never publishes never imports it
+    import torch
 
 log = logging.getLogger("rlfleet.weights.publish")
 

@@ -109,6 +109,11 @@ class StagingArea:
         an engine that does not prepare versions) is installed from disk instead.
         `prepare` False: the caller installs it at once, inside a pause (vLLM's weight
         transfer): the engine does not prepare a shadow of it, it reloads it in place."""
+        # torch, which a worker imports when it first reads tensors (not at start: a simulated
+        # worker that never stages never pays its ~2 s of CPU), is imported here, off the
+        # event loop and before any transfer, not in the middle of one (a fan-out parent
+        # serves its first chunks while it receives the rest); any stage call warms it
+        await asyncio.to_thread(art.st_dtypes)
         if not isinstance(version, str) or not version or "/" in version or version in (".", ".."):
             raise StageRequestError("version is required: a version name (no '/')")
         self._open_catalog()
