@@ -249,9 +249,13 @@ _unit_ended = False
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The session fleet's modules first and together (so that its servers, started once,
     stop when the last of them ends); among them, those that kill a worker of the fleet
-    last (the fleet replaces the worker for the next module: that way it never has to)."""
+    last (the fleet replaces the worker for the next module: that way it never has to).
+    Then the modules on the real engine (the longest) before the rest, so that the test
+    processes end together, on short modules, not one of them on a long one."""
+    on_engine = {item.path for item in items if item.get_closest_marker("engine") is not None}
     items.sort(key=lambda item: (not takes_session_fleet(Path(item.path)),
-                                 item.get_closest_marker("kills_session_worker") is not None))
+                                 item.get_closest_marker("kills_session_worker") is not None,
+                                 item.path not in on_engine))
 
 
 TIMELINE = os.environ.get("RLFLEET_TEST_TIMELINE")  # a file: one line per test, appended
