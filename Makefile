@@ -25,7 +25,7 @@ demo-async: setup
 
 test: setup
 	$(RUN) $(PY) -m pytest -q -ra --durations=30 -n $(TEST_PROCESSES) --dist loadfile \
-		tests
+		--no-loadscope-reorder tests
 
 # rlfleet's own unit tests on Python 3.12 and 3.13, in venvs of their own without the engine
 # (which has wheels for 3.11 only): PYTHONS="3.12" make test-python for one
