@@ -143,28 +143,34 @@ def add_fanout_routes(app: Any, lookup: Callable[[str], Held | None],
     app.router.routes.extend(shared_routes(_fanout_routes))
 
 
+def _held(request: Request, version: str) -> Held | Response:
+    """What this worker holds of `version` (its app's `lookup`), or the refusal: 401 without
+    the admin token, 404 when it holds nothing of it."""
+    lookup, admin_token = request.app.state.fanout
+    if (refused := unauthorized(request, admin_token)) is not None:
+        return refused
+    held = lookup(version)
+    if held is None:
+        return _error(404, "Not found", f"version {version} is not staged here (yet)")
+    return held
+
+
 def _fanout_routes(r: APIRouter) -> None:
     """The chunk plane's routes, shared by the process's workers (shared_routes): each
     app's own `lookup` and admin token in `app.state.fanout`."""
     @r.get(wire.MANIFEST_PATH)
     async def manifest(version: str, request: Request):
-        lookup, admin_token = request.app.state.fanout
-        if (refused := unauthorized(request, admin_token)) is not None:
-            return refused
-        held = lookup(version)
-        if held is None:
-            return _error(404, "Not found", f"version {version} is not staged here (yet)")
+        held = _held(request, version)
+        if isinstance(held, Response):
+            return held
         body = held.board.manifest(version, held.state(), held.digest())
         return Response(msgspec.json.encode(body), media_type="application/json")
 
     @r.get(wire.STREAM_PATH)
     async def stream(version: str, request: Request, start: int = 0):
-        lookup, admin_token = request.app.state.fanout
-        if (refused := unauthorized(request, admin_token)) is not None:
-            return refused
-        held = lookup(version)
-        if held is None:
-            return _error(404, "Not found", f"version {version} is not staged here (yet)")
+        held = _held(request, version)
+        if isinstance(held, Response):
+            return held
         if not 0 <= start < len(held.board.chunks):
             return _error(404, "Not found", f"{version} has chunks 0..{len(held.board.chunks) - 1}, "
                           f"not {start}")
