@@ -289,7 +289,13 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
     reference = completion(fleet, "ref-0", 1000).json()["choices"][0]["text"]
     stopped = fleet.workers[0]
     unary_ids = [f"stall-u{i}" for i in range(6)]
-    stream_ids = [f"stall-s{i}" for i in range(6)]
+    # a request with an X-Request-Id goes to the worker its ID ranks first (instance IDs
+    # are random each run): three streams rank the stopped worker first, three the other
+    live = [SimpleNamespace(instance_id=i) for i in usable(fleet)]
+    iid = int(stopped.ready["instance_id"])
+    candidates = [f"stall-s{i}" for i in range(1000)]
+    stream_ids = ([rid for rid in candidates if rank(rid, live)[0].instance_id == iid][:3]
+                  + [rid for rid in candidates if rank(rid, live)[0].instance_id != iid][:3])
     with ThreadPoolExecutor(12) as pool:
         begun = threading.Semaphore(0)
         streams = [pool.submit(streamed, fleet, rid, 1000, begun) for rid in stream_ids]
