@@ -17,11 +17,14 @@ each stack at the same concurrency:
         [--workloads grpo,grpo16,agent,mix] [--dynamo-venv /work/wt/dynamo-venv]
         [--vllm-workloads grpo,agent] [--vllm-modes kv,round-robin,least-loaded]
         [--dynamo-sweep] [--quick] [--traces DIR] [--work DIR] [--kv-cache-gib 1]
+        [--rounds 1]
 
 Measured per run: output tok/s over the replay, TTFT p50/p90 (client side), the prefix-cache
 hit rate (cached / prompt tokens, from each engine's own counters: rlfleet's mocker and vLLM
 /metrics, Dynamo's mocker per answer `usage.prompt_tokens_details.cached_tokens`), and the
-load imbalance (max / mean over workers of their requests in flight, time-averaged).
+load imbalance (max / mean over workers of their requests in flight, time-averaged). With
+`--rounds N` the mocker stacks replay each trace N times each (every stack and mode in turn,
+a round at a time) and each mode's figures are those of its median run by tok/s.
 
 The last line is one JSON object: `vllm_<workload>_tok_s_kv_vs_rr`, `..._ttft_p90_kv_vs_rr`,
 `..._tok_s_kv_vs_ll`; `vs_dynamo` and `vs_sglang_router`: {workload: {"gain": rlfleet's kv
@@ -299,6 +302,9 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="2 prompts or episodes of 2 turns per workload: to try the set-up")
     p.add_argument("--work", help="keep logs here (default: a temporary directory)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="mocker stacks: replay each workload this many times through every "
+                        "stack and mode, in turn, and take each mode's median run")
     a = p.parse_args()
     a.stacks = a.stacks.split(",")
     a.timing = Timing(kv_blocks=a.kv_blocks)
@@ -321,15 +327,27 @@ def measure(a: argparse.Namespace, work: Path) -> dict:
         trace = workload(MOCK_WORKLOADS, wl, a.quick)
         save(a, f"mock-{wl}", trace)
         print(f"{wl}: {len(trace.requests)} requests ({trace.params})", flush=True)
-        for name, fn in (("mocker", mocker_runs), ("dynamo", dynamo_runs),
-                         ("sglang", sglang_runs)):
-            if name in a.stacks:
-                res.setdefault(name, {})[wl] = fn(a, wl, trace, work)
+        rounds: dict[str, dict[str, list[dict]]] = {}
+        for i in range(a.rounds):  # every stack once a round: each sees the box's same hour
+            for name, fn in (("mocker", mocker_runs), ("dynamo", dynamo_runs),
+                             ("sglang", sglang_runs)):
+                if name in a.stacks:
+                    for mode, r in fn(a, wl, trace, work / f"round-{i}").items():
+                        rounds.setdefault(name, {}).setdefault(mode, []).append(r)
+        for name, modes in rounds.items():
+            res.setdefault(name, {})[wl] = {m: median_run(rs) for m, rs in modes.items()}
     if "vllm" in a.stacks:
         a.workloads = a.vllm_workloads.split(",")
         res["vllm"] = vllm_runs(a, work)
     print(f"all runs: {time.monotonic() - t0:.0f} s", flush=True)
     return res
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Of one mode's runs, the one of the median output tok/s (the lower middle of an even
+    count), with every run's tok/s beside it."""
+    ranked = sorted(runs, key=lambda r: r["tok_s"])
+    return {**ranked[(len(ranked) - 1) // 2], "rounds_tok_s": [round(r["tok_s"], 1) for r in runs]}
 
 
 def enter_private_network() -> None:
