@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import random
 import re
@@ -133,6 +134,21 @@ def rl_worker_entry(ns: str) -> dict[str, Any]:
                            request_plane_url=f"dyn://{ns}.backend.rl", model="m")
 
 
+async def within(what: str, aw: Any, timeout: float = 60.0) -> Any:
+    """`aw`'s result, or a failure naming the step and every task's stack when it has none
+    within `timeout` s (one CI run hung in this module's file-store test for 20 minutes
+    with no sign of where)."""
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if task in done:
+        return task.result()
+    stacks = io.StringIO()
+    for t in asyncio.all_tasks():
+        t.print_stack(file=stacks)
+    task.cancel()
+    raise AssertionError(f"{what}: nothing in {timeout:g} s; the tasks:\n{stacks.getvalue()}")
+
+
 def assert_unavailable(r: httpx.Response, store: str) -> None:
     assert r.status_code == 503, r.text
     assert int(r.headers["Retry-After"]) > 0
@@ -148,23 +164,24 @@ async def test_an_unreadable_file_store_gets_503_then_lists_again(tmp_path: Path
     frontend's workers stay those it saw."""
     store = tmp_path / "d"
     owner, d = open_discovery(store.as_uri()), open_discovery(store.as_uri())
-    reg = await owner.register(rl_worker_entry(ns), ttl=30)
-    worker = await owner.register(worker_entry(ns, 1), ttl=30)
+    reg = await within("register", owner.register(rl_worker_entry(ns), ttl=30))
+    worker = await within("register", owner.register(worker_entry(ns, 1), ttl=30))
     pool = WorkerPool(d, ns)
-    await pool.start()
+    await within("pool.start", pool.start())
     app = rl_app(d, ns)
     aside = tmp_path / "aside"
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://listener") as http:
-            assert (await http.get("/v1/rl/workers")).status_code == 200
+            assert (await within("list", http.get("/v1/rl/workers"))).status_code == 200
             assert set(pool.workers) == {worker.entry["instance_id"]}
             if os.geteuid() == 0:
                 store.rename(aside)
                 store.write_text("not a directory")
             else:
                 store.chmod(0)
-            assert_unavailable(await http.get("/v1/rl/workers"), d.url)
+            assert_unavailable(await within("list, store gone", http.get("/v1/rl/workers")),
+                               d.url)
             await asyncio.sleep(1)  # the pool's watch meets the same store
             assert set(pool.workers) == {worker.entry["instance_id"]}
             if os.geteuid() == 0:
@@ -172,7 +189,7 @@ async def test_an_unreadable_file_store_gets_503_then_lists_again(tmp_path: Path
                 aside.rename(store)
             else:
                 store.chmod(0o700)
-            r = await http.get("/v1/rl/workers")
+            r = await within("list, store back", http.get("/v1/rl/workers"))
             assert r.status_code == 200, r.text
             assert [w["instance_id"] for w in r.json()["workers"]] == [1]
     finally:
@@ -181,11 +198,11 @@ async def test_an_unreadable_file_store_gets_503_then_lists_again(tmp_path: Path
         if aside.exists():
             aside.rename(store)
         store.chmod(0o700)
-        await pool.stop()
-        await reg.close()
-        await worker.close()
-        await owner.close()
-        await d.close()
+        await within("pool.stop", pool.stop())
+        await within("close", reg.close())
+        await within("close", worker.close())
+        await within("close", owner.close())
+        await within("close", d.close())
 
 
 def etcd_pid(port: int) -> int:
