@@ -256,10 +256,13 @@ class WorkerPool:
 
     async def stop(self) -> None:
         for task in (self._task, self._poller):
-            if task is not None:
+            # cancelled again until it ends: a cancel swallowed by a library's wait_for
+            # (Python 3.11) would leave a loop running, and this waiting for it forever
+            while task is not None and not task.done():
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await asyncio.wait({task}, timeout=1.0)
+            if task is not None and not task.cancelled():
+                task.result()  # what ended it, raised as before
         if self.kv is not None:
             await self.kv.close()
 
@@ -536,8 +539,9 @@ class WorkerPool:
                 left = deadline - time.monotonic()
                 if not (e.status == 409 or (e.status == 503 and gated)) or left <= 0:
                     raise
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(left, 1.0)):
+                        await self._changed.wait()
 
     def owners(self, model: str, key: str, chosen: Worker, prefix: Prefix | None = None,
                exclude: set[int] = frozenset()) -> list[Worker]:

@@ -414,7 +414,8 @@ class _EtcdView(ChangeSource):
             await asyncio.sleep(interval)
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), WATCH_IDLE)
+            async with asyncio.timeout(WATCH_IDLE):  # (not wait_for: file.py's _io says why)
+                await self._event.wait()
         if self._event.is_set():
             # the rest of a burst (a fleet changing: N events) lands in the same step
             await asyncio.sleep(interval)

@@ -148,7 +148,10 @@ class FileDiscovery(base.Discovery):
             finally:
                 self._lock.release()
         try:
-            return await asyncio.wait_for(asyncio.to_thread(locked), self.DEADLINE + 1)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that
+            # lands as the thread finishes, and a watch loop cancelled so keeps running
+            async with asyncio.timeout(self.DEADLINE + 1):
+                return await asyncio.to_thread(locked)
         except TimeoutError:
             raise DiscoveryError(f"file discovery {self.directory}: no answer from the "
                                  f"filesystem in {self.DEADLINE:g}s") from None
