@@ -275,6 +275,15 @@ def inflight(fleet, worker) -> int:
                if w["url"] == worker.ready["url"])
 
 
+def placed_on(fleet, iid: int, prefix: str, n: int, on: bool = True) -> list[str]:
+    """`n` request IDs (`prefix` and a number) that rank worker `iid` first among the usable
+    workers (`on`), or another worker (not `on`): a request with an X-Request-Id goes to the
+    worker its ID ranks first (rendezvous hashing over instance IDs, random each run)."""
+    live = [SimpleNamespace(instance_id=i) for i in usable(fleet)]
+    return [rid for rid in (f"{prefix}{i}" for i in range(1000))
+            if (rank(rid, live)[0].instance_id == iid) == on][:n]
+
+
 def usable(fleet) -> set[int]:
     return {w["instance_id"] for w in httpx.get(f"{fleet.url}/health", timeout=5).json()["workers"]
             if w["usable"]}
@@ -289,13 +298,9 @@ def test_a_stopped_worker_fails_over_and_retries_start_anew(fleet):
     reference = completion(fleet, "ref-0", 1000).json()["choices"][0]["text"]
     stopped = fleet.workers[0]
     unary_ids = [f"stall-u{i}" for i in range(6)]
-    # a request with an X-Request-Id goes to the worker its ID ranks first (instance IDs
-    # are random each run): three streams rank the stopped worker first, three the other
-    live = [SimpleNamespace(instance_id=i) for i in usable(fleet)]
+    # three streams on the stopped worker, three on the other
     iid = int(stopped.ready["instance_id"])
-    candidates = [f"stall-s{i}" for i in range(1000)]
-    stream_ids = ([rid for rid in candidates if rank(rid, live)[0].instance_id == iid][:3]
-                  + [rid for rid in candidates if rank(rid, live)[0].instance_id != iid][:3])
+    stream_ids = placed_on(fleet, iid, "stall-s", 3) + placed_on(fleet, iid, "stall-s", 3, on=False)
     with ThreadPoolExecutor(12) as pool:
         begun = threading.Semaphore(0)
         streams = [pool.submit(streamed, fleet, rid, 1000, begun) for rid in stream_ids]
@@ -348,10 +353,7 @@ def test_a_killed_worker_mid_stream_ends_cleanly_and_retries_complete(fleet):
     reference = completion(fleet, "ref-1").json()["choices"][0]["text"]
     # a request with an X-Request-Id goes to the worker its ID ranks first (rendezvous
     # hashing over instance IDs, random each run): three of the eight rank the victim first
-    live = [SimpleNamespace(instance_id=i) for i in usable(fleet)]
-    on_victim = [rid for rid in (f"kill-{i}" for i in range(1000))
-                 if rank(rid, live)[0].instance_id == iid]
-    ids = on_victim[:3] + [f"kill-{i}" for i in range(1000, 1005)]
+    ids = placed_on(fleet, iid, "kill-", 3) + [f"kill-{i}" for i in range(1000, 1005)]
     with ThreadPoolExecutor(8) as pool:
         begun = threading.Semaphore(0)
         futures = [pool.submit(streamed, fleet, rid, 400, begun) for rid in ids]
