@@ -1,5 +1,5 @@
 """The KV router's RL-aware placement (frontend/kv.py, sessions.py, rates.py): sessions stay
-on their worker until it is overloaded or they are finished, a GRPO group's samples stay
+on their worker until it is overloaded, moving costs less, or they are finished, a GRPO group's samples stay
 together, and the cost turns into seconds once the rates are measured."""
 
 from __future__ import annotations
@@ -74,8 +74,43 @@ def test_a_session_goes_where_its_prefix_is_and_stays() -> None:
     a, b = W(1), W(2)
     ctx = Prefix(_tokens(200))
     r.finished(2, ctx, r.routed(2, ctx))  # b holds the conversation so far
-    assert send(r, [a, b], Prefix(ctx.tokens + [7] * 40), "ep") is b
-    assert r.choose([a, b], Prefix(_tokens(300, 9000)), "ep") is b  # affinity holds
+    turn = Prefix(ctx.tokens + [7] * 40)
+    assert send(r, [a, b], turn, "ep") is b
+    r.finished(2, turn, 0, [[8] * 32])  # the turn ended, b holds its output too
+    b.inflight, a.inflight = 1, 0  # and runs another request: a is less loaded
+    assert r.choose([a, b], Prefix(turn.tokens + [8] * 32 + [9] * 40), "ep") is b
+    assert r.sessions.shed == 0
+
+
+def test_a_session_leaves_a_worker_other_sessions_crowd_when_recomputing_costs_less() -> None:
+    """Sessions bound to a worker are load that comes back every turn: an episode whose
+    worker holds five more, their turns just queued there, moves to the worker holding two
+    (where the shared system prompt is cached) and recomputes its task there; with the
+    other sessions elsewhere it stays. (The mix trace of bench/rl_routing.py: episodes that
+    started while GRPO groups ran on the other worker piled up on one.)"""
+    system = _tokens(1024)
+    conversation = Prefix(system + _tokens(256, 5000) + _tokens(320, 6000))
+    turn = Prefix(conversation.tokens + _tokens(320, 7000))
+
+    def fleet(crowded: bool) -> tuple[KvRouter, W, W]:
+        r = KvRouter()
+        a, b = W(1), W(2)
+        for w in (a, b):
+            r.finished(w.instance_id, Prefix(system), r.routed(w.instance_id, Prefix(system)))
+        r.finished(1, conversation, r.routed(1, conversation))
+        r.sessions.bind("ep", 1)
+        here, there = (a, b) if crowded else (b, a)
+        for i in range(5):  # other episodes' turns, just sent
+            send(r, [here], Prefix(system + _tokens(256, 10_000 * (i + 1))), f"other-{i}")
+        for i in range(2):
+            r.sessions.bind(f"idle-{i}", there.instance_id)
+        return r, a, b
+
+    r, a, b = fleet(crowded=True)
+    assert r.choose([a, b], turn, "ep") is b
+    assert r.sessions.shed == 1 and r.sessions.get("ep") == 2
+    r, a, b = fleet(crowded=False)
+    assert r.choose([a, b], turn, "ep") is a and r.sessions.shed == 0
 
 
 def test_a_group_stays_together_until_load_demands() -> None:

@@ -35,8 +35,8 @@ among those that are not, the lowest `cost` wins (seconds once the rates are mea
 rlfleet.frontend.rates: the prefill queued there, the request's own uncached prompt, the
 stall its prefill puts on the requests running there, the decode time it adds), then the
 least load, then round-robin. A session (rlfleet.frontend.sessions) goes back to its
-worker unless that one is overloaded and the move costs less. docs/routing.md has the
-formula.
+worker unless another costs less, its sessions counted as load (without token IDs: unless
+it is overloaded). docs/routing.md has the formula.
 """
 
 from __future__ import annotations
@@ -304,9 +304,12 @@ class KvRouter:
     def choose(self, candidates: Sequence[Candidate], prefix: Prefix | None,
                session: str | None = None) -> Candidate:
         """The worker for a request (see the module doc); `prefix` None: least loaded, or
-        its session's worker. A request of a session counts as a worker's load its requests
-        in flight or its sessions bound, whichever is more: an episode between turns (its
-        tool running) comes back soon, and a worker is not overloaded by a passing burst."""
+        its session's worker while that is not overloaded. A request of a session counts as
+        a worker's load its requests in flight or its sessions bound, whichever is more: an
+        episode between turns (its tool running) comes back soon, and a worker is not
+        overloaded by a passing burst. A session with token IDs stays on its worker unless
+        another costs less counted that way: its worker holds its conversation, so it moves
+        only when the sessions and the prefill queued there outweigh recomputing it."""
         def load(w: Candidate) -> int:
             return max(w.inflight, self.sessions.count(w.instance_id)) if session \
                 else w.inflight
@@ -322,10 +325,11 @@ class KvRouter:
         held = next((w for w in candidates if w.instance_id == bound), None) \
             if bound is not None else None
         chosen = self._cheapest(fit or candidates, prefix, keys, load)
-        if held is not None and held is not chosen and (fits(held) or (
-                prefix is not None and self.cost(held, prefix, keys)
-                <= self.cost(chosen, prefix, keys))):
-            chosen = held  # it stays: not overloaded, or moving would cost more
+        if held is not None and held is not chosen and (
+                self.cost(held, prefix, keys, load(held))
+                <= self.cost(chosen, prefix, keys, load(chosen)) if prefix is not None
+                else fits(held)):
+            chosen = held  # it stays: moving would cost more (no prefix: not overloaded)
         if session:
             if bound is not None and bound != chosen.instance_id:
                 self.sessions.shed += 1

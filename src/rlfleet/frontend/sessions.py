@@ -5,9 +5,11 @@ the session is over (`POST /finish_session?session_id=`, as SkyRL 0.4's client s
 it has been idle for `ttl` seconds.
 
 The table only remembers; the KV router decides (rlfleet.frontend.kv.KvRouter.choose): a
-bound session goes back to its worker unless that worker is overloaded, gone or closed to
-it, and then is bound to wherever it went (the overloaded worker sheds it). A worker whose
-prefix cache is cleared (a refresh) or that leaves loses its sessions."""
+bound session goes back to its worker unless that worker is gone or closed to it, or
+another costs less (counting the sessions bound to each worker as its load; a request
+without token IDs: unless its worker is overloaded), and then is bound to wherever it went
+(the old worker sheds it). A worker whose prefix cache is cleared (a refresh) or that
+leaves loses its sessions."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class SessionTable:
         self.ttl, self.limit = ttl, limit
         self._bound: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._per_worker: dict[int, int] = {}  # sessions bound to each worker
-        self.shed = 0  # sessions moved off an overloaded worker (for /health)
+        self.shed = 0  # sessions moved to another worker (for /health)
 
     def __len__(self) -> int:
         return len(self._bound)
