@@ -9,7 +9,9 @@ The settings: the default (a thread per core; Intel OpenMP, which the CPU engine
 spins 200 ms after each parallel region; the engine core forked from the worker,
 rlfleet/vllm/engine.py START_METHOD), the same with the engine core spawned (vLLM's CPU
 platform's choice: it imports vLLM and torch again), `KMP_BLOCKTIME=0`, and
-`KMP_BLOCKTIME=0 OMP_NUM_THREADS=1` (what tests/conftest.py sets for every process of the
+`KMP_BLOCKTIME=0 OMP_NUM_THREADS=1`, and those with `TORCH_COMPILE_DISABLE=1` (vLLM's sampler
+compiles one op with inductor in every engine process, --enforce-eager or not, and the
+worker's warm-up request pays for it: what tests/conftest.py sets for every process of the
 suite)."""
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ SETTINGS = {
     "default": {},
     "KMP_BLOCKTIME=0": {"KMP_BLOCKTIME": "0"},
     "KMP_BLOCKTIME=0 OMP_NUM_THREADS=1": {"KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "1"},
+    "the suite's (also TORCH_COMPILE_DISABLE=1)": {"KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": "1",
+                                                  "TORCH_COMPILE_DISABLE": "1"},
 }
 
 
@@ -83,7 +87,7 @@ def main() -> None:
         rows = {}
         for name, env in SETTINGS.items():
             base = {k: v for k, v in os.environ.items()
-                    if k not in ("KMP_BLOCKTIME", "OMP_NUM_THREADS",
+                    if k not in ("KMP_BLOCKTIME", "OMP_NUM_THREADS", "TORCH_COMPILE_DISABLE",
                                  "VLLM_WORKER_MULTIPROC_METHOD")}
             out = subprocess.run([sys.executable, __file__, "--one", str(model), "--requests",
                                   str(a.requests)], env={**engine_env(base), **env},
@@ -91,7 +95,7 @@ def main() -> None:
             rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
     ref = rows["default"]
     for name, r in rows.items():
-        print(f"{name:36s} start {r['start_s']:5.1f} s wall {r['start_cpu_s']:5.1f} CPU-s | "
+        print(f"{name:44s} start {r['start_s']:5.1f} s wall {r['start_cpu_s']:5.1f} CPU-s | "
               f"{a.requests} requests {r['requests_s']:5.1f} s wall {r['requests_cpu_s']:5.1f} "
               f"CPU-s | CPU vs default: start {r['start_cpu_s'] / ref['start_cpu_s']:.2f}, "
               f"requests {r['requests_cpu_s'] / ref['requests_cpu_s']:.2f}")

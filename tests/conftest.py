@@ -26,6 +26,11 @@ import pytest
 # requests 0.53, wall alike). A test that sets its own keeps it; bench/ does not read this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("KMP_BLOCKTIME", "0")
+# torch.compile off: every vLLM engine process compiles one sampler op with inductor (the
+# logprobs' rank count; the worker's warm-up request pays for it), ~3 CPU-s of its ~20 s
+# start, and the suite starts engines by the dozen. Eager computes the same integers; the
+# models run eager anyway (--enforce-eager). bench/engine_threads.py measures it.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
 from rlfleet.testing.ray import LOOPBACK_ENV  # noqa: E402
 

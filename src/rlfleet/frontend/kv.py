@@ -326,10 +326,9 @@ class KvRouter:
             if bound is not None else None
         chosen = self._cheapest(fit or candidates, prefix, keys, load)
         if held is not None and held is not chosen and (
-                self.cost(held, prefix, keys, load(held))
-                <= self.cost(chosen, prefix, keys, load(chosen)) if prefix is not None
+                self._stays(held, chosen, prefix, keys, load, session) if prefix is not None
                 else fits(held)):
-            chosen = held  # it stays: moving would cost more (no prefix: not overloaded)
+            chosen = held  # moving would cost more (no prefix: it is not overloaded)
         if session:
             if bound is not None and bound != chosen.instance_id:
                 self.sessions.shed += 1
@@ -338,6 +337,25 @@ class KvRouter:
                          "not usable")
             self.sessions.bind(session, chosen.instance_id)
         return chosen
+
+    def _stays(self, held: Candidate, to: Candidate, prefix: Prefix, keys: dict[int, list[int]],
+               load: Callable[[Candidate], int], session: str) -> bool:
+        """Whether a session's request costs no more on its worker `held` than on `to`, its
+        turns to come counted: each of them stalls, for its new tokens (this request's
+        uncached tokens on `held`), the sessions bound where it runs, so a session moves off
+        a worker crowded with sessions once recomputing its conversation elsewhere pays."""
+        per_token = self.rates.prefill if self.rates.known else 1.0
+        v = self.view(held.instance_id)
+        ks = keys.get(v.block_size)
+        if ks is None:
+            ks = keys[v.block_size] = prefix.keys(v.block_size)
+        turn = len(prefix.tokens) - v.overlap(ks) * v.block_size
+        later = per_token * self.sessions.turns_to_come(session) * turn
+
+        def bound(w: Candidate) -> int:
+            return self.sessions.count(w.instance_id) + (w is not held)
+        return (self.cost(held, prefix, keys, load(held)) + later * bound(held)
+                <= self.cost(to, prefix, keys, load(to)) + later * bound(to))
 
     def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
                   keys: dict[int, list[int]], load: Callable[[Candidate], int]) -> Candidate:

@@ -19,6 +19,7 @@ from collections import OrderedDict
 DEFAULT_TTL = 600.0  # seconds a session stays bound after its last request
 MAX_SESSIONS = 65_536  # bindings kept at most (the least recently used go first)
 MAX_SESSION_ID = 256  # characters
+TURNS_DECAY = 0.97  # per finished session: about the last 30 count
 
 
 class SessionTable:
@@ -28,9 +29,11 @@ class SessionTable:
         if not ttl > 0:
             raise ValueError(f"--kv-session-ttl must be positive, got {ttl}")
         self.ttl, self.limit = ttl, limit
-        self._bound: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # session -> (worker, when last used, its requests so far)
+        self._bound: OrderedDict[str, tuple[int, float, int]] = OrderedDict()
         self._per_worker: dict[int, int] = {}  # sessions bound to each worker
         self.shed = 0  # sessions moved to another worker (for /health)
+        self._turns = [0.0, 0.0]  # decayed requests of the finished sessions, sessions
 
     def __len__(self) -> int:
         return len(self._bound)
@@ -46,12 +49,13 @@ class SessionTable:
         return got[0]
 
     def bind(self, session: str, iid: int) -> None:
+        """A request of `session` goes to worker `iid`: the session is bound there."""
         old = self._bound.get(session)
         if old is None or old[0] != iid:
             if old is not None:
                 self._per_worker[old[0]] -= 1
             self._per_worker[iid] = self._per_worker.get(iid, 0) + 1
-        self._bound[session] = (iid, time.monotonic())
+        self._bound[session] = (iid, time.monotonic(), 1 + (old[2] if old else 0))
         self._bound.move_to_end(session)
         while len(self._bound) > self.limit:
             self._drop(next(iter(self._bound)))
@@ -67,12 +71,27 @@ class SessionTable:
         return True
 
     def finish(self, session: str) -> bool:
-        """The session is over: forget it (whether it was bound)."""
+        """The session is over: forget it (whether it was bound), and learn its length."""
+        got = self._bound.get(session)
+        if got is not None:
+            self._turns[0] = self._turns[0] * TURNS_DECAY + got[2]
+            self._turns[1] = self._turns[1] * TURNS_DECAY + 1
         return self._drop(session)
+
+    def turns_to_come(self, session: str) -> float:
+        """How many more requests `session` is expected to send: the mean length of the
+        sessions finished lately (`finish`) less its requests so far, at least one; before
+        any session has finished, as many as it has sent (a session that has lasted t turns
+        is as likely to last t more as not)."""
+        got = self._bound.get(session)
+        done = got[2] if got else 0
+        if self._turns[1] > 0:
+            return max(1.0, self._turns[0] / self._turns[1] - done)
+        return float(max(1, done))
 
     def drop_worker(self, iid: int) -> int:
         """Forget every session bound to worker `iid`; how many."""
-        gone = [s for s, (w, _) in self._bound.items() if w == iid]
+        gone = [s for s, (w, _, _) in self._bound.items() if w == iid]
         for s in gone:
             self._drop(s)
         return len(gone)
