@@ -174,6 +174,26 @@ def test_session_table_ttl_and_limit(monkeypatch) -> None:
         SessionTable(ttl=0)
 
 
+def test_a_sessions_turns_to_come_are_learnt_from_finished_sessions() -> None:
+    t = SessionTable()
+    t.bind("a", 1)
+    assert t.turns_to_come("a") == 1  # nothing finished yet: as many as it has sent
+    t.bind("a", 1)
+    t.bind("a", 2)  # moving keeps its count
+    assert t.turns_to_come("a") == 3
+    assert t.finish("a")
+    for s in ("b", "c"):
+        for _ in range(5):
+            t.bind(s, 1)
+        t.finish(s)
+    t.bind("d", 2)
+    assert t.turns_to_come("d") == pytest.approx((3 * 0.97 ** 2 + 5 * 0.97 + 5)
+                                                 / (0.97 ** 2 + 0.97 + 1) - 1)
+    for _ in range(9):
+        t.bind("d", 2)
+    assert t.turns_to_come("d") == 1  # past the mean: at least its next
+
+
 def test_an_adapters_blocks_are_matched_for_that_adapter_only() -> None:
     """vLLM keys every block of a LoRA request by the adapter's name (its events publish it
     in each block's extra keys, before the cache salt); so does the router's key, and so do
