@@ -333,8 +333,8 @@ class KvRouter:
             if bound is not None and bound != chosen.instance_id:
                 self.sessions.shed += 1
                 log.info("session %s moves from worker %s to %s (%s)", session, bound,
-                         chosen.instance_id, "overloaded" if held is not None else
-                         "not usable")
+                         chosen.instance_id, "not usable" if held is None else
+                         "cheaper there" if prefix is not None else "overloaded")
             self.sessions.bind(session, chosen.instance_id)
         return chosen
 
