@@ -17,14 +17,17 @@ each stack at the same concurrency:
         [--workloads grpo,grpo16,agent,mix] [--dynamo-venv /work/wt/dynamo-venv]
         [--vllm-workloads grpo,agent] [--vllm-modes kv,round-robin,least-loaded]
         [--dynamo-sweep] [--quick] [--traces DIR] [--work DIR] [--kv-cache-gib 1]
-        [--rounds 1]
+        [--rounds 1] [--after-step]
 
 Measured per run: output tok/s over the replay, TTFT p50/p90 (client side), the prefix-cache
 hit rate (cached / prompt tokens, from each engine's own counters: rlfleet's mocker and vLLM
 /metrics, Dynamo's mocker per answer `usage.prompt_tokens_details.cached_tokens`), and the
 load imbalance (max / mean over workers of their requests in flight, time-averaged). With
 `--rounds N` the mocker stacks replay each trace N times each (every stack and mode in turn,
-a round at a time) and each mode's figures are those of its median run by tok/s.
+a round at a time) and each mode's figures are those of its median run by tok/s. With
+`--after-step` each mocker-stack run first replays the previous RL step (the workload at
+another seed) through the same stack, unmeasured: every step of a training run but the
+first meets a fleet that has served one (caches full of other prompts, sessions finished).
 
 The last line is one JSON object: `vllm_<workload>_tok_s_kv_vs_rr`, `..._ttft_p90_kv_vs_rr`,
 `..._tok_s_kv_vs_ll`; `vs_dynamo` and `vs_sglang_router`: {workload: {"gain": rlfleet's kv
@@ -123,6 +126,9 @@ DYNAMO_RUN = {"grpo": ("round-robin", "kv"), "grpo16": ("round-robin", "kv"),
               "mix": ("round-robin", "kv", "kv+affinity-soft")}
 CONCURRENCY = 256
 OUTCOMES: Path | None = None  # --work DIR: each run's outcomes in DIR/outcomes
+# --after-step: workload -> the RL step before it (the same workload at another seed),
+# replayed through each stack before the measured replay
+PREVIOUS: dict[str, traces.Trace] = {}
 # the peer-dynamo set-up's tiny model (config and tokenizer, no weights)
 PEER_DYNAMO_MODEL = next((p for p in (Path(__file__).resolve().parents[2] / "shared",
                                       Path("/work/shared")) if p.is_dir()),
@@ -130,9 +136,12 @@ PEER_DYNAMO_MODEL = next((p for p in (Path(__file__).resolve().parents[2] / "sha
 
 
 def run(trace: traces.Trace, stack_cm, client: Callable[[str], traces.Client],
-        label: str) -> dict:
-    """One replay of `trace` through the stack `stack_cm` starts: its summary and hit rate."""
+        label: str, before: traces.Trace | None = None) -> dict:
+    """One replay of `trace` through the stack `stack_cm` starts: its summary and hit rate
+    (after a replay of `before`, not measured, where given)."""
     with stack_cm as st:
+        if before is not None:
+            asyncio.run(traces.replay(before, client(st.url), CONCURRENCY))
         c0 = st.counters() if st.counters else None
         b0 = st.busy() if st.busy else None
         outs = asyncio.run(traces.replay(trace, client(st.url), CONCURRENCY))
@@ -161,7 +170,7 @@ def rlfleet_client(url: str) -> traces.Client:
 def mocker_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path) -> dict:
     return {mode: run(trace, rlfleet_stack(work / f"mock-{wl}-{mode}", mode, [],
                                            timing=a.timing), rlfleet_client,
-                      f"rlfleet mocker {wl} {mode}")
+                      f"rlfleet mocker {wl} {mode}", PREVIOUS.get(wl))
             for mode in ("kv", "round-robin")}
 
 
@@ -176,12 +185,12 @@ def dynamo_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path)
         return traces.OpenAIClient(url, DYNAMO_MODEL, "X-Dynamo-Session-ID")
     return {n: run(trace, dynamo_stack(Path(a.dynamo_venv), work / f"dyn-{wl}-{n}", a.timing,
                                        model, DYNAMO_VARIANTS[n]), client,
-                   f"dynamo {wl} {n}") for n in names}
+                   f"dynamo {wl} {n}", PREVIOUS.get(wl)) for n in names}
 
 
 def sglang_runs(a: argparse.Namespace, wl: str, trace: traces.Trace, work: Path) -> dict:
     return {p: run(trace, sglang_stack(work / f"sgl-{wl}-{p}", a.timing, p),
-                   traces.SglangClient, f"sglang-router {wl} {p}")
+                   traces.SglangClient, f"sglang-router {wl} {p}", PREVIOUS.get(wl))
             for p in ("cache_aware", "round_robin")}
 
 
@@ -302,6 +311,11 @@ def main() -> None:
     p.add_argument("--quick", action="store_true",
                    help="2 prompts or episodes of 2 turns per workload: to try the set-up")
     p.add_argument("--work", help="keep logs here (default: a temporary directory)")
+    p.add_argument("--after-step", action="store_true",
+                   help="mocker stacks: each run first replays the previous RL step (the "
+                        "same workload, another seed: other prompts, as long episodes) "
+                        "through the same stack, not measured, as every step of a run but "
+                        "the first finds the fleet")
     p.add_argument("--rounds", type=int, default=1,
                    help="mocker stacks: replay each workload this many times through every "
                         "stack and mode, in turn, and take each mode's median run")
@@ -326,6 +340,10 @@ def measure(a: argparse.Namespace, work: Path) -> dict:
     for wl in a.workloads.split(",") if mock_stacks else ():
         trace = workload(MOCK_WORKLOADS, wl, a.quick)
         save(a, f"mock-{wl}", trace)
+        if a.after_step:
+            make, params = MOCK_WORKLOADS[wl]
+            PREVIOUS[wl] = workload({wl: (make, {**params, "seed": params["seed"] + 100})},
+                                            wl, a.quick)
         print(f"{wl}: {len(trace.requests)} requests ({trace.params})", flush=True)
         rounds: dict[str, dict[str, list[dict]]] = {}
         for i in range(a.rounds):  # every stack once a round: each sees the box's same hour

@@ -34,6 +34,18 @@ def send(r: KvRouter, workers: list[W], p: Prefix | None, session: str | None = 
     return w
 
 
+def _session_on_a(system: list[int], conversation: Prefix) -> tuple[KvRouter, W, W]:
+    """Workers a and b both caching `system`, a the conversation of the session "ep" too
+    (bound there)."""
+    r = KvRouter()
+    a, b = W(1), W(2)
+    for w in (a, b):
+        r.finished(w.instance_id, Prefix(system), r.routed(w.instance_id, Prefix(system)))
+    r.finished(1, conversation, r.routed(1, conversation))
+    r.sessions.bind("ep", 1)
+    return r, a, b
+
+
 def test_a_session_stays_on_its_worker_until_finished() -> None:
     r = KvRouter()
     a, b = W(1), W(2)
@@ -93,12 +105,7 @@ def test_a_session_leaves_a_worker_other_sessions_crowd_when_recomputing_costs_l
     turn = Prefix(conversation.tokens + _tokens(320, 7000))
 
     def fleet(crowded: bool) -> tuple[KvRouter, W, W]:
-        r = KvRouter()
-        a, b = W(1), W(2)
-        for w in (a, b):
-            r.finished(w.instance_id, Prefix(system), r.routed(w.instance_id, Prefix(system)))
-        r.finished(1, conversation, r.routed(1, conversation))
-        r.sessions.bind("ep", 1)
+        r, a, b = _session_on_a(system, conversation)
         here, there = (a, b) if crowded else (b, a)
         for i in range(5):  # other episodes' turns, just sent
             send(r, [here], Prefix(system + _tokens(256, 10_000 * (i + 1))), f"other-{i}")
@@ -111,6 +118,34 @@ def test_a_session_leaves_a_worker_other_sessions_crowd_when_recomputing_costs_l
     assert r.sessions.shed == 1 and r.sessions.get("ep") == 2
     r, a, b = fleet(crowded=False)
     assert r.choose([a, b], turn, "ep") is a and r.sessions.shed == 0
+
+
+def test_a_session_leaves_the_worker_cheapest_now_when_its_turns_to_come_cost_more() -> None:
+    """Nothing runs anywhere and the session's worker holds its conversation, so this turn
+    costs least there; but two more sessions are bound there, one elsewhere, and sessions
+    have been lasting twenty turns: each of its turns to come would stall the two and wait
+    for theirs, so it moves now. With nothing learnt (a session of one turn so far may send
+    one more) recomputing its 2,000 tokens is not worth it, and it stays."""
+    system = _tokens(1024)
+    conversation = Prefix(system + _tokens(2000, 5000))
+    turn = Prefix(conversation.tokens + _tokens(320, 7000))
+
+    def fleet(learnt: bool) -> tuple[KvRouter, W, W]:
+        r, a, b = _session_on_a(system, conversation)
+        for i in range(4 if learnt else 0):  # finished sessions of 20 turns
+            for _ in range(20):
+                r.sessions.bind(f"done-{i}", 2)
+            r.sessions.finish(f"done-{i}")
+        for i, w in enumerate((1, 1, 2)):
+            r.sessions.bind(f"idle-{i}", w)
+        return r, a, b
+
+    r, a, b = fleet(learnt=False)
+    assert r.cost(a, turn) < r.cost(b, turn)  # this turn alone: its worker
+    assert r.choose([a, b], turn, "ep") is a and r.sessions.shed == 0
+    r, a, b = fleet(learnt=True)
+    assert r.choose([a, b], turn, "ep") is b
+    assert r.sessions.shed == 1 and r.sessions.get("ep") == 2
 
 
 def test_a_group_stays_together_until_load_demands() -> None:

@@ -324,11 +324,14 @@ class KvRouter:
         bound = self.sessions.get(session) if session else None
         held = next((w for w in candidates if w.instance_id == bound), None) \
             if bound is not None else None
-        chosen = self._cheapest(fit or candidates, prefix, keys, load)
-        if held is not None and held is not chosen and (
-                self._stays(held, chosen, prefix, keys, load, session) if prefix is not None
-                else fits(held)):
-            chosen = held  # moving would cost more (no prefix: it is not overloaded)
+        if held is not None and prefix is not None:  # its turns to come counted
+            cost = self._session_cost(held, prefix, keys, load, session)
+            # the first of the cheapest: it stays unless moving costs less
+            chosen = min([held, *(w for w in fit or candidates if w is not held)], key=cost)
+        else:
+            chosen = self._cheapest(fit or candidates, prefix, keys, load)
+            if held is not None and held is not chosen and fits(held):
+                chosen = held  # no prefix: it stays while its worker is not overloaded
         if session:
             if bound is not None and bound != chosen.instance_id:
                 self.sessions.shed += 1
@@ -338,12 +341,14 @@ class KvRouter:
             self.sessions.bind(session, chosen.instance_id)
         return chosen
 
-    def _stays(self, held: Candidate, to: Candidate, prefix: Prefix, keys: dict[int, list[int]],
-               load: Callable[[Candidate], int], session: str) -> bool:
-        """Whether a session's request costs no more on its worker `held` than on `to`, its
-        turns to come counted: each of them stalls, for its new tokens (this request's
-        uncached tokens on `held`), the sessions bound where it runs, so a session moves off
-        a worker crowded with sessions once recomputing its conversation elsewhere pays."""
+    def _session_cost(self, held: Candidate, prefix: Prefix, keys: dict[int, list[int]],
+                      load: Callable[[Candidate], int], session: str
+                      ) -> Callable[[Candidate], float]:
+        """What a request of a session bound to `held` costs on a worker (`cost`), its turns
+        to come counted: each of them stalls, for its new tokens (this request's uncached
+        tokens on `held`), the other sessions bound where it runs, and waits about as long
+        for theirs, so a session moves off a worker crowded with sessions once recomputing
+        its conversation elsewhere pays."""
         per_token = self.rates.prefill if self.rates.known else 1.0
         v = self.view(held.instance_id)
         ks = keys.get(v.block_size)
@@ -352,10 +357,10 @@ class KvRouter:
         turn = len(prefix.tokens) - v.overlap(ks) * v.block_size
         later = per_token * self.sessions.turns_to_come(session) * turn
 
-        def bound(w: Candidate) -> int:
-            return self.sessions.count(w.instance_id) + (w is not held)
-        return (self.cost(held, prefix, keys, load(held)) + later * bound(held)
-                <= self.cost(to, prefix, keys, load(to)) + later * bound(to))
+        def cost(w: Candidate) -> float:  # with the sessions bound to `w` but this one
+            others = self.sessions.count(w.instance_id) - (w is held)
+            return self.cost(w, prefix, keys, load(w)) + 2 * later * others
+        return cost
 
     def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
                   keys: dict[int, list[int]], load: Callable[[Candidate], int]) -> Candidate:
