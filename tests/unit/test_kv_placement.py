@@ -148,6 +148,31 @@ def test_a_session_leaves_the_worker_cheapest_now_when_its_turns_to_come_cost_mo
     assert r.sessions.shed == 1 and r.sessions.get("ep") == 2
 
 
+def test_a_new_session_weighs_the_sessions_bound_where_its_prefix_is() -> None:
+    """A first turn whose system prompt only a holds, where another session is bound: with
+    nothing learnt it goes where its prefix is; once sessions have been lasting twenty
+    turns, the turns it would share with that session there cost more than computing the
+    system prompt once on b. (The mix trace's second RL step: the first turns spread.)"""
+    system = _tokens(1024)
+    first = Prefix(system + _tokens(512, 5000))
+
+    def fleet(learnt: bool) -> tuple[KvRouter, W, W]:
+        r = KvRouter()
+        a, b = W(1), W(2)
+        r.finished(1, Prefix(system), r.routed(1, Prefix(system)))
+        r.sessions.bind("other", 1)
+        for i in range(4 if learnt else 0):  # finished sessions of 20 turns
+            for _ in range(20):
+                r.sessions.bind(f"done-{i}", 2)
+            r.sessions.finish(f"done-{i}")
+        return r, a, b
+
+    r, a, b = fleet(learnt=False)
+    assert r.choose([a, b], first, "new") is a
+    r, a, b = fleet(learnt=True)
+    assert r.choose([a, b], first, "new") is b and r.sessions.shed == 0
+
+
 def test_a_group_stays_together_until_load_demands() -> None:
     """The samples of one prompt are not counted against their own worker's load: with
     the default threshold a group of 8 on an idle fleet stays on one worker."""

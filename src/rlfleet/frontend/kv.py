@@ -308,8 +308,9 @@ class KvRouter:
         a worker's load its requests in flight or its sessions bound, whichever is more: an
         episode between turns (its tool running) comes back soon, and a worker is not
         overloaded by a passing burst. A session with token IDs stays on its worker unless
-        another costs less counted that way: its worker holds its conversation, so it moves
-        only when the sessions and the prefill queued there outweigh recomputing it."""
+        another costs less counted that way, its turns to come too (`_session_cost`): its
+        worker holds its conversation, so it moves only when the sessions and the prefill
+        queued there outweigh recomputing it."""
         def load(w: Candidate) -> int:
             return max(w.inflight, self.sessions.count(w.instance_id)) if session \
                 else w.inflight
@@ -324,12 +325,16 @@ class KvRouter:
         bound = self.sessions.get(session) if session else None
         held = next((w for w in candidates if w.instance_id == bound), None) \
             if bound is not None else None
-        if held is not None and prefix is not None:  # its turns to come counted
-            cost = self._session_cost(held, prefix, keys, load, session)
+        if session and prefix is not None:  # its turns to come counted
+            cost = self._session_cost(held, candidates, prefix, keys, load, session)
+        else:
+            def cost(w: Candidate) -> float:
+                return self.cost(w, prefix, keys, load(w))
+        if held is not None and prefix is not None:
             # the first of the cheapest: it stays unless moving costs less
             chosen = min([held, *(w for w in fit or candidates if w is not held)], key=cost)
         else:
-            chosen = self._cheapest(fit or candidates, prefix, keys, load)
+            chosen = self._cheapest(fit or candidates, cost, load)
             if held is not None and held is not chosen and fits(held):
                 chosen = held  # no prefix: it stays while its worker is not overloaded
         if session:
@@ -341,20 +346,19 @@ class KvRouter:
             self.sessions.bind(session, chosen.instance_id)
         return chosen
 
-    def _session_cost(self, held: Candidate, prefix: Prefix, keys: dict[int, list[int]],
+    def _session_cost(self, held: Candidate | None, candidates: Sequence[Candidate],
+                      prefix: Prefix, keys: dict[int, list[int]],
                       load: Callable[[Candidate], int], session: str
                       ) -> Callable[[Candidate], float]:
-        """What a request of a session bound to `held` costs on a worker (`cost`), its turns
-        to come counted: each of them stalls, for its new tokens (this request's uncached
-        tokens on `held`), the other sessions bound where it runs, and waits about as long
-        for theirs, so a session moves off a worker crowded with sessions once recomputing
-        its conversation elsewhere pays."""
+        """What a request of a session bound to `held` (None: its first) costs on a worker
+        (`cost`), its turns to come counted: each of them stalls, for its new tokens (this
+        request's uncached tokens on `held`, or the fewest any candidate leaves), the other
+        sessions bound where it runs, and waits about as long for theirs. So a session moves
+        off a worker crowded with sessions once recomputing its conversation elsewhere pays,
+        and a first turn weighs the sessions bound where its prefix is cached."""
         per_token = self.rates.prefill if self.rates.known else 1.0
-        v = self.view(held.instance_id)
-        ks = keys.get(v.block_size)
-        if ks is None:
-            ks = keys[v.block_size] = prefix.keys(v.block_size)
-        turn = len(prefix.tokens) - v.overlap(ks) * v.block_size
+        turn = min(self._uncached(w, prefix, keys)
+                   for w in ([held] if held is not None else candidates))
         later = per_token * self.sessions.turns_to_come(session) * turn
 
         def cost(w: Candidate) -> float:  # with the sessions bound to `w` but this one
@@ -362,11 +366,10 @@ class KvRouter:
             return self.cost(w, prefix, keys, load(w)) + 2 * later * others
         return cost
 
-    def _cheapest(self, candidates: Sequence[Candidate], prefix: Prefix | None,
-                  keys: dict[int, list[int]], load: Callable[[Candidate], int]) -> Candidate:
-        """The candidate of the lowest cost (`cost`, with `load` its running requests), then
-        the least `load`, then round-robin."""
-        scored = [((self.cost(w, prefix, keys, load(w)), load(w)), w) for w in candidates]
+    def _cheapest(self, candidates: Sequence[Candidate], cost: Callable[[Candidate], float],
+                  load: Callable[[Candidate], int]) -> Candidate:
+        """The candidate of the lowest `cost`, then the least `load`, then round-robin."""
+        scored = [((cost(w), load(w)), w) for w in candidates]
         best = min(c for c, _ in scored)
         tied = sorted((w for c, w in scored if c == best), key=lambda w: w.instance_id)
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
@@ -380,12 +383,7 @@ class KvRouter:
         time it adds to them and they to it."""
         if prefix is None:
             return 0.0
-        v = self.view(w.instance_id)
-        keys = {} if keys is None else keys
-        ks = keys.get(v.block_size)
-        if ks is None:
-            ks = keys[v.block_size] = prefix.keys(v.block_size)
-        uncached = len(prefix.tokens) - v.overlap(ks) * v.block_size
+        uncached = self._uncached(w, prefix, {} if keys is None else keys)
         running = w.inflight if running is None else running
         r = self.rates
         per_token = r.prefill if r.known else 1.0
@@ -393,6 +391,15 @@ class KvRouter:
         prefill = self.active.get(w.instance_id, 0) + self.overlap_weight * uncached \
             + uncached * running
         return per_token * prefill + r.output * per_seq * (2 * running + 1)
+
+    def _uncached(self, w: Candidate, prefix: Prefix, keys: dict[int, list[int]]) -> int:
+        """The tokens of `prefix` that `w` does not hold (`keys`: its block keys by block
+        size, filled as computed)."""
+        v = self.view(w.instance_id)
+        ks = keys.get(v.block_size)
+        if ks is None:
+            ks = keys[v.block_size] = prefix.keys(v.block_size)
+        return len(prefix.tokens) - v.overlap(ks) * v.block_size
 
     def holders(self, candidates: Sequence[Candidate], prefix: Prefix, than: Candidate,
                 n: int) -> list[Candidate]:
