@@ -15,18 +15,12 @@ import msgspec
 
 from rlfleet.protocol import engine as wire
 from rlfleet.protocol.engine import (
-    Cancelled,
-    CancelRequest,
     Detokenized,
-    DetokenizeRequest,
     Done,
-    EngineError,
-    Event,
     Frame,
     GenerateRequest,
     Head,
     Step,
-    TokenizeRequest,
     Tokens,
 )
 from rlfleet.runtime.http import HttpError
@@ -105,7 +99,7 @@ class WorkerStream:
     def __aiter__(self) -> WorkerStream:
         return self
 
-    async def __anext__(self) -> Event:
+    async def __anext__(self) -> wire.Event:
         q = self._queue
         while not q:
             self._waiter = self.link.loop.create_future()
@@ -137,7 +131,7 @@ class _Reply:
 _head = msgspec.msgpack.Decoder(Head)
 _step = msgspec.msgpack.Decoder(Step)
 _done = msgspec.msgpack.Decoder(Done)
-_error = msgspec.msgpack.Decoder(EngineError)
+_error = msgspec.msgpack.Decoder(wire.EngineError)
 
 
 #: seconds a worker has to say whether it keeps a run under a request ID (an attach-only
@@ -372,7 +366,7 @@ class WorkerLink(asyncio.Protocol):
 
 _tokens = msgspec.msgpack.Decoder(Tokens)
 _detokenized = msgspec.msgpack.Decoder(Detokenized)
-_cancelled = msgspec.msgpack.Decoder(Cancelled)
+_cancelled = msgspec.msgpack.Decoder(wire.Cancelled)
 
 
 class StreamClient:
@@ -468,17 +462,17 @@ class StreamClient:
         (CANCEL_OK, CANCEL_FORBIDDEN, CANCEL_UNKNOWN), CANCEL_UNKNOWN when unreachable."""
         try:
             link = await self.link(address)
-            out = await link.call(Frame.CANCEL, CancelRequest(request_id=request_id, owner=owner),
+            out = await link.call(Frame.CANCEL, wire.CancelRequest(request_id=request_id, owner=owner),
                                   _cancelled, 10.0)
         except WorkerError:
             return wire.CANCEL_UNKNOWN
         return out.status
 
-    async def tokenize(self, address: str, req: TokenizeRequest) -> Tokens:
+    async def tokenize(self, address: str, req: wire.TokenizeRequest) -> Tokens:
         link = await self.link(address)
         return await link.call(Frame.TOKENIZE, req, _tokens, 30.0)
 
-    async def detokenize(self, address: str, req: DetokenizeRequest) -> Detokenized:
+    async def detokenize(self, address: str, req: wire.DetokenizeRequest) -> Detokenized:
         link = await self.link(address)
         return await link.call(Frame.DETOKENIZE, req, _detokenized, 30.0)
 
