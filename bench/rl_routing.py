@@ -342,8 +342,8 @@ def measure(a: argparse.Namespace, work: Path) -> dict:
         save(a, f"mock-{wl}", trace)
         if a.after_step:
             make, params = MOCK_WORKLOADS[wl]
-            PREVIOUS[wl] = workload({wl: (make, {**params, "seed": params["seed"] + 100})},
-                                            wl, a.quick)
+            PREVIOUS[wl] = workload({wl: (make, {**params, "seed": params["seed"] + 100})}, wl,
+                                    a.quick)
         print(f"{wl}: {len(trace.requests)} requests ({trace.params})", flush=True)
         rounds: dict[str, dict[str, list[dict]]] = {}
         for i in range(a.rounds):  # every stack once a round: each sees the box's same hour
