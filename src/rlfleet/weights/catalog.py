@@ -36,6 +36,7 @@ from typing import Any
 #: A delta chain longer than this is not replayed (ModelExpress uses the same bound).
 MAX_CHAIN = 64
 DEFAULT_LEASE_TTL = 60.0
+BUSY_TIMEOUT = 30.0  # seconds a SQLite catalog waits for another writer
 
 
 class CatalogError(RuntimeError):
@@ -159,11 +160,22 @@ class SqliteStore(Store):
         self.url = f"sqlite://{self.path}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False,
-                                   isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT "
-                         "NULL, rev INTEGER NOT NULL)")
+        self._db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT,
+                                   check_same_thread=False, isolation_level=None)
+        # processes opening a new file at once (two workers' first staging) can be refused
+        # "database is locked" at once, the busy timeout notwithstanding: the switch to WAL
+        # is tried again until the busy timeout has passed
+        deadline = time.monotonic() + BUSY_TIMEOUT
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value "
+                                 "TEXT NOT NULL, rev INTEGER NOT NULL)")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     async def get(self, key: str) -> tuple[dict[str, Any] | None, Any]:
         with self._lock:
