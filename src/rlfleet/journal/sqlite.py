@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from rlfleet.journal.record import (
     JournalRecord,
     journal_record,
 )
+from rlfleet.runtime import sqlite
 
 #: a record's columns but its workers' entries (`last_served(workers=False)`)
 _BRIEF = ", ".join(c for c in COLUMNS if c != "workers")
@@ -56,11 +56,9 @@ class SqliteJournal(RefreshJournal):
             if not create and not Path(self.path).exists():
                 raise JournalMissing(f"no journal at {self.path}")
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=30, check_same_thread=False,
-                                   isolation_level=None)
+        self._db = sqlite.connect(self.path)
         self._lock = threading.Lock()
         with self._lock:
-            self._db.execute("PRAGMA journal_mode=WAL")
             columns = ", ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
             self._db.execute(f"CREATE TABLE IF NOT EXISTS refreshes ({columns})")
             self._db.execute(EPOCHS)

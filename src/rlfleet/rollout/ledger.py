@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfleet.rollout.attempt import OPEN_STATES, TRANSITIONS, AttemptState
+from rlfleet.runtime import sqlite
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS attempts (
@@ -174,10 +175,8 @@ class SampleLedger:
         self.window = window
         # shared between threads; the lock serialises use (a statement and the reads of its
         # cursor, or the two statements of `start`), the database serialises processes
-        self._db = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None,
-                                   check_same_thread=False)
+        self._db = sqlite.connect(self.path, busy_timeout)
         self._lock = threading.RLock()
-        self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across a process crash
         self._db.executescript(_SCHEMA)
         if "origin" not in {r[1] for r in self._db.execute("PRAGMA table_info(attempts)")}:

@@ -23,7 +23,6 @@ import abc
 import asyncio
 import enum
 import json
-import sqlite3
 import threading
 import time
 import urllib.parse
@@ -33,10 +32,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlfleet.runtime import sqlite
+
 #: A delta chain longer than this is not replayed (ModelExpress uses the same bound).
 MAX_CHAIN = 64
 DEFAULT_LEASE_TTL = 60.0
-BUSY_TIMEOUT = 30.0  # seconds a SQLite catalog waits for another writer
 
 
 class CatalogError(RuntimeError):
@@ -160,22 +160,9 @@ class SqliteStore(Store):
         self.url = f"sqlite://{self.path}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT,
-                                   check_same_thread=False, isolation_level=None)
-        # processes opening a new file at once (two workers' first staging) can be refused
-        # "database is locked" at once, the busy timeout notwithstanding: the switch to WAL
-        # is tried again until the busy timeout has passed
-        deadline = time.monotonic() + BUSY_TIMEOUT
-        while True:
-            try:
-                self._db.execute("PRAGMA journal_mode=WAL")
-                self._db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value "
-                                 "TEXT NOT NULL, rev INTEGER NOT NULL)")
-                break
-            except sqlite3.OperationalError as e:
-                if "locked" not in str(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        self._db = sqlite.connect(str(self.path))
+        self._db.execute("CREATE TABLE IF NOT EXISTS kv (key TEXT PRIMARY KEY, value TEXT NOT "
+                         "NULL, rev INTEGER NOT NULL)")
 
     async def get(self, key: str) -> tuple[dict[str, Any] | None, Any]:
         with self._lock:
