@@ -476,10 +476,10 @@ def test_a_long_control_call_keeps_its_deadline_and_blocks_no_reader(ctl):
 
     from rlfleet.weights.broadcast import free_port
 
-    def timed(route: str, body: dict | None = None) -> tuple[float, dict]:
+    def timed(route: str, body: dict | None = None) -> tuple[float, float, dict]:
         t0 = time.monotonic()
         out = admin(ctl, route, body, timeout=60)
-        return time.monotonic() - t0, out
+        return t0, time.monotonic(), out
 
     with ThreadPoolExecutor(1) as pool:
         init = pool.submit(timed, "init_weights_update_group", {
@@ -488,8 +488,9 @@ def test_a_long_control_call_keeps_its_deadline_and_blocks_no_reader(ctl):
         time.sleep(2)  # the engine is running the call now
         readers = [timed("liveness_probe"), timed("get_weight_version"),
                    timed("set_admission", {"open": True})]
-        took, out = init.result()
+        began, ended, out = init.result()
     assert out["status"] == "error" and "initialisation failed" in out["message"], out
-    assert took < 8 + 6, f"the 8 s deadline took {took:.1f}s"
-    for secs, body in readers:
-        assert body["status"] == "ok" and secs < 2, (secs, body)
+    assert ended - began < 8 + 6, f"the 8 s deadline took {ended - began:.1f}s"
+    # each reader answered while the group call still ran (a blocked one answers after it)
+    for _, done, body in readers:
+        assert body["status"] == "ok" and done < ended, (ended - done, body)

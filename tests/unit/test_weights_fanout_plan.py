@@ -128,3 +128,43 @@ def test_a_trainer_source_fans_out_like_s3():
     assert first[1]["url"] == first[2]["url"] == URLS[0]
     assert first[2]["fanout"]["origin"]["uri"] == "http://trainer:9100/v1"
     assert control._sources(target, ws[0])[-1]["kind"] == "trainer"  # the fallback
+
+
+def test_a_worker_staging_inside_the_window_that_cannot_swap_installs_from_disk():
+    """A worker with no staged handle at the transfer (its staging went unheard, or it
+    joined) stages then; an engine that cannot stage to swap installs from disk instead of
+    failing the wave (the CI failure of a rolling refresh on mocker workers)."""
+    import asyncio
+
+    from rlfleet.protocol import admin
+    from rlfleet.protocol.admin_vllm import InstallReply, StageReply
+    from rlfleet.protocol.identity import PolicyIdentity
+    from rlfleet.refresh.control import FleetWorker
+    from rlfleet.refresh.policy import Policy
+    from rlfleet.refresh.staged import VllmStagedControl
+    from rlfleet.runtime.admin_client import CallResult
+
+    class Calls:
+        def __init__(self):
+            self.routes: list[str] = []
+
+        async def on(self, w, step, route, request=None, timeout=None):
+            self.routes.append(route.name)
+            if route is admin.STAGE_WEIGHTS:
+                body = {"status": "error", "message": "cannot stage v1 to swap it in",
+                        "cannot_stage": "this engine does not prepare a staged version"}
+                return CallResult(route, 200, body, StageReply(**body))
+            assert route is admin.UPDATE_WEIGHTS_FROM_DISK and request.model_path == "/ck/v1"
+            body = {"status": "ok", "version": "v1", "weight_digest": "d1"}
+            return CallResult(route, 200, body, InstallReply(**body))
+
+    w = FleetWorker(1, URLS[0], None, routes=frozenset(
+        r.name for r in (*admin.STAGED, admin.UPDATE_WEIGHTS_FROM_DISK)))
+    target = Policy(PolicyIdentity(version="v1", digest="d1"), path="/ck/v1",
+                    source={"kind": "disk", "path": "/ck/v1"})
+    control, ch = VllmStagedControl("http://frontend:8001"), Calls()
+    failed = asyncio.run(control.transfer(ch, [w], target))
+    assert failed == [] and w.reason is None, w.reason
+    assert ch.routes == ["stage_weights", "update_weights_from_disk"]
+    assert w.holds is not None and w.holds.digest == "d1"
+    assert [c["route"] for c in w.calls if c["step"] == "stage"] == ["fallback"]

@@ -283,19 +283,24 @@ class VllmStagedControl(VllmControl):
     async def transfer(self, ch: Channel, ws: list[FleetWorker], target: Policy
                        ) -> list[FleetWorker]:
         """Apply each worker's READY handle; a worker that falls back installs from disk; one
-        without a handle (it joined, or a retry) stages now, inside the window."""
+        without a handle (it joined, or a retry, or its staging was not heard) stages now,
+        inside the window, and installs from disk where it cannot stage to swap."""
         failed: list[FleetWorker] = []
 
         async def one(w: FleetWorker) -> None:
             summary = self._record(w, target)
             self.staged.pop(w.instance_id, None)
+            if summary is None and w.instance_id not in self.fallback:
+                summary = await self._stage(ch, w, target)
+                self.staged.pop(w.instance_id, None)
+                if summary.cannot_stage and target.path is not None:
+                    self.fallback[w.instance_id] = summary.cannot_stage
+                    self._record(w, target)
+                else:
+                    w.record("stage", "staged", 200, msgspec.to_builtins(summary))
             if w.instance_id in self.fallback:
                 applied(w, await ch.on(w, "apply", *self._from_disk(target)), failed)
                 return
-            if summary is None:
-                summary = await self._stage(ch, w, target)
-                self.staged.pop(w.instance_id, None)
-                w.record("stage", "staged", 200, msgspec.to_builtins(summary))
             if summary.state != "READY":
                 if summary.unreachable:
                     w.exclude(f"unreachable while staging: {summary.error}", "missing")
