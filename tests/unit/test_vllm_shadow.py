@@ -118,3 +118,36 @@ def test_a_shadow_frees_its_copy_by_reference_counting(end, no_cyclic_gc) -> Non
     want = new if end == "swap" else old
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
     assert model.lm_head.weight is model.embed.weight  # still tied
+
+
+def test_the_builder_keeps_the_pages_a_shadow_freed_within_a_bound() -> None:
+    """The builder thread allocates from a jemalloc arena of its own that keeps the pages it
+    freed (the next build reuses them instead of faulting a model's worth of fresh pages in),
+    until they pass the bound it is given before a build: then it purges them; the engine's
+    other threads keep the default arenas."""
+    import ctypes
+
+    from rlfleet.vllm import shadow as sh
+
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+    if mallctl is None or sh.KEEP_PAGES <= 0:
+        pytest.skip("jemalloc is not the allocator of this process")
+
+    def arena() -> int:
+        v, size = ctypes.c_uint(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+        assert mallctl(b"thread.arena", ctypes.byref(v), ctypes.byref(size), None, 0) == 0
+        return v.value
+
+    def in_builder() -> tuple[int, int, bool, int, bool, int]:
+        sh._builder_arena()
+        t = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, freed at once
+        del t
+        freed = sh.kept_bytes()
+        kept = sh.bound_kept_pages(1 << 30)  # under the bound: kept
+        after_keep = sh.kept_bytes()
+        purged = sh.bound_kept_pages(16 << 20)  # over it: purged
+        return arena(), freed, kept, after_keep, purged, sh.kept_bytes()
+    index, freed, kept, after_keep, purged, after_purge = sh._BUILDER.submit(in_builder).result(30)
+    assert index == sh._arena and arena() != index  # this thread: a default arena
+    assert freed >= 64 << 20 and not kept and after_keep >= 64 << 20, (freed, after_keep)
+    assert purged and after_purge < 16 << 20, after_purge

@@ -48,7 +48,77 @@ SERVING_SHARE = float(os.environ.get("RLFLEET_STAGE_SERVING_SHARE", 0.3))
 #: the host, on the same cores: two engines building at once on two cores, each with a team
 #: of two, took ~30% longer in all, one of them starved), else the process's default
 BUILD_THREADS = int(os.environ.get("RLFLEET_STAGE_BUILD_THREADS", 0))
+#: how many copies of the model's weights the builder keeps of the host pages its builds
+#: freed, for the next build (jemalloc, the CPU build's allocator: an arena of the builder's
+#: own that never returns its freed pages to the system by itself; jemalloc's default 10 s
+#: otherwise, after which every build faults a model's worth of fresh pages in again: its
+#: copy of the live tensors, the CPU build's repacked weights). A build reuses most of them,
+#: not all (~70 MB more a build on the 0.6B geometry), so before a build the arena is purged
+#: whole once it keeps more than this. 0: the default arenas.
+KEEP_PAGES = float(os.environ.get("RLFLEET_STAGE_KEEP_PAGES", 2))
 _BUILDER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=_BUILDER_NAME)
+_arena: int | None = None  # the builder's own jemalloc arena, once made (-1: none)
+
+
+def _mallctl():
+    import ctypes
+
+    return getattr(ctypes.CDLL(None), "mallctl", None)
+
+
+def _builder_arena() -> None:
+    """Give the builder thread an arena of its own that keeps its freed pages (once; none
+    without jemalloc, or with RLFLEET_STAGE_KEEP_PAGES=0)."""
+    global _arena
+    if _arena is not None:
+        return
+    _arena = -1
+    mallctl = _mallctl()
+    if KEEP_PAGES <= 0 or mallctl is None:
+        return
+    import ctypes
+
+    index, size = ctypes.c_uint(), ctypes.c_size_t(ctypes.sizeof(ctypes.c_uint))
+    if mallctl(b"arenas.create", ctypes.byref(index), ctypes.byref(size), None, 0) != 0:
+        return
+    never = ctypes.c_ssize_t(-1)
+    for key in (b"dirty_decay_ms", b"muzzy_decay_ms"):
+        mallctl(b"arena.%d.%s" % (index.value, key), None, None, ctypes.byref(never),
+                ctypes.c_size_t(ctypes.sizeof(never)))
+    if mallctl(b"thread.arena", None, None, ctypes.byref(index), size) == 0:
+        _arena = index.value
+        log.info("shadow builder: jemalloc arena %d keeps its freed pages", _arena)
+
+
+def kept_bytes() -> int | None:
+    """The freed pages the builder's arena keeps (None: no such arena, or no statistics)."""
+    mallctl = _mallctl()
+    if _arena is None or _arena < 0 or mallctl is None:
+        return None
+    import ctypes
+
+    epoch = ctypes.c_uint64(1)  # statistics are read as of the last epoch: start one
+    mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(8))
+    pages, page = ctypes.c_size_t(), ctypes.c_size_t()
+    size = ctypes.c_size_t(ctypes.sizeof(ctypes.c_size_t))
+    if mallctl(b"stats.arenas.%d.pdirty" % _arena, ctypes.byref(pages), ctypes.byref(size),
+               None, 0) != 0 or mallctl(b"arenas.page", ctypes.byref(page), ctypes.byref(size),
+                                        None, 0) != 0:
+        return None
+    return pages.value * page.value
+
+
+def bound_kept_pages(limit: int) -> bool:
+    """Purge the builder's arena when it keeps more than `limit` bytes of freed pages, or
+    when it cannot tell (a week-long run's memory stays bounded); True when it did. Called
+    in the builder thread, before a build."""
+    kept = kept_bytes() if _arena is not None and _arena >= 0 else 0
+    if kept is not None and kept <= limit:
+        return False
+    _mallctl()(b"arena.%d.purge" % _arena, None, None, None, 0)
+    log.info("shadow builder: purged %s of freed pages (the bound: %.2f GiB)",
+             "an unknown amount" if kept is None else f"{kept / 2**30:.2f} GiB", limit / 2**30)
+    return True
 
 
 def _builder_threads(model: torch.nn.Module) -> None:
@@ -151,6 +221,9 @@ class Shadow:
         t0 = time.perf_counter()
         try:
             _builder_threads(self.model)
+            _builder_arena()
+            bound_kept_pages(int(KEEP_PAGES * sum(p.numel() * p.element_size()
+                                                  for p in self.model.parameters())))
             with torch.no_grad():
                 shadow = self._tree()
                 reload_weights(vllm_config, shadow, weights_iterator=tensors, weights_path=None,
