@@ -357,13 +357,19 @@ class KvRouter:
         off a worker crowded with sessions once recomputing its conversation elsewhere pays,
         and a first turn weighs the sessions bound where its prefix is cached."""
         per_token = self.rates.prefill if self.rates.known else 1.0
-        turn = min(self._uncached(w, prefix, keys)
-                   for w in ([held] if held is not None else candidates))
+        memo: dict[int, int] = {}  # each worker's prefix matched once a request
+
+        def uncached(w: Candidate) -> int:
+            n = memo.get(w.instance_id)
+            if n is None:
+                n = memo[w.instance_id] = self._uncached(w, prefix, keys)
+            return n
+        turn = min(uncached(w) for w in ([held] if held is not None else candidates))
         later = per_token * self.sessions.turns_to_come(session) * turn
 
         def cost(w: Candidate) -> float:  # with the sessions bound to `w` but this one
             others = self.sessions.count(w.instance_id) - (w is held)
-            return self.cost(w, prefix, keys, load(w)) + 2 * later * others
+            return self.cost(w, prefix, keys, load(w), uncached(w)) + 2 * later * others
         return cost
 
     def _cheapest(self, candidates: Sequence[Candidate], cost: Callable[[Candidate], float],
@@ -375,15 +381,18 @@ class KvRouter:
         return tied[next(self._rr) % len(tied)] if len(tied) > 1 else tied[0]
 
     def cost(self, w: Candidate, prefix: Prefix | None,
-             keys: dict[int, list[int]] | None = None, running: int | None = None) -> float:
+             keys: dict[int, list[int]] | None = None, running: int | None = None,
+             uncached: int | None = None) -> float:
         """What sending the request to `w` costs the fleet, in seconds once the rates are
         known (in tokens until then): the prefill queued there before it and its own
-        uncached tokens (weighed by the overlap weight), the stall its prefill puts on the
-        requests running there (`running`, default its requests in flight), and the decode
-        time it adds to them and they to it."""
+        uncached tokens (weighed by the overlap weight; `uncached` when the caller has
+        matched the prefix already), the stall its prefill puts on the requests running
+        there (`running`, default its requests in flight), and the decode time it adds to
+        them and they to it."""
         if prefix is None:
             return 0.0
-        uncached = self._uncached(w, prefix, {} if keys is None else keys)
+        if uncached is None:
+            uncached = self._uncached(w, prefix, {} if keys is None else keys)
         running = w.inflight if running is None else running
         r = self.rates
         per_token = r.prefill if r.known else 1.0
