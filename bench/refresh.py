@@ -447,6 +447,8 @@ class Bench:
         if len(total) > 2:
             self.out["memory_growth_per_refresh_gib"] = round(
                 (total[-1] - total[1]) / (len(total) - 2), 3)
+            # the builder's kept pages rise and are purged (a sawtooth): its top is the bound
+            self.out["memory_max_after_refresh_gib"] = round(max(total[1:]), 3)
 
     def serving_gap(self) -> None:
         """Streams on every worker across a keep-mode refresh to B (stage first, then the
