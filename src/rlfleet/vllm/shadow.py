@@ -112,7 +112,9 @@ def bound_kept_pages(limit: int) -> bool:
     """Purge the builder's arena when it keeps more than `limit` bytes of freed pages, or
     when it cannot tell (a week-long run's memory stays bounded); True when it did. Called
     in the builder thread, before a build."""
-    kept = kept_bytes() if _arena is not None and _arena >= 0 else 0
+    if _arena is None or _arena < 0:
+        return False  # no arena of its own: jemalloc's default decay bounds it
+    kept = kept_bytes()
     if kept is not None and kept <= limit:
         return False
     _mallctl()(b"arena.%d.purge" % _arena, None, None, None, 0)
