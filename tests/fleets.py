@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import socket
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -59,6 +60,32 @@ def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) ->
             raise TimeoutError(f"frontend sees {len(workers)} usable workers of {model}, "
                                f"expected {count}")
         time.sleep(0.2)
+
+
+GENERATED = "rlfleet_worker_generated_tokens_total"  # a worker engine's own token count
+
+
+def worker_metric(proc: Proc, name: str) -> float:
+    """A worker's series `name` on its serving port, summed over its labels."""
+    text = httpx.get(f"{proc.ready['url']}/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in
+               re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+
+def fleet_metric(fleet: LocalFleet, name: str) -> float:
+    """`worker_metric` summed over the fleet's live workers."""
+    return sum(worker_metric(p, name) for p in fleet.workers if p.popen.poll() is None)
+
+
+def wait_generated(fleet: LocalFleet, tokens: int, since: float, timeout: float = 60.0) -> None:
+    """Block until the fleet's workers have generated `tokens` more tokens than `since` (a
+    `fleet_metric` of rlfleet_worker_generated_tokens_total read before): a request is under
+    way, whatever the load on the machine."""
+    deadline = time.monotonic() + timeout
+    while fleet_metric(fleet, GENERATED) - since < tokens:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the fleet did not generate {tokens} tokens in {timeout} s")
+        time.sleep(0.02)
 
 
 def weight_versions(fleet: LocalFleet) -> list[tuple[str | None, str]]:

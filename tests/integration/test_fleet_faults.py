@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -16,7 +15,14 @@ import httpx
 import pytest
 
 from rlfleet.runtime.launch import spawn
-from tests.fleets import MODEL_NAME, RL_PROBE_ENV, VLLM_FLEET_LEASE, wait_for_workers
+from tests.fleets import (
+    MODEL_NAME,
+    RL_PROBE_ENV,
+    VLLM_FLEET_LEASE,
+    fleet_metric,
+    wait_for_workers,
+    worker_metric,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.kills_session_worker]
 
@@ -54,18 +60,6 @@ def rl_workers(fleet) -> list[dict]:
     body = r.json()
     assert body["protocol_version"] == 1 and body["namespace"] == "dynamo"
     return body["workers"]
-
-
-def worker_metric(proc, name: str) -> float:
-    text = httpx.get(f"{proc.ready['url']}/metrics", timeout=10).text
-    total = 0.0
-    for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M):
-        total += float(m.group(1))
-    return total
-
-
-def fleet_metric(fleet, name: str) -> float:
-    return sum(worker_metric(p, name) for p in fleet.workers if p.popen.poll() is None)
 
 
 def test_rl_listener_lists_both_workers(fleet):

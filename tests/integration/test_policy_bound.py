@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from rlfleet.rl import PolicyBound, RetryPolicy, RolloutClient, SampleFailed, SamplingSpec
+from tests.fleets import GENERATED, fleet_metric, wait_generated
 from tests.fleets import RL_MOCK_MODEL as MODEL
 
 HOLD = 1.5  # the frontend's --gated-hold
@@ -51,7 +52,7 @@ def complete(f, policy, max_tokens: int = 4, stream: bool = False, **kw) -> http
             "ignore_eos": True, "stream": stream, "return_tokens_as_token_ids": True,
             "nvext": {"extra_fields": ["engine_data", "worker_id", "weight_versions",
                                        "detailed_finish_reason"], "policy": policy}, **kw}
-    return httpx.post(f"{f.url}/v1/completions", json=body, timeout=30)
+    return httpx.post(f"{f.url}/v1/completions", json=body, timeout=120)
 
 
 def served(r: httpx.Response) -> tuple[int, int]:
@@ -126,13 +127,15 @@ def test_a_worker_leaving_the_bound_mid_generation(bf, on_stale):
     set_step(f, 1, base)
     steps_seen(f, {0: base, 1: base})
     out: list = []
+    before = fleet_metric(f, GENERATED)
     t = threading.Thread(target=lambda: out.append(
         complete(f, {"max_lag": 0, "on_stale": on_stale}, max_tokens=300)))
     t.start()
-    time.sleep(0.6)  # ~60 tokens in
+    wait_generated(f, 20, before)  # under way at step `base`
     set_step(f, 0, base + 1)
     set_step(f, 1, base + 1)
-    t.join(30)
+    t.join(120)  # a bound for a loaded machine, not a timing
+    assert out, "the request did not end"
     r = out[0]
     assert r.status_code == 200, r.text
     body = r.json()
@@ -173,10 +176,11 @@ def test_the_rollout_client_maps_stale_samples_to_outcomes(bf, on_stale, reason)
             return c.ledger.attempt("x", 1).reason
 
     out: list = []
+    before = fleet_metric(f, GENERATED)
     t = threading.Thread(target=lambda: out.append(asyncio.run(sample())))
     t.start()
-    time.sleep(0.6)
+    wait_generated(f, 20, before)  # under way at step `base`
     set_step(f, 0, base + 1)
     set_step(f, 1, base + 1)
-    t.join(30)
+    t.join(120)  # a bound for a loaded machine, not a timing
     assert out == [reason]
