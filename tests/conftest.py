@@ -39,6 +39,7 @@ from rlfleet.testing.ray import LOOPBACK_ENV  # noqa: E402
 os.environ.update(LOOPBACK_ENV)
 
 from rlfleet.models import make_model  # noqa: E402
+from rlfleet.runtime import launch, preload  # noqa: E402
 from rlfleet.runtime.discovery import EtcdDiscovery  # noqa: E402
 from rlfleet.runtime.launch import Proc  # noqa: E402
 from rlfleet.testing.etcd import etcd_clients, run_etcd  # noqa: E402
@@ -56,6 +57,26 @@ from tests.fleets import (  # noqa: E402
     unit_server,
     vllm_worker_args,
 )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preloaded(request, tmp_path_factory) -> Iterator[None]:
+    """The fleets' processes (`python -m rlfleet.{vllm,mocker,frontend}`) forked from a
+    process that imported vLLM, torch and rlfleet once (rlfleet.runtime.preload): a tiny
+    vLLM worker's start ~8 CPU-s instead of ~24, a mocker's or a frontend's ~0.3 instead of
+    ~2.5, and the suite starts hundreds. RLFLEET_TEST_PRELOAD=0 starts every one as usual."""
+    if (os.environ.get("RLFLEET_TEST_PRELOAD", "1") == "0"
+            or all(UNIT_TESTS in Path(item.path).parents for item in request.session.items)):
+        yield  # (unit tests start no process)
+        return
+    with preload.server(tmp_path_factory.mktemp("preload")) as path:
+        # its imports cost what one worker's would: the first fleets wait for them
+        preload.wait_ready(path, timeout=120)
+        launch.PRELOADED = path
+        try:
+            yield
+        finally:
+            launch.PRELOADED = None
 
 
 @pytest.fixture(scope="session")

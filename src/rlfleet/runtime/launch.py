@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from rlfleet.runtime import preload
 from rlfleet.runtime.auth import settle_admin_token
 from rlfleet.runtime.discovery import default_discovery_url
 from rlfleet.runtime.logs import READY_PREFIX, parse_ready
@@ -44,6 +45,11 @@ def engine_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+#: the socket of a preload server (rlfleet.runtime.preload) that `spawn` forks rlfleet's own
+#: processes from: set by a process that starts dozens of them (the test suite)
+PRELOADED: str | None = None
+
+
 @dataclass
 class Proc:
     """A started process: `ready` holds the fields of its ready line once it printed one
@@ -51,7 +57,7 @@ class Proc:
     spawn_relayed)."""
 
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | preload.Forked
     log_path: Path | None
     ready: dict[str, str] = field(default_factory=dict)
     _ready_event: threading.Event = field(default_factory=threading.Event)
@@ -200,11 +206,15 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     it prints none; wait for it with a probe, see Proc.wait_ready)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
+    full_env = engine_env(env)
     with open(log_path, "wb") as out:
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=engine_env(env),
-                                 start_new_session=True, cwd=cwd,
-                                 preexec_fn=die_when_parent_dies if die_with_parent else None)
+        popen = (preload.fork(PRELOADED, argv, full_env, cwd, log_path)
+                 if PRELOADED and not die_with_parent else None)
+        if popen is None:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=full_env,
+                                     start_new_session=True, cwd=cwd,
+                                     preexec_fn=die_when_parent_dies if die_with_parent else None)
     proc = Proc(name, popen, log_path)
 
     def watch() -> None:

@@ -202,13 +202,25 @@ def quiet_engine_logging(argv: Sequence[str]) -> None:
     $VLLM_LOGGING_LEVEL says otherwise; in json format vLLM installs no handler of its own,
     its import-time lines already go through ours, and the process's output stays JSON
     (keep_output_json)."""
+    for key, value in engine_logging_env(argv).items():
+        os.environ.setdefault(key, value)
     asked = _requested(argv)
-    number = chosen_level(asked.log_level)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", logging.getLevelName(library_level(number)))
     if asked.log_format == "json":
-        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         keep_output_json("json")
-        setup_logging(number, "json")
+        setup_logging(chosen_level(asked.log_level), "json")
+
+
+def engine_logging_env(argv: Sequence[str], environ: Mapping[str, str] | None = None
+                       ) -> dict[str, str]:
+    """The variables quiet_engine_logging sets (where `environ`, default os.environ, has none
+    of its own) for a process with these arguments."""
+    environ = os.environ if environ is None else environ
+    asked = _requested(argv)
+    level = library_level(chosen_level(asked.log_level or environ.get("RLFLEET_LOG_LEVEL")))
+    out = {"VLLM_LOGGING_LEVEL": logging.getLevelName(level)}
+    if asked.log_format == "json":
+        out["VLLM_CONFIGURE_LOGGING"] = "0"
+    return out
 
 
 # ---------------------------------------------------------------------- the ready line

@@ -1,0 +1,45 @@
+"""The fork server (rlfleet.runtime.preload): what it refuses to fork, by name (a process
+whose start would differ from an exec'd one's). tests/integration/test_preload_server.py runs one."""
+
+from __future__ import annotations
+
+import sys
+
+from rlfleet.runtime import preload
+
+PY = sys.executable
+BASE = {"LD_PRELOAD": "libx.so", "OMP_NUM_THREADS": "1", "RLFLEET_LOAD_TIMEOUT": "600",
+        "PATH": "/bin"}
+# the server's, before it imported vLLM: what a worker sets by default before importing it
+SERVER = {**BASE, "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+# what importing torch set in the server's environment
+IMPORTED = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+
+
+def ask(argv, **env) -> str | None:
+    return preload.refusal({"argv": argv, "env": {**BASE, **env}, "cwd": "/", "log": "x"},
+                           SERVER, IMPORTED)
+
+
+def test_what_is_forked_and_what_is_refused_by_name():
+    assert ask([PY, "-m", "rlfleet.mocker", "--port", "0"]) is None
+    assert ask([PY, "-m", "rlfleet.frontend"], PATH="/usr/bin", DYN_X="1") is None  # read later
+    assert "one of rlfleet.vllm" in ask([PY, "-m", "rlfleet.cli", "up"])
+    assert "one of rlfleet.vllm" in ask(["/usr/bin/python3", "-m", "rlfleet.mocker"])
+    assert "one of rlfleet.vllm" in ask([PY, "-c", "print(1)"])
+    assert "OMP_NUM_THREADS" in ask([PY, "-m", "rlfleet.mocker"], OMP_NUM_THREADS="2")
+    assert "RLFLEET_LOAD_TIMEOUT" in ask([PY, "-m", "rlfleet.vllm"], RLFLEET_LOAD_TIMEOUT="9")
+    assert "KMP_BLOCKTIME" in ask([PY, "-m", "rlfleet.vllm"], KMP_BLOCKTIME="0")
+    # a variable the imports set: the same value (a client that imported torch too) is theirs
+    assert ask([PY, "-m", "rlfleet.vllm"], TORCHINDUCTOR_CACHE_DIR="/tmp/inductor") is None
+    assert "TORCHINDUCTOR_CACHE_DIR" in ask([PY, "-m", "rlfleet.vllm"],
+                                            TORCHINDUCTOR_CACHE_DIR="/elsewhere")
+    # vLLM's logging is decided before vLLM is imported: the level the arguments ask for
+    assert ask([PY, "-m", "rlfleet.vllm", "--model", "m"]) is None
+    assert "VLLM_LOGGING_LEVEL" in ask([PY, "-m", "rlfleet.vllm", "--log-level", "debug"])
+    assert "json" in ask([PY, "-m", "rlfleet.vllm", "--log-format", "json"])
+    # the mocker and the frontend do not log through vLLM: its settings are not theirs
+    assert ask([PY, "-m", "rlfleet.mocker", "--log-format", "json"]) is None
+    assert ask([PY, "-m", "rlfleet.frontend"], VLLM_CONFIGURE_LOGGING="0") is None
