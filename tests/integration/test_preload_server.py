@@ -51,17 +51,20 @@ def test_a_forked_process_is_the_program_it_was_asked_for(server, tmp_path):
 
     p = started(server, tmp_path, "--port", "0", "--served-model-name", "pre",
                 DYN_LOGGING_JSONL="1")
-    ready = p.wait_ready(60)
-    assert ready["model"] == "pre"
-    assert os.getpgid(p.pid) == p.pid and os.getsid(p.pid) == p.pid  # a session of its own
-    assert os.sched_getaffinity(p.pid) == os.sched_getaffinity(0)  # not pinned by OpenMP
-    # the environment it was given: DYN_LOGGING_JSONL, its output in JSON
-    lines = p.log_path.read_text().splitlines()
-    assert lines and all(json.loads(line) for line in lines), lines
-    with pytest.raises(subprocess.TimeoutExpired):
-        p.popen.wait(0.2)
-    os.killpg(p.pid, signal.SIGKILL)
-    assert p.popen.wait(30) == -signal.SIGKILL
+    try:
+        ready = p.wait_ready(60)
+        assert ready["model"] == "pre"
+        assert os.getpgid(p.pid) == p.pid and os.getsid(p.pid) == p.pid  # a session of its own
+        assert os.sched_getaffinity(p.pid) == os.sched_getaffinity(0)  # not pinned by OpenMP
+        # the environment it was given: DYN_LOGGING_JSONL, its output in JSON
+        lines = p.log_path.read_text().splitlines()
+        assert lines and all(json.loads(line) for line in lines), lines
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.popen.wait(0.2)
+        os.killpg(p.pid, signal.SIGKILL)
+        assert p.popen.wait(30) == -signal.SIGKILL
+    finally:
+        p.stop(5)
     # the server's record of it (and of the CPU it used)
     assert f"{p.pid} ended -9 after" in (run / "preload.log").read_text()
 
