@@ -3,7 +3,9 @@ whose start would differ from an exec'd one's). tests/integration/test_preload_s
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 
 from rlfleet.runtime import preload
 
@@ -31,6 +33,9 @@ def test_what_is_forked_and_what_is_refused_by_name():
     assert "one of rlfleet.vllm" in ask([PY, "-c", "print(1)"])
     assert "OMP_NUM_THREADS" in ask([PY, "-m", "rlfleet.mocker"], OMP_NUM_THREADS="2")
     assert "RLFLEET_LOAD_TIMEOUT" in ask([PY, "-m", "rlfleet.vllm"], RLFLEET_LOAD_TIMEOUT="9")
+    assert ask([PY, "-m", "rlfleet.vllm"], RLFLEET_ADMIN_TOKEN="t") is None  # read later
+    # set by vLLM's CPU platform at an engine's start, in a process that ran one
+    assert ask([PY, "-m", "rlfleet.vllm"], TORCHINDUCTOR_CPP_DYNAMIC_THREADS="1") is None
     assert "KMP_BLOCKTIME" in ask([PY, "-m", "rlfleet.vllm"], KMP_BLOCKTIME="0")
     # a variable the imports set: the same value (a client that imported torch too) is theirs
     assert ask([PY, "-m", "rlfleet.vllm"], TORCHINDUCTOR_CACHE_DIR="/tmp/inductor") is None
@@ -43,3 +48,19 @@ def test_what_is_forked_and_what_is_refused_by_name():
     # the mocker and the frontend do not log through vLLM: its settings are not theirs
     assert ask([PY, "-m", "rlfleet.mocker", "--log-format", "json"]) is None
     assert ask([PY, "-m", "rlfleet.frontend"], VLLM_CONFIGURE_LOGGING="0") is None
+
+
+def test_every_rlfleet_variable_read_at_import_is_listed():
+    """A module-level constant read from an RLFLEET_ variable is decided at import: the
+    server must refuse a process whose value differs."""
+    found = set()
+    for path in (Path(preload.__file__).parents[1]).rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                for sub in ast.walk(node):  # os.environ.get("RLFLEET_…"), os.getenv(…)
+                    if (isinstance(sub, ast.Call) and sub.args
+                            and ast.unparse(sub.func) in ("os.environ.get", "os.getenv")
+                            and isinstance(sub.args[0], ast.Constant)
+                            and str(sub.args[0].value).startswith("RLFLEET_")):
+                        found.add(sub.args[0].value)
+    assert found and found <= set(preload.IMPORT_TIME), found - set(preload.IMPORT_TIME)

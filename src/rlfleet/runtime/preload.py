@@ -46,7 +46,15 @@ PRELOAD = ("rlfleet.vllm.args", "rlfleet.vllm.engine", "rlfleet.worker.admin",
 IMPORT_TIME = ("LD_", "PYTHON", "MALLOC_CONF", "OMP_", "KMP_", "MKL_", "TORCH", "VLLM_LOGGING",
                "VLLM_CONFIGURE_LOGGING", "VLLM_TARGET_DEVICE", "VLLM_PLUGINS", "HF_",
                "HUGGINGFACE", "TRANSFORMERS_", "TOKENIZERS_", "CUDA_", "TRITON", "OTEL_", "RAY_",
-               "RLFLEET_")
+               # rlfleet's own constants (tests/unit/test_preload_refusal.py finds them all)
+               "RLFLEET_KEPT_WINDOW", "RLFLEET_LIVENESS_TIMEOUT", "RLFLEET_GROUP_TIMEOUT",
+               "RLFLEET_SELF_CHECK_TIMEOUT", "RLFLEET_STAGE_TIMEOUT", "RLFLEET_FANOUT_CHUNK_BYTES",
+               "RLFLEET_LOAD_TIMEOUT", "RLFLEET_STAGE_SERVING_SHARE", "RLFLEET_STAGE_BUILD_THREADS",
+               "RLFLEET_STAGE_KEEP_PAGES")
+#: ... except these, which a worker's own engine start sets (vLLM's CPU platform): a process
+#: that started one in-process passes them on, and a fresh worker, like the server, imported
+#: without them
+LATER = ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 CONNECT_TIMEOUT = 5.0
 #: in the server: its environment before it imported anything, and what importing set in it
 #: (torch and vLLM set variables of their own, which a forked process gets as an exec'd one
@@ -80,7 +88,8 @@ def refusal(request: dict, before: dict[str, str] | None = None,
     def same(key: str) -> bool:  # (a value the imports set is what they would set again)
         return env.get(key) == before.get(key) or (key in imported
                                                    and env[key] == imported[key])
-    differ = sorted(k for k in set(env) | set(before) if k.startswith(keys) and not same(k))
+    differ = sorted(k for k in set(env) | set(before)
+                    if k.startswith(keys) and k not in LATER and not same(k))
     if differ:
         return f"variables read at import differ: {', '.join(differ)}"
     return None
