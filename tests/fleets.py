@@ -62,6 +62,20 @@ def wait_for_workers(url: str, model: str, count: int, timeout: float = 30.0) ->
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def exec_started() -> Iterator[None]:
+    """The processes started inside exec'd as usual, not forked from the test process's
+    preload server (tests/conftest.py `preloaded`): for a test that bounds their memory
+    (a forked process's RSS counts the pages it shares with the server)."""
+    from rlfleet.runtime import launch
+
+    before, launch.PRELOADED = launch.PRELOADED, None
+    try:
+        yield
+    finally:
+        launch.PRELOADED = before
+
+
 GENERATED = "rlfleet_worker_generated_tokens_total"  # a worker engine's own token count
 
 

@@ -18,6 +18,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ import pytest
 from rlfleet.frontend.router import rank
 from rlfleet.mocker.engine import write_mock_checkpoint
 from rlfleet.refresh.coordinator import PolicyRefresh
-from tests.fleets import RL_PROBE_ENV
+from tests.fleets import RL_PROBE_ENV, exec_started
 
 MODEL = "mock"
 TOKEN = "fault-suite-admin-token"
@@ -44,6 +45,13 @@ WORKER = ("--served-model-name", MODEL, "--seed", "7", "--token-delay", "0.005",
 def worker_args(ckpts: Path) -> tuple[str, ...]:
     return (*WORKER, "--enable-rl", "--system-port", "0", "--enable-fault-injection",
             "--allowed-weights-root", str(ckpts))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def exec_only() -> Iterator[None]:
+    """The last test bounds the servers' memory: their processes exec'd, not forked."""
+    with exec_started():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ SERVER = {**BASE, "VLLM_LOGGING_LEVEL": "WARNING"}
 IMPORTED = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
 
 
-def ask(argv, **env) -> str | None:
-    return preload.refusal({"argv": argv, "env": {**BASE, **env}, "cwd": "/", "log": "x"},
-                           SERVER, IMPORTED)
+def ask(argv, namespaces=None, **env) -> str | None:
+    return preload.refusal({"argv": argv, "env": {**BASE, **env}, "cwd": "/", "log": "x",
+                            "namespaces": namespaces or preload.namespaces()}, SERVER, IMPORTED)
 
 
 def test_what_is_forked_and_what_is_refused_by_name():
@@ -36,6 +36,8 @@ def test_what_is_forked_and_what_is_refused_by_name():
     assert ask([PY, "-m", "rlfleet.vllm"], RLFLEET_ADMIN_TOKEN="t") is None  # read later
     # set by vLLM's CPU platform at an engine's start, in a process that ran one
     assert ask([PY, "-m", "rlfleet.vllm"], TORCHINDUCTOR_CPP_DYNAMIC_THREADS="1") is None
+    assert ask([PY, "-m", "rlfleet.mocker"], PYTHONBREAKPOINT="ray.util.rpdb.set_trace") is None
+    assert "PYTHONHASHSEED" in ask([PY, "-m", "rlfleet.mocker"], PYTHONHASHSEED="1")
     assert "KMP_BLOCKTIME" in ask([PY, "-m", "rlfleet.vllm"], KMP_BLOCKTIME="0")
     # a variable the imports set: the same value (a client that imported torch too) is theirs
     assert ask([PY, "-m", "rlfleet.vllm"], TORCHINDUCTOR_CACHE_DIR="/tmp/inductor") is None
@@ -45,6 +47,9 @@ def test_what_is_forked_and_what_is_refused_by_name():
     assert ask([PY, "-m", "rlfleet.vllm", "--model", "m"]) is None
     assert "VLLM_LOGGING_LEVEL" in ask([PY, "-m", "rlfleet.vllm", "--log-level", "debug"])
     assert "json" in ask([PY, "-m", "rlfleet.vllm", "--log-format", "json"])
+    # a thread inside another network namespace (a test's host) starts its process there
+    there = {**preload.namespaces(), "net": "net:[1]"}
+    assert "namespaces: net" in ask([PY, "-m", "rlfleet.mocker"], namespaces=there)
     # the mocker and the frontend do not log through vLLM: its settings are not theirs
     assert ask([PY, "-m", "rlfleet.mocker", "--log-format", "json"]) is None
     assert ask([PY, "-m", "rlfleet.frontend"], VLLM_CONFIGURE_LOGGING="0") is None

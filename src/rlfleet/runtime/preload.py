@@ -9,13 +9,16 @@ to a server's socket (`server`).
 A forked process is the same program with the same arguments, environment, working
 directory, process group of its own and output file as an exec'd one: only what is decided
 while importing comes from the server. So the server forks only where that is the same:
-the same interpreter, a module it preloaded, and the same values for every variable read at
-import (IMPORT_TIME: the allocator, OpenMP, torch, vLLM's logging, rlfleet's own constants);
+the same interpreter, a module it preloaded, the same namespaces (a test's network host is
+not the server's), and the same values for every variable read at import (IMPORT_TIME: the
+allocator, OpenMP, torch, vLLM's logging, rlfleet's own constants);
 it refuses anything else by name, and `spawn` then starts the process as usual.
 
 The protocol, one Unix-socket connection per process: the client sends one JSON line
-(`argv`, `env`, `cwd`, `log`, `cpus`); the server answers `{"pid": N}` (or `{"refused": why}`) and,
-when the process ends, `{"code": C}` (Popen's returncode: negative for a signal)."""
+(FIELDS: the process's `argv`, `env`, `cwd`, `log`, and what it would inherit from the
+thread that starts it: `cpus`, `nofile`, `namespaces`); the server answers `{"pid": N}` (or
+`{"refused": why}`) and, when the process ends, `{"code": C}` (Popen's returncode: negative
+for a signal)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import importlib
 import json
 import os
 import random
+import resource
 import runpy
 import selectors
 import socket
@@ -51,10 +55,14 @@ IMPORT_TIME = ("LD_", "PYTHON", "MALLOC_CONF", "OMP_", "KMP_", "MKL_", "TORCH", 
                "RLFLEET_SELF_CHECK_TIMEOUT", "RLFLEET_STAGE_TIMEOUT", "RLFLEET_FANOUT_CHUNK_BYTES",
                "RLFLEET_LOAD_TIMEOUT", "RLFLEET_STAGE_SERVING_SHARE", "RLFLEET_STAGE_BUILD_THREADS",
                "RLFLEET_STAGE_KEEP_PAGES")
-#: ... except these, which a worker's own engine start sets (vLLM's CPU platform): a process
-#: that started one in-process passes them on, and a fresh worker, like the server, imported
+#: ... except these, read later: breakpoint()'s hook (Ray's driver sets it), and what a
+#: worker's own engine start sets (vLLM's CPU platform): a process that started an engine or
+#: a Ray driver in-process passes them on, and a fresh worker, like the server, imported
 #: without them
-LATER = ("TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+LATER = ("PYTHONBREAKPOINT", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
+#: the namespaces a child inherits from the thread that starts it: a thread inside another
+#: network namespace (a test's host, rlfleet.testing.netns) is not the server's
+NAMESPACES = ("net", "mnt", "uts", "ipc", "pid", "user", "cgroup")
 CONNECT_TIMEOUT = 5.0
 #: in the server: its environment before it imported anything, and what importing set in it
 #: (torch and vLLM set variables of their own, which a forked process gets as an exec'd one
@@ -76,6 +84,9 @@ def refusal(request: dict, before: dict[str, str] | None = None,
     before = _BEFORE if before is None else before
     imported = _SET_BY_IMPORTS if imported is None else imported
     argv = request["argv"]
+    other = sorted(k for k, v in request["namespaces"].items() if namespaces().get(k) != v)
+    if other:
+        return f"started from other namespaces: {', '.join(other)}"
     if (len(argv) < 3 or argv[1] != "-m" or argv[2] not in MODULES
             or os.path.realpath(argv[0]) != os.path.realpath(sys.executable)):
         return f"not `{sys.executable} -m` one of {', '.join(MODULES)}"
@@ -93,6 +104,15 @@ def refusal(request: dict, before: dict[str, str] | None = None,
     if differ:
         return f"variables read at import differ: {', '.join(differ)}"
     return None
+
+
+def namespaces() -> dict[str, str]:
+    """The calling thread's namespaces (what `readlink /proc/thread-self/ns/X` says)."""
+    out = {}
+    for name in NAMESPACES:
+        with contextlib.suppress(OSError):
+            out[name] = os.readlink(f"/proc/thread-self/ns/{name}")
+    return out
 
 
 def serve(path: str) -> dict | None:
@@ -117,9 +137,12 @@ def serve(path: str) -> dict | None:
             if key.fileobj is listener:
                 conn, _ = listener.accept()
                 request = _read_request(conn)
-                why = "unreadable request" if request is None else refusal(request)
+                if request is None:  # (wait_ready's probe, or a client that went away)
+                    conn.close()
+                    continue
+                why = refusal(request)
                 if why is not None:
-                    print(f"refused {request and request['argv'][:3]}: {why}", flush=True)
+                    print(f"refused {' '.join(request['argv'][2:3])}: {why}", flush=True)
                     _send(conn, {"refused": why})
                     conn.close()
                     continue
@@ -150,6 +173,9 @@ def serve(path: str) -> dict | None:
                 conn.close()
 
 
+FIELDS = {"argv", "env", "cwd", "log", "cpus", "nofile", "namespaces"}
+
+
 def _read_request(conn: socket.socket) -> dict | None:
     conn.settimeout(CONNECT_TIMEOUT)
     data = b""
@@ -160,7 +186,7 @@ def _read_request(conn: socket.socket) -> dict | None:
                 return None
             data += chunk
         request = json.loads(data)
-        if isinstance(request, dict) and {"argv", "env", "cwd", "log", "cpus"} <= set(request):
+        if isinstance(request, dict) and FIELDS <= set(request):
             return request
     return None
 
@@ -172,11 +198,12 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 def become(request: dict) -> None:
     """In the forked child: the process `request` asks for, then run its module as
-    `python -m` would (returns only by raising SystemExit)."""
+    `python -m` would, and exit with its code (never returns)."""
     os.setsid()
     # the CPUs of the process that asked, as an exec'd child inherits them (Intel OpenMP,
     # which the CPU engine preloads, pins a forked child to the first CPU of its mask)
     os.sched_setaffinity(0, request["cpus"])
+    resource.setrlimit(resource.RLIMIT_NOFILE, tuple(request["nofile"]))
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -188,7 +215,8 @@ def become(request: dict) -> None:
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(request["env"])
-    os.environ.update(_SET_BY_IMPORTS)
+    for key, value in _SET_BY_IMPORTS.items():  # what its own imports would have set
+        os.environ.setdefault(key, value)
     argv = request["argv"]
     sys.argv = [argv[2], *argv[3:]]
     sys.path[0] = cwd  # where `python -m` looks first
@@ -209,8 +237,13 @@ def become(request: dict) -> None:
         import traceback
         traceback.print_exc()
         code = 1
+    # what the interpreter does at exit, less finalizing every module and object: that
+    # touches all the server imported, which copies the pages shared with it (~3.5 CPU-s)
     import atexit
     import logging
+    for thread in threading.enumerate():
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
@@ -315,7 +348,8 @@ def fork(path: str, argv: list[str], env: dict[str, str], cwd: Path | None,
     try:
         conn.connect(path)
         request = {"argv": argv, "env": env, "cwd": str(cwd or os.getcwd()), "log": str(log),
-                   "cpus": sorted(os.sched_getaffinity(0))}
+                   "cpus": sorted(os.sched_getaffinity(0)), "namespaces": namespaces(),
+                   "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)}
         conn.sendall(json.dumps(request).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):
