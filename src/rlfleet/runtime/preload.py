@@ -241,9 +241,7 @@ def become(request: dict) -> None:
     # touches all the server imported, which copies the pages shared with it (~3.5 CPU-s)
     import atexit
     import logging
-    for thread in threading.enumerate():
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    threading._shutdown()  # the interpreter's: its exit hooks (executors'), then the joins
     atexit._run_exitfuncs()
     logging.shutdown()
     sys.stdout.flush()
