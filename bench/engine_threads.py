@@ -62,7 +62,7 @@ def one(model: Path, requests: int, preloaded: bool) -> dict:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         server = set()
         if preloaded:
-            launch.PRELOADED = stack.enter_context(preload.server(Path(tmp) / "preload"))
+            launch.PRELOADED = stack.enter_context(launch.preload_server(Path(tmp) / "preload"))
             if not preload.wait_ready(launch.PRELOADED, 300):
                 raise RuntimeError("the preload server did not start")
             server = {p.pid for p in psutil.Process().children()}

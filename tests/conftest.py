@@ -71,7 +71,7 @@ def preloaded(request, tmp_path_factory) -> Iterator[None]:
             or all(UNIT_TESTS in Path(item.path).parents for item in request.session.items)):
         yield  # (unit tests start no process)
         return
-    with preload.server(tmp_path_factory.mktemp("preload")) as path:
+    with launch.preload_server(tmp_path_factory.mktemp("preload")) as path:
         # its imports cost what one worker's would: the first fleets wait for them
         preload.wait_ready(path, timeout=120)
         launch.PRELOADED = path

@@ -21,7 +21,7 @@ PY = sys.executable
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     run = tmp_path_factory.mktemp("preload")
-    with preload.server(run) as path:
+    with launch.preload_server(run) as path:
         deadline = time.monotonic() + 300
         while preload.fork(path, [PY, "-m", "rlfleet.mocker", "--help"], launch.engine_env(),
                            None, run / "probe.log") is None:

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -263,6 +263,27 @@ def spawn_relayed(name: str, argv: list[str], env: dict[str, str], out: IO[bytes
 
     threading.Thread(target=relay, name=f"relay-{name}", daemon=True).start()
     return proc
+
+
+@contextlib.contextmanager
+def preload_server(run_dir: Path) -> Iterator[str]:
+    """A preload server (rlfleet.runtime.preload) for this process: it dies with the thread
+    that starts it and is stopped on exit. Yields its socket's path at once; `spawn` forks
+    from it once the socket answers (the server imports for ~15 CPU-s first), and starts
+    processes as usual until then. Its output, what it refused and each child's CPU, is
+    <run_dir>/preload.log."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = str(run_dir / "preload.sock")
+    with open(run_dir / "preload.log", "wb") as out:
+        popen = subprocess.Popen([sys.executable, "-m", "rlfleet.runtime.preload", path],
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env=engine_env(), start_new_session=True,
+                                 preexec_fn=die_when_parent_dies)
+    try:
+        yield path
+    finally:
+        popen.kill()
+        popen.wait(10)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

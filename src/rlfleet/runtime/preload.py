@@ -4,7 +4,7 @@ rlfleet.<module> ...` that `spawn` starts is forked from it instead of importing
 again (multiprocessing's forkserver with preloaded modules, for processes that are not
 multiprocessing's). A tiny vLLM worker spends ~14 of its ~25 CPU-s of start in imports; a
 process that starts dozens of them (the test suite) sets `rlfleet.runtime.launch.PRELOADED`
-to a server's socket (`server`).
+to a server's socket (rlfleet.runtime.launch.preload_server).
 
 A forked process is the same program with the same arguments, environment, working
 directory, process group of its own and output file as an exec'd one: only what is decided
@@ -36,7 +36,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 #: the modules a server forks (the processes a fleet is made of)
@@ -256,28 +255,6 @@ def main() -> None:
 
 
 # ------------------------------------------------------------------------------ the client
-
-
-@contextlib.contextmanager
-def server(run_dir: Path) -> Iterator[str]:
-    """A server for this process (it dies with the thread that starts it, and is stopped
-    on exit): its socket's path, at once. `fork` uses it once the socket answers (the
-    server imports for ~15 CPU-s first); until then processes start as usual. Its output,
-    what it refused and each child's CPU, is <run_dir>/preload.log."""
-    from rlfleet.runtime.launch import die_when_parent_dies, engine_env
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = str(run_dir / "preload.sock")
-    with open(run_dir / "preload.log", "wb") as out:
-        popen = subprocess.Popen([sys.executable, "-m", "rlfleet.runtime.preload", path],
-                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env=engine_env(), start_new_session=True,
-                                 preexec_fn=die_when_parent_dies)
-    try:
-        yield path
-    finally:
-        popen.kill()
-        popen.wait(10)
 
 
 def wait_ready(path: str, timeout: float) -> bool:
