@@ -64,10 +64,9 @@ def preloaded(request, tmp_path_factory) -> Iterator[None]:
     """The fleets' processes (`python -m rlfleet.{vllm,mocker,frontend}`) forked from a
     process that imported vLLM, torch and rlfleet once (rlfleet.runtime.preload): a tiny
     vLLM worker's start ~8 CPU-s instead of ~24, a mocker's or a frontend's ~0.3 instead of
-    ~2.5, and the suite starts hundreds. Off unless RLFLEET_TEST_PRELOAD=1 until a whole
-    fresh-clone run passes with it (at 9f9b8be forked vLLM workers hung at their stop, fixed
-    in 9fadbbf, not yet rerun in full)."""
-    if (os.environ.get("RLFLEET_TEST_PRELOAD", "0") == "0"
+    ~2.5, and the suite starts hundreds (BENCHMARKS.md, "The test suite"). RLFLEET_TEST_PRELOAD=0
+    turns it off: every process is exec'd."""
+    if (os.environ.get("RLFLEET_TEST_PRELOAD", "1") == "0"
             or all(UNIT_TESTS in Path(item.path).parents for item in request.session.items)):
         yield  # (unit tests start no process)
         return

@@ -101,7 +101,9 @@ def refusal(request: dict, before: dict[str, str] | None = None,
     differ = sorted(k for k in set(env) | set(before)
                     if k.startswith(keys) and k not in LATER and not same(k))
     if differ:
-        return f"variables read at import differ: {', '.join(differ)}"
+        here = {**before, **imported}
+        return "variables read at import differ: " + ", ".join(
+            f"{k} ({env.get(k)!r}, the server's {here.get(k)!r})" for k in differ)
     return None
 
 
