@@ -80,6 +80,25 @@ def preloaded(request, tmp_path_factory) -> Iterator[None]:
             launch.PRELOADED = None
 
 
+#: variables a library sets in the test process when a test imports it, which the processes
+#: later tests start read at their import: TRL sets VLLM_LOGGING_LEVEL=ERROR (trl/_compat.py)
+IMPORTS_SET = ("VLLM_LOGGING_LEVEL",)
+
+
+@pytest.fixture(autouse=True)
+def _imports_leave_the_environment() -> Iterator[None]:
+    """What a test's imports set in os.environ ends with the test: a vLLM worker a later
+    test starts logs as if the test had not run, and the preload server forks it (it refuses
+    a process whose import-time variables differ from its own)."""
+    before = {key: os.environ.get(key) for key in IMPORTS_SET}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("models") / "tiny-seed1", size="tiny", seed=1)
