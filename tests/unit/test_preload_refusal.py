@@ -31,7 +31,9 @@ def test_what_is_forked_and_what_is_refused_by_name():
     assert "one of rlfleet.vllm" in ask([PY, "-m", "rlfleet.cli", "up"])
     assert "one of rlfleet.vllm" in ask(["/usr/bin/python3", "-m", "rlfleet.mocker"])
     assert "one of rlfleet.vllm" in ask([PY, "-c", "print(1)"])
-    assert "OMP_NUM_THREADS" in ask([PY, "-m", "rlfleet.mocker"], OMP_NUM_THREADS="2")
+    # named with both values: what the caller has, what the server has
+    assert "OMP_NUM_THREADS ('2', the server's '1')" in ask([PY, "-m", "rlfleet.mocker"],
+                                                             OMP_NUM_THREADS="2")
     assert "RLFLEET_LOAD_TIMEOUT" in ask([PY, "-m", "rlfleet.vllm"], RLFLEET_LOAD_TIMEOUT="9")
     assert ask([PY, "-m", "rlfleet.vllm"], RLFLEET_ADMIN_TOKEN="t") is None  # read later
     # set by vLLM's CPU platform at an engine's start, in a process that ran one
@@ -45,7 +47,11 @@ def test_what_is_forked_and_what_is_refused_by_name():
                                             TORCHINDUCTOR_CACHE_DIR="/elsewhere")
     # vLLM's logging is decided before vLLM is imported: the level the arguments ask for
     assert ask([PY, "-m", "rlfleet.vllm", "--model", "m"]) is None
-    assert "VLLM_LOGGING_LEVEL" in ask([PY, "-m", "rlfleet.vllm", "--log-level", "debug"])
+    assert "VLLM_LOGGING_LEVEL ('DEBUG', the server's 'WARNING')" in ask(
+        [PY, "-m", "rlfleet.vllm", "--log-level", "debug"])
+    # a library the client imported set it (TRL: ERROR): its workers would log otherwise
+    assert "VLLM_LOGGING_LEVEL ('ERROR'" in ask([PY, "-m", "rlfleet.vllm"],
+                                                VLLM_LOGGING_LEVEL="ERROR")
     assert "json" in ask([PY, "-m", "rlfleet.vllm", "--log-format", "json"])
     # a thread inside another network namespace (a test's host) starts its process there
     there = {**preload.namespaces(), "net": "net:[1]"}
