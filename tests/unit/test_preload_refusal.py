@@ -28,7 +28,8 @@ def ask(argv, namespaces=None, **env) -> str | None:
 def test_what_is_forked_and_what_is_refused_by_name():
     assert ask([PY, "-m", "rlfleet.mocker", "--port", "0"]) is None
     assert ask([PY, "-m", "rlfleet.frontend"], PATH="/usr/bin", DYN_X="1") is None  # read later
-    assert "one of rlfleet.vllm" in ask([PY, "-m", "rlfleet.cli", "up"])
+    assert ask([PY, "-m", "rlfleet.cli", "control", "--port", "0"]) is None
+    assert "one of rlfleet.vllm" in ask([PY, "-m", "rlfleet.demo"])
     assert "one of rlfleet.vllm" in ask(["/usr/bin/python3", "-m", "rlfleet.mocker"])
     assert "one of rlfleet.vllm" in ask([PY, "-c", "print(1)"])
     # named with both values: what the caller has, what the server has

@@ -39,11 +39,12 @@ import time
 from pathlib import Path
 
 #: the modules a server forks (the processes a fleet is made of)
-MODULES = ("rlfleet.vllm", "rlfleet.mocker", "rlfleet.frontend")
+MODULES = ("rlfleet.vllm", "rlfleet.mocker", "rlfleet.frontend", "rlfleet.cli")
 #: what the server imports: the slow imports of those modules' start-up
 PRELOAD = ("rlfleet.vllm.args", "rlfleet.vllm.engine", "rlfleet.worker.admin",
            "rlfleet.worker.native_rl", "rlfleet.worker.serve", "rlfleet.mocker.__main__",
-           "rlfleet.frontend.__main__", "vllm.v1.engine.async_llm")
+           "rlfleet.frontend.__main__", "rlfleet.cli", "rlfleet.refresh.fleet_control.service",
+           "vllm.v1.engine.async_llm")
 #: environment variables (by prefix) read while importing those: a process whose values
 #: differ from the server's is not forked
 IMPORT_TIME = ("LD_", "PYTHON", "MALLOC_CONF", "OMP_", "KMP_", "MKL_", "TORCH", "VLLM_LOGGING",
@@ -226,7 +227,9 @@ def become(request: dict) -> None:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
         sys.modules["torch"].seed()
-    sys.modules.pop(f"{argv[2]}.__main__", None)  # preloaded by name: run afresh as __main__
+    for name in (argv[2], f"{argv[2]}.__main__"):  # preloaded by name: run afresh as __main__
+        if not hasattr(sys.modules.get(name), "__path__"):  # (a package stays)
+            sys.modules.pop(name, None)
     code = 0
     try:
         runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
