@@ -74,20 +74,21 @@ def _states_into(target: AttemptState) -> str:
 
 _OPEN = ", ".join(f"'{s}'" for s in sorted(OPEN_STATES))
 _START = ("INSERT INTO attempts (sample_id, attempt, request_id, state, started_at, origin) "
-          "SELECT ?1, COALESCE(MAX(attempt), 0) + 1, ?2, 'accepted', ?3, "
-          "COALESCE(MIN(origin), ?4) FROM attempts WHERE sample_id = ?1 "
-          "HAVING NOT EXISTS (SELECT 1 FROM attempts WHERE sample_id = ?1 AND admitted = 1) "
+          "SELECT :sample, COALESCE(MAX(attempt), 0) + 1, :request, 'accepted', :now, "
+          "COALESCE(MIN(origin), :origin) FROM attempts WHERE sample_id = :sample "
+          "HAVING NOT EXISTS (SELECT 1 FROM attempts WHERE sample_id = :sample AND admitted = 1) "
           "RETURNING attempt")
-_ABANDON = (f"UPDATE attempts SET state = 'canceled', reason = 'abandoned', finished_at = ?3 "
-            f"WHERE sample_id = ?1 AND attempt < ?2 AND state IN ({_OPEN})")
-_ADMIT = (f"UPDATE attempts SET state = 'succeeded', admitted = 1, finished_at = ?3 "
-          f"WHERE sample_id = ?1 AND attempt = ?2 AND state IN "
+_ABANDON = (f"UPDATE attempts SET state = 'canceled', reason = 'abandoned', finished_at = :now "
+            f"WHERE sample_id = :sample AND attempt < :attempt AND state IN ({_OPEN})")
+_ADMIT = (f"UPDATE attempts SET state = 'succeeded', admitted = 1, finished_at = :now "
+          f"WHERE sample_id = :sample AND attempt = :attempt AND state IN "
           f"({_states_into(AttemptState.SUCCEEDED)})")
-_STREAMING = (f"UPDATE attempts SET state = 'streaming', first_token_at = ?3 "
-              f"WHERE sample_id = ?1 AND attempt = ?2 AND state IN "
+_STREAMING = (f"UPDATE attempts SET state = 'streaming', first_token_at = :now "
+              f"WHERE sample_id = :sample AND attempt = :attempt AND state IN "
               f"({_states_into(AttemptState.STREAMING)})")
-_CLOSE = {target: (f"UPDATE attempts SET state = '{target}', reason = ?3, finished_at = ?4 "
-                   f"WHERE sample_id = ?1 AND attempt = ?2 AND state IN ({_states_into(target)})")
+_CLOSE = {target: (f"UPDATE attempts SET state = '{target}', reason = :reason, "
+                   f"finished_at = :now WHERE sample_id = :sample AND attempt = :attempt "
+                   f"AND state IN ({_states_into(target)})")
           for target in (AttemptState.CANCELED, AttemptState.FAILED)}
 
 
@@ -208,11 +209,12 @@ class SampleLedger:
                 pruned_below = self._window_row()[0]
                 if origin < pruned_below:
                     raise RetryWindowPassed(sample_id, origin, pruned_below, self.window)
-            row = self._db.execute(_START, (sample_id, request_id, now, origin)).fetchone()
+            row = self._db.execute(_START, {"sample": sample_id, "request": request_id,
+                                            "now": now, "origin": origin}).fetchone()
             if row is None:
                 raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id))
             if row[0] > 1:  # earlier attempts left open (by a process that died) are abandoned
-                self._db.execute(_ABANDON, (sample_id, row[0], now))
+                self._db.execute(_ABANDON, {"sample": sample_id, "attempt": row[0], "now": now})
             self._starts += 1
             if self.window is not None and self.window.seconds is not None \
                     and self._starts % PRUNE_EVERY == 0:
@@ -286,14 +288,16 @@ class SampleLedger:
     def streaming(self, sample_id: str, attempt: int) -> bool:
         """Record the first streamed tokens; False if the attempt is no longer open."""
         with self._lock:
-            return self._db.execute(_STREAMING, (sample_id, attempt, time.time())).rowcount == 1
+            return self._db.execute(_STREAMING, {"sample": sample_id, "attempt": attempt,
+                                                  "now": time.time()}).rowcount == 1
 
     def close_attempt(self, sample_id: str, attempt: int, state: AttemptState,
                       reason: str) -> bool:
         """End an open attempt as canceled or failed; False if it was not open."""
         with self._lock:
-            return self._db.execute(_CLOSE[state], (sample_id, attempt, reason, time.time())
-                                    ).rowcount == 1
+            return self._db.execute(_CLOSE[state], {
+                "sample": sample_id, "attempt": attempt, "reason": reason, "now": time.time(),
+            }).rowcount == 1
 
     def admit(self, sample_id: str, attempt: int) -> None:
         """Admit the attempt, in one transaction: it must be open and the sample must have
@@ -301,7 +305,8 @@ class SampleLedger:
         or AttemptClosed; either way nothing was admitted."""
         with self._lock:
             try:
-                cur = self._db.execute(_ADMIT, (sample_id, attempt, time.time()))
+                cur = self._db.execute(_ADMIT, {"sample": sample_id, "attempt": attempt,
+                                                "now": time.time()})
             except sqlite3.IntegrityError:
                 self.close_attempt(sample_id, attempt, AttemptState.FAILED, AlreadyAdmitted.reason)
                 raise AlreadyAdmitted(sample_id, self.admitted_attempt(sample_id)) from None
