@@ -80,23 +80,25 @@ def preloaded(request, tmp_path_factory) -> Iterator[None]:
             launch.PRELOADED = None
 
 
-#: variables a library sets in the test process when a test imports it, which the processes
-#: later tests start read at their import: TRL sets VLLM_LOGGING_LEVEL=ERROR (trl/_compat.py)
-IMPORTS_SET = ("VLLM_LOGGING_LEVEL",)
+def read_at_import() -> dict[str, str]:
+    """The variables of os.environ that the processes a test starts read at their import
+    (rlfleet.runtime.preload.IMPORT_TIME, less what is read later)."""
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(preload.IMPORT_TIME) and k not in preload.LATER}
 
 
 @pytest.fixture(autouse=True)
 def _imports_leave_the_environment() -> Iterator[None]:
-    """What a test's imports set in os.environ ends with the test: a vLLM worker a later
-    test starts logs as if the test had not run, and the preload server forks it (it refuses
-    a process whose import-time variables differ from its own)."""
-    before = {key: os.environ.get(key) for key in IMPORTS_SET}
+    """What a test's imports set among those variables ends with the test (TRL sets
+    VLLM_LOGGING_LEVEL=ERROR when imported, trl/_compat.py): a vLLM worker a later test
+    starts logs as if the test had not run, and the preload server forks it (it refuses a
+    process whose import-time variables differ from its own)."""
+    before = read_at_import()
     yield
-    for key, value in before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    after = read_at_import()
+    for key in after.keys() - before.keys():
+        del os.environ[key]
+    os.environ.update({k: v for k, v in before.items() if after.get(k) != v})
 
 
 @pytest.fixture(scope="session")
