@@ -57,7 +57,7 @@ import httpx
 
 from rlfleet.models import make_model
 from rlfleet.refresh.coordinator import PolicyRefresh
-from rlfleet.runtime.launch import free_port, spawn
+from rlfleet.runtime.launch import free_port, spawn, worker_cores
 from rlfleet.testing.fleet import LocalFleet
 from rlfleet.testing.s3 import BUCKET, S3Server
 from rlfleet.weights.digest import checkpoint_digest
@@ -134,6 +134,14 @@ def serving_gap(streams: list[Stream], t0: float, t1: float) -> float:
         if b > t0 and a < t1 and any(lo <= a and b <= hi for lo, hi in spans):
             gap = max(gap, b - a)
     return gap
+
+
+def decode_step(streams: list[Stream], before: float) -> float:
+    """The median interval between a worker's tokens before `before` (its streams batched:
+    one decode step emits a token on each), the interval a swap adds to at the least."""
+    times = sorted(t for s in streams for t in s.times if t < before)
+    steps = sorted(b - a for a, b in zip(times, times[1:], strict=False) if b - a > 1e-3)
+    return steps[len(steps) // 2] if steps else 0.0
 
 
 # ------------------------------------------------------------------ helpers
@@ -507,6 +515,16 @@ class Bench:
             "keep_steps_s": {k: round(v, 3) for k, v in result.step_seconds().items()},
             "inflight_across_swap": len(across), "inflight_kept_n": len(kept)})
         self.out["serving_gap_over_apply"] = gaps[worst] / applies[system_of[worst]]
+        # the least a swap can cost a stream: the swap and the decode step it waits for
+        # (the step in flight ends, or the first after the resume); where a decode step is
+        # as long as the swap (a CPU), the key cannot reach its target however short the
+        # rest of the window is: the floor beside it, and the gap less one step
+        step = decode_step(streams[worst], commit)
+        self.out["decode_step_s"] = round(step, 3)
+        self.out["serving_gap_floor_over_apply"] = (applies[system_of[worst]] + step) / \
+            applies[system_of[worst]]
+        self.out["serving_gap_less_a_step_over_apply"] = (gaps[worst] - step) / \
+            applies[system_of[worst]]
         self.out["inflight_kept"] = len(kept) / len(across) if across else 0.0
         for s in across:
             if s not in kept:
@@ -539,7 +557,10 @@ def _start(fleet: LocalFleet, work: Path, ckpts: dict[str, Path], args: argparse
              "--system-port", "0", "--allowed-weights-root", str(work),
              "--allowed-weights-root", str(ckpts["A"].parent),
              "--weight-transfer-config", '{"backend": "modelexpress"}']
-    workers = [fleet.start_worker(*flags, wait=False, env=s3.env) for _ in range(args.workers)]
+    # each on its share of the host's cores, as `rlfleet up` starts CPU workers (--no-pin:
+    # every engine's OpenMP team spans every core, the environment's VLLM_CPU_OMP_THREADS_BIND)
+    cores = [None] * args.workers if args.no_pin else worker_cores(args.workers)
+    workers = [fleet.start_worker(*flags, wait=False, env=s3.env, cores=c) for c in cores]
     for w in workers:
         w.wait_ready(1800)
 
@@ -617,6 +638,9 @@ def main() -> None:
     p.add_argument("--gap-tokens", type=int, default=16,
                    help="tokens each serving-gap stream has generated when the commit pauses it")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave the workers unpinned (every engine's OpenMP team on every core), "
+                        "not each on its share of the cores as `rlfleet up` starts them")
     p.add_argument("--skip", default="",
                    help="comma-separated phases: disk,staged,tok/s,gap,delta,four-phase")
     p.add_argument("--checkpoints", default="",
@@ -628,7 +652,8 @@ def main() -> None:
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     work = Path(tempfile.mkdtemp(prefix="rlfleet-bench-refresh-"))
-    out: dict[str, Any] = {"size": args.size, "dtype": args.dtype, "workers": args.workers}
+    out: dict[str, Any] = {"size": args.size, "dtype": args.dtype, "workers": args.workers,
+                           "pinned": not args.no_pin}
     try:
         ckpts = checkpoints(Path(args.checkpoints) if args.checkpoints else work / "ckpt",
                             args.size, args.dtype)
@@ -657,8 +682,9 @@ def main() -> None:
     print(f"\n{args.size} geometry, {args.dtype}, {args.workers} workers "
           f"({out['checkpoint_bytes'] / 2**30:.2f} GiB checkpoint)")
     for k in ("serving_gap_over_apply", "refresh_over_bare_reload",
-              "staged_end_to_end_over_disk", "base_tok_s_during_stage_ratio", "inflight_kept"):
-        print(f"  {k:<32} {out[k]}")
+              "staged_end_to_end_over_disk", "base_tok_s_during_stage_ratio", "inflight_kept",
+              "serving_gap_floor_over_apply", "serving_gap_less_a_step_over_apply"):
+        print(f"  {k:<36} {out.get(k)}")
     print(json.dumps(out))
 
 

@@ -9,6 +9,7 @@ torch model, in the engine's builder thread; the cyclic collector is off through
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import types
 import weakref
@@ -151,3 +152,72 @@ def test_the_builder_keeps_the_pages_a_shadow_freed_within_a_bound() -> None:
     assert index == sh._arena and arena() != index  # this thread: a default arena
     assert freed >= 64 << 20 and not kept and after_keep >= 64 << 20, (freed, after_keep)
     assert purged and after_purge < 16 << 20, after_purge
+
+
+class Packing:
+    """A quant method as the CPU build's unquantized one: processing packs the layer's
+    weight into its `cpu_linear` (counted)."""
+
+    def __init__(self) -> None:
+        self.packed: list[torch.nn.Module] = []
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        self.packed.append(layer)
+        w = layer.weight.detach().clone()
+        layer.cpu_linear = lambda x, weight, bias, w=w: x @ w.t()
+
+
+class OtherPacking(Packing):
+    pass
+
+
+@pytest.mark.parametrize("case", ["tied", "untied", "another method", "no packing"])
+def test_a_tied_output_layer_takes_the_embeddings_fresh_packing(case) -> None:
+    """`refresh_tied_output` after a reload: an output layer tied to the embeddings (the
+    same weight, the same kind of quant method, a CPU packing) takes the one the reload just
+    made for the embeddings instead of packing the vocabulary's matrix again; any other
+    output layer is processed again, as before."""
+    from rlfleet.vllm.shadow import refresh_tied_output
+
+    model = Toy()
+    embed_qm, head_qm = Packing(), (OtherPacking() if case == "another method" else Packing())
+    model.embed.quant_method, model.lm_head.quant_method = embed_qm, head_qm
+    if case == "untied":
+        model.lm_head.weight = torch.nn.Parameter(torch.randn(16, 8))
+    head_qm.process_weights_after_loading(model.lm_head)  # as the engine loaded it
+    head_qm.packed.clear()
+    with torch.no_grad():
+        model.embed.weight.add_(1.0)  # the reload's new values, the embeddings packed anew
+    embed_qm.process_weights_after_loading(model.embed)
+    if case == "no packing":  # a GPU: nothing packed, the layer's own processing runs
+        del model.embed.cpu_linear, model.lm_head.cpu_linear
+    refresh_tied_output(model)
+    x = torch.randn(3, 8)
+    if case == "tied":
+        assert head_qm.packed == [] and model.lm_head.cpu_linear is model.embed.cpu_linear
+    else:
+        assert head_qm.packed == [model.lm_head]
+    if case != "no packing":  # the output layer computes with its weight's current values
+        got = model.lm_head.cpu_linear(x, None, None)
+        assert torch.equal(got, x @ model.lm_head.weight.detach().t())
+
+
+def test_a_builder_thread_is_put_back_on_its_process_cores() -> None:
+    """Intel OpenMP binds a thread to cores of its own choosing at its first parallel region;
+    the builder puts itself back on its process's cores before each tensor."""
+    from rlfleet.vllm.shadow import _on_the_process_cores
+
+    cores = os.sched_getaffinity(os.getpid())
+    if len(cores) < 2:
+        pytest.skip("one core: no other binding to put back")
+    seen: list[set[int]] = []
+
+    def run() -> None:
+        os.sched_setaffinity(0, {min(cores)})  # as the runtime binds it
+        seen.append(os.sched_getaffinity(0))
+        _on_the_process_cores()
+        seen.append(os.sched_getaffinity(0))
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert seen == [{min(cores)}, cores]

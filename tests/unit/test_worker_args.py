@@ -167,6 +167,42 @@ def test_fleet_spec_from_yaml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         launch.FleetSpec.load({"worker": []}, state_dir=tmp_path)
 
 
+def test_cpu_workers_of_a_host_each_get_their_share_of_its_cores(tmp_path, monkeypatch):
+    """`rlfleet up` on the CPU engine: each single-rank vLLM worker its own block of the
+    host's cores (one each in turn past one worker a core), with vLLM's OpenMP settings for a
+    bound rank; none for a parallel engine, a mocker, `pin_cores: false`, a GPU engine, or
+    cores the environment names already."""
+    from rlfleet.runtime import launch
+
+    assert launch.cpu_shares(2, [0, 1, 2, 3]) == ["0,1", "2,3"]
+    assert launch.cpu_shares(2, [5, 0, 3, 1, 2]) == ["0,1,2", "3,5"]
+    assert launch.cpu_shares(3, [0, 1]) == ["0", "1", "0"]
+    assert launch.cpu_shares(0, [0, 1]) == []
+    assert launch.pinned_env("0-3,6") == {launch.CPU_BIND: "0-3,6", "OMP_NUM_THREADS": "5",
+                                          "KMP_BLOCKTIME": "5", "KMP_TPAUSE": "0"}
+    monkeypatch.setattr(launch, "_gpu_engine", lambda: False)
+    monkeypatch.setattr(launch, "cpu_shares", lambda n: [str(10 + i) for i in range(n)])
+    monkeypatch.delenv(launch.CPU_BIND, raising=False)
+    cfg = {"workers": [{"kind": "vllm", "count": 2, "args": {"model": "m"}},
+                       {"kind": "vllm", "args": {"model": "m", "tensor-parallel-size": 2}},
+                       {"kind": "mocker"},
+                       {"kind": "vllm", "args": {"model": "m"}, "pin_cores": False},
+                       {"kind": "vllm", "args": {"model": "m"}}]}
+    spec = launch.FleetSpec.load(cfg, state_dir=tmp_path)
+    got = [w.env.get(launch.CPU_BIND) for w in spec.workers]
+    assert got == ["10", "11", None, None, None, "12"]
+    assert spec.workers[0].env["KMP_BLOCKTIME"] == "5"
+    assert launch.CPU_BIND not in spec.frontend.env
+    monkeypatch.setenv(launch.CPU_BIND, "0-1")  # the user's own list: left as it is
+    assert all(not w.env for w in launch.FleetSpec.load(cfg, state_dir=tmp_path).workers)
+    monkeypatch.delenv(launch.CPU_BIND)
+    monkeypatch.setattr(launch, "_gpu_engine", lambda: True)
+    assert all(not w.env for w in launch.FleetSpec.load(cfg, state_dir=tmp_path).workers)
+    with pytest.raises(ValueError, match="pin_cores is true or false"):
+        launch.FleetSpec.load({"workers": [{"kind": "vllm", "args": {"model": "m"},
+                                            "pin_cores": "yes"}]}, state_dir=tmp_path)
+
+
 def test_rlfleet_up_processes_reach_the_frontend_only(tmp_path):
     """`rlfleet up --processes K`: the frontend's --processes, over the config's."""
     from rlfleet.runtime import launch
@@ -210,3 +246,4 @@ def test_rlfleet_up_hands_every_member_the_admin_token_file(tmp_path):
         with pytest.raises(ValueError, match="--admin-token-file"):
             launch.FleetSpec.load(None, state_dir=tmp_path, kind="mocker",
                                   admin_token_file=str(bad))
+

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -148,6 +148,44 @@ def die_when_parent_dies() -> None:
     """In the child before exec: SIGKILL when the thread that started it dies (a Ray actor
     killed by Ray takes its worker with it)."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+#: vLLM's variable for the cores a CPU engine's OpenMP threads run on: a list ("0-3,6"),
+#: one per rank of a parallel engine ("0-1|2-3"), "auto" or "nobind"
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_shares(count: int, cpus: Iterable[int] | None = None) -> list[str]:
+    """The cores of this host (the CPUs this process may use) split among `count` CPU-engine
+    workers, as CPU_BIND lists: each worker its own contiguous block, or one core each in
+    turn when there are more workers than cores. Two engines whose OpenMP teams each span
+    every core stall each other at their barriers (docs/engine-notes.md: a 4 s stall in
+    a refresh where a pinned pair's longest gap is 0.5 s)."""
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    if count < 1 or not cores:
+        return []
+    if count >= len(cores):
+        return [str(cores[i % len(cores)]) for i in range(count)]
+    per, extra = divmod(len(cores), count)
+    out, at = [], 0
+    for i in range(count):
+        n = per + (i < extra)
+        out.append(",".join(map(str, cores[at:at + n])))
+        at += n
+    return out
+
+
+def pinned_env(cores: str) -> dict[str, str]:
+    """The environment of a CPU-engine worker pinned to `cores` (a CPU_BIND list of single
+    CPUs and ranges), as vLLM sets it for each rank it binds: an OpenMP team as wide as the
+    list, and Intel OpenMP's threads asleep 5 ms after a parallel region instead of spinning
+    200 ms (a spinning thread held the core the shadow's builder shares with it: builds 2-3x
+    as long). In the environment the process starts with: the OpenMP runtime reads it once."""
+    n = 0
+    for part in cores.split(","):
+        lo, _, hi = part.partition("-")
+        n += int(hi or lo) - int(lo) + 1
+    return {CPU_BIND: cores, "OMP_NUM_THREADS": str(n), "KMP_BLOCKTIME": "5", "KMP_TPAUSE": "0"}
 
 
 _KEEP_CPUS: set[int] | None = None  # the CPUs a forked child is given back
@@ -348,6 +386,7 @@ class Member:
     gpus: int = 0  # GPUs it holds (a worker: tensor × pipeline parallel size)
     cpus: float = 1.0
     env: dict[str, str] = field(default_factory=dict)  # beside this process's environment
+    pin_cores: bool = False  # a single-rank vLLM worker: given its share of a CPU host's cores
 
     @property
     def is_worker(self) -> bool:
@@ -467,11 +506,34 @@ class FleetSpec:
             tp = int(_flag_value(flags, "--tensor-parallel-size", "-tp") or 1)
             pp = int(_flag_value(flags, "--pipeline-parallel-size", "-pp") or 1)
             gpus = int(g.get("gpus", tp * pp if k == "vllm" and _gpu_engine() else 0))
+            pin = g.get("pin_cores", True)
+            if not isinstance(pin, bool):
+                raise ValueError(f"fleet config: pin_cores is true or false, not {pin!r}")
             for _ in range(n):
                 workers.append(Member(f"worker-{len(workers)}", WORKER_MODULES[k],
                                       [*common, *flags], gpus=gpus,
-                                      cpus=float(g.get("cpus", 1.0))))
+                                      cpus=float(g.get("cpus", 1.0)),
+                                      pin_cores=pin and k == "vllm" and tp * pp == 1))
+        pin_cores(workers)
         return cls(frontend, workers, disc, namespace, control, control_url)
+
+
+def pin_cores(workers: list[Member]) -> None:
+    """Each single-rank vLLM worker of this host its share of the cores (`worker_cores`;
+    `pin_cores: false` in its group leaves it out)."""
+    pinned = [m for m in workers if m.pin_cores]
+    for m, share in zip(pinned, worker_cores(len(pinned)), strict=True):
+        if share is not None:
+            m.env.update(pinned_env(share))
+
+
+def worker_cores(count: int) -> list[str | None]:
+    """The CPU_BIND list of each of `count` single-rank vLLM workers started on this host:
+    on a CPU engine their shares of its cores (`cpu_shares`); None for each on a GPU engine,
+    or where the environment names the cores already."""
+    if _gpu_engine() or engine_env().get(CPU_BIND, "nobind") not in ("auto", "nobind"):
+        return [None] * count
+    return list(cpu_shares(count))
 
 
 def _gpu_engine() -> bool:

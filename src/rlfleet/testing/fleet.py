@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from rlfleet.runtime.launch import Proc, free_port, spawn, stop_all
+from rlfleet.runtime.launch import Proc, free_port, pinned_env, spawn, stop_all
 
 VLLM_SERVE = "vllm.entrypoints.openai.api_server"  # `vllm serve` without the `vllm` command
 
@@ -88,13 +88,16 @@ class LocalFleet:
 
     def start_worker(self, *extra: str, kind: str = "vllm", wait: bool = True,
                      timeout: float = 300, name: str | None = None,
-                     env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+                     env: dict[str, str] | None = None, cwd: Path | None = None,
+                     cores: str | None = None) -> Proc:
         """kind: "vllm" (python -m rlfleet.vllm) or "mocker" (python -m rlfleet.mocker);
-        `cwd`: the directory a relative --model is resolved in."""
+        `cwd`: the directory a relative --model is resolved in; `cores`: the CPUs a CPU
+        engine runs on (a CPU_BIND list, with `pinned_env`, as `rlfleet up` gives it)."""
         name = name or f"{kind}-worker-{len(self.workers)}"
         argv = [sys.executable, "-m", f"rlfleet.{kind}", "--lease-ttl", str(self.lease_ttl),
                 *self._common(), *extra]
-        p = spawn(name, argv, self.workdir / "logs", env={**os.environ, **(env or {})}, cwd=cwd)
+        env = {**os.environ, **(env or {}), **(pinned_env(cores) if cores else {})}
+        p = spawn(name, argv, self.workdir / "logs", env=env, cwd=cwd)
         self.procs.append(p)
         self.workers.append(p)
         if wait:

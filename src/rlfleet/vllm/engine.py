@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -58,6 +59,36 @@ _STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 # core, and vLLM's kernel registration walks them (AReaL's werkzeug proxies raise there).
 # Set the variable to "spawn" to keep vLLM's choice; a GPU engine is left to vLLM.
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+
+def pin_to_cores(world_size: int) -> list[int] | None:
+    """A CPU engine of one rank runs on the cores CPU_BIND lists (`rlfleet up` and the demo
+    give each worker of a host its own, rlfleet.runtime.launch.cpu_shares): every thread of
+    this process, and the engine core it starts, with an OpenMP team as wide as the list.
+    vLLM binds each rank of a parallel CPU engine so (its multiprocessing executor) but
+    nothing for a single rank. None: nothing pinned (unset, "auto", "nobind", several ranks)."""
+    from rlfleet.runtime.launch import CPU_BIND
+
+    raw = os.environ.get(CPU_BIND, "").strip()
+    if raw in ("", "auto", "nobind") or "|" in raw or world_size > 1:
+        return None
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    try:
+        cores = parse_id_list(raw)
+        os.sched_setaffinity(0, cores)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{CPU_BIND}={raw!r}: not a list of this host's CPUs this worker "
+                         f"may use ({sorted(os.sched_getaffinity(0))}, as 0-3,6): {e}") from None
+    for tid in os.listdir("/proc/self/task"):  # the threads started already (an OpenMP team)
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(tid), cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))  # the engine core's team
+    log.info("pinned to cores %s (%s)", raw, CPU_BIND)
+    return cores
+
 
 try:  # vLLM's validation errors are not all ValueErrors
     from vllm.exceptions import VLLMClientError
@@ -282,6 +313,8 @@ class VllmEngine(Engine, EngineControl):
             engine_args = self.engine_args()
             asked = os.environ.get(START_METHOD)
             config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+            if config.device_config.device_type == "cpu":
+                pin_to_cores(config.parallel_config.world_size)
             if self.fork_core and config.device_config.device_type == "cpu" \
                     and asked != "spawn":
                 os.environ[START_METHOD] = "fork"  # see START_METHOD
