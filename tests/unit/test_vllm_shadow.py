@@ -221,3 +221,22 @@ def test_a_builder_thread_is_put_back_on_its_process_cores() -> None:
     t.start()
     t.join()
     assert seen == [{min(cores)}, cores]
+
+
+@pytest.mark.parametrize("free_gib, purged", [(3.0, True), (9.0, False)])
+def test_kept_pages_go_back_to_a_host_short_of_memory(monkeypatch, free_gib, purged) -> None:
+    """After a swap or a discard, the pages the builder keeps for its next build go back to
+    the host when it could not hold another shadow of the model (4 GiB, 5 GiB with the
+    margin) beside them; with room to spare they are kept."""
+    from rlfleet.vllm import extension
+
+    calls: list[int] = []
+    monkeypatch.setattr(extension, "bound_kept_pages", lambda limit: calls.append(limit))
+    monkeypatch.setattr(extension, "_available_host_memory", lambda: int(free_gib * 2**30))
+    ext = extension.WorkerExtension.__new__(extension.WorkerExtension)
+    ext.model_runner = types.SimpleNamespace(get_model=lambda: Toy())
+    ext._rlfleet_release_if_short()
+    assert calls == []  # no room check yet: the model's size is not known
+    ext._rlfleet_shadow_bytes = 4 * 2**30
+    ext._rlfleet_release_if_short()
+    assert calls == ([0] if purged else [])

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from rlfleet.vllm.shadow import Shadow, refresh_tied_output
+from rlfleet.vllm.shadow import Shadow, bound_kept_pages, refresh_tied_output
 from rlfleet.weights.digest import DigestBuilder, iter_checkpoint_tensors, non_finite
 
 log = logging.getLogger("rlfleet.vllm.extension")
@@ -117,6 +117,7 @@ class WorkerExtension:
                 shadow.swap()
                 log.info("swapped in staged %s in %.3f s (prepared in %.2f s while serving)",
                          digest, time.perf_counter() - t0, shadow.seconds)
+                self._rlfleet_release_if_short()
                 return {"digest": digest, "swapped": True}
         self._rlfleet_discard()
         return self._rlfleet_apply(lambda: iter_checkpoint_tensors(path), known_digest=digest)
@@ -137,6 +138,19 @@ class WorkerExtension:
         shadow, self._rlfleet_shadow = getattr(self, "_rlfleet_shadow", None), None
         if shadow is not None:
             shadow.discard()
+            self._rlfleet_release_if_short()
+
+    def _rlfleet_release_if_short(self) -> None:
+        """After a swap or a discard: the freed host pages the builder keeps for its next
+        build (rlfleet.vllm.shadow.KEEP_PAGES) go back to the host when it could not hold
+        another shadow of this model beside them. Another engine of the host cannot count
+        them (its room check would refuse it a shadow), and two builds at once on top of
+        them exhausted the host: two workers of the 1.7B geometry on 23 GiB, an engine core
+        killed for memory (BENCHMARKS.md, "Refresh at model scale")."""
+        nbytes = getattr(self, "_rlfleet_shadow_bytes", 0)
+        if nbytes and next(self.model_runner.get_model().parameters()).device.type == "cpu" \
+                and _available_host_memory() < nbytes * SHADOW_MARGIN:
+            bound_kept_pages(0)
 
     def rlfleet_prepared(self, path: str, serving: bool = False) -> dict:
         """How the shadow of the version at `path` is coming along; `serving`: whether the
@@ -163,6 +177,7 @@ class WorkerExtension:
         on the model's own device: free CUDA memory on a GPU, available host memory on CPU.
         A shadow being built or held is counted as freed (a new one replaces it)."""
         held = getattr(self, "_rlfleet_shadow", None)
+        self._rlfleet_shadow_bytes = nbytes
         device = next(self.model_runner.get_model().parameters()).device
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)

@@ -114,7 +114,8 @@ def kept_bytes() -> int | None:
 def bound_kept_pages(limit: int) -> bool:
     """Purge the builder's arena when it keeps more than `limit` bytes of freed pages, or
     when it cannot tell (a week-long run's memory stays bounded); True when it did. Called
-    in the builder thread, before a build."""
+    in the builder thread before a build, and with 0 after a swap or a discard when the
+    host is short of memory (rlfleet.vllm.extension)."""
     if _arena is None or _arena < 0:
         return False  # no arena of its own: jemalloc's default decay bounds it
     kept = kept_bytes()
