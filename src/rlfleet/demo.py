@@ -40,7 +40,7 @@ from rlfleet.refresh.probe import Probe
 from rlfleet.refresh.transaction import RefreshResult
 from rlfleet.rl import RetryPolicy, RolloutClient, SampleLedger, SampleRequest, SamplingSpec
 from rlfleet.rollout.gate import RolloutGate
-from rlfleet.runtime.launch import Proc, worker_cores
+from rlfleet.runtime.launch import Proc
 from rlfleet.testing.fleet import LocalFleet
 from rlfleet.train.checkpoint import save_checkpoint
 from rlfleet.train.grpo import GrpoTrainer, Rollout
@@ -159,13 +159,14 @@ def prepare_out(out: Path) -> None:
 
 
 def start_workers(fleet: LocalFleet, model: Path, checkpoints: Path, count: int) -> list[Proc]:
-    """Start `count` RL workers, gated until the first refresh verifies them, each on its
-    share of a CPU host's cores (as `rlfleet up` starts them); no wait."""
+    """Start `count` RL workers, gated until the first refresh verifies them; no wait.
+    Unpinned (not as `rlfleet up` starts CPU workers): the demo's tiny model and its trainer,
+    in this process, take turns on the cores, and pinned the demo took 45–52 s against
+    44–45 s (BENCHMARKS.md, "Refresh at model scale")."""
     return [fleet.start_worker("--model", str(model), "--served-model-name", MODEL_NAME,
                                "--enable-rl", "--system-port", "0", "--start-gated",
                                "--allowed-weights-root", str(checkpoints), *WORKER_FLAGS,
-                               wait=False, timeout=600, cores=cores)
-            for cores in worker_cores(count)]
+                               wait=False, timeout=600) for _ in range(count)]
 
 
 async def wait_listed(http: httpx.AsyncClient, rl_url: str, ids: set[int],
