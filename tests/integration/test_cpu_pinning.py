@@ -1,6 +1,6 @@
-"""A CPU engine of one rank pinned to the cores it is given (`rlfleet up` and the demo give
-each worker of a host its share: rlfleet.runtime.launch.cpu_shares, pinned_env), in a process
-of its own: pinning is for the whole process."""
+"""A CPU engine of one rank pinned to the cores it is given (`rlfleet up` gives each worker of
+a host its share: rlfleet.runtime.launch.cpu_shares, pinned_env), in a process of its own:
+pinning is for the whole process."""
 
 from __future__ import annotations
 

@@ -61,8 +61,8 @@ _STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 def pin_to_cores(world_size: int) -> list[int] | None:
-    """A CPU engine of one rank runs on the cores CPU_BIND lists (`rlfleet up` and the demo
-    give each worker of a host its own, rlfleet.runtime.launch.cpu_shares): every thread of
+    """A CPU engine of one rank runs on the cores CPU_BIND lists (`rlfleet up` gives each
+    worker of a host its own, rlfleet.runtime.launch.cpu_shares): every thread of
     this process, and the engine core it starts, with an OpenMP team as wide as the list.
     vLLM binds each rank of a parallel CPU engine so (its multiprocessing executor) but
     nothing for a single rank. None: nothing pinned (unset, "auto", "nobind", several ranks)."""
