@@ -189,15 +189,22 @@ def test_cpu_workers_of_a_host_each_get_their_share_of_its_cores(tmp_path, monke
                        {"kind": "vllm", "args": {"model": "m"}, "pin_cores": False},
                        {"kind": "vllm", "args": {"model": "m"}}]}
     spec = launch.FleetSpec.load(cfg, state_dir=tmp_path)
+    assert all(not w.env for w in spec.workers)  # Ray places them: its nodes, not this host
+    launch.pin_cores(spec.workers)  # as up_local starts them on this host
     got = [w.env.get(launch.CPU_BIND) for w in spec.workers]
     assert got == ["10", "11", None, None, None, "12"]
     assert spec.workers[0].env["KMP_BLOCKTIME"] == "5"
     assert launch.CPU_BIND not in spec.frontend.env
+    def pinned_again() -> list:
+        spec = launch.FleetSpec.load(cfg, state_dir=tmp_path)
+        launch.pin_cores(spec.workers)
+        return spec.workers
+
     monkeypatch.setenv(launch.CPU_BIND, "0-1")  # the user's own list: left as it is
-    assert all(not w.env for w in launch.FleetSpec.load(cfg, state_dir=tmp_path).workers)
+    assert all(not w.env for w in pinned_again())
     monkeypatch.delenv(launch.CPU_BIND)
     monkeypatch.setattr(launch, "_gpu_engine", lambda: True)
-    assert all(not w.env for w in launch.FleetSpec.load(cfg, state_dir=tmp_path).workers)
+    assert all(not w.env for w in pinned_again())
     with pytest.raises(ValueError, match="pin_cores is true or false"):
         launch.FleetSpec.load({"workers": [{"kind": "vllm", "args": {"model": "m"},
                                             "pin_cores": "yes"}]}, state_dir=tmp_path)

@@ -514,13 +514,13 @@ class FleetSpec:
                                       [*common, *flags], gpus=gpus,
                                       cpus=float(g.get("cpus", 1.0)),
                                       pin_cores=pin and k == "vllm" and tp * pp == 1))
-        pin_cores(workers)
         return cls(frontend, workers, disc, namespace, control, control_url)
 
 
 def pin_cores(workers: list[Member]) -> None:
-    """Each single-rank vLLM worker of this host its share of the cores (`worker_cores`;
-    `pin_cores: false` in its group leaves it out)."""
+    """Each single-rank vLLM worker started on this host its share of the cores
+    (`worker_cores`; `pin_cores: false` in its group leaves it out): `up_local`'s, not Ray's
+    (each actor's node is its own)."""
     pinned = [m for m in workers if m.pin_cores]
     for m, share in zip(pinned, worker_cores(len(pinned)), strict=True):
         if share is not None:
@@ -567,6 +567,7 @@ def up_local(spec: FleetSpec, state_dir: Path, timeout: float = 600) -> dict[str
         raise ValueError(f"a fleet is already up from {state_dir} ({old['mode']}): "
                          "`rlfleet down` first")
     procs: list[tuple[Member, Proc]] = []
+    pin_cores(spec.workers)
 
     def start(m: Member, *extra: str) -> None:
         argv = [sys.executable, "-m", m.module, *m.args, *extra]
