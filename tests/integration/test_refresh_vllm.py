@@ -61,11 +61,20 @@ def test_refresh_a_to_b_under_load(setup, tmp_path):
                     admitted.append(await client.generate(f"w{worker}-{i}", [151644, 8948, 198],
                                                           spec))
 
+            async def admitted_past(n: int) -> None:
+                """1.5 s of load, and until a sample past the first `n` is admitted (a
+                loaded box may admit none in 1.5 s; 120 s at most)."""
+                await asyncio.sleep(1.5)
+                for _ in range(1200):
+                    if len(admitted) > n:
+                        return
+                    await asyncio.sleep(0.1)
+
             loaders = [asyncio.create_task(load(k)) for k in range(6)]
-            await asyncio.sleep(1.5)
+            await admitted_past(0)
             before = len(admitted)
             result = await coordinator.refresh(root / "B", "B", step=1)
-            await asyncio.sleep(1.5)
+            await admitted_past(before)
             stop.set()
             await asyncio.gather(*loaders)
         return before, result
